@@ -1,0 +1,17 @@
+"""Typed errors raised by tandem's public entry points."""
+
+from __future__ import annotations
+
+
+class ModelLoadError(ValueError):
+    """A model directory cannot be loaded: names the file and, where known, the field."""
+
+    def __init__(self, message: str, *, file: str, field: str | None = None):
+        where = file if field is None else f"{file}: {field}"
+        super().__init__(f"{where}: {message}")
+        self.file = file
+        self.field = field
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The directory is readable but describes an architecture or option tandem does not run."""

@@ -1,0 +1,84 @@
+"""Attention over a packed (flat, unpadded) batch of sequences with a paged KV cache.
+
+The batch is one flat run of tokens. Each layer writes the new keys/values into the cache at
+``slot_mapping``; sequences with several query tokens (prefill) attend one by one, and all
+single-token (decode) sequences attend together through one gather of their cached context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """Query rows ``[start, end)`` of the flat batch, one sequence. ``context_slots`` is None
+    when the span's own keys are its whole context; else the cache slots of the full context."""
+
+    start: int
+    end: int
+    context_slots: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each flat token
+    prefills: list[PrefillSpan]
+    decode_rows: torch.Tensor | None = None  # [B] flat rows holding one query token each
+    decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each context, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a key is attended
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None  # [slots, KV, D], bound by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, KV, D] -> [T, H, D]."""
+        if self.k_cache is not None:
+            self.k_cache.index_copy_(0, meta.slot_mapping, k)
+            self.v_cache.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
+            if span.context_slots is None:
+                ks, vs = k[span.start : span.end], v[span.start : span.end]
+                o = self._sdpa(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, True)
+            else:
+                ks = self.k_cache[span.context_slots].transpose(0, 1)[None]
+                vs = self.v_cache[span.context_slots].transpose(0, 1)[None]
+                n_q, n_ctx = qs.shape[2], ks.shape[2]
+                q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device)
+                mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
+                o = self._sdpa(qs, ks, vs, mask, False)
+            out[span.start : span.end] = o[0].transpose(0, 1)
+        if meta.decode_rows is not None:
+            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            kd = self.k_cache[meta.decode_slots].transpose(1, 2)  # [B, KV, L, D]
+            vd = self.v_cache[meta.decode_slots].transpose(1, 2)
+            od = self._sdpa(qd, kd, vd, meta.decode_mask, False)
+            out[meta.decode_rows] = od.squeeze(2)
+        return out
+
+    def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.scale,
+            enable_gqa=self.num_kv_heads != self.num_heads,
+        )

@@ -1,0 +1,172 @@
+"""Tensor-parallel linear layers. Each parameter declares which canonical boxes it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.placement import Piece, cols, rows, set_pieces, whole
+from tandem.parallel import SINGLE, TPGroup
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    """``size`` output features of canonical ``weight`` (and ``bias``), starting at canonical
+    row ``start`` of a tensor with ``total`` rows (default: the section is the whole tensor)."""
+
+    weight: str
+    bias: str | None
+    size: int
+    start: int = 0
+    total: int | None = None
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
+    return total // parts
+
+
+def _empty(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks; outputs stay sharded.
+
+    ``outputs`` lists the sections stacked along the output dim. One section is a plain
+    linear; several make a fused layer (gate_up, GPT-2's c_attn) whose local rows are each
+    section's shard in turn: [gate_r; up_r].
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        outputs: list[Section],
+        tp: TPGroup = SINGLE,
+        *,
+        conv1d: bool = False,
+    ):
+        super().__init__()
+        self.tp = tp
+        out_local = [_divide(s.size, tp.size, s.weight) for s in outputs]
+        self.weight = _empty(sum(out_local), in_features)
+        has_bias = [s.bias is not None for s in outputs]
+        if any(has_bias) and not all(has_bias):
+            raise ValueError(f"fused outputs {[s.weight for s in outputs]} mix bias and no bias")
+        self.bias = _empty(sum(out_local)) if all(has_bias) else None
+        w_pieces, b_pieces, at = [], [], 0
+        for sec, local in zip(outputs, out_local, strict=True):
+            start = sec.start + tp.rank * local
+            total = sec.total or sec.size
+            if conv1d:
+                w_pieces.append(_conv1d_cols(sec.weight, (in_features, total), start, local, at))
+            else:
+                w_pieces.append(rows(sec.weight, (total, in_features), start, start + local, at))
+            if sec.bias is not None:
+                b_pieces.append(rows(sec.bias, (total,), start, start + local, at))
+            at += local
+        set_pieces(self.weight, w_pieces)
+        if self.bias is not None:
+            set_pieces(self.bias, b_pieces)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(nn.Module):
+    """Fused q/k/v projection; heads split across ranks, kv heads replicated when fewer than ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        names: tuple[str, str, str],
+        *,
+        bias: bool,
+        tp: TPGroup = SINGLE,
+    ):
+        super().__init__()
+        self.tp = tp
+        self.num_heads = _divide(num_heads, tp.size, "num_attention_heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = _divide(num_kv_heads, tp.size, "num_key_value_heads")
+            kv_first = tp.rank * self.num_kv_heads
+        elif tp.size % num_kv_heads == 0:
+            self.num_kv_heads = 1
+            kv_first = tp.rank * num_kv_heads // tp.size
+        else:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) must divide or be a multiple of "
+                f"tensor_parallel_size ({tp.size})"
+            )
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        out = self.q_size + 2 * self.kv_size
+        self.weight = _empty(out, hidden_size)
+        self.bias = _empty(out) if bias else None
+        sections = [
+            (names[0], num_heads * head_dim, tp.rank * self.q_size, self.q_size, 0),
+            (names[1], num_kv_heads * head_dim, kv_first * head_dim, self.kv_size, self.q_size),
+            (names[2], num_kv_heads * head_dim, kv_first * head_dim, self.kv_size,
+             self.q_size + self.kv_size),
+        ]  # fmt: skip
+        set_pieces(
+            self.weight,
+            [rows(f"{n}.weight", (full, hidden_size), s, s + k, at) for n, full, s, k, at in sections],
+        )
+        if self.bias is not None:
+            set_pieces(
+                self.bias, [rows(f"{n}.bias", (full,), s, s + k, at) for n, full, s, k, at in sections]
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv = F.linear(x, self.weight, self.bias)
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight_name: str,
+        bias_name: str | None,
+        tp: TPGroup = SINGLE,
+        *,
+        conv1d: bool = False,
+    ):
+        super().__init__()
+        self.tp = tp
+        local = _divide(in_features, tp.size, f"{weight_name} input features")
+        start = tp.rank * local
+        self.weight = _empty(out_features, local)
+        if conv1d:
+            piece = _conv1d_rows(weight_name, (in_features, out_features), start, start + local)
+        else:
+            piece = cols(weight_name, (out_features, in_features), start, start + local)
+        set_pieces(self.weight, [piece])
+        self.bias = None
+        if bias_name is not None:
+            self.bias = set_pieces(_empty(out_features), [whole(bias_name, (out_features,))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+def _conv1d_cols(name: str, full: tuple[int, int], start: int, size: int, at: int) -> Piece:
+    """Output features [start, start+size) of an HF Conv1D weight ([in, out]) as local rows."""
+    return Piece(name, full, ((0, full[0]), (start, start + size)), (at, 0), transposed=True)
+
+
+def _conv1d_rows(name: str, full: tuple[int, int], start: int, stop: int) -> Piece:
+    """Input features [start, stop) of an HF Conv1D weight as local columns."""
+    return Piece(name, full, ((start, stop), (0, full[1])), (0, 0), transposed=True)

@@ -1,0 +1,41 @@
+"""Normalisation layers, replicated on every rank, matching Hugging Face numerics."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.layers.placement import set_pieces, whole
+
+
+class RMSNorm(nn.Module):
+    """HF ``LlamaRMSNorm``: normalise in float32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float, name: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = set_pieces(
+            nn.Parameter(torch.ones(dim), requires_grad=False), [whole(name, (dim,))]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, name: str):
+        super().__init__()
+        self.eps = eps
+        self.weight = set_pieces(
+            nn.Parameter(torch.ones(dim), requires_grad=False), [whole(f"{name}.weight", (dim,))]
+        )
+        self.bias = set_pieces(
+            nn.Parameter(torch.zeros(dim), requires_grad=False), [whole(f"{name}.bias", (dim,))]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)

@@ -1,0 +1,90 @@
+"""Token sampling for a batch of rows, each with its own settings and random stream.
+
+Logprobs come in two modes, per request:
+- ``raw``: log_softmax of the model's logits — before temperature, top-k and top-p. This is
+  what a trainer recomputes from the same weights, so it is the default for RL.
+- ``processed``: log-prob under the distribution actually sampled from (after temperature,
+  top-k and top-p renormalisation). Greedy rows (temperature 0) report raw values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    temperatures: torch.Tensor  # [B] float; 0 = greedy
+    top_k: torch.Tensor  # [B] long; >= vocab size disables
+    top_p: torch.Tensor  # [B] float in (0, 1]
+    generators: list[torch.Generator | None]  # per row; None = the engine's shared stream
+    processed_logprobs: torch.Tensor  # [B] bool: report processed instead of raw logprobs
+    num_top_logprobs: int = 0  # alternatives to report per row (max over rows)
+
+    @property
+    def all_greedy(self) -> bool:
+        return bool((self.temperatures == 0).all())
+
+    @property
+    def needs_filter(self) -> bool:
+        vocab_cap = self.top_k.new_tensor(torch.iinfo(torch.long).max)
+        return bool((self.top_k < vocab_cap).any() or (self.top_p < 1.0).any())
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B]
+    logprobs: torch.Tensor  # [B] log-prob of each sampled token (mode per row)
+    top_ids: torch.Tensor | None  # [B, k] most likely tokens, same mode as ``logprobs``
+    top_logprobs: torch.Tensor | None
+
+
+class Sampler:
+    def __init__(self, shared: torch.Generator):
+        self.shared = shared
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = logits.float()
+        raw = torch.log_softmax(logits, dim=-1)
+        greedy_tokens = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            tokens, chosen = greedy_tokens, raw
+        else:
+            greedy = batch.temperatures == 0
+            temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
+            scaled = logits / temps[:, None]
+            if batch.needs_filter:
+                scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+            processed = torch.log_softmax(scaled, dim=-1)
+            noise = self._exponential_noise(processed, batch.generators, greedy)
+            sampled = (processed.exp() / noise).argmax(dim=-1)
+            tokens = torch.where(greedy, greedy_tokens, sampled)
+            use_processed = batch.processed_logprobs & ~greedy
+            chosen = torch.where(use_processed[:, None], processed, raw)
+        logprobs = chosen.gather(1, tokens[:, None]).squeeze(1)
+        top_ids = top_lp = None
+        if batch.num_top_logprobs > 0:
+            top_lp, top_ids = chosen.topk(batch.num_top_logprobs, dim=-1)
+        return SamplerOutput(tokens, logprobs, top_ids, top_lp)
+
+    def _exponential_noise(self, like, generators, greedy) -> torch.Tensor:
+        """Exp(1) noise per row: argmax(p / noise) is a sample from p (the Gumbel-max trick)."""
+        noise = torch.ones_like(like)
+        for row, gen in enumerate(generators):
+            if not greedy[row]:
+                noise[row].exponential_(generator=gen if gen is not None else self.shared)
+        return noise
+
+
+def _filter_top_k_top_p(scaled, top_k, top_p) -> torch.Tensor:
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(scaled.shape[-1], device=scaled.device)
+    drop = ranks[None, :] >= top_k[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop = mass_before >= top_p[:, None]  # the most likely token always has mass_before 0
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits)

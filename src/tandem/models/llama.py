@@ -1,0 +1,212 @@
+"""Llama-style decoders: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+
+Module names mirror Hugging Face's; each layer's parameters name the canonical tensors they hold.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, model_validator
+from torch import nn
+
+from tandem.layers.attention import Attention, AttentionMetadata
+from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
+from tandem.layers.norm import RMSNorm
+from tandem.layers.rotary import RopeParameters, RotaryEmbedding
+from tandem.models.registry import register_model
+from tandem.parallel import SINGLE, TPGroup
+
+
+class LlamaConfig(BaseModel):
+    """The ``config.json`` fields a Llama-style model reads (others are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    hidden_act: Literal["silu"] = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_parameters: dict | None = None
+    sliding_window: int | None = None
+    use_sliding_window: bool = False
+
+    @model_validator(mode="after")
+    def _heads_fit(self):
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads or head_dim set")
+        if self.num_attention_heads % self.kv_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope(self) -> RopeParameters:
+        if self.rope_parameters is not None:
+            return RopeParameters(**self.rope_parameters)
+        scaling = dict(self.rope_scaling or {})
+        scaling.setdefault("rope_type", scaling.pop("type", "default"))
+        return RopeParameters(rope_theta=self.rope_theta, **scaling)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup, *, qkv_bias: bool, qk_norm: bool):
+        super().__init__()
+        d = cfg.dim_per_head
+        names = tuple(f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj"))
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, d, cfg.num_attention_heads, cfg.kv_heads, names, bias=qkv_bias, tp=tp
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_attention_heads * d,
+            cfg.hidden_size,
+            f"{prefix}.o_proj.weight",
+            f"{prefix}.o_proj.bias" if cfg.attention_bias else None,
+            tp,
+        )
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm.weight") if qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm.weight") if qk_norm else None
+        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope)
+        self.heads, self.kv_heads, self.head_dim = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            d,
+        )
+        self.attn = Attention(self.heads, self.kv_heads, d, d**-0.5)
+
+    def forward(self, x, positions, meta: AttentionMetadata):
+        q, k, v = self.qkv_proj(x)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup):
+        super().__init__()
+        bias = (lambda n: f"{prefix}.{n}.bias") if cfg.mlp_bias else (lambda n: None)
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            [
+                Section(f"{prefix}.gate_proj.weight", bias("gate_proj"), cfg.intermediate_size),
+                Section(f"{prefix}.up_proj.weight", bias("up_proj"), cfg.intermediate_size),
+            ],
+            tp,
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight", bias("down_proj"), tp
+        )
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup, **attn_variant):
+        super().__init__()
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.input_layernorm.weight"
+        )
+        self.self_attn = LlamaAttention(cfg, f"{prefix}.self_attn", tp, **attn_variant)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight"
+        )
+        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", tp)
+
+    def forward(self, x, positions, meta):
+        h = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(nn.Module):
+    config_class = LlamaConfig
+    qkv_bias: ClassVar[bool | None] = None  # None: follow config ``attention_bias``
+    qk_norm: ClassVar[bool] = False
+
+    def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE):
+        super().__init__()
+        qkv_bias = cfg.attention_bias if self.qkv_bias is None else self.qkv_bias
+        self.embed_tokens = VocabParallelEmbedding(
+            cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", tp
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, f"model.layers.{i}", tp, qkv_bias=qkv_bias, qk_norm=self.qk_norm)
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight")
+        tied = self.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(
+            cfg.vocab_size, cfg.hidden_size, "lm_head.weight", tp, tied_to=tied
+        )
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @staticmethod
+    def max_context_len(cfg: LlamaConfig) -> int:
+        """Longest sequence computed exactly (tandem has no sliding-window attention yet)."""
+        return cfg.max_position_embeddings
+
+    @staticmethod
+    def unused_checkpoint_tensors(cfg: LlamaConfig) -> set[str]:
+        """Tensors a checkpoint may hold that this model derives instead of reading."""
+        names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)}
+        return names | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+
+
+@register_model("MistralForCausalLM")
+class MistralForCausalLM(LlamaForCausalLM):
+    @staticmethod
+    def max_context_len(cfg: LlamaConfig) -> int:
+        return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
+
+
+@register_model("Qwen2ForCausalLM")
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+    @staticmethod
+    def max_context_len(cfg: LlamaConfig) -> int:
+        if cfg.use_sliding_window and cfg.sliding_window:
+            return min(cfg.max_position_embeddings, cfg.sliding_window)
+        return cfg.max_position_embeddings
+
+
+@register_model("Qwen3ForCausalLM")
+class Qwen3ForCausalLM(Qwen2ForCausalLM):
+    qkv_bias = None
+    qk_norm = True

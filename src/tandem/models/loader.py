@@ -1,0 +1,163 @@
+"""Read a local Hugging Face model directory: config, generation config, safetensors weights.
+
+Weights reach parameters only through their placement pieces, each reading just its box of the
+canonical tensor from disk (a tensor-parallel rank reads only its shard).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ValidationError
+from safetensors import safe_open
+from torch import nn
+
+import tandem.models  # noqa: F401  (registers the built-in architectures)
+from tandem.errors import ModelLoadError, UnsupportedModelError
+from tandem.layers.placement import unique_parameters
+from tandem.layers.rotary import RopeParameters
+from tandem.models.registry import model_class, registered_architectures
+from tandem.parallel import SINGLE, TPGroup
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model directory says, checked: which class runs it and with which config."""
+
+    path: Path
+    architecture: str
+    cls: type[nn.Module]
+    config: BaseModel
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def max_context_len(self) -> int:
+        return self.cls.max_context_len(self.config)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelLoadError("file not found", file=str(path))
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"not valid JSON ({exc})", file=str(path)) from None
+    if not isinstance(data, dict):
+        raise ModelLoadError("expected a JSON object", file=str(path))
+    return data
+
+
+def read_model_spec(path: str | Path) -> ModelSpec:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError("model directory not found", file=str(path))
+    config_file = path / "config.json"
+    raw = _read_json(config_file)
+    archs = raw.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise ModelLoadError("missing or not a list of names", file=str(config_file), field="architectures")
+    arch = archs[0]
+    cls = model_class(arch)
+    if cls is None:
+        raise UnsupportedModelError(
+            f"{arch!r} is not supported; supported: {registered_architectures()}",
+            file=str(config_file),
+            field="architectures",
+        )
+    try:
+        config = cls.config_class(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        raise UnsupportedModelError(err["msg"], file=str(config_file), field=field) from None
+    rope = getattr(config, "rope", None)
+    if isinstance(rope, RopeParameters) and rope.rope_type not in RopeParameters.SUPPORTED:
+        raise UnsupportedModelError(
+            f"rope type {rope.rope_type!r} not supported; supported: {RopeParameters.SUPPORTED}",
+            file=str(config_file),
+            field="rope_scaling.rope_type",
+        )
+    return ModelSpec(path, arch, cls, config, _eos_token_ids(path, raw))
+
+
+def _eos_token_ids(path: Path, config: dict) -> tuple[int, ...]:
+    gen_file = path / "generation_config.json"
+    source = _read_json(gen_file) if gen_file.is_file() else config
+    eos = source.get("eos_token_id")
+    if eos is None:
+        return ()
+    ids = [eos] if isinstance(eos, int) else eos
+    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+        file = gen_file if gen_file.is_file() else path / "config.json"
+        raise ModelLoadError("must be an int or a list of ints", file=str(file), field="eos_token_id")
+    return tuple(ids)
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Canonical tensor name -> safetensors file holding it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError("missing or not an object", file=str(index), field="weight_map")
+        files = {name: path / fname for name, fname in weight_map.items()}
+        absent = sorted({str(f) for f in files.values() if not f.is_file()})
+        if absent:
+            raise ModelLoadError(f"shards listed but not found: {absent}", file=str(index))
+        return files
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise ModelLoadError(f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}", file=str(single))
+    try:
+        with safe_open(single, framework="pt") as f:
+            return {name: single for name in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"unreadable safetensors file ({exc})", file=str(single)) from None
+
+
+def build_model(spec: ModelSpec, tp: TPGroup = SINGLE, dtype=torch.float32, device="cpu"):
+    """Instantiate the model for this rank with uninitialised storage on ``device``."""
+    with torch.device(device):
+        model = spec.cls(spec.config, tp)
+    return model.to(dtype=dtype).eval()
+
+
+def load_weights(model: nn.Module, spec: ModelSpec) -> None:
+    """Fill every parameter from the checkpoint; all problems are reported at once, first."""
+    files = checkpoint_files(spec.path)
+    params = unique_parameters(model)
+    needed = {p.name: p.full_shape for param in params for p in param.pieces}
+    ignorable = set(getattr(spec.cls, "unused_checkpoint_tensors", lambda c: set())(spec.config))
+    problems = [f"missing tensor {n}" for n in sorted(needed) if n not in files]
+    problems += [
+        f"unexpected tensor {n}" for n in sorted(files) if n not in needed and n not in ignorable
+    ]
+    handles: dict[Path, object] = {}
+    try:
+        for fname in sorted(set(files.values()), key=str):
+            handles[fname] = safe_open(fname, framework="pt").__enter__()
+        for name, shape in sorted(needed.items()):
+            if name in files:
+                disk = tuple(handles[files[name]].get_slice(name).get_shape())
+                if disk != shape:
+                    problems.append(f"tensor {name} has shape {disk}, model expects {shape}")
+        if problems:
+            raise ModelLoadError("; ".join(problems), file=str(spec.path))
+        with torch.no_grad():
+            for param in params:
+                for piece in param.pieces:
+                    box = handles[files[piece.name]].get_slice(piece.name)[piece.box_slices()]
+                    piece.write(param, box)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)

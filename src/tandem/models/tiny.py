@@ -1,0 +1,192 @@
+"""Random-init models in Hugging Face format, with a real byte-level BPE tokenizer.
+
+Tests, benchmarks and the demo build their models here; nothing is downloaded. The tensor names
+and shapes come from the model classes' own placement pieces, so the files always match what
+tandem (and transformers) load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from tandem.layers.placement import canonical_shapes
+from tandem.models.loader import INDEX_FILE, SINGLE_FILE, read_model_spec
+
+EOS = "<|endoftext|>"
+
+FAMILIES: dict[str, dict] = {
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "use_sliding_window": False,
+    },
+    "qwen3": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    "gpt2": {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_positions": 512,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": True,
+    },
+}
+
+_WORDS = (
+    "the a one two three red blue green small large quick slow cat dog bird fish tree river "
+    "stone house road model token policy reward engine weight layer learns runs jumps sees "
+    "finds keeps moves sends reads writes counts adds over under near with from into and but "
+    "then because while every some many few new old first last good bad"
+).split()
+
+
+def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
+    """A generated training text: simple sentences and arithmetic facts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(lines):
+        if rng.random() < 0.3:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            out.append(f"{a} + {b} = {a + b}.")
+        else:
+            words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 12))]
+            out.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ","]))
+    return out
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    return tok
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    overrides: dict | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write a random-init ``family`` model (config overrides applied) to ``out_dir``."""
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(vocab_size, seed)
+    eos = tok.token_to_id(EOS)
+    config = {**FAMILIES[family], **(overrides or {})}
+    config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
+    config.update(bos_token_id=eos, eos_token_id=eos, torch_dtype="float32")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2)
+    )
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS},
+            indent=2,
+        )
+    )
+    spec = read_model_spec(out)
+    with torch.device("meta"):
+        shapes = canonical_shapes(spec.cls(spec.config))
+    gen = torch.Generator().manual_seed(seed)
+    hidden = shapes[next(n for n in shapes if "embed" in n or "wte" in n)][-1]
+    tensors = {name: _init(name, shape, hidden, gen) for name, shape in sorted(shapes.items())}
+    _save(tensors, out, max_shard_bytes)
+    return out
+
+
+def _init(name: str, shape: tuple[int, ...], hidden: int, gen: torch.Generator) -> torch.Tensor:
+    """Weights that make every sublayer matter: unit-scale outputs, non-trivial norms and biases."""
+    noise = torch.randn(shape, generator=gen)
+    if name.endswith(".bias"):
+        return 0.1 * noise
+    if len(shape) == 1:
+        return 1.0 + 0.1 * noise
+    return noise / math.sqrt(hidden)
+
+
+def _save(tensors: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None) -> None:
+    for stale in [out / SINGLE_FILE, out / INDEX_FILE, *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    if max_shard_bytes is None:
+        save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({name: fname for name in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
