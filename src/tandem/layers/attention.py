@@ -26,7 +26,7 @@ class PrefillSpan:
 
 @dataclass(slots=True)
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of each flat token
+    slot_mapping: torch.Tensor | None  # [T] cache slot of each flat token; None: cache untouched
     prefills: list[PrefillSpan]
     decode_rows: torch.Tensor | None = None  # [B] flat rows holding one query token each
     decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each context, padded
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D] -> [T, H, D]."""
-        if self.k_cache is not None:
+        if self.k_cache is not None and meta.slot_mapping is not None:
             self.k_cache.index_copy_(0, meta.slot_mapping, k)
             self.v_cache.index_copy_(0, meta.slot_mapping, v)
         out = torch.empty_like(q)

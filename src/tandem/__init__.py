@@ -1,0 +1,15 @@
+"""tandem: serve the policy across processes, take the trainer's weights in place."""
+
+from tandem.engine.llm import LLM
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.errors import ModelLoadError, UnsupportedModelError
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "ModelLoadError",
+    "UnsupportedModelError",
+]

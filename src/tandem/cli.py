@@ -1,0 +1,126 @@
+"""The `tandem` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from tandem.models.tiny import FAMILIES
+
+
+def _make_tiny_model(args) -> int:
+    from tandem.models.tiny import make_tiny_model
+
+    path = make_tiny_model(
+        args.dir, args.family, seed=args.seed, vocab_size=args.vocab_size,
+        max_shard_bytes=args.max_shard_bytes,
+    )  # fmt: skip
+    print(f"wrote a random-init {args.family} model to {path}")
+    return 0
+
+
+def _generate(args) -> int:
+    from tandem import LLM, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, logprobs=0 if args.logprobs else None,
+    )  # fmt: skip
+    with LLM(args.model, dtype=args.dtype, device=args.device) as llm:
+        for out in llm.generate(args.prompt, params):
+            c = out.outputs[0]
+            record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids}
+            if args.logprobs:
+                record["logprobs"] = c.logprobs
+            record["finish_reason"] = c.finish_reason
+            print(json.dumps(record))
+    return 0
+
+
+def _demo(args) -> int:
+    from tandem import LLM, SamplingParams
+    from tandem.models.tiny import make_tiny_model
+
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        print(f"making the built-in tiny model in {model_dir} ...")
+        make_tiny_model(model_dir, "llama", seed=0)
+    prompts = ["The quick dog", "12 + 7 =", "Every policy learns", "A small red bird"] * 4
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
+    with LLM(str(model_dir)) as llm:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    for out in outs[:4]:
+        print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
+    print(f"{len(outs)} requests, {generated} tokens in {seconds:.2f} s: "
+          f"{generated / seconds:.0f} tokens/s (random-init model: the text is noise)")  # fmt: skip
+    return 0
+
+
+def _bench(args) -> int:
+    if args.what == "generate":
+        from tandem.bench.generate import run
+
+        result = run(quick=args.quick)
+    else:
+        print(f"tandem bench {args.what}: not available yet", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if args.json else _summary(result))
+    return 0
+
+
+def _summary(result: dict) -> str:
+    return "\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("make-tiny-model", help="write a random-init HF-format model + tokenizer")
+    m.add_argument("dir")
+    m.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--vocab-size", type=int, default=512)
+    m.add_argument("--max-shard-bytes", type=int, default=None,
+                   help="split the weights into shards with an index file")  # fmt: skip
+    m.set_defaults(func=_make_tiny_model)
+
+    g = sub.add_parser("generate", help="generate from a model directory, one JSON line each")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--logprobs", action="store_true")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--device", default="cpu")
+    g.set_defaults(func=_generate)
+
+    d = sub.add_parser("demo", help="the main job on a built-in tiny model")
+    d.add_argument("--model-dir", default=".tandem/tiny-llama")
+    d.add_argument("--max-tokens", type=int, default=48)
+    d.set_defaults(func=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
+    b.add_argument("what", choices=["generate", "serve", "sync"])
+    b.add_argument("--json", action="store_true", help="print the full JSON result")
+    b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    b.set_defaults(func=_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:  # includes ModelLoadError: a clear message, not a stack trace
+        print(f"error: {exc}", file=sys.stderr)
+        return 1

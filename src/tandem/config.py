@@ -1,0 +1,54 @@
+"""Typed engine configuration; every check names the field to change."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineConfig(BaseModel):
+    """Options of `LLM` (and later `tandem serve`). Unknown options are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = Field(0, ge=0)
+    max_model_len: int | None = Field(None, ge=2)
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1)
+    kv_cache_memory: int | float = Field(
+        1 << 30, description="bytes (int) or a fraction (0, 1] of free device memory (float)"
+    )
+
+    @field_validator("kv_cache_memory")
+    @classmethod
+    def _budget(cls, v):
+        if isinstance(v, bool) or v <= 0 or (isinstance(v, float) and v > 1):
+            raise ValueError("must be a byte count > 0 or a fraction in (0, 1]")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v):
+        try:
+            torch.device(v)
+        except RuntimeError:
+            raise ValueError(f"not a torch device: {v!r}") from None
+        return v
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)

@@ -1,0 +1,105 @@
+"""`LLM`: the offline entry point (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Generate from a local Hugging Face model directory.
+
+    ``LLM(model, tensor_parallel_size=1, pipeline_parallel_size=1, dtype="float32",
+    device="cpu", seed=0, max_model_len=None, max_num_seqs=256, kv_cache_memory=1 << 30, ...)``;
+    see `tandem.config.EngineConfig` for every option. Usable as a context manager.
+    """
+
+    def __init__(self, model: str, **options):
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._request_ids = 0
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All prompts are checked before any is queued: a bad one raises ``ValueError`` and
+        nothing runs.
+        """
+        prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(
+                f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
+            )
+        requests = []
+        for prompt, params in zip(prompts, sampling_params, strict=True):
+            request_id = str(self._request_ids)
+            self._request_ids += 1
+            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            seqs = self.engine.make_sequences(request_id, ids, params)
+            requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
+        for *_, seqs in requests:
+            self.engine.add(seqs)
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return [self._output(rid, text, ids, seqs) for rid, text, ids, seqs in requests]
+
+    def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index,
+                text=self.engine.output_text(s),
+                token_ids=s.output_token_ids,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+                top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,
+            )
+            for s in seqs
+        ]
+        return RequestOutput(request_id, prompt, prompt_ids, completions, True, self.weight_version)
+
+    def shutdown(self) -> None:
+        """Release the model and KV cache. (The multi-process engine also stops its workers.)"""
+        self.engine = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("prompts is empty")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [prompts]
+    for i, p in enumerate(prompts):
+        if not isinstance(p, str | list | tuple):
+            raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p)}")
+    return prompts

@@ -1,0 +1,30 @@
+"""What `LLM.generate` returns (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None  # log-prob of each sampled token; mode per SamplingParams
+    finish_reason: str | None  # "stop" (EOS, stop token or string) or "length"
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+    top_logprobs: list[dict[int, float]] | None = None  # when SamplingParams.logprobs > 0
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return None if self.logprobs is None else float(sum(self.logprobs))
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    weight_version: int = 0  # version of the weights that generated every token of it

@@ -1,0 +1,92 @@
+"""Iteration-level scheduling: which sequences run this step and how many tokens each.
+
+Every step, running sequences advance one token (decode) and waiting ones join with their whole
+prompt (prefill), all in one flat batch. KV blocks are taken on demand; when they run out, the
+newest running sequences are preempted (blocks freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.engine.kv_cache import BlockManager
+from tandem.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence: tokens to compute this step
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch([], [])
+        preempted = self._schedule_running(batch)
+        if not preempted:
+            self._admit_waiting(batch)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch) -> bool:
+        queue, kept, preempted = deque(self.running), [], False
+        while queue:
+            seq = queue.popleft()
+            while not self.blocks.can_grow(seq, len(seq)):
+                preempted = True
+                victim = queue.pop() if queue else seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.grow(seq, len(seq))
+                kept.append(seq)
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(seq.num_uncached_tokens)
+        self.running = kept
+        return preempted
+
+    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+        budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_uncached_tokens > budget or not self.blocks.can_grow(seq, len(seq)):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq, len(seq))
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(seq.num_uncached_tokens)
+            budget -= seq.num_uncached_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish_step(self, batch: ScheduledBatch) -> None:
+        """Account the computed tokens; release the blocks of sequences that finished."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            seq.num_cached_tokens += n
+            if seq.finished:
+                self.blocks.free(seq)
+        self.running = [s for s in self.running if not s.finished]

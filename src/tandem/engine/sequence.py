@@ -1,0 +1,69 @@
+"""One sample being generated: its tokens, KV blocks, random stream and status."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+
+from tandem.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued, or preempted (its KV freed, to be recomputed)
+    RUNNING = auto()  # holds KV blocks, advances every step
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_tokens: int,
+        arrival: float,
+    ):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_tokens = max_tokens
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.num_cached_tokens = 0  # tokens whose keys/values are in the KV cache
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text: str | None = None  # set when a stop string cut the output
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[dict[int, float]] = []
+        self.generator: torch.Generator | None = None  # seeded stream, made on the model's device
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncached_tokens(self) -> int:
+        return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

@@ -1,0 +1,26 @@
+"""Text <-> token ids through the model directory's ``tokenizer.json`` (`tokenizers` library)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+from tandem.errors import ModelLoadError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ModelLoadError("file not found", file=str(path))
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+            raise ModelLoadError(f"cannot be parsed ({exc})", file=str(path)) from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
