@@ -1,0 +1,1 @@
+"""Benchmarks that measure tandem against a baseline run in the same process."""

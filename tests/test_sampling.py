@@ -1,0 +1,140 @@
+"""Sampling behaviour of the offline engine on a tiny Llama (no reference model needed)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tandem import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    with LLM(llama_dir) as engine:
+        yield engine
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_invariant(llm):
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=123, ignore_eos=True)
+    alone = llm.generate("The quick dog", params)[0].outputs[0].token_ids
+    again = llm.generate("The quick dog", params)[0].outputs[0].token_ids
+    others = SamplingParams(max_tokens=30, temperature=0.9)
+    batch = llm.generate(["A red bird", "The quick dog", "12 + 7 ="], [others, params, others])
+    assert alone == again == batch[1].outputs[0].token_ids
+    other_seed = SamplingParams(max_tokens=24, temperature=1.0, seed=124, ignore_eos=True)
+    assert llm.generate("The quick dog", other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_greedy_is_batch_invariant(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    alone = llm.generate("Every policy learns", params)[0].outputs[0].token_ids
+    prompts = [f"Prompt number {i} with some words" * (1 + i % 3) for i in range(31)]
+    batch = llm.generate(prompts[:15] + ["Every policy learns"] + prompts[15:], params)
+    assert batch[15].outputs[0].token_ids == alone
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(llm):
+    greedy = llm.generate("The quick dog", SamplingParams(max_tokens=16, temperature=0.0))
+    top_k = llm.generate("The quick dog", SamplingParams(max_tokens=16, top_k=1, seed=1))
+    top_p = llm.generate("The quick dog", SamplingParams(max_tokens=16, top_p=1e-6, seed=2))
+    assert _tokens(greedy) == _tokens(top_k) == _tokens(top_p)
+
+
+def test_top_k_limits_choices_and_processed_logprobs_follow_temperature(llm):
+    prompt = llm.tokenizer.encode("The quick dog")
+    params = SamplingParams(
+        max_tokens=10, temperature=0.5, top_k=5, seed=3, logprobs=0, logprobs_mode="processed"
+    )
+    out = llm.generate([prompt], params)[0].outputs[0]
+    logits = llm.engine.runner.score([prompt + out.token_ids])[0][len(prompt) - 1 : -1]
+    for step, token in enumerate(out.token_ids):
+        top5 = (logits[step] / 0.5).topk(5)
+        assert token in top5.indices.tolist()
+        expected = torch.log_softmax(top5.values, dim=-1)[top5.indices.tolist().index(token)]
+        assert abs(out.logprobs[step] - expected.item()) <= 1e-4
+    raw = llm.generate([prompt], SamplingParams(**{**params.__dict__, "logprobs_mode": "raw"}))
+    raw_out = raw[0].outputs[0]
+    assert raw_out.token_ids == out.token_ids
+    expected_raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(out.token_ids)[:, None])
+    assert torch.allclose(torch.tensor(raw_out.logprobs), expected_raw.squeeze(1), atol=1e-4)
+
+
+def test_top_logprobs_are_sorted_and_include_the_greedy_token(llm):
+    out = llm.generate("A red bird", SamplingParams(max_tokens=5, temperature=0, logprobs=3))
+    c = out[0].outputs[0]
+    assert len(c.top_logprobs) == 5
+    for token, lp, top in zip(c.token_ids, c.logprobs, c.top_logprobs, strict=True):
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and len(top) == 3
+        assert top[token] == pytest.approx(lp) and lp == pytest.approx(values[0])
+
+
+def test_stop_string_cuts_text(llm):
+    base = llm.generate("Hello", SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    text = base[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = text[: text.find(stop)]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True, stop=[stop, "@@@@"])
+    out = llm.generate("Hello", params)[0].outputs[0]
+    assert out.text == cut
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = SamplingParams(**{**params.__dict__, "include_stop_str_in_output": True})
+    assert llm.generate("Hello", kept)[0].outputs[0].text == cut + stop
+
+
+def test_stop_token_ids_max_tokens_and_eos(llm):
+    base = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    ids = base[0].outputs[0].token_ids
+    assert len(ids) == 20 and base[0].outputs[0].finish_reason == "length"
+    stop_id = ids[5]
+    out = llm.generate(
+        "Hello", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[stop_id])
+    )[0].outputs[0]
+    assert out.token_ids == ids[: ids.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # Declare the 4th greedy token the model's EOS: generation stops there unless ignore_eos.
+    spec = llm.engine.spec
+    llm.engine.spec = dataclasses.replace(spec, eos_token_ids=(ids[3],))
+    try:
+        eos_out = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0))[0].outputs[0]
+        assert eos_out.token_ids == ids[: ids.index(ids[3]) + 1]
+        assert eos_out.finish_reason == "stop" and eos_out.stop_reason is None
+        assert eos_out.text == llm.tokenizer.decode(eos_out.token_ids)
+    finally:
+        llm.engine.spec = spec
+
+
+def test_n_samples_differ_and_prompt_order_is_kept(llm):
+    out = llm.generate(
+        ["First", "Second"], SamplingParams(n=3, max_tokens=12, seed=5, ignore_eos=True)
+    )
+    assert [o.prompt for o in out] == ["First", "Second"]
+    samples = [c.token_ids for c in out[0].outputs]
+    assert [c.index for c in out[0].outputs] == [0, 1, 2]
+    assert len({tuple(s) for s in samples}) == 3
+
+
+def test_preemption_when_kv_cache_is_small_gives_identical_outputs(llama_dir, llm):
+    prompts = [f"Request {i}: the model reads many words" for i in range(12)]
+    params = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
+    expected = _tokens(llm.generate(prompts, params))
+    a = llm.engine.runner.attention_layers[0]
+    block_bytes = 2 * len(llm.engine.runner.attention_layers) * 16 * a.num_kv_heads * a.head_dim * 4
+    with LLM(llama_dir, kv_cache_memory=12 * block_bytes) as small:
+        got = _tokens(small.generate(prompts, params))
+        assert small.engine.scheduler.num_preemptions > 0
+        assert small.engine.runner.blocks.num_free == small.engine.runner.num_blocks
+    assert got == expected
+
+
+def test_prompts_as_strings_and_token_ids_agree(llm):
+    ids = llm.tokenizer.encode("The quick dog")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    from_text, from_ids = llm.generate(["The quick dog", ids], params)
+    assert from_text.prompt_token_ids == ids and from_ids.prompt is None
+    assert from_text.outputs[0].token_ids == from_ids.outputs[0].token_ids
+    assert from_text.weight_version == 0 and llm.weight_version == 0
