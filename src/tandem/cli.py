@@ -124,3 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # includes ModelLoadError: a clear message, not a stack trace
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

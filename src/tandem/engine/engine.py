@@ -107,7 +107,9 @@ class LLMEngine:
             if k is not None:
                 seq.logprobs.append(logprobs[row])
                 if k > 0:
-                    seq.top_logprobs.append(dict(zip(top_ids[row][:k], top_lps[row][:k])))
+                    seq.top_logprobs.append(
+                        dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
+                    )
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

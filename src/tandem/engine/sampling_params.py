@@ -55,7 +55,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, minimum=0)
         if self.logprobs_mode not in ("raw", "processed"):
-            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
+            raise ValueError(
+                f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}"
+            )
 
     @property
     def greedy(self) -> bool:

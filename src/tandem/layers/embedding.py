@@ -24,7 +24,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.start, self.real, per_rank = _vocab_range(vocab_size, tp)
         self.weight = nn.Parameter(torch.zeros(per_rank, dim), requires_grad=False)
-        pieces = [rows(name, (vocab_size, dim), self.start, self.start + self.real)] if self.real else []
+        pieces = (
+            [rows(name, (vocab_size, dim), self.start, self.start + self.real)] if self.real else []
+        )
         set_pieces(self.weight, pieces)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -57,11 +59,15 @@ class ParallelLMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.zeros(per_rank, dim), requires_grad=False)
-            set_pieces(self.weight, [rows(name, (vocab_size, dim), start, start + real)] if real else [])
+            set_pieces(
+                self.weight, [rows(name, (vocab_size, dim), start, start + real)] if real else []
+            )
         self.bias = None
         if bias_name is not None:
             self.bias = nn.Parameter(torch.zeros(per_rank), requires_grad=False)
-            set_pieces(self.bias, [rows(bias_name, (vocab_size,), start, start + real)] if real else [])
+            set_pieces(
+                self.bias, [rows(bias_name, (vocab_size,), start, start + real)] if real else []
+            )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight, self.bias)

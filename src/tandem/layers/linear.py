@@ -78,7 +78,7 @@ class ColumnParallelLinear(nn.Module):
 
 
 class QKVParallelLinear(nn.Module):
-    """Fused q/k/v projection; heads split across ranks, kv heads replicated when fewer than ranks."""
+    """Fused q/k/v projection: heads split across ranks; kv heads replicated if fewer than ranks."""
 
     def __init__(
         self,
@@ -118,11 +118,15 @@ class QKVParallelLinear(nn.Module):
         ]  # fmt: skip
         set_pieces(
             self.weight,
-            [rows(f"{n}.weight", (full, hidden_size), s, s + k, at) for n, full, s, k, at in sections],
+            [
+                rows(f"{n}.weight", (full, hidden_size), s, s + k, at)
+                for n, full, s, k, at in sections
+            ],
         )
         if self.bias is not None:
             set_pieces(
-                self.bias, [rows(f"{n}.bias", (full,), s, s + k, at) for n, full, s, k, at in sections]
+                self.bias,
+                [rows(f"{n}.bias", (full,), s, s + k, at) for n, full, s, k, at in sections],
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

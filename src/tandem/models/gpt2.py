@@ -104,9 +104,7 @@ class GPT2LMHeadModel(nn.Module):
             raise ValueError(f"n_head ({cfg.n_head}) not divisible by tensor_parallel_size")
         self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, "transformer.wte.weight", tp)
         self.wpe = PositionEmbedding(cfg.n_positions, cfg.n_embd, "transformer.wpe.weight")
-        self.h = nn.ModuleList(
-            GPT2Block(cfg, f"transformer.h.{i}", tp) for i in range(cfg.n_layer)
-        )
+        self.h = nn.ModuleList(GPT2Block(cfg, f"transformer.h.{i}", tp) for i in range(cfg.n_layer))
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, "transformer.ln_f")
         tied = self.wte if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(
@@ -130,6 +128,8 @@ class GPT2LMHeadModel(nn.Module):
     def unused_checkpoint_tensors(cfg: GPT2Config) -> set[str]:
         """Causal-mask buffers older checkpoints carry, and the tied head."""
         names = {
-            f"transformer.h.{i}.attn.{buf}" for i in range(cfg.n_layer) for buf in ("bias", "masked_bias")
+            f"transformer.h.{i}.attn.{buf}"
+            for i in range(cfg.n_layer)
+            for buf in ("bias", "masked_bias")
         }
         return names | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())

@@ -71,7 +71,9 @@ class LlamaConfig(BaseModel):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup, *, qkv_bias: bool, qk_norm: bool):
+    def __init__(
+        self, cfg: LlamaConfig, prefix: str, tp: TPGroup, *, qkv_bias: bool, qk_norm: bool
+    ):
         super().__init__()
         d = cfg.dim_per_head
         names = tuple(f"{prefix}.{p}" for p in ("q_proj", "k_proj", "v_proj"))
@@ -120,7 +122,11 @@ class LlamaMLP(nn.Module):
             tp,
         )
         self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, f"{prefix}.down_proj.weight", bias("down_proj"), tp
+            cfg.intermediate_size,
+            cfg.hidden_size,
+            f"{prefix}.down_proj.weight",
+            bias("down_proj"),
+            tp,
         )
 
     def forward(self, x):
@@ -184,7 +190,9 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def unused_checkpoint_tensors(cfg: LlamaConfig) -> set[str]:
         """Tensors a checkpoint may hold that this model derives instead of reading."""
-        names = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)}
+        names = {
+            f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)
+        }
         return names | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
 
 

@@ -65,7 +65,9 @@ def read_model_spec(path: str | Path) -> ModelSpec:
     raw = _read_json(config_file)
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
-        raise ModelLoadError("missing or not a list of names", file=str(config_file), field="architectures")
+        raise ModelLoadError(
+            "missing or not a list of names", file=str(config_file), field="architectures"
+        )
     arch = archs[0]
     cls = model_class(arch)
     if cls is None:
@@ -99,7 +101,9 @@ def _eos_token_ids(path: Path, config: dict) -> tuple[int, ...]:
     ids = [eos] if isinstance(eos, int) else eos
     if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
         file = gen_file if gen_file.is_file() else path / "config.json"
-        raise ModelLoadError("must be an int or a list of ints", file=str(file), field="eos_token_id")
+        raise ModelLoadError(
+            "must be an int or a list of ints", file=str(file), field="eos_token_id"
+        )
     return tuple(ids)
 
 
@@ -117,7 +121,9 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         return files
     single = path / SINGLE_FILE
     if not single.is_file():
-        raise ModelLoadError(f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}", file=str(single))
+        raise ModelLoadError(
+            f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}", file=str(single)
+        )
     try:
         with safe_open(single, framework="pt") as f:
             return {name: single for name in f.keys()}
