@@ -4,6 +4,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from tandem import LLM, ModelLoadError, SamplingParams, UnsupportedModelError
 from tandem.models.tiny import make_tiny_model
@@ -154,3 +155,20 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path, llama_dir):
         out_a, out_b = a.generate("The dog", params), b.generate("The dog", params)
     assert out_a[0].outputs[0].token_ids == out_b[0].outputs[0].token_ids
     assert out_a[0].outputs[0].logprobs == out_b[0].outputs[0].logprobs
+
+
+def test_gpt2_hub_names_without_prefix_and_mask_buffers_load(model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    original = model_factory("gpt2")
+    hub = tmp_path / "gpt2-hub"
+    shutil.copytree(original, hub)
+    tensors = load_file(hub / "model.safetensors")
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    renamed["h.0.attn.bias"] = torch.ones(1, 1, 8, 8)
+    save_file(renamed, hub / "model.safetensors")
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+    with LLM(str(hub)) as a, LLM(original) as b:
+        assert a.generate("Hi", params)[0].outputs[0].logprobs == (
+            b.generate("Hi", params)[0].outputs[0].logprobs
+        )

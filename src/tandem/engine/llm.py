@@ -43,6 +43,8 @@ class LLM:
         All prompts are checked before any is queued: a bad one raises ``ValueError`` and
         nothing runs.
         """
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()

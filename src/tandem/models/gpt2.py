@@ -97,6 +97,7 @@ class GPT2Block(nn.Module):
 @register_model("GPT2LMHeadModel")
 class GPT2LMHeadModel(nn.Module):
     config_class = GPT2Config
+    optional_prefix = "transformer."  # original hub checkpoints name tensors without it
 
     def __init__(self, cfg: GPT2Config, tp: TPGroup = SINGLE):
         super().__init__()
@@ -128,7 +129,8 @@ class GPT2LMHeadModel(nn.Module):
     def unused_checkpoint_tensors(cfg: GPT2Config) -> set[str]:
         """Causal-mask buffers older checkpoints carry, and the tied head."""
         names = {
-            f"transformer.h.{i}.attn.{buf}"
+            f"{prefix}h.{i}.attn.{buf}"
+            for prefix in ("transformer.", "")
             for i in range(cfg.n_layer)
             for buf in ("bias", "masked_bias")
         }

@@ -7,6 +7,7 @@ canonical tensor from disk (a tensor-parallel rank reads only its shard).
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,11 +125,8 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         raise ModelLoadError(
             f"no weights: neither {SINGLE_FILE} nor {INDEX_FILE}", file=str(single)
         )
-    try:
-        with safe_open(single, framework="pt") as f:
-            return {name: single for name in f.keys()}
-    except Exception as exc:  # safetensors raises its own error types for corrupt headers
-        raise ModelLoadError(f"unreadable safetensors file ({exc})", file=str(single)) from None
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
 
 
 def build_model(spec: ModelSpec, tp: TPGroup = SINGLE, dtype=torch.float32, device="cpu"):
@@ -140,30 +138,52 @@ def build_model(spec: ModelSpec, tp: TPGroup = SINGLE, dtype=torch.float32, devi
 
 def load_weights(model: nn.Module, spec: ModelSpec) -> None:
     """Fill every parameter from the checkpoint; all problems are reported at once, first."""
-    files = checkpoint_files(spec.path)
     params = unique_parameters(model)
     needed = {p.name: p.full_shape for param in params for p in param.pieces}
+    stored = _canonical_names(checkpoint_files(spec.path), spec.cls, needed)
     ignorable = set(getattr(spec.cls, "unused_checkpoint_tensors", lambda c: set())(spec.config))
-    problems = [f"missing tensor {n}" for n in sorted(needed) if n not in files]
+    problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored]
     problems += [
-        f"unexpected tensor {n}" for n in sorted(files) if n not in needed and n not in ignorable
+        f"unexpected tensor {stored[n][0]}"
+        for n in sorted(stored)
+        if n not in needed and stored[n][0] not in ignorable
     ]
-    handles: dict[Path, object] = {}
-    try:
-        for fname in sorted(set(files.values()), key=str):
-            handles[fname] = safe_open(fname, framework="pt").__enter__()
+    with ExitStack() as stack:
+        handles = {f: stack.enter_context(_open(f)) for f in {f for _, f in stored.values()}}
+
+        def tensor_slice(canonical: str):
+            disk_name, fname = stored[canonical]
+            return handles[fname].get_slice(disk_name)
+
         for name, shape in sorted(needed.items()):
-            if name in files:
-                disk = tuple(handles[files[name]].get_slice(name).get_shape())
-                if disk != shape:
-                    problems.append(f"tensor {name} has shape {disk}, model expects {shape}")
+            if name in stored and tuple(tensor_slice(name).get_shape()) != shape:
+                disk = tuple(tensor_slice(name).get_shape())
+                problems.append(f"tensor {name} has shape {disk}, model expects {shape}")
         if problems:
             raise ModelLoadError("; ".join(problems), file=str(spec.path))
         with torch.no_grad():
             for param in params:
                 for piece in param.pieces:
-                    box = handles[files[piece.name]].get_slice(piece.name)[piece.box_slices()]
-                    piece.write(param, box)
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+                    piece.write(param, tensor_slice(piece.name)[piece.box_slices()])
+
+
+def _canonical_names(
+    files: dict[str, Path], cls: type[nn.Module], needed: dict
+) -> dict[str, tuple[str, Path]]:
+    """Canonical name -> (name on disk, file). A model may declare ``optional_prefix``: a
+    checkpoint that omits it (GPT-2 hub files lack ``transformer.``) still maps exactly."""
+    prefix = getattr(cls, "optional_prefix", None)
+    out = {}
+    for disk_name, fname in files.items():
+        canonical = disk_name
+        if prefix and disk_name not in needed and prefix + disk_name in needed:
+            canonical = prefix + disk_name
+        out[canonical] = (disk_name, fname)
+    return out
+
+
+def _open(fname: Path):
+    try:
+        return safe_open(fname, framework="pt")
+    except Exception as exc:  # safetensors raises its own error types for corrupt headers
+        raise ModelLoadError(f"unreadable safetensors file ({exc})", file=str(fname)) from None
