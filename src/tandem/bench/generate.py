@@ -5,14 +5,15 @@ greedily with EOS ignored, so every request yields exactly its requested number 
 Throughput is useful tokens (the sum of requested output lengths, identical on both sides)
 divided by wall-clock seconds, prefill included. Two scenarios:
 
-- ``batch1``: one 64-token prompt, 64 new tokens; best of 3 timed repeats.
+- ``batch1``: one 64-token prompt, 64 new tokens.
 - ``mixed``: 64 requests, prompt lengths uniform in 8..256, output lengths uniform in 16..128.
   tandem gets them all in one ``LLM.generate`` call (continuous batching); transformers runs
   them in arrival order in left-padded batches of 16, each with ``max_new_tokens`` set to the
-  largest request in its batch. One timed repeat (it is the long one).
+  largest request in its batch.
 
-Each side gets one untimed warm-up per scenario. Prompts are random token ids (fixed seeds)
-that never contain the EOS id. ``--quick`` shrinks the model and the workload to seconds.
+Each side gets one untimed warm-up per scenario, then each scenario is timed 3 times per side,
+the sides alternating, and the best run counts. Prompts are random token ids (fixed seeds) that
+never contain the EOS id. ``--quick`` shrinks the model and the workload to seconds.
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ QUICK_MODEL: dict[str, Any] = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-# name: (model dir, overrides, vocab, batch1 (prompt, new), mixed (requests, prompt, output))
+# quick -> (model dir, overrides, vocab, batch1 (prompt, new),
+#           mixed (requests, min prompt, max prompt, min output, max output))
 SETUPS: dict[bool, tuple[str, dict[str, Any], int, tuple[int, int], tuple[int, ...]]] = {
     False: (".tandem/bench-llama-30m", FULL_MODEL, 8192, (64, 64), (64, 8, 256, 16, 128)),
     True: (".tandem/bench-llama-quick", QUICK_MODEL, 1024, (16, 16), (24, 8, 64, 4, 32)),
 }
 HF_BATCH = 16
-BATCH1_REPEATS = 3
-MIXED_REPEATS = 1
+REPEATS = 3
 
 Request = tuple[list[int], int]  # prompt ids, requested output tokens
 
@@ -109,19 +110,24 @@ def run(quick: bool = False) -> dict[str, Any]:
         "quick": quick,
     }
     scenarios = {
-        "batch1": (batch1, BATCH1_REPEATS, batch1),
-        "mixed": (mixed, MIXED_REPEATS, [(p, min(n, 8)) for p, n in mixed[:HF_BATCH]]),
+        "batch1": (batch1, batch1),
+        "mixed": (mixed, [(p, min(n, 8)) for p, n in mixed[:HF_BATCH]]),
     }
-    for name, (reqs, repeats, warmup) in scenarios.items():
+    for name, (reqs, warmup) in scenarios.items():
         entry: dict[str, Any] = {"tokens": sum(n for _, n in reqs), "requests": len(reqs)}
         entry["prompt_tokens"] = sum(len(p) for p, _ in reqs)
-        for side, fn in sides.items():
+        for fn in sides.values():
             fn(warmup)
-            seconds = min(_timed(fn, reqs) for _ in range(repeats))
-            entry[f"{side}_seconds"] = round(seconds, 4)
-            entry[f"{side}_tokens_per_s"] = round(entry["tokens"] / seconds, 2)
-        entry["repeats"] = repeats
-        entry["timing"] = "best of repeats" if repeats > 1 else "single run"
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for _ in range(REPEATS):  # sides alternate, so a noisy moment hits both alike
+            for side, fn in sides.items():
+                seconds, produced = _timed(fn, reqs)
+                times[side].append(seconds)
+                entry[f"{side}_tokens_counted"] = produced
+        for side, seconds in times.items():
+            entry[f"{side}_seconds"] = round(min(seconds), 4)
+            entry[f"{side}_tokens_per_s"] = round(entry["tokens"] / min(seconds), 2)
+        entry["timing"] = f"best of {REPEATS} runs per side"
         result[name] = entry
     result["mixed"]["transformers_batch_size"] = HF_BATCH
     result["ratios"] = {
@@ -138,14 +144,15 @@ def _prompt(rng: random.Random, length: int, vocab: int, eos_ids: set[int]) -> l
     return [rng.choice(allowed) for _ in range(length)]
 
 
-def _timed(fn: Callable[[list[Request]], int], reqs: list[Request]) -> float:
+def _timed(fn: Callable[[list[Request]], int], reqs: list[Request]) -> tuple[float, int]:
+    """Wall seconds of one run, and the useful tokens it produced (checked)."""
     start = time.perf_counter()
     produced = fn(reqs)
     seconds = time.perf_counter() - start
     expected = sum(n for _, n in reqs)
     if produced != expected:
         raise RuntimeError(f"generated {produced} useful tokens, expected {expected}")
-    return seconds
+    return seconds, produced
 
 
 def _tandem(llm: LLM, reqs: list[Request]) -> int:
@@ -177,5 +184,5 @@ def _hf(model: Any, reqs: list[Request], pad: int) -> int:
         )  # fmt: skip
         if out.shape[1] != width + new:  # EOS must not stop a batch early
             raise RuntimeError(f"transformers generated {out.shape[1] - width}, asked {new}")
-        useful += sum(n for _, n in chunk)  # a row's tokens past its request are waste
+        useful += sum(min(n, out.shape[1] - width) for _, n in chunk)  # the rest is waste
     return useful
