@@ -2,16 +2,50 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tandem.engine.kv_cache import BlockManager, budget_bytes, bytes_per_block
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.layers.attention import Attention, AttentionMetadata, PrefillSpan
+from tandem.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillSpan
 from tandem.layers.sampler import Sampler, SamplerOutput, SamplingBatch
 from tandem.models.loader import ModelSpec, build_model, load_weights
 from tandem.parallel import SINGLE, TPGroup
 
 _NO_TOP_K = torch.iinfo(torch.long).max
+# Cost of one more decode group, in padded key slots: a group's fixed per-layer op overhead is
+# worth about this many slots of gather + attention work (measured on CPU).
+DECODE_GROUP_OVERHEAD = 256
+MAX_DECODE_GROUPS = 4
+
+
+def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
+    """Split decode sequences into at most MAX_DECODE_GROUPS groups of consecutive lengths
+    (sorted), minimising padded slots (members x longest) + overhead per group. Returns indices."""
+    if not lengths:
+        return []
+    order = np.argsort(lengths, kind="stable")
+    longest = np.asarray(lengths)[order]
+    n = len(order)
+    first = np.arange(n + 1)[:, None]  # a group covers sorted members [first, end)
+    end = np.arange(n + 1)[None, :]
+    width = np.concatenate(([0], longest))[None, :]  # the group's longest: member end - 1
+    span_cost = np.where(first < end, (end - first) * width + overhead, np.inf)
+    # best[g, j]: cost of the first j sorted members in g groups; cut[g, j]: last group's start
+    best = np.full((MAX_DECODE_GROUPS + 1, n + 1), np.inf)
+    cut = np.zeros((MAX_DECODE_GROUPS + 1, n + 1), dtype=np.int64)
+    best[0, 0] = 0
+    for g in range(1, MAX_DECODE_GROUPS + 1):
+        total = best[g - 1][:, None] + span_cost
+        cut[g] = total.argmin(axis=0)
+        best[g] = total[cut[g], np.arange(n + 1)]
+    g = int(best[1:, n].argmin()) + 1
+    groups, j = [], n
+    while g > 0:
+        i = int(cut[g, j])
+        groups.append(order[i:j].tolist())
+        g, j = g - 1, i
+    return groups[::-1]
 
 
 class ModelRunner:
@@ -50,7 +84,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput:
         """Compute the batch's new tokens and sample one next token per sequence."""
         input_ids, positions, slot_mapping, last_rows = [], [], [], []
-        prefills, decode_rows, decode_lens = [], [], []
+        prefills, decodes = [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             start, stop = seq.num_cached_tokens, seq.num_cached_tokens + n
             row = len(input_ids)
@@ -59,18 +93,18 @@ class ModelRunner:
             slot_mapping.extend(self.blocks.slots(seq, start, stop))
             last_rows.append(row + n - 1)
             if n == 1:
-                decode_rows.append(row)
-                decode_lens.append(stop)
+                decodes.append((row, stop, seq.block_table))
             else:
                 context = None
                 if start > 0:
                     context = self._tensor(self.blocks.slots(seq, 0, stop))
                 prefills.append(PrefillSpan(row, row + n, context))
-        meta = AttentionMetadata(self._tensor(slot_mapping), prefills)
-        if decode_rows:
-            meta.decode_rows = self._tensor(decode_rows)
-            seqs = [s for s, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if n == 1]
-            meta.decode_slots, meta.decode_mask = self._decode_gather(seqs, decode_lens)
+        groups = group_by_length([length for _, length, _ in decodes], DECODE_GROUP_OVERHEAD)
+        meta = AttentionMetadata(
+            self._tensor(slot_mapping),
+            prefills,
+            [self._decode_group([decodes[i] for i in members]) for members in groups],
+        )
         hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
         logits = self.model.compute_logits(hidden[self._tensor(last_rows)])
         return self.sampler(logits, self._sampling_batch(batch))
@@ -97,14 +131,17 @@ class ModelRunner:
             seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed + seq.index)
         return seq.generator
 
-    def _decode_gather(self, seqs, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max(len(s.block_table) for s in seqs)
-        tables = self._tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs])
-        longest = max(lens)
-        pos = torch.arange(longest, device=self.device)
+    def _decode_group(self, members: list[tuple[int, int, list[int]]]) -> DecodeGroup:
+        """(flat row, context length, block table) of each member -> padded gather indices."""
+        width = max(len(table) for _, _, table in members)
+        tables = self._tensor([table + [0] * (width - len(table)) for _, _, table in members])
+        lens = [length for _, length, _ in members]
+        pos = torch.arange(max(lens), device=self.device)
         slots = tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
-        mask = pos[None, :] < self._tensor(lens)[:, None]
-        return slots, mask[:, None, None, :]
+        mask = None
+        if min(lens) != max(lens):
+            mask = (pos[None, :] < self._tensor(lens)[:, None])[:, None, None, :]
+        return DecodeGroup(self._tensor([row for row, _, _ in members]), slots, mask)
 
     def _sampling_batch(self, batch: ScheduledBatch) -> SamplingBatch:
         params = [s.params for s in batch.seqs]

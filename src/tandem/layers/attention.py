@@ -2,12 +2,13 @@
 
 The batch is one flat run of tokens. Each layer writes the new keys/values into the cache at
 ``slot_mapping``; sequences with several query tokens (prefill) attend one by one, and all
-single-token (decode) sequences attend together through one gather of their cached context.
+single-token (decode) sequences attend in a few groups of similar context length, each through
+one gather of their cached keys/values (grouping bounds the padding to the group's longest).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +26,19 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with one query token each, attending together."""
+
+    rows: torch.Tensor  # [B] their rows in the flat batch
+    slots: torch.Tensor  # [B, L] cache slots of each context, padded to the longest
+    mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is attended; None: no padding
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [T] cache slot of each flat token; None: cache untouched
     prefills: list[PrefillSpan]
-    decode_rows: torch.Tensor | None = None  # [B] flat rows holding one query token each
-    decode_slots: torch.Tensor | None = None  # [B, L] cache slots of each context, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] True where a key is attended
+    decodes: list[DecodeGroup] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -57,20 +65,25 @@ class Attention(nn.Module):
                 ks, vs = k[span.start : span.end], v[span.start : span.end]
                 o = self._sdpa(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, True)
             else:
-                ks = self.k_cache[span.context_slots].transpose(0, 1)[None]
-                vs = self.v_cache[span.context_slots].transpose(0, 1)[None]
+                ks = self.k_cache.index_select(0, span.context_slots).transpose(0, 1)[None]
+                vs = self.v_cache.index_select(0, span.context_slots).transpose(0, 1)[None]
                 n_q, n_ctx = qs.shape[2], ks.shape[2]
                 q_pos = torch.arange(n_ctx - n_q, n_ctx, device=q.device)
                 mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
                 o = self._sdpa(qs, ks, vs, mask, False)
             out[span.start : span.end] = o[0].transpose(0, 1)
-        if meta.decode_rows is not None:
-            qd = q[meta.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            kd = self.k_cache[meta.decode_slots].transpose(1, 2)  # [B, KV, L, D]
-            vd = self.v_cache[meta.decode_slots].transpose(1, 2)
-            od = self._sdpa(qd, kd, vd, meta.decode_mask, False)
-            out[meta.decode_rows] = od.squeeze(2)
+        for group in meta.decodes:
+            qd = q[group.rows].unsqueeze(2)  # [B, H, 1, D]
+            kd, vd = self._gather(self.k_cache, group), self._gather(self.v_cache, group)
+            out[group.rows] = self._sdpa(qd, kd, vd, group.mask, False).squeeze(2)
         return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:
+        """Decode contexts from the paged cache as [B, KV, L, D] (one flat index_select)."""
+        b, length = group.slots.shape
+        flat = cache.index_select(0, group.slots.view(-1))
+        return flat.view(b, length, *cache.shape[1:]).transpose(1, 2)
 
     def _sdpa(self, q, k, v, mask, causal: bool) -> torch.Tensor:
         return F.scaled_dot_product_attention(

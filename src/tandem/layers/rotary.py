@@ -47,21 +47,30 @@ def inverse_frequencies(head_dim: int, rope: RopeParameters) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position; computed once per step and shared by all layers."""
+
     def __init__(self, head_dim: int, max_positions: int, rope: RopeParameters):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        half = head_dim // 2
+        # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half negated.
+        signed_sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KV, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """Tables for the batch's positions, shaped [T, 1, D] to broadcast over heads."""
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.signed_sin[positions].unsqueeze(1).to(dtype)
+        return cos, sin
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x: [T, heads, D]. Same values as HF's ``x * cos + rotate_half(x) * sin``."""
+    cos, signed_sin = tables
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -16,7 +16,7 @@ from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RopeParameters, RotaryEmbedding
+from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, apply_rotary
 from tandem.models.registry import register_model
 from tandem.parallel import SINGLE, TPGroup
 
@@ -89,7 +89,6 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.q_norm.weight") if qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, f"{prefix}.k_norm.weight") if qk_norm else None
-        self.rotary = RotaryEmbedding(d, cfg.max_position_embeddings, cfg.rope)
         self.heads, self.kv_heads, self.head_dim = (
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
@@ -97,14 +96,14 @@ class LlamaAttention(nn.Module):
         )
         self.attn = Attention(self.heads, self.kv_heads, d, d**-0.5)
 
-    def forward(self, x, positions, meta: AttentionMetadata):
+    def forward(self, x, rope: RopeTables, meta: AttentionMetadata):
         q, k, v = self.qkv_proj(x)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
@@ -146,8 +145,8 @@ class LlamaDecoderLayer(nn.Module):
         )
         self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", tp)
 
-    def forward(self, x, positions, meta):
-        h = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x, rope: RopeTables, meta):
+        h = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -168,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight")
+        self.rotary_emb = RotaryEmbedding(cfg.dim_per_head, cfg.max_position_embeddings, cfg.rope)
         tied = self.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, "lm_head.weight", tp, tied_to=tied
@@ -175,8 +175,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
