@@ -22,8 +22,8 @@ MAX_DECODE_GROUPS = 4
 def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
     """Split decode sequences into at most MAX_DECODE_GROUPS groups of consecutive lengths
     (sorted), minimising padded slots (members x longest) + overhead per group. Returns indices."""
-    if not lengths:
-        return []
+    if len(lengths) <= 1:
+        return [list(range(len(lengths)))] if lengths else []
     order = np.argsort(lengths, kind="stable")
     longest = np.asarray(lengths)[order]
     n = len(order)
