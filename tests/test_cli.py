@@ -35,3 +35,13 @@ def test_bad_model_dir_is_a_one_line_error(tmp_path):
     result = _run("generate", "--model", str(tmp_path / "missing"), "--prompt", "x", check=False)
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_engine_never_imports_transformers(llama_dir):
+    code = (
+        "import sys; from tandem import LLM, SamplingParams; import tandem.cli; "
+        f"LLM({llama_dir!r}).generate('hi', SamplingParams(max_tokens=2)); "
+        "assert 'transformers' not in sys.modules, 'engine imported transformers'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
