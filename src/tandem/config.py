@@ -46,6 +46,10 @@ class EngineConfig(BaseModel):
         return v
 
     @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.dtype]
 

@@ -3,26 +3,23 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
+from collections import deque
 
 from tandem.config import EngineConfig
-from tandem.engine.kv_cache import blocks_for
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.executor import Executor, InProcessExecutor
+from tandem.engine.kv_cache import BlockManager, blocks_for
+from tandem.engine.messages import SeqParams, SeqStep, StepMessage, StepResult
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
-from tandem.layers.sampler import SamplerOutput
 from tandem.models.loader import read_model_spec
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "tensor_parallel_size/pipeline_parallel_size > 1: the multi-process engine is "
-                "not available in this version; use 1"
-            )
         self.config = config
         self.spec = read_model_spec(config.model)
         limit = self.spec.max_context_len
@@ -36,17 +33,19 @@ class LLMEngine:
                 f"({self.max_model_len}) so any prompt fits in one step"
             )
         self.tokenizer = Tokenizer(self.spec.path)
-        self.runner = ModelRunner(
-            self.spec,
-            dtype=config.torch_dtype,
-            device=config.torch_device,
-            block_size=config.block_size,
-            kv_cache_memory=config.kv_cache_memory,
-            seed=config.seed,
-        )
-        self.scheduler = Scheduler(self.runner.blocks, config.max_num_seqs, max_batched)
+        self.executor: Executor = _make_executor(self.spec, config)
+        self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, max_batched)
         self.weight_version = 0
         self._seq_ids = itertools.count()
+        self._step_ids = itertools.count()
+        self._in_flight: deque[ScheduledBatch] = deque()
+        self._released: list[int] = []  # finished sequences the ranks may forget
+
+    @property
+    def runner(self):
+        """The in-process model runner (single-rank engines only)."""
+        return self.executor.runner
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -66,11 +65,11 @@ class LLMEngine:
                 f"{self.max_model_len} and at least one token must be generated"
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        need = blocks_for(len(prompt_ids) + max_tokens, self.runner.block_size)
-        if need > self.runner.num_blocks:
+        need = blocks_for(len(prompt_ids) + max_tokens, self.blocks.block_size)
+        if need > self.blocks.num_blocks:
             raise ValueError(
                 f"request {request_id}: needs {need} KV blocks but the cache has "
-                f"{self.runner.num_blocks}; raise kv_cache_memory or lower max_tokens"
+                f"{self.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens"
             )
         now = time.monotonic()
         return [
@@ -86,30 +85,57 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Sequence]:
-        """Run one iteration; returns the sequences that finished in it."""
-        batch = self.scheduler.schedule()
-        if not batch:
+        """Fill the pipeline with steps, then finish the oldest; returns the sequences that
+        finished in it. With P pipeline stages up to P steps (on disjoint sequences) are in
+        flight, so every stage has work."""
+        self._fill_pipeline()
+        if not self._in_flight:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
-        out = self.runner.execute(batch)
-        self._append(batch, out)
+        batch = self._in_flight.popleft()
+        self._append(batch, self.executor.collect())
         self.scheduler.finish_step(batch)
-        return [s for s in batch.seqs if s.finished]
+        finished = [s for s in batch.seqs if s.finished]
+        self._released.extend(s.seq_id for s in finished)
+        return finished
 
-    def _append(self, batch: ScheduledBatch, out: SamplerOutput) -> None:
-        tokens = out.token_ids.tolist()
-        logprobs = out.logprobs.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    def _fill_pipeline(self) -> None:
+        depth = self.executor.max_in_flight
+        while len(self._in_flight) < depth:
+            busy = {s.seq_id for b in self._in_flight for s in b.seqs}
+            # Leave sequences for the other in-flight slots: each step takes its share.
+            share = math.ceil(self.scheduler.num_unfinished / depth)
+            batch = self.scheduler.schedule(busy, max_seqs=max(1, share))
+            if not batch:
+                return
+            self.executor.submit(self._message(batch))
+            self._in_flight.append(batch)
+
+    def _message(self, batch: ScheduledBatch) -> StepMessage:
+        steps = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            start = seq.num_cached_tokens
+            blocks = seq.block_table if start == 0 else seq.block_table[seq.num_blocks_sent :]
+            seq.num_blocks_sent = len(seq.block_table)
+            params = None
+            if not seq.params_sent:
+                params, seq.params_sent = _seq_params(seq), True
+            steps.append(
+                SeqStep(seq.seq_id, start, seq.token_ids[start : start + n], list(blocks), params)
+            )
+        msg = StepMessage(next(self._step_ids), steps, self._released)
+        self._released = []
+        return msg
+
+    def _append(self, batch: ScheduledBatch, out: StepResult) -> None:
         for row, seq in enumerate(batch.seqs):
-            token = tokens[row]
+            token = out.token_ids[row]
             seq.token_ids.append(token)
             k = seq.params.logprobs
             if k is not None:
-                seq.logprobs.append(logprobs[row])
+                seq.logprobs.append(out.logprobs[row])
                 if k > 0:
-                    seq.top_logprobs.append(
-                        dict(zip(top_ids[row][:k], top_lps[row][:k], strict=True))
-                    )
+                    top = zip(out.top_ids[row][:k], out.top_logprobs[row][:k], strict=True)
+                    seq.top_logprobs.append(dict(top))
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -132,3 +158,23 @@ class LLMEngine:
         if seq.text is not None:
             return seq.text
         return self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+
+
+def _seq_params(seq: Sequence) -> SeqParams:
+    p = seq.params
+    return SeqParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=None if p.seed is None else p.seed + seq.index,
+        logprobs=p.logprobs,
+        processed_logprobs=p.logprobs_mode == "processed",
+    )
+
+
+def _make_executor(spec, config: EngineConfig) -> Executor:
+    if config.world_size == 1:
+        return InProcessExecutor(spec, config)
+    from tandem.engine.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(spec, config)

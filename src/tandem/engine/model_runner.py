@@ -1,15 +1,21 @@
-"""Runs the model on one scheduled batch: builds the flat tensors, owns the KV cache, samples."""
+"""One rank's model runner: applies step messages, builds the flat batch, owns its KV cache.
+
+The runner keeps a mirror of what it needs per sequence (block table, sampling settings, random
+stream), updated from each `StepMessage`. It runs its pipeline stage's layers; the last stage's
+sampling rank turns logits into a `StepResult`.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from tandem.engine.kv_cache import BlockManager, budget_bytes, bytes_per_block
-from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.kv_cache import budget_bytes, bytes_per_block
+from tandem.engine.messages import SeqParams, StepMessage, StepResult
 from tandem.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillSpan
-from tandem.layers.sampler import Sampler, SamplerOutput, SamplingBatch
+from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.loader import ModelSpec, build_model, load_weights
+from tandem.models.stages import Stage
 from tandem.parallel import SINGLE, TPGroup
 
 _NO_TOP_K = torch.iinfo(torch.long).max
@@ -48,6 +54,15 @@ def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
     return groups[::-1]
 
 
+class _SeqState:
+    __slots__ = ("block_table", "params", "generator")
+
+    def __init__(self, params: SeqParams):
+        self.block_table: list[int] = []
+        self.params = params
+        self.generator: torch.Generator | None = None
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -56,80 +71,136 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         block_size: int,
-        kv_cache_memory: int | float,
         seed: int,
         tp: TPGroup = SINGLE,
+        stage: Stage | None = None,
+        pipe=None,
+        samples: bool = True,
     ):
         self.device = device
+        self.dtype = dtype
         self.block_size = block_size
-        self.model = build_model(spec, tp, dtype, device)
+        self.stage = stage or Stage.whole(spec)
+        self.pipe = pipe  # PipeChannel to the neighbouring stages; None without pipelining
+        self.samples = samples and self.stage.is_last
+        self.model = build_model(spec, tp, dtype, device, self.stage)
         load_weights(self.model, spec)
+        self.layers = list(self.stage.layers(self.model))
+        self.hidden_size = spec.hidden_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_cache: torch.Tensor | None = None
+        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
+        self.seqs: dict[int, _SeqState] = {}
+
+    def kv_capacity(self, kv_cache_memory: int | float) -> int:
+        """Blocks this rank can hold within the budget (the engine takes the minimum)."""
         a = self.attention_layers[0]
         per_block = bytes_per_block(
-            len(self.attention_layers), block_size, a.num_kv_heads, a.head_dim, dtype
+            len(self.attention_layers), self.block_size, a.num_kv_heads, a.head_dim, self.dtype
         )
-        self.num_blocks = budget_bytes(kv_cache_memory, device) // per_block
-        self.blocks = BlockManager(self.num_blocks, block_size)
-        slots = self.num_blocks * block_size
+        return budget_bytes(kv_cache_memory, self.device) // per_block
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        a = self.attention_layers[0]
+        slots = num_blocks * self.block_size
         self.kv_cache = torch.zeros(
-            2, len(self.attention_layers), slots, a.num_kv_heads, a.head_dim, dtype=dtype,
-            device=device,
+            2, len(self.attention_layers), slots, a.num_kv_heads, a.head_dim,
+            dtype=self.dtype, device=self.device,
         )  # fmt: skip
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SamplerOutput:
-        """Compute the batch's new tokens and sample one next token per sequence."""
+    def execute(self, msg: StepMessage) -> StepResult | None:
+        """Run this rank's part of one step; the sampling rank returns the sampled tokens."""
+        for seq_id in msg.released:
+            self.seqs.pop(seq_id, None)
         input_ids, positions, slot_mapping, last_rows = [], [], [], []
-        prefills, decodes = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start, stop = seq.num_cached_tokens, seq.num_cached_tokens + n
+        prefills, decodes, states = [], [], []
+        for step in msg.seqs:
+            state = self._state(step)
+            start, stop = step.start, step.start + len(step.token_ids)
             row = len(input_ids)
-            input_ids.extend(seq.token_ids[start:stop])
+            input_ids.extend(step.token_ids)
             positions.extend(range(start, stop))
-            slot_mapping.extend(self.blocks.slots(seq, start, stop))
-            last_rows.append(row + n - 1)
-            if n == 1:
-                decodes.append((row, stop, seq.block_table))
+            slot_mapping.extend(self._slots(state.block_table, start, stop))
+            last_rows.append(row + len(step.token_ids) - 1)
+            states.append(state)
+            if stop - start == 1:
+                decodes.append((row, stop, state.block_table))
             else:
                 context = None
                 if start > 0:
-                    context = self._tensor(self.blocks.slots(seq, 0, stop))
-                prefills.append(PrefillSpan(row, row + n, context))
+                    context = self._tensor(self._slots(state.block_table, 0, stop))
+                prefills.append(PrefillSpan(row, row + stop - start, context))
         groups = group_by_length([length for _, length, _ in decodes], DECODE_GROUP_OVERHEAD)
         meta = AttentionMetadata(
             self._tensor(slot_mapping),
             prefills,
             [self._decode_group([decodes[i] for i in members]) for members in groups],
         )
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        hidden = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta)
+        if hidden is None:
+            return None
         logits = self.model.compute_logits(hidden[self._tensor(last_rows)])
-        return self.sampler(logits, self._sampling_batch(batch))
+        if not self.samples:
+            return None
+        out = self.sampler(logits, self._sampling_batch(states))
+        return StepResult(
+            msg.step_id,
+            out.token_ids.tolist(),
+            out.logprobs.tolist(),
+            None if out.top_ids is None else out.top_ids.tolist(),
+            None if out.top_logprobs is None else out.top_logprobs.tolist(),
+        )
+
+    def _run_stage(self, input_ids, positions, meta) -> torch.Tensor | None:
+        """This stage's layers; hidden states come from / go to the neighbouring stages."""
+        context = self.model.layer_context(positions, self.dtype)
+        if self.stage.is_first:
+            x = self.model.embed(input_ids, positions)
+        else:
+            x = self.pipe.recv((len(input_ids), self.hidden_size), self.dtype)
+        for layer in self.layers:
+            x = layer(x, context, meta)
+        if not self.stage.is_last:
+            self.pipe.send(x)
+            return None
+        return self.model.final_norm(x)
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every position of each prompt (float32), leaving the KV cache untouched."""
+        """Logits at every position of each prompt (float32), leaving the KV cache untouched.
+        Needs the whole model in this process (no pipeline stages)."""
         input_ids, positions, spans = [], [], []
         for ids in prompts:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
-        meta = AttentionMetadata(None, spans)
-        hidden = self.model(self._tensor(input_ids), self._tensor(positions), meta)
+        hidden = self._run_stage(
+            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans)
+        )
         logits = self.model.compute_logits(hidden).float()
         return [logits[s.start : s.end] for s in spans]
 
+    def _state(self, step) -> _SeqState:
+        state = self.seqs.get(step.seq_id)
+        if state is None:
+            if step.params is None:
+                raise RuntimeError(f"sequence {step.seq_id} arrived without sampling params")
+            state = self.seqs[step.seq_id] = _SeqState(step.params)
+        if step.start == 0:
+            state.block_table = list(step.blocks)
+        else:
+            state.block_table.extend(step.blocks)
+        return state
+
+    def _slots(self, table: list[int], start: int, stop: int) -> list[int]:
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
+
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _generator(self, seq) -> torch.Generator | None:
-        """The sample's own random stream: same seed, same tokens, whatever else is batched."""
-        if seq.params.seed is not None and seq.generator is None:
-            seq.generator = torch.Generator(self.device).manual_seed(seq.params.seed + seq.index)
-        return seq.generator
 
     def _decode_group(self, members: list[tuple[int, int, list[int]]]) -> DecodeGroup:
         """(flat row, context length, block table) of each member -> padded gather indices."""
@@ -143,15 +214,21 @@ class ModelRunner:
             mask = (pos[None, :] < self._tensor(lens)[:, None])[:, None, None, :]
         return DecodeGroup(self._tensor([row for row, _, _ in members]), slots, mask)
 
-    def _sampling_batch(self, batch: ScheduledBatch) -> SamplingBatch:
-        params = [s.params for s in batch.seqs]
+    def _generator(self, state: _SeqState) -> torch.Generator | None:
+        """The sample's own random stream: same seed, same tokens, whatever else is batched."""
+        if state.params.seed is not None and state.generator is None:
+            state.generator = torch.Generator(self.device).manual_seed(state.params.seed)
+        return state.generator
+
+    def _sampling_batch(self, states: list[_SeqState]) -> SamplingBatch:
+        params = [s.params for s in states]
         return SamplingBatch(
             temperatures=torch.tensor([p.temperature for p in params], device=self.device),
-            top_k=self._tensor([p.top_k if p.top_k_enabled else _NO_TOP_K for p in params]),
+            top_k=self._tensor([p.top_k if p.top_k > 0 else _NO_TOP_K for p in params]),
             top_p=torch.tensor([p.top_p for p in params], device=self.device),
-            generators=[self._generator(s) for s in batch.seqs],
+            generators=[self._generator(s) for s in states],
             processed_logprobs=torch.tensor(
-                [p.logprobs_mode == "processed" for p in params], device=self.device
+                [p.processed_logprobs for p in params], device=self.device
             ),
             num_top_logprobs=max(p.logprobs or 0 for p in params),
         )

@@ -38,16 +38,24 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self, busy: set[int] = frozenset(), max_seqs: int | None = None) -> ScheduledBatch:
+        """The next step's batch: at most ``max_seqs`` sequences, none of those in ``busy``
+        (already in a step still in flight)."""
+        limit = min(max_seqs or self.max_num_seqs, self.max_num_seqs)
         batch = ScheduledBatch([], [])
-        preempted = self._schedule_running(batch)
+        preempted = self._schedule_running(batch, busy, limit)
         if not preempted:
-            self._admit_waiting(batch)
+            self._admit_waiting(batch, limit)
         return batch
 
-    def _schedule_running(self, batch: ScheduledBatch) -> bool:
-        queue, kept, preempted = deque(self.running), [], False
-        while queue:
+    def _schedule_running(self, batch: ScheduledBatch, busy: set[int], limit: int) -> bool:
+        queue = deque(s for s in self.running if s.seq_id not in busy)
+        preempted = False
+        while queue and len(batch) < limit:
             seq = queue.popleft()
             while not self.blocks.can_grow(seq, len(seq)):
                 preempted = True
@@ -57,15 +65,13 @@ class Scheduler:
                     break
             else:
                 self.blocks.grow(seq, len(seq))
-                kept.append(seq)
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(seq.num_uncached_tokens)
-        self.running = kept
         return preempted
 
-    def _admit_waiting(self, batch: ScheduledBatch) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, limit: int) -> None:
         budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and len(batch) < limit:
             seq = self.waiting[0]
             if seq.num_uncached_tokens > budget or not self.blocks.can_grow(seq, len(seq)):
                 break
@@ -78,6 +84,7 @@ class Scheduler:
             budget -= seq.num_uncached_tokens
 
     def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)

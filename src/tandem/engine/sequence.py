@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-import torch
-
 from tandem.engine.sampling_params import SamplingParams
 
 
@@ -42,7 +40,8 @@ class Sequence:
         self.text: str | None = None  # set when a stop string cut the output
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
-        self.generator: torch.Generator | None = None  # seeded stream, made on the model's device
+        self.num_blocks_sent = 0  # of block_table, already told to the model ranks
+        self.params_sent = False
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -51,14 +51,24 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, rope: RopeParameters):
         super().__init__()
-        inv_freq = inverse_frequencies(head_dim, rope)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = head_dim // 2
+        self.head_dim, self.max_positions, self.rope = head_dim, max_positions, rope
+        self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+        self.register_buffer("signed_sin", torch.empty(max_positions, head_dim), persistent=False)
+        if not self.cos.is_meta:
+            self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """(Re)compute the tables in float32 on the buffers' device (after `to_empty`)."""
+        device = self.cos.device
+        inv_freq = inverse_frequencies(self.head_dim, self.rope).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        emb = torch.cat((positions[:, None] * inv_freq[None, :],) * 2, dim=-1)
+        half = self.head_dim // 2
         # rotate_half(x) * sin == roll(x, half) * signed_sin, with the first half negated.
-        signed_sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("signed_sin", signed_sin, persistent=False)
+        sin = emb.sin()
+        self.cos = emb.cos()
+        self.signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """Tables for the batch's positions, shaped [T, 1, D] to broadcast over heads."""

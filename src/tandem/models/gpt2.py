@@ -14,6 +14,7 @@ from tandem.layers.embedding import ParallelLMHead, PositionEmbedding, VocabPara
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
 from tandem.models.registry import register_model
+from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
 
 _ACTIVATIONS = {
@@ -39,6 +40,14 @@ class GPT2Config(BaseModel):
     scale_attn_weights: Literal[True] = True
     scale_attn_by_inverse_layer_idx: Literal[False] = False
     reorder_and_upcast_attn: Literal[False] = False
+
+    @property
+    def hidden_size(self) -> int:
+        return self.n_embd
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer
 
 
 class GPT2Attention(nn.Module):
@@ -89,7 +98,7 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(cfg.n_embd, eps, f"{prefix}.ln_2")
         self.mlp = GPT2MLP(cfg, f"{prefix}.mlp", tp)
 
-    def forward(self, x, meta):
+    def forward(self, x, context: None, meta: AttentionMetadata):
         h = x + self.attn(self.ln_1(x), meta)
         return h + self.mlp(self.ln_2(h))
 
@@ -97,6 +106,7 @@ class GPT2Block(nn.Module):
 @register_model("GPT2LMHeadModel")
 class GPT2LMHeadModel(nn.Module):
     config_class = GPT2Config
+    pipeline = PipelineLayout(layers="h", first=("wte", "wpe"), last=("ln_f", "lm_head"))
     optional_prefix = "transformer."  # original hub checkpoints name tensors without it
 
     def __init__(self, cfg: GPT2Config, tp: TPGroup = SINGLE):
@@ -112,11 +122,14 @@ class GPT2LMHeadModel(nn.Module):
             cfg.vocab_size, cfg.n_embd, "lm_head.weight", tp, tied_to=tied
         )
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.wte(input_ids) + self.wpe(positions)
-        for block in self.h:
-            x = block(x, meta)
-        return self.ln_f(x)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.wte(input_ids) + self.wpe(positions)
+
+    def layer_context(self, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        return None  # learned positions are added once, in `embed`
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

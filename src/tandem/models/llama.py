@@ -18,6 +18,7 @@ from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowPar
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, apply_rotary
 from tandem.models.registry import register_model
+from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
 
 
@@ -52,6 +53,10 @@ class LlamaConfig(BaseModel):
         if self.num_attention_heads % self.kv_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         return self
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
 
     @property
     def kv_heads(self) -> int:
@@ -153,6 +158,7 @@ class LlamaDecoderLayer(nn.Module):
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(nn.Module):
     config_class = LlamaConfig
+    pipeline = PipelineLayout(layers="layers", first=("embed_tokens",), last=("norm", "lm_head"))
     qkv_bias: ClassVar[bool | None] = None  # None: follow config ``attention_bias``
     qk_norm: ClassVar[bool] = False
 
@@ -173,12 +179,15 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, "lm_head.weight", tp, tied_to=tied
         )
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def layer_context(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """What every decoder layer shares in one step: the rotary tables."""
+        return self.rotary_emb(positions, dtype)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

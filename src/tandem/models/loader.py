@@ -21,6 +21,7 @@ from tandem.errors import ModelLoadError, UnsupportedModelError
 from tandem.layers.placement import unique_parameters
 from tandem.layers.rotary import RopeParameters
 from tandem.models.registry import model_class, registered_architectures
+from tandem.models.stages import Stage, prune_to_stage
 from tandem.parallel import SINGLE, TPGroup
 
 SINGLE_FILE = "model.safetensors"
@@ -44,6 +45,14 @@ class ModelSpec:
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
 
 
 def _read_json(path: Path) -> dict:
@@ -129,11 +138,41 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def build_model(spec: ModelSpec, tp: TPGroup = SINGLE, dtype=torch.float32, device="cpu"):
-    """Instantiate the model for this rank with uninitialised storage on ``device``."""
-    with torch.device(device):
+def build_model(
+    spec: ModelSpec,
+    tp: TPGroup = SINGLE,
+    dtype=torch.float32,
+    device="cpu",
+    stage: Stage | None = None,
+):
+    """The model for this rank: its TP shard of its pipeline stage, storage on ``device``
+    (uninitialised: `load_weights` fills it). Other stages' layers never get storage."""
+    with torch.device("meta"):
         model = spec.cls(spec.config, tp)
-    return model.to(dtype=dtype).eval()
+    prune_to_stage(model, stage or Stage.whole(spec))
+    _materialize(model, torch.device(device), dtype)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Give meta parameters real (uninitialised) storage, keeping their placement pieces and
+    keeping tied parameters tied (``Module.to_empty`` would replace both)."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in made:
+                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), False)
+                new.pieces = param.pieces
+                made[id(param)] = new
+            module._parameters[name] = made[id(param)]
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = torch.empty(buf.shape, device=device, dtype=buf.dtype)
 
 
 def load_weights(model: nn.Module, spec: ModelSpec) -> None:
@@ -163,6 +202,7 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
             raise ModelLoadError("; ".join(problems), file=str(spec.path))
         with torch.no_grad():
             for param in params:
+                param.zero_()  # padding rows of a vocab shard stay zero
                 for piece in param.pieces:
                     piece.write(param, tensor_slice(piece.name)[piece.box_slices()])
 

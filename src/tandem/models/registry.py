@@ -8,23 +8,33 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
-from tandem.layers.attention import AttentionMetadata
+from tandem.models.stages import PipelineLayout
 from tandem.parallel import TPGroup
 
 
 class CausalLM(Protocol):
-    """What the engine needs from a model class (an ``nn.Module``)."""
+    """What the engine needs from a model class (an ``nn.Module``).
 
-    config_class: type[BaseModel]
+    Decoder layers are called as ``layer(hidden, context, meta)``; the engine runs the layers of
+    its pipeline stage between ``embed`` (first stage) and ``final_norm`` (last stage).
+    """
+
+    config_class: type[BaseModel]  # parses config.json; has num_layers, hidden_size, vocab_size
+    pipeline: PipelineLayout
 
     def __init__(self, config: BaseModel, tp: TPGroup): ...
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Flat token batch -> final hidden states [T, hidden]."""
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def layer_context(self, positions: torch.Tensor, dtype: torch.dtype) -> object:
+        """Per-step values every layer shares (e.g. rotary tables)."""
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    @staticmethod
+    def max_context_len(config: BaseModel) -> int: ...
 
 
 _MODELS: dict[str, type[nn.Module]] = {}

@@ -1,0 +1,61 @@
+"""Where model steps run. The engine core submits step messages and collects results in order."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from tandem.config import EngineConfig
+from tandem.engine.messages import StepMessage, StepResult
+from tandem.engine.model_runner import ModelRunner
+from tandem.models.loader import ModelSpec
+
+
+class EngineDeadError(RuntimeError):
+    """A worker process died or stopped answering; this engine cannot serve any more."""
+
+
+class Executor(Protocol):
+    num_blocks: int  # KV blocks every rank can hold (the minimum over ranks)
+    max_in_flight: int  # steps that may be submitted before the oldest is collected
+
+    def submit(self, msg: StepMessage) -> None: ...
+
+    def collect(self) -> StepResult:
+        """The result of the oldest submitted step not yet collected."""
+
+    def shutdown(self) -> None: ...
+
+
+def kv_blocks(capacities: list[int]) -> int:
+    num_blocks = min(capacities)
+    if num_blocks < 1:
+        raise ValueError("kv_cache_memory leaves room for no KV block; raise kv_cache_memory")
+    return num_blocks
+
+
+class InProcessExecutor:
+    """One rank holding the whole model, in the engine's own process."""
+
+    max_in_flight = 1
+
+    def __init__(self, spec: ModelSpec, config: EngineConfig):
+        self.runner = ModelRunner(
+            spec,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            block_size=config.block_size,
+            seed=config.seed,
+        )
+        self.num_blocks = kv_blocks([self.runner.kv_capacity(config.kv_cache_memory)])
+        self.runner.allocate_kv_cache(self.num_blocks)
+        self._results: deque[StepResult] = deque()
+
+    def submit(self, msg: StepMessage) -> None:
+        self._results.append(self.runner.execute(msg))
+
+    def collect(self) -> StepResult:
+        return self._results.popleft()
+
+    def shutdown(self) -> None:
+        self.runner = None

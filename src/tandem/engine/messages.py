@@ -1,0 +1,99 @@
+"""Typed messages between the engine core and model workers, encoded with msgpack (no pickle).
+
+The core sends one `StepMessage` per model step to every rank; the sampling rank answers with a
+`StepResult`. A step carries only what changed: new tokens, newly taken KV blocks, and sampling
+settings the first time a sequence is seen (rule: send the minimum each step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgpack
+
+
+@dataclass(slots=True)
+class SeqParams:
+    """What the sampling rank needs to know about a sequence, sent once."""
+
+    temperature: float
+    top_k: int  # <= 0: disabled
+    top_p: float
+    seed: int | None  # the sample's own stream (seed + sample index); None: engine's stream
+    logprobs: int | None
+    processed_logprobs: bool
+
+
+@dataclass(slots=True)
+class SeqStep:
+    seq_id: int
+    start: int  # tokens of this sequence already in the KV cache
+    token_ids: list[int]  # tokens to compute now (positions start, start+1, ...)
+    blocks: list[int]  # start == 0: the whole block table; else blocks appended since last step
+    params: SeqParams | None = None  # set the first time a rank sees this sequence
+
+
+@dataclass(slots=True)
+class StepMessage:
+    step_id: int
+    seqs: list[SeqStep]
+    released: list[int] = field(default_factory=list)  # finished sequences: drop their state
+
+
+@dataclass(slots=True)
+class Shutdown:
+    reason: str = "shutdown"
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+
+Message = StepMessage | Shutdown | StepResult
+
+
+def encode(msg: Message) -> bytes:
+    if isinstance(msg, StepMessage):
+        seqs = [
+            [
+                s.seq_id,
+                s.start,
+                s.token_ids,
+                s.blocks,
+                None if s.params is None else _params(s.params),
+            ]
+            for s in msg.seqs
+        ]
+        return msgpack.packb(["step", msg.step_id, seqs, msg.released])
+    if isinstance(msg, StepResult):
+        return msgpack.packb(
+            ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs]
+        )
+    if isinstance(msg, Shutdown):
+        return msgpack.packb(["shutdown", msg.reason])
+    raise TypeError(f"not a message: {type(msg).__name__}")
+
+
+def decode(data: bytes) -> Message:
+    kind, *body = msgpack.unpackb(data)
+    if kind == "step":
+        step_id, seqs, released = body
+        return StepMessage(
+            step_id,
+            [SeqStep(i, s, t, b, None if p is None else SeqParams(*p)) for i, s, t, b, p in seqs],
+            released,
+        )
+    if kind == "result":
+        return StepResult(*body)
+    if kind == "shutdown":
+        return Shutdown(*body)
+    raise ValueError(f"unknown message kind {kind!r}")
+
+
+def _params(p: SeqParams) -> list:
+    return [p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.processed_logprobs]
