@@ -25,6 +25,16 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
+    pipeline_layer_split: list[int] | None = Field(
+        None, description="decoder layers per pipeline stage (uneven allowed); default: even"
+    )
+    nnodes: int = Field(1, ge=1, description="hosts the TP x PP ranks are spread over")
+    master_addr: str = Field("127.0.0.1", description="this (the engine's) host, for workers")
+    master_port: int | None = Field(
+        None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
+    )
+    worker_start_timeout_s: float = Field(300.0, gt=0)
+    collective_timeout_s: float = Field(120.0, gt=0)
     kv_cache_memory: int | float = Field(
         1 << 30, description="bytes (int) or a fraction (0, 1] of free device memory (float)"
     )

@@ -36,3 +36,26 @@ class TPGroup:
 
 
 SINGLE = TPGroup()
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelDims:
+    """The degrees of parallelism and the rank layout: rank = pp_rank * tp + tp_rank, so a
+    tensor-parallel group is consecutive ranks (on one node when tp divides the node's ranks)."""
+
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    def coords(self, rank: int) -> tuple[int, int]:
+        """(pp_rank, tp_rank) of a global rank."""
+        return divmod(rank, self.tp)
+
+    def rank(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp + tp_rank
+
+    def tp_ranks(self, pp_rank: int) -> list[int]:
+        return [self.rank(pp_rank, t) for t in range(self.tp)]

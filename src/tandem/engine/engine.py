@@ -8,7 +8,7 @@ import time
 from collections import deque
 
 from tandem.config import EngineConfig
-from tandem.engine.executor import Executor, InProcessExecutor
+from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager, blocks_for
 from tandem.engine.messages import SeqParams, SeqStep, StepMessage, StepResult
 from tandem.engine.sampling_params import SamplingParams
@@ -41,11 +41,15 @@ class LLMEngine:
         self._step_ids = itertools.count()
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget
+        self.dead: str | None = None  # why the executor can no longer run steps
 
     @property
     def runner(self):
         """The in-process model runner (single-rank engines only)."""
         return self.executor.runner
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
@@ -88,11 +92,19 @@ class LLMEngine:
         """Fill the pipeline with steps, then finish the oldest; returns the sequences that
         finished in it. With P pipeline stages up to P steps (on disjoint sequences) are in
         flight, so every stage has work."""
-        self._fill_pipeline()
-        if not self._in_flight:
-            raise RuntimeError("scheduler produced an empty batch with requests pending")
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        try:
+            self._fill_pipeline()
+            if not self._in_flight:
+                raise RuntimeError("scheduler produced an empty batch with requests pending")
+            result = self.executor.collect()
+        except EngineDeadError as exc:
+            self.dead = str(exc)
+            self.executor.shutdown()
+            raise
         batch = self._in_flight.popleft()
-        self._append(batch, self.executor.collect())
+        self._append(batch, result)
         self.scheduler.finish_step(batch)
         finished = [s for s in batch.seqs if s.finished]
         self._released.extend(s.seq_id for s in finished)

@@ -83,8 +83,10 @@ class LLM:
         return RequestOutput(request_id, prompt, prompt_ids, completions, True, self.weight_version)
 
     def shutdown(self) -> None:
-        """Release the model and KV cache. (The multi-process engine also stops its workers.)"""
-        self.engine = None
+        """Stop the workers (if any) and release the model and KV cache. Idempotent."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
 
     def __enter__(self) -> LLM:
         return self

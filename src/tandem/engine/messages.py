@@ -46,6 +46,38 @@ class Shutdown:
 
 
 @dataclass(slots=True)
+class Hello:
+    """A worker's first frame on the control connection."""
+
+    rank: int
+    token: str  # the engine's secret: connections that do not know it are dropped
+    pid: int
+
+
+@dataclass(slots=True)
+class Capacity:
+    """KV blocks a rank can hold within the budget, reported once after loading."""
+
+    rank: int
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class Start:
+    """The engine's answer to all capacities: the block count every rank allocates."""
+
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class Failure:
+    """A worker's last words before it exits on an error."""
+
+    rank: int
+    error: str
+
+
+@dataclass(slots=True)
 class StepResult:
     step_id: int
     token_ids: list[int]
@@ -54,7 +86,10 @@ class StepResult:
     top_logprobs: list[list[float]] | None = None
 
 
-Message = StepMessage | Shutdown | StepResult
+Message = StepMessage | Shutdown | StepResult | Hello | Capacity | Start | Failure
+_SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
+           "failure": Failure}  # fmt: skip
+_KIND = {cls: kind for kind, cls in _SIMPLE.items()}
 
 
 def encode(msg: Message) -> bytes:
@@ -74,8 +109,8 @@ def encode(msg: Message) -> bytes:
         return msgpack.packb(
             ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs]
         )
-    if isinstance(msg, Shutdown):
-        return msgpack.packb(["shutdown", msg.reason])
+    if type(msg) in _KIND:
+        return msgpack.packb([_KIND[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
     raise TypeError(f"not a message: {type(msg).__name__}")
 
 
@@ -90,8 +125,8 @@ def decode(data: bytes) -> Message:
         )
     if kind == "result":
         return StepResult(*body)
-    if kind == "shutdown":
-        return Shutdown(*body)
+    if kind in _SIMPLE:
+        return _SIMPLE[kind](*body)
     raise ValueError(f"unknown message kind {kind!r}")
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import tandem.models  # noqa: F401  (registers the built-in architectures)
 from tandem.errors import ModelLoadError, UnsupportedModelError
-from tandem.layers.placement import unique_parameters
+from tandem.layers.placement import canonical_shapes, unique_parameters
 from tandem.layers.rotary import RopeParameters
 from tandem.models.registry import model_class, registered_architectures
 from tandem.models.stages import Stage, prune_to_stage
@@ -179,13 +179,15 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
     """Fill every parameter from the checkpoint; all problems are reported at once, first."""
     params = unique_parameters(model)
     needed = {p.name: p.full_shape for param in params for p in param.pieces}
-    stored = _canonical_names(checkpoint_files(spec.path), spec.cls, needed)
+    with torch.device("meta"):  # the whole model's names: other stages read the rest
+        known = canonical_shapes(spec.cls(spec.config, SINGLE))
+    stored = _canonical_names(checkpoint_files(spec.path), spec.cls, known)
     ignorable = set(getattr(spec.cls, "unused_checkpoint_tensors", lambda c: set())(spec.config))
     problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored]
     problems += [
         f"unexpected tensor {stored[n][0]}"
         for n in sorted(stored)
-        if n not in needed and stored[n][0] not in ignorable
+        if n not in known and stored[n][0] not in ignorable
     ]
     with ExitStack() as stack:
         handles = {f: stack.enter_context(_open(f)) for f in {f for _, f in stored.values()}}
@@ -208,7 +210,7 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
 
 
 def _canonical_names(
-    files: dict[str, Path], cls: type[nn.Module], needed: dict
+    files: dict[str, Path], cls: type[nn.Module], known: dict
 ) -> dict[str, tuple[str, Path]]:
     """Canonical name -> (name on disk, file). A model may declare ``optional_prefix``: a
     checkpoint that omits it (GPT-2 hub files lack ``transformer.``) still maps exactly."""
@@ -216,7 +218,7 @@ def _canonical_names(
     out = {}
     for disk_name, fname in files.items():
         canonical = disk_name
-        if prefix and disk_name not in needed and prefix + disk_name in needed:
+        if prefix and disk_name not in known and prefix + disk_name in known:
             canonical = prefix + disk_name
         out[canonical] = (disk_name, fname)
     return out

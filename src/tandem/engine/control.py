@@ -1,0 +1,120 @@
+"""The control channel between the engine core and its workers: length-prefixed msgpack frames
+over TCP (no pickle). Data flows down as step messages and back as results; a closed connection
+means the worker is gone, which the engine notices at once."""
+
+from __future__ import annotations
+
+import hmac
+import selectors
+import socket
+import struct
+import time
+
+from tandem.engine.messages import Failure, Hello, Message, decode, encode
+
+_HEADER = struct.Struct("!I")
+MAX_FRAME = 1 << 30
+
+
+class PeerGone(ConnectionError):
+    """The other end closed the connection (its process exited or crashed)."""
+
+
+def send(sock: socket.socket, msg: Message) -> None:
+    data = encode(msg)
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def recv(sock: socket.socket) -> Message:
+    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"control frame of {size} bytes exceeds {MAX_FRAME}")
+    return decode(_recv_exactly(sock, size))
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise PeerGone("connection closed")
+        buf += chunk
+    return bytes(buf)
+
+
+def connect(host: str, port: int, hello: Hello, timeout: float = 60.0) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    send(sock, hello)
+    return sock
+
+
+class ControlServer:
+    """The engine side: one connection per worker rank, authenticated by a shared token."""
+
+    def __init__(self, host: str, token: str, world_size: int):
+        self.token = token
+        self.world_size = world_size
+        self.listener = socket.create_server((host, 0))
+        self.address = self.listener.getsockname()[:2]
+        self.peers: dict[int, socket.socket] = {}
+        self.pids: dict[int, int] = {}
+        self._selector = selectors.DefaultSelector()
+
+    def accept_all(self, deadline: float, check_alive) -> None:
+        """Wait until every rank has connected; ``check_alive`` raises if a local worker died."""
+        self.listener.settimeout(0.5)
+        while len(self.peers) < self.world_size:
+            check_alive()
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(self.peers))
+                raise TimeoutError(f"worker ranks {missing} did not connect in time")
+            try:
+                sock, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(10.0)
+            try:
+                hello = recv(sock)
+            except (OSError, ValueError, PeerGone):
+                sock.close()
+                continue
+            if not isinstance(hello, Hello) or not hmac.compare_digest(hello.token, self.token):
+                sock.close()  # not one of ours
+                continue
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.peers[hello.rank] = sock
+            self.pids[hello.rank] = hello.pid
+            self._selector.register(sock, selectors.EVENT_READ, hello.rank)
+        self.listener.close()
+
+    def broadcast(self, msg: Message) -> None:
+        data = encode(msg)
+        frame = _HEADER.pack(len(data)) + data
+        for rank, sock in self.peers.items():
+            try:
+                sock.sendall(frame)
+            except OSError as exc:
+                raise PeerGone(f"worker rank {rank} is gone ({exc})") from None
+
+    def receive(self, timeout: float) -> tuple[int, Message] | None:
+        """The next frame from any worker, or None after ``timeout`` seconds.
+        Raises PeerGone naming the rank whose connection closed."""
+        for key, _ in self._selector.select(timeout):
+            rank = key.data
+            try:
+                msg = recv(key.fileobj)
+            except (PeerGone, OSError):
+                raise PeerGone(f"worker rank {rank} (pid {self.pids[rank]}) exited") from None
+            if isinstance(msg, Failure):
+                raise PeerGone(f"worker rank {msg.rank} failed: {msg.error}")
+            return rank, msg
+        return None
+
+    def close(self) -> None:
+        for sock in self.peers.values():
+            sock.close()
+        self._selector.close()
+        self.listener.close()

@@ -1,0 +1,179 @@
+"""The multi-process executor: T x P worker processes joined by torch.distributed.
+
+The engine process hosts the c10d rendezvous store and the control server; it holds no model
+rank itself, so a dead or stuck worker can never block it inside a collective. Workers on this
+host are started here; workers on other hosts by `tandem serve --node-rank N` (`run_node`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from datetime import timedelta
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig
+from tandem.engine.control import ControlServer, PeerGone
+from tandem.engine.executor import EngineDeadError, kv_blocks
+from tandem.engine.messages import Capacity, Shutdown, Start, StepMessage, StepResult
+from tandem.engine.worker import ENV, WorkerArgs
+from tandem.models.loader import ModelSpec
+from tandem.models.stages import split_layers
+from tandem.parallel import ParallelDims, TPGroup
+
+CONTROL_KEY = "tandem/control"
+
+
+class MultiprocExecutor:
+    def __init__(self, spec: ModelSpec, config: EngineConfig):
+        dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+        check_layout(spec, config, dims)
+        self.max_in_flight = dims.pp
+        self._token = secrets.token_hex(16)
+        self._server = ControlServer(config.master_addr, self._token, dims.world_size)
+        self._store = None
+        self._tmpdir = None
+        if config.nnodes == 1:
+            self._tmpdir = tempfile.mkdtemp(prefix="tandem-rdzv-")  # private (0700)
+            rendezvous = f"file://{self._tmpdir}/store"
+        else:
+            self._store = dist.TCPStore(
+                config.master_addr, config.master_port or 29500, dims.world_size + 1,
+                is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
+            )  # fmt: skip
+            host, port = self._server.address
+            self._store.set(CONTROL_KEY, msgpack.packb([host, port, self._token]))
+            rendezvous = f"tcp://{config.master_addr}:{self._store.port}"
+        local = dims.world_size // config.nnodes
+        self._procs = spawn_workers(
+            config, range(local), rendezvous, self._server.address, self._token, spec
+        )
+        self._finalizer = weakref.finalize(
+            self, _release, self._procs, self._server, self._store, self._tmpdir
+        )
+        try:
+            deadline = time.monotonic() + config.worker_start_timeout_s
+            self._server.accept_all(deadline, self._check_alive)
+            capacities = [
+                self._receive(Capacity, deadline).num_blocks for _ in range(dims.world_size)
+            ]
+            self.num_blocks = kv_blocks(capacities)
+            self._server.broadcast(Start(self.num_blocks))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def submit(self, msg: StepMessage) -> None:
+        try:
+            self._server.broadcast(msg)
+        except PeerGone as exc:
+            raise EngineDeadError(str(exc)) from None
+
+    def collect(self) -> StepResult:
+        return self._receive(StepResult, deadline=None)
+
+    def _receive(self, kind, deadline: float | None):
+        while True:
+            self._check_alive()
+            try:
+                got = self._server.receive(timeout=0.2)
+            except PeerGone as exc:
+                raise EngineDeadError(str(exc)) from None
+            if got is not None:
+                rank, msg = got
+                if not isinstance(msg, kind):
+                    raise EngineDeadError(
+                        f"rank {rank} sent {type(msg).__name__}, not {kind.__name__}"
+                    )
+                return msg
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineDeadError(f"workers did not report {kind.__name__} in time")
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                raise EngineDeadError(
+                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+                )
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def shutdown(self) -> None:
+        try:
+            self._server.broadcast(Shutdown())
+        except (PeerGone, OSError):
+            pass
+        self._finalizer()
+        self._store = None
+
+
+def check_layout(spec: ModelSpec, config: EngineConfig, dims: ParallelDims) -> None:
+    """Fail at start-up, in this process, on sizes that cannot be split."""
+    if dims.world_size % config.nnodes:
+        raise ValueError(
+            f"tensor_parallel_size x pipeline_parallel_size ({dims.world_size}) must be a "
+            f"multiple of nnodes ({config.nnodes})"
+        )
+    split_layers(spec.num_layers, dims.pp, config.pipeline_layer_split)
+    with torch.device("meta"):
+        spec.cls(spec.config, TPGroup(0, dims.tp))  # raises ValueError naming the field
+
+
+def spawn_workers(
+    config, ranks, rendezvous, control_address, token, spec
+) -> list[subprocess.Popen]:
+    module = spec.cls.__module__
+    if module == "__main__":
+        raise ValueError(
+            f"architecture {spec.architecture} is registered in __main__; worker processes "
+            "import models by module, so register it in an importable module"
+        )
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    if config.nnodes == 1 and sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = []
+    ranks = list(ranks)
+    for local_rank, rank in enumerate(ranks):
+        args = WorkerArgs(
+            rank=rank, local_rank=local_rank, local_world_size=len(ranks),
+            config=config.model_dump(), rendezvous=rendezvous, control_host=control_address[0],
+            control_port=control_address[1], token=token, model_modules=[module],
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "tandem.engine.worker"], env={**env, ENV: args.to_env()}
+            )
+        )
+    return procs
+
+
+def _release(procs, server, store, tmpdir) -> None:
+    """Stop the workers (politely, then by force) and free ports and files. Idempotent."""
+    server.close()  # a worker still waiting for a step sees the connection close and exits
+    deadline = time.monotonic() + 10
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    if tmpdir is not None:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    del store  # the rendezvous port closes with the last reference

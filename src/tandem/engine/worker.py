@@ -1,0 +1,147 @@
+"""A model worker process: one tensor/pipeline-parallel rank.
+
+Started as ``python -m tandem.engine.worker`` with its arguments as JSON in the environment
+(``TANDEM_WORKER``), never pickled. It joins the torch.distributed group through the engine's
+c10d rendezvous, loads its shard, reports its KV capacity, then runs every step message in order
+until told to stop. When the engine's connection closes, the worker exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from importlib import import_module
+
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig
+from tandem.engine import control
+from tandem.engine.messages import Capacity, Failure, Hello, Shutdown, Start, StepMessage
+from tandem.engine.model_runner import ModelRunner
+from tandem.models.loader import read_model_spec
+from tandem.models.stages import split_layers
+from tandem.parallel import ParallelDims, TPGroup
+
+ENV = "TANDEM_WORKER"
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    rank: int
+    local_rank: int
+    local_world_size: int
+    config: dict  # EngineConfig fields
+    rendezvous: str  # torch.distributed init_method (file:// or tcp://)
+    control_host: str
+    control_port: int
+    token: str
+    model_modules: list[str]  # modules to import so custom architectures are registered
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> WorkerArgs:
+        return cls(**json.loads(os.environ[ENV]))
+
+
+class PipeChannel:
+    """Hidden states between neighbouring pipeline stages (same TP rank), point to point.
+    Sends are asynchronous so a stage can start its next step while the previous one travels."""
+
+    def __init__(self, prev_rank: int | None, next_rank: int | None, device: torch.device):
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.prev_rank)
+        return buf
+
+    def send(self, hidden: torch.Tensor) -> None:
+        self.flush()
+        hidden = hidden.contiguous()
+        self._pending = (dist.isend(hidden, dst=self.next_rank), hidden)
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
+
+def main() -> int:
+    args = WorkerArgs.from_env()
+    config = EngineConfig(**args.config)
+    hello = Hello(args.rank, args.token, os.getpid())
+    sock = control.connect(args.control_host, args.control_port, hello)
+    try:
+        run(args, config, sock)
+    except control.PeerGone:
+        return 0  # the engine went away: nothing left to serve
+    except Exception as exc:
+        traceback.print_exc()
+        try:
+            control.send(sock, Failure(args.rank, f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))
+    for module in args.model_modules:
+        import_module(module)
+    dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", args.local_rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=args.rendezvous,
+        rank=args.rank,
+        world_size=dims.world_size,
+        timeout=timedelta(seconds=config.collective_timeout_s),
+    )
+    pp_rank, tp_rank = dims.coords(args.rank)
+    tp_groups = [dist.new_group(dims.tp_ranks(p)) for p in range(dims.pp)]
+    tp = TPGroup(tp_rank, dims.tp, tp_groups[pp_rank])
+    spec = read_model_spec(config.model)
+    stage = split_layers(spec.num_layers, dims.pp, config.pipeline_layer_split)[pp_rank]
+    pipe = PipeChannel(
+        dims.rank(pp_rank - 1, tp_rank) if not stage.is_first else None,
+        dims.rank(pp_rank + 1, tp_rank) if not stage.is_last else None,
+        device,
+    )
+    runner = ModelRunner(
+        spec, dtype=config.torch_dtype, device=device, block_size=config.block_size,
+        seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
+    )  # fmt: skip
+    control.send(sock, Capacity(args.rank, runner.kv_capacity(config.kv_cache_memory)))
+    start = control.recv(sock)
+    if not isinstance(start, Start):
+        raise RuntimeError(f"expected Start, got {type(start).__name__}")
+    runner.allocate_kv_cache(start.num_blocks)
+    while True:
+        msg = control.recv(sock)
+        if isinstance(msg, Shutdown):
+            pipe.flush()
+            return
+        if not isinstance(msg, StepMessage):
+            raise RuntimeError(f"unexpected control message {type(msg).__name__}")
+        result = runner.execute(msg)
+        if result is not None:
+            control.send(sock, result)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
