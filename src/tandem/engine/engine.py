@@ -42,6 +42,7 @@ class LLMEngine:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget
         self.dead: str | None = None  # why the executor can no longer run steps
+        self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
 
     @property
     def runner(self):
@@ -121,6 +122,7 @@ class LLMEngine:
                 return
             self.executor.submit(self._message(batch))
             self._in_flight.append(batch)
+            self.peak_in_flight = max(self.peak_in_flight, len(self._in_flight))
 
     def _message(self, batch: ScheduledBatch) -> StepMessage:
         steps = []
