@@ -100,10 +100,7 @@ def test_uneven_pipeline_split_and_overlap(model_factory):
             assert llm.engine.peak_in_flight == 2, "the pipeline never had two steps in flight"
         for e, g in zip(expected, got, strict=True):
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
-            assert (
-                max(abs(a - b) for a, b in zip(e.outputs[0].logprobs, g.outputs[0].logprobs))
-                <= 1e-5
-            )
+            assert _max_diff(e.outputs[0].logprobs, g.outputs[0].logprobs) <= 1e-5
 
 
 def test_preemption_under_tensor_parallel(llama_dir):
