@@ -25,6 +25,13 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1)
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    max_wait_s: float = Field(
+        30.0, gt=0, description="a request waiting longer is admitted before younger ones"
+    )
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="static: admit a new batch only when the last one finished"
+    )
     pipeline_layer_split: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (uneven allowed); default: even"
     )

@@ -35,7 +35,14 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.spec.path)
         self.executor: Executor = _make_executor(self.spec, config)
         self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, max_batched)
+        self.scheduler = Scheduler(
+            self.blocks,
+            config.max_num_seqs,
+            max_batched,
+            policy=config.scheduling_policy,
+            max_wait_s=config.max_wait_s,
+            batching=config.batching,
+        )
         self.weight_version = 0
         self._seq_ids = itertools.count()
         self._step_ids = itertools.count()
@@ -53,7 +60,7 @@ class LLMEngine:
         self.executor.shutdown()
 
     def make_sequences(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:
         """Check one request and turn it into its ``n`` samples (not queued yet)."""
         if not prompt_ids:
@@ -78,7 +85,9 @@ class LLMEngine:
             )
         now = time.monotonic()
         return [
-            Sequence(next(self._seq_ids), request_id, i, prompt_ids, params, max_tokens, now)
+            Sequence(
+                next(self._seq_ids), request_id, i, prompt_ids, params, max_tokens, now, priority
+            )
             for i in range(params.n)
         ]
 

@@ -37,11 +37,13 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are checked before any is queued: a bad one raises ``ValueError`` and
-        nothing runs.
+        ``priority`` (one int per prompt, lower first) matters with
+        ``scheduling_policy="priority"``. All prompts are checked before any is queued: a bad
+        one raises ``ValueError`` and nothing runs.
         """
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
@@ -54,12 +56,15 @@ class LLM:
             raise ValueError(
                 f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts"
             )
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         requests = []
-        for prompt, params in zip(prompts, sampling_params, strict=True):
+        for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
             request_id = str(self._request_ids)
             self._request_ids += 1
             ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            seqs = self.engine.make_sequences(request_id, ids, params)
+            seqs = self.engine.make_sequences(request_id, ids, params, prio)
             requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
         for *_, seqs in requests:
             self.engine.add(seqs)

@@ -3,12 +3,23 @@
 Every step, running sequences advance one token (decode) and waiting ones join with their whole
 prompt (prefill), all in one flat batch. KV blocks are taken on demand; when they run out, the
 newest running sequences are preempted (blocks freed, recomputed later).
+
+Admission order: preempted sequences first, then any request that has waited longer than
+``max_wait_s`` (the starvation bound), then by priority (lower first, with the ``priority``
+policy) and arrival. The first candidate that does not fit stops admission for the step: a long
+request is never overtaken by shorter ones that happen to fit.
+
+``batching="static"`` is the request-level baseline: a new batch is admitted only when the
+previous one has completely finished.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from tandem.engine.kv_cache import BlockManager
 from tandem.engine.sequence import Sequence, SequenceStatus
@@ -24,16 +35,35 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        *,
+        policy: Literal["fcfs", "priority"] = "fcfs",
+        max_wait_s: float = 30.0,
+        batching: Literal["continuous", "static"] = "continuous",
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self.max_wait_s = max_wait_s
+        self.batching = batching
+        self.clock = clock
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def _admission_key(self, seq: Sequence, now: float) -> tuple:
+        starving = now - seq.arrival > self.max_wait_s
+        priority = seq.priority if self.policy == "priority" else 0
+        return (not seq.preempted, not starving, priority, seq.arrival, seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -70,24 +100,33 @@ class Scheduler:
         return preempted
 
     def _admit_waiting(self, batch: ScheduledBatch, limit: int) -> None:
+        if self.batching == "static" and self.running:
+            return
+        now = self.clock()
+        self.waiting.sort(key=lambda s: self._admission_key(s, now))
         budget = self.max_num_batched_tokens - sum(batch.num_new_tokens)
-        while self.waiting and len(self.running) < self.max_num_seqs and len(batch) < limit:
-            seq = self.waiting[0]
+        admitted = 0
+        for seq in self.waiting:
+            if len(self.running) >= self.max_num_seqs or len(batch) >= limit:
+                break
             if seq.num_uncached_tokens > budget or not self.blocks.can_grow(seq, len(seq)):
                 break
-            self.waiting.popleft()
+            admitted += 1
+            seq.preempted = False
             self.blocks.grow(seq, len(seq))
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.seqs.append(seq)
             batch.num_new_tokens.append(seq.num_uncached_tokens)
             budget -= seq.num_uncached_tokens
+        del self.waiting[:admitted]
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        seq.preempted = True
+        self.waiting.append(seq)
         self.num_preemptions += 1
 
     def finish_step(self, batch: ScheduledBatch) -> None:

@@ -23,6 +23,7 @@ class Sequence:
         params: SamplingParams,
         max_tokens: int,
         arrival: float,
+        priority: int = 0,
     ):
         self.seq_id = seq_id
         self.request_id = request_id
@@ -32,6 +33,8 @@ class Sequence:
         self.params = params
         self.max_tokens = max_tokens
         self.arrival = arrival
+        self.priority = priority  # lower runs first under the "priority" policy
+        self.preempted = False  # waiting again after losing its KV blocks: goes first
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0  # tokens whose keys/values are in the KV cache
         self.block_table: list[int] = []
