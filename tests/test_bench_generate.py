@@ -34,7 +34,14 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
         assert entry["transformers_tokens_counted"] == entry["tokens"]
         for side in ("tandem", "transformers"):
             assert _positive(entry[f"{side}_tokens_per_s"]), (name, side)
-    assert set(result["ratios"]) == {"batch1_vs_transformers", "mixed_vs_transformers"}
+    assert set(result["ratios"]) == {
+        "batch1_vs_transformers", "mixed_vs_transformers", "continuous_vs_static",
+    }  # fmt: skip
+    batching = result["batching"]
+    for mode in ("continuous", "static"):
+        assert batching[mode]["tokens"] == result["mixed"]["tokens"]
+        assert 0 < batching[mode]["latency_mean_s"] <= batching[mode]["latency_p99_s"]
+        assert _positive(batching[mode]["tokens_per_s"])
     assert all(_positive(v) for v in result["ratios"].values())
     ratio = result["batch1"]["tandem_tokens_per_s"] / result["batch1"]["transformers_tokens_per_s"]
     assert result["ratios"]["batch1_vs_transformers"] == pytest.approx(ratio, rel=1e-2)

@@ -66,7 +66,7 @@ def _bench(args) -> int:
     if args.what == "generate":
         from tandem.bench.generate import run
 
-        result = run(quick=args.quick)
+        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
     else:
         print(f"tandem bench {args.what}: not available yet", file=sys.stderr)
         return 2
@@ -113,6 +113,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["generate", "serve", "sync"])
     b.add_argument("--json", action="store_true", help="print the full JSON result")
     b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
+    b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
+    b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.set_defaults(func=_bench)
     return p
 

@@ -14,6 +14,12 @@ divided by wall-clock seconds, prefill included. Two scenarios:
 Each side gets one untimed warm-up per scenario, then each scenario is timed 3 times per side,
 the sides alternating, and the best run counts. Prompts are random token ids (fixed seeds) that
 never contain the EOS id. ``--quick`` shrinks the model and the workload to seconds.
+
+- ``batching``: the same mixed requests on tandem's engine (``--tp``/``--pp`` ranks) with a
+  batch capacity of 16 sequences, once with continuous (iteration-level) batching and once with
+  static FIFO batches (a batch runs until all its requests finish, then the next is admitted:
+  the request-level baseline Energon-AI compared against). Throughput, mean and p99 request
+  latency (all requests arrive at once) for each.
 """
 
 from __future__ import annotations
@@ -55,13 +61,14 @@ SETUPS: dict[bool, tuple[str, dict[str, Any], int, tuple[int, int], tuple[int, .
     True: (".tandem/bench-llama-quick", QUICK_MODEL, 1024, (16, 16), (24, 8, 64, 4, 32)),
 }
 HF_BATCH = 16
+BATCH_CAPACITY = 16  # sequences per step in the continuous-vs-static comparison
 REPEATS = 3
 
 Request = tuple[list[int], int]  # prompt ids, requested output tokens
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Build (or reuse) the model, time both scenarios on both sides, return the figures."""
+def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """Build (or reuse) the model, time every scenario on every side, return the figures."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -90,7 +97,11 @@ def run(quick: bool = False) -> dict[str, Any]:
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
     kv_tokens = sum(len(p) + n + 16 for p, n in mixed)  # every request resident: no preemption
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=kv_per_token * kv_tokens)
+    engine_options = dict(
+        dtype="float32", kv_cache_memory=kv_per_token * kv_tokens,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    )  # fmt: skip
+    llm = LLM(str(path), **engine_options)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # ignore EOS, as tandem's ignore_eos does
     pad = min(eos_ids)
@@ -108,6 +119,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         },
         "threads": torch.get_num_threads(),
         "quick": quick,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
     }
     scenarios = {
         "batch1": (batch1, batch1),
@@ -136,7 +149,43 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
         for name in scenarios
     }
+    llm.shutdown()
+    result["batching"] = _batching(path, engine_options, mixed)
+    result["ratios"]["continuous_vs_static"] = round(
+        result["batching"]["continuous"]["tokens_per_s"]
+        / result["batching"]["static"]["tokens_per_s"],
+        3,
+    )
     return result
+
+
+def _batching(path: Path, options: dict[str, Any], reqs: list[Request]) -> dict[str, Any]:
+    """Continuous vs static batches on the same engine and capacity (best of REPEATS each)."""
+    out: dict[str, Any] = {"batch_capacity": BATCH_CAPACITY, "requests": len(reqs)}
+    for mode in ("continuous", "static"):
+        with LLM(str(path), max_num_seqs=BATCH_CAPACITY, batching=mode, **options) as llm:
+            _tandem(llm, [(p, min(n, 4)) for p, n in reqs[:BATCH_CAPACITY]])  # warm-up
+            best = None
+            for _ in range(REPEATS):
+                start = time.perf_counter()
+                outs = _generate(llm, reqs)
+                seconds = time.perf_counter() - start
+                if best is None or seconds < best[0]:
+                    best = (seconds, outs)
+        seconds, outs = best
+        latencies = sorted(o.metrics.latency for o in outs)
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        out[mode] = {
+            "seconds": round(seconds, 4),
+            "tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 2),
+            "latency_mean_s": round(sum(latencies) / len(latencies), 4),
+            "latency_p99_s": round(
+                latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 4
+            ),
+        }
+    out["timing"] = f"best of {REPEATS} runs per mode"
+    return out
 
 
 def _prompt(rng: random.Random, length: int, vocab: int, eos_ids: set[int]) -> list[int]:
@@ -155,10 +204,14 @@ def _timed(fn: Callable[[list[Request]], int], reqs: list[Request]) -> tuple[flo
     return seconds, produced
 
 
+def _generate(llm: LLM, reqs: list[Request]):
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    return llm.generate([p for p, _ in reqs], params)
+
+
 def _tandem(llm: LLM, reqs: list[Request]) -> int:
     """All requests in one call; returns the tokens produced (checked per request)."""
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
-    outs = llm.generate([p for p, _ in reqs], params)
+    outs = _generate(llm, reqs)
     counts = [len(o.outputs[0].token_ids) for o in outs]
     if counts != [n for _, n in reqs]:
         raise RuntimeError(f"tandem produced {counts} tokens, asked {[n for _, n in reqs]}")

@@ -150,9 +150,12 @@ class LLMEngine:
         return msg
 
     def _append(self, batch: ScheduledBatch, out: StepResult) -> None:
+        now = time.monotonic()
         for row, seq in enumerate(batch.seqs):
             token = out.token_ids[row]
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
             k = seq.params.logprobs
             if k is not None:
                 seq.logprobs.append(out.logprobs[row])

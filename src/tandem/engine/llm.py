@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.outputs import CompletionOutput, RequestOutput
+from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
@@ -85,7 +85,15 @@ class LLM:
             )
             for s in seqs
         ]
-        return RequestOutput(request_id, prompt, prompt_ids, completions, True, self.weight_version)
+        firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+        metrics = RequestMetrics(
+            arrival_time=min(s.arrival for s in seqs),
+            first_token_time=min(firsts) if firsts else None,
+            finished_time=max(s.finished_time for s in seqs),
+        )
+        return RequestOutput(
+            request_id, prompt, prompt_ids, completions, True, self.weight_version, metrics
+        )
 
     def shutdown(self) -> None:
         """Stop the workers (if any) and release the model and KV cache. Idempotent."""

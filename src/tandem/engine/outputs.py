@@ -21,6 +21,19 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """Times (``time.monotonic()`` seconds) of one request's life in the engine."""
+
+    arrival_time: float
+    first_token_time: float | None
+    finished_time: float | None
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -28,3 +41,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
     weight_version: int = 0  # version of the weights that generated every token of it
+    metrics: RequestMetrics | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum, auto
 
 from tandem.engine.sampling_params import SamplingParams
@@ -35,6 +36,8 @@ class Sequence:
         self.arrival = arrival
         self.priority = priority  # lower runs first under the "priority" policy
         self.preempted = False  # waiting again after losing its KV blocks: goes first
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.num_cached_tokens = 0  # tokens whose keys/values are in the KV cache
         self.block_table: list[int] = []
@@ -66,6 +69,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def finish(self, reason: str, stop_reason: str | int | None = None) -> None:
+        self.finished_time = time.monotonic()
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
