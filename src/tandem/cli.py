@@ -29,7 +29,9 @@ def _generate(args) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, logprobs=0 if args.logprobs else None,
     )  # fmt: skip
-    with LLM(args.model, dtype=args.dtype, device=args.device) as llm:
+    options = dict(dtype=args.dtype, device=args.device, model_modules=args.model_module)
+    options.update(tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)
+    with LLM(args.model, **options) as llm:
         for out in llm.generate(args.prompt, params):
             c = out.outputs[0]
             record = {"prompt": out.prompt, "text": c.text, "token_ids": c.token_ids}
@@ -60,6 +62,27 @@ def _demo(args) -> int:
     print(f"{len(outs)} requests, {generated} tokens in {seconds:.2f} s: "
           f"{generated / seconds:.0f} tokens/s (random-init model: the text is noise)")  # fmt: skip
     return 0
+
+
+def _serve(args) -> int:
+    from tandem.config import EngineConfig
+    from tandem.engine.multiproc import run_node
+
+    config = EngineConfig(
+        model=args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+        dtype=args.dtype, device=args.device, nnodes=args.nnodes, master_addr=args.master_addr,
+        master_port=args.master_port, model_modules=args.model_module,
+    )  # fmt: skip
+    if args.node_rank == 0:
+        print(
+            "error: the HTTP server (node rank 0) is not available yet; run the engine on node 0 "
+            "with LLM(..., nnodes=N, master_addr=..., master_port=...)",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"node {args.node_rank}/{args.nnodes}: joining the engine at "
+          f"{args.master_addr}:{args.master_port}", flush=True)  # fmt: skip
+    return run_node(config, args.node_rank)
 
 
 def _bench(args) -> int:
@@ -102,7 +125,25 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", action="store_true")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="cpu")
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--model-module", action="append", default=[],
+                   help="import this module first (registers a custom architecture)")  # fmt: skip
     g.set_defaults(func=_generate)
+
+    s = sub.add_parser("serve", help="serve a model; with --node-rank N >= 1, host node N's ranks")
+    s.add_argument("--model", required=True)
+    s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    s.add_argument("--dtype", default="float32")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--nnodes", type=int, default=1)
+    s.add_argument("--node-rank", type=int, default=0)
+    s.add_argument("--master-addr", default="127.0.0.1", help="the engine's (node 0) address")
+    s.add_argument("--master-port", type=int, default=None, help="the engine's c10d port")
+    s.add_argument("--model-module", action="append", default=[],
+                   help="import this module first (registers a custom architecture)")  # fmt: skip
+    s.set_defaults(func=_serve)
 
     d = sub.add_parser("demo", help="the main job on a built-in tiny model")
     d.add_argument("--model-dir", default=".tandem/tiny-llama")

@@ -16,6 +16,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str
+    model_modules: list[str] = Field(
+        default_factory=list,
+        description="modules to import first: they register custom architectures",
+    )
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

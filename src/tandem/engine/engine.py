@@ -16,11 +16,13 @@ from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
 from tandem.models.loader import read_model_spec
+from tandem.models.registry import import_model_modules
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
+        import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model)
         limit = self.spec.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:

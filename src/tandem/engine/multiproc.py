@@ -26,7 +26,8 @@ from tandem.engine.control import ControlServer, PeerGone
 from tandem.engine.executor import EngineDeadError, kv_blocks
 from tandem.engine.messages import Capacity, Shutdown, Start, StepMessage, StepResult
 from tandem.engine.worker import ENV, WorkerArgs
-from tandem.models.loader import ModelSpec
+from tandem.models.loader import ModelSpec, read_model_spec
+from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
 from tandem.parallel import ParallelDims, TPGroup
 
@@ -149,7 +150,8 @@ def spawn_workers(
         args = WorkerArgs(
             rank=rank, local_rank=local_rank, local_world_size=len(ranks),
             config=config.model_dump(), rendezvous=rendezvous, control_host=control_address[0],
-            control_port=control_address[1], token=token, model_modules=[module],
+            control_port=control_address[1], token=token,
+            model_modules=[*config.model_modules, module],
         )  # fmt: skip
         procs.append(
             subprocess.Popen(
@@ -177,3 +179,34 @@ def _release(procs, server, store, tmpdir) -> None:
     if tmpdir is not None:
         shutil.rmtree(tmpdir, ignore_errors=True)
     del store  # the rendezvous port closes with the last reference
+
+
+def run_node(config: EngineConfig, node_rank: int) -> int:
+    """Host this node's share of the ranks for an engine on another host (``node_rank`` >= 1).
+
+    Finds the engine through the c10d store at ``master_addr:master_port``, starts the local
+    workers and returns when they exit (the engine shut down or failed)."""
+    if not 1 <= node_rank < config.nnodes:
+        raise ValueError(f"node_rank must be in [1, {config.nnodes}) here, got {node_rank}")
+    if config.master_port is None:
+        raise ValueError("master_port is required to join an engine on another node")
+    dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+    import_model_modules(config.model_modules)
+    spec = read_model_spec(config.model)
+    check_layout(spec, config, dims)
+    store = dist.TCPStore(
+        config.master_addr, config.master_port, is_master=False,
+        timeout=timedelta(seconds=config.worker_start_timeout_s),
+    )  # fmt: skip
+    host, port, token = msgpack.unpackb(store.get(CONTROL_KEY))
+    per_node = dims.world_size // config.nnodes
+    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    rendezvous = f"tcp://{config.master_addr}:{config.master_port}"
+    procs = spawn_workers(config, ranks, rendezvous, (host, port), token, spec)
+    del store
+    try:
+        return max(proc.wait() for proc in procs)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

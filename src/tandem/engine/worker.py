@@ -14,7 +14,6 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from importlib import import_module
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ from tandem.engine import control
 from tandem.engine.messages import Capacity, Failure, Hello, Shutdown, Start, StepMessage
 from tandem.engine.model_runner import ModelRunner
 from tandem.models.loader import read_model_spec
+from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
 from tandem.parallel import ParallelDims, TPGroup
 
@@ -36,7 +36,7 @@ class WorkerArgs:
     local_rank: int
     local_world_size: int
     config: dict  # EngineConfig fields
-    rendezvous: str  # torch.distributed init_method (file:// or tcp://)
+    rendezvous: str  # the c10d store: file://PATH or tcp://HOST:PORT
     control_host: str
     control_port: int
     token: str
@@ -98,8 +98,7 @@ def main() -> int:
 
 def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))
-    for module in args.model_modules:
-        import_module(module)
+    import_model_modules(args.model_modules)
     dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
     device = torch.device(config.device)
     if device.type == "cuda":
@@ -107,7 +106,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         torch.cuda.set_device(device)
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
-        init_method=args.rendezvous,
+        store=_rendezvous_store(args.rendezvous, dims.world_size, config),
         rank=args.rank,
         world_size=dims.world_size,
         timeout=timedelta(seconds=config.collective_timeout_s),
@@ -141,6 +140,20 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         result = runner.execute(msg)
         if result is not None:
             control.send(sock, result)
+
+
+def _rendezvous_store(address: str, world_size: int, config: EngineConfig) -> dist.Store:
+    """The engine's c10d store: a private file on one host, else the engine's TCP store (the
+    engine hosts it, so every rank is a client)."""
+    if address.startswith("file://"):
+        store = dist.FileStore(address.removeprefix("file://"), world_size)
+    else:
+        host, port = address.removeprefix("tcp://").rsplit(":", 1)
+        store = dist.TCPStore(
+            host, int(port), is_master=False,
+            timeout=timedelta(seconds=config.worker_start_timeout_s),
+        )  # fmt: skip
+    return dist.PrefixStore("process_group", store)
 
 
 if __name__ == "__main__":

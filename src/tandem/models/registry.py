@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch
@@ -59,3 +60,12 @@ def model_class(architecture: str) -> type[nn.Module] | None:
 
 def registered_architectures() -> list[str]:
     return sorted(_MODELS)
+
+
+def import_model_modules(modules: list[str]) -> None:
+    """Import the modules that register custom architectures (``model_modules`` option)."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ValueError(f"model_modules: cannot import {name!r} ({exc})") from None
