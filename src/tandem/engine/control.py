@@ -99,6 +99,12 @@ class ControlServer:
             except OSError as exc:
                 raise PeerGone(f"worker rank {rank} is gone ({exc})") from None
 
+    def send_to(self, rank: int, msg: Message) -> None:
+        try:
+            send(self.peers[rank], msg)
+        except OSError as exc:
+            raise PeerGone(f"worker rank {rank} is gone ({exc})") from None
+
     def receive(self, timeout: float) -> tuple[int, Message] | None:
         """The next frame from any worker, or None after ``timeout`` seconds.
         Raises PeerGone naming the rank whose connection closed."""

@@ -15,6 +15,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.receiver import WeightSyncError
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
@@ -51,6 +53,7 @@ class LLMEngine:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget
         self.dead: str | None = None  # why the executor can no longer run steps
+        self.torn: str | None = None  # a push failed mid-write: refuse to generate
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
 
     @property
@@ -60,6 +63,35 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+    def weight_layouts(self) -> list[RankLayout]:
+        """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
+        return self.executor.layouts
+
+    def update_weights(self, update: dict, records_by_rank: dict[int, list]) -> None:
+        """Apply a staged push between steps: every rank verifies, then every rank writes.
+
+        A rejected push (bad checksum, unknown tensor, wrong dtype) changes nothing. A failure
+        while writing leaves the engine refusing requests until a complete push lands."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self._in_flight:
+            raise RuntimeError("weights can only change between steps (steps are in flight)")
+        errors = self.executor.apply("verify", update, records_by_rank)
+        if errors:
+            raise WeightSyncError(
+                f"update to version {update['version']} rejected; version "
+                f"{self.weight_version} keeps serving: " + "; ".join(errors)
+            )
+        errors = self.executor.apply("commit", update, records_by_rank)
+        if errors:
+            self.torn = "; ".join(errors)
+            raise WeightSyncError(
+                "update failed while writing; requests are refused until a complete push "
+                "lands: " + self.torn
+            )
+        self.torn = None
+        self.weight_version = update["version"]
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -106,6 +138,8 @@ class LLMEngine:
         flight, so every stage has work."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self.torn is not None:
+            raise WeightSyncError(f"weights are incomplete after a failed push: {self.torn}")
         try:
             self._fill_pipeline()
             if not self._in_flight:

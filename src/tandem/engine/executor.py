@@ -8,6 +8,9 @@ from typing import Protocol
 from tandem.config import EngineConfig
 from tandem.engine.messages import StepMessage, StepResult
 from tandem.engine.model_runner import ModelRunner
+from tandem.exchange.adapters.engine import engine_layout
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.receiver import handle_apply
 from tandem.models.loader import ModelSpec
 
 
@@ -18,6 +21,10 @@ class EngineDeadError(RuntimeError):
 class Executor(Protocol):
     num_blocks: int  # KV blocks every rank can hold (the minimum over ranks)
     max_in_flight: int  # steps that may be submitted before the oldest is collected
+    layouts: list[RankLayout]  # what each rank holds, for weight-exchange plans
+
+    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
+        """Run one phase of a weight push on every rank; returns the ranks' errors."""
 
     def submit(self, msg: StepMessage) -> None: ...
 
@@ -49,7 +56,15 @@ class InProcessExecutor:
         )
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.layouts = [engine_layout(self.runner.model, 0)]
         self._results: deque[StepResult] = deque()
+
+    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
+        error, _ = handle_apply(
+            self.runner.model, 0, phase, update["segment"], update["size"], update["dtype"],
+            records_by_rank.get(0, []),
+        )  # fmt: skip
+        return [] if error is None else [error]
 
     def submit(self, msg: StepMessage) -> None:
         self._results.append(self.runner.execute(msg))

@@ -56,10 +56,12 @@ class Hello:
 
 @dataclass(slots=True)
 class Capacity:
-    """KV blocks a rank can hold within the budget, reported once after loading."""
+    """Reported once after loading: the KV blocks a rank can hold within the budget, and what it
+    holds as canonical boxes (`RankLayout.to_wire`, for weight-exchange plans)."""
 
     rank: int
     num_blocks: int
+    layout: list
 
 
 @dataclass(slots=True)
@@ -86,9 +88,41 @@ class StepResult:
     top_logprobs: list[list[float]] | None = None
 
 
-Message = StepMessage | Shutdown | StepResult | Hello | Capacity | Start | Failure
+@dataclass(slots=True)
+class ApplyWeights:
+    """Between steps: check (phase "verify") or write (phase "commit") this rank's records of
+    a weight push staged in a shared-memory segment."""
+
+    version: int
+    phase: str
+    segment: str
+    size: int
+    dtype: str
+    records: list  # Record.to_wire() of this rank's boxes
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    rank: int
+    phase: str
+    error: str | None  # None: done
+    nbytes: int = 0
+
+
+Message = (
+    StepMessage
+    | Shutdown
+    | StepResult
+    | Hello
+    | Capacity
+    | Start
+    | Failure
+    | ApplyWeights
+    | ApplyResult
+)
 _SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
-           "failure": Failure}  # fmt: skip
+           "failure": Failure, "apply": ApplyWeights,
+           "applied": ApplyResult}  # fmt: skip
 _KIND = {cls: kind for kind, cls in _SIMPLE.items()}
 
 

@@ -24,8 +24,17 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, PeerGone
 from tandem.engine.executor import EngineDeadError, kv_blocks
-from tandem.engine.messages import Capacity, Shutdown, Start, StepMessage, StepResult
+from tandem.engine.messages import (
+    ApplyResult,
+    ApplyWeights,
+    Capacity,
+    Shutdown,
+    Start,
+    StepMessage,
+    StepResult,
+)
 from tandem.engine.worker import ENV, WorkerArgs
+from tandem.exchange.layout import RankLayout
 from tandem.models.loader import ModelSpec, read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -64,10 +73,11 @@ class MultiprocExecutor:
         try:
             deadline = time.monotonic() + config.worker_start_timeout_s
             self._server.accept_all(deadline, self._check_alive)
-            capacities = [
-                self._receive(Capacity, deadline).num_blocks for _ in range(dims.world_size)
-            ]
-            self.num_blocks = kv_blocks(capacities)
+            loaded = [self._receive(Capacity, deadline) for _ in range(dims.world_size)]
+            self.num_blocks = kv_blocks([m.num_blocks for m in loaded])
+            self.layouts = sorted(
+                (RankLayout.from_wire(m.layout) for m in loaded), key=lambda lay: lay.rank
+            )
             self._server.broadcast(Start(self.num_blocks))
         except BaseException:
             self.shutdown()
@@ -78,6 +88,19 @@ class MultiprocExecutor:
             self._server.broadcast(msg)
         except PeerGone as exc:
             raise EngineDeadError(str(exc)) from None
+
+    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
+        try:
+            for rank in range(len(self.layouts)):
+                msg = ApplyWeights(
+                    update["version"], phase, update["segment"], update["size"],
+                    update["dtype"], records_by_rank.get(rank, []),
+                )  # fmt: skip
+                self._server.send_to(rank, msg)
+        except PeerGone as exc:
+            raise EngineDeadError(str(exc)) from None
+        results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
+        return [r.error for r in results if r.error is not None]
 
     def collect(self) -> StepResult:
         return self._receive(StepResult, deadline=None)

@@ -20,8 +20,19 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.engine import control
-from tandem.engine.messages import Capacity, Failure, Hello, Shutdown, Start, StepMessage
+from tandem.engine.messages import (
+    ApplyResult,
+    ApplyWeights,
+    Capacity,
+    Failure,
+    Hello,
+    Shutdown,
+    Start,
+    StepMessage,
+)
 from tandem.engine.model_runner import ModelRunner
+from tandem.exchange.adapters.engine import engine_layout
+from tandem.exchange.receiver import handle_apply
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -125,7 +136,8 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         spec, dtype=config.torch_dtype, device=device, block_size=config.block_size,
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
     )  # fmt: skip
-    control.send(sock, Capacity(args.rank, runner.kv_capacity(config.kv_cache_memory)))
+    layout = engine_layout(runner.model, args.rank).to_wire()
+    control.send(sock, Capacity(args.rank, runner.kv_capacity(config.kv_cache_memory), layout))
     start = control.recv(sock)
     if not isinstance(start, Start):
         raise RuntimeError(f"expected Start, got {type(start).__name__}")
@@ -135,6 +147,12 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         if isinstance(msg, Shutdown):
             pipe.flush()
             return
+        if isinstance(msg, ApplyWeights):
+            error, nbytes = handle_apply(
+                runner.model, args.rank, msg.phase, msg.segment, msg.size, msg.dtype, msg.records
+            )
+            control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
+            continue
         if not isinstance(msg, StepMessage):
             raise RuntimeError(f"unexpected control message {type(msg).__name__}")
         result = runner.execute(msg)

@@ -1,0 +1,19 @@
+"""Weight exchange: trainer layouts -> plan -> transports -> the engine's live parameters."""
+
+from tandem.exchange.layout import LayoutMismatch, RankLayout, Region
+from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.sender import PushStats, WeightSender
+
+__all__ = [
+    "LayoutMismatch",
+    "Plan",
+    "PlanCache",
+    "PushStats",
+    "RankLayout",
+    "Region",
+    "Transfer",
+    "WeightSender",
+    "WeightSyncError",
+    "plan_transfers",
+]

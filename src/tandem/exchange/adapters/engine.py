@@ -1,0 +1,20 @@
+"""Layout of a tandem model: every parameter already declares its pieces."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tandem.exchange.adapters.hf import dtype_name
+from tandem.exchange.layout import RankLayout
+
+
+def engine_layout(model: nn.Module, rank: int) -> RankLayout:
+    """Keys are the parameters' dotted names in ``model`` (a tied tensor once)."""
+    params = list(model.named_parameters())
+    missing = [name for name, param in params if not hasattr(param, "pieces")]
+    if missing:
+        raise TypeError(f"parameters without placement pieces: {missing}")
+    layout = RankLayout(rank, dtype=dtype_name(params))
+    for name, param in params:
+        layout.add(name, tuple(param.shape), list(param.pieces))
+    return layout

@@ -1,0 +1,85 @@
+"""Layout descriptions: which boxes of which canonical tensors each rank holds, and where.
+
+A canonical tensor is a Hugging Face name with its full shape. A rank's local tensor is described
+by pieces (`tandem.layers.placement.Piece`): "this region of local tensor K is that box of
+canonical tensor X". A fused local tensor (qkv, gate_up, Megatron's grouped qkv) is several
+pieces; nothing is ever gathered to be converted. Layouts are plain data: they cross processes
+as msgpack and are all the planner sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tandem.layers.placement import Piece
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One piece of one local tensor of a rank."""
+
+    key: str  # the local tensor's name on its rank
+    piece: Piece
+
+
+@dataclass(slots=True)
+class RankLayout:
+    """Everything one rank holds (sender or receiver side)."""
+
+    rank: int
+    regions: list[Region] = field(default_factory=list)
+    local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtype: str = "float32"  # of its local tensors
+
+    def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
+        self.local_shapes[key] = tuple(local_shape)
+        self.regions.extend(Region(key, p) for p in pieces)
+
+    def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {r.piece.name: r.piece.full_shape for r in self.regions}
+
+    def to_wire(self) -> list:
+        """Plain lists for msgpack."""
+        regions = [
+            [r.key, p.name, p.full_shape, p.box, p.offset, p.transposed]
+            for r in self.regions
+            for p in (r.piece,)
+        ]
+        return [self.rank, self.dtype, list(self.local_shapes.items()), regions]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> RankLayout:
+        rank, dtype, shapes, regions = wire
+        out = cls(rank, dtype=dtype, local_shapes={k: tuple(v) for k, v in shapes})
+        for key, name, full, box, offset, transposed in regions:
+            piece = Piece(name, tuple(full), tuple(map(tuple, box)), tuple(offset), transposed)
+            out.regions.append(Region(key, piece))
+        return out
+
+
+class LayoutMismatch(ValueError):
+    """Sender and receiver layouts disagree; every problem is listed at once."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        shown = "; ".join(problems[:20])
+        more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+        super().__init__(f"{len(problems)} layout problem(s): {shown}{more}")
+
+
+def check_compatible(senders: list[RankLayout], receivers: list[RankLayout]) -> None:
+    """Every tensor a receiver needs exists on the sender side with the same full shape."""
+    have: dict[str, tuple[int, ...]] = {}
+    for layout in senders:
+        have.update(layout.canonical_shapes())
+    problems = []
+    need: dict[str, tuple[int, ...]] = {}
+    for layout in receivers:
+        need.update(layout.canonical_shapes())
+    for name, shape in sorted(need.items()):
+        if name not in have:
+            problems.append(f"receiver needs {name} {shape}, no sender has it")
+        elif have[name] != shape:
+            problems.append(f"{name}: senders have shape {have[name]}, receivers {shape}")
+    if problems:
+        raise LayoutMismatch(problems)

@@ -1,0 +1,157 @@
+"""The planner: from every sender's and receiver's layout to the list of transfers.
+
+Pure and blind to transports: every element of every receiver region comes from exactly one
+sender region; where several senders hold the same elements (data-parallel replicas, replicated
+tensors) each piece goes to the least-loaded of them, so bytes spread across senders. The order
+is deterministic; `PlanCache` computes a plan once per pair of layouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import msgpack
+
+from tandem.exchange.layout import LayoutMismatch, RankLayout, Region, check_compatible
+from tandem.layers.placement import Piece
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Move canonical ``box`` of tensor ``name`` from a sender region to a receiver region."""
+
+    src: int
+    dst: int
+    name: str
+    box: Box
+    src_key: str
+    src_piece: Piece
+    dst_key: str
+    dst_piece: Piece
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for start, stop in self.box:
+            n *= stop - start
+        return n
+
+
+@dataclass(slots=True)
+class Plan:
+    transfers: list[Transfer]
+    num_senders: int
+    num_receivers: int
+    sender_numel: list[int] = field(default_factory=list)
+
+    def for_sender(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.src == rank]
+
+    def for_receiver(self, rank: int) -> list[Transfer]:
+        return [t for t in self.transfers if t.dst == rank]
+
+    @property
+    def total_numel(self) -> int:
+        return sum(self.sender_numel)
+
+    @property
+    def sender_max_over_mean(self) -> float:
+        busy = self.sender_numel
+        mean = sum(busy) / len(busy)
+        return max(busy) / mean if mean else 1.0
+
+
+def local_slices(piece: Piece, box: Box) -> tuple[slice, ...]:
+    """Where canonical ``box`` (inside ``piece.box``) lies in the local tensor of the piece."""
+    rel = [b0 - p0 for (b0, _), (p0, _) in zip(box, piece.box, strict=True)]
+    sizes = [b1 - b0 for b0, b1 in box]
+    if piece.transposed:  # the local tensor holds the box transposed
+        rel, sizes = rel[::-1], sizes[::-1]
+    return tuple(
+        slice(off + r, off + r + n) for off, r, n in zip(piece.offset, rel, sizes, strict=True)
+    )
+
+
+def plan_transfers(senders: list[RankLayout], receivers: list[RankLayout]) -> Plan:
+    check_compatible(senders, receivers)
+    by_name: dict[str, list[tuple[int, Region]]] = defaultdict(list)
+    for layout in sorted(senders, key=lambda lay: lay.rank):
+        for region in layout.regions:
+            by_name[region.piece.name].append((layout.rank, region))
+    load: dict[int, int] = defaultdict(int)
+    transfers: list[Transfer] = []
+    gaps: list[str] = []
+    for layout in sorted(receivers, key=lambda lay: lay.rank):
+        for region in layout.regions:
+            dst_box = region.piece.box
+            candidates = [
+                (rank, src) for rank, src in by_name[region.piece.name]
+                if _intersect(src.piece.box, dst_box) is not None
+            ]  # fmt: skip
+            for cell in _cells(dst_box, [src.piece.box for _, src in candidates]):
+                covering = [(r, s) for r, s in candidates if _contains(s.piece.box, cell)]
+                if not covering:
+                    gaps.append(f"{region.piece.name} box {cell} (receiver {layout.rank})")
+                    continue
+                rank, src = min(covering, key=lambda c: (load[c[0]], c[0]))
+                t = Transfer(rank, layout.rank, region.piece.name, cell, src.key, src.piece,
+                             region.key, region.piece)  # fmt: skip
+                load[rank] += t.numel
+                transfers.append(t)
+    if gaps:
+        raise LayoutMismatch([f"no sender holds {g}" for g in gaps])
+    num_senders = max((lay.rank for lay in senders), default=-1) + 1
+    numel = [load[r] for r in range(num_senders)]
+    return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, numel)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def _contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
+
+
+def _cells(box: Box, others: list[Box]) -> list[Box]:
+    """Split ``box`` along every boundary of ``others`` inside it: each cell is covered wholly
+    or not at all by each of the others."""
+    cuts = []
+    for dim, (lo, hi) in enumerate(box):
+        points = {lo, hi} | {p for o in others for p in o[dim] if lo < p < hi}
+        ordered = sorted(points)
+        cuts.append(list(itertools.pairwise(ordered)))
+    return [tuple(cell) for cell in itertools.product(*cuts)]
+
+
+class PlanCache:
+    """One plan per (senders, receivers) layout pair, recomputed only when a layout changes."""
+
+    def __init__(self):
+        self._plans: dict[str, Plan] = {}
+
+    def get(self, senders: list[RankLayout], receivers: list[RankLayout]) -> Plan:
+        key = layout_fingerprint(senders) + layout_fingerprint(receivers)
+        if key not in self._plans:
+            self._plans[key] = plan_transfers(senders, receivers)
+        return self._plans[key]
+
+
+def layout_fingerprint(layouts: list[RankLayout]) -> str:
+    digest = hashlib.sha256()
+    for layout in sorted(layouts, key=lambda lay: lay.rank):
+        digest.update(
+            msgpack.packb([layout.rank, layout.dtype, sorted(layout.local_shapes.items())])
+        )
+        for r in layout.regions:
+            p = r.piece
+            digest.update(
+                msgpack.packb([r.key, p.name, p.full_shape, p.box, p.offset, p.transposed])
+            )
+    return digest.hexdigest()
