@@ -230,9 +230,13 @@ def test_tp2_to_tp1_gathers_each_shard_from_its_rank():
         (0, emb, ((0, 6), (0, 8)), ((0, 6), (0, 8)), ((0, 6), (0, 8))),
         (1, emb, ((6, 11), (0, 8)), ((0, 5), (0, 8)), ((6, 11), (0, 8))),
     ]
-    # a replicated norm comes once, from one of the two senders
+    # a replicated norm comes once, split between the two senders that both hold it
     norm = [t for t in plan.transfers if t.name == "model.norm.weight"]
-    assert [(t.box, t.dst_key) for t in norm] == [(((0, 8),), "norm.weight")]
+    assert [(t.box, t.dst_key) for t in norm] == [
+        (((0, 4),), "norm.weight"),
+        (((4, 8),), "norm.weight"),
+    ]
+    assert sorted(t.src for t in norm) == [0, 1]
     assert plan.total_numel == sum(_volume(r.piece.box) for r in receivers[0].regions)
 
 
@@ -484,10 +488,9 @@ def test_fsdp_uneven_to_tandem_tp2():
 
 
 def test_data_parallel_replicas_share_the_sending():
-    # the planner gives each cell wholly to the least-loaded replica so far: the balance holds
-    # when no single cell is a large share of a sender's bytes (here 4 layers; a model whose
-    # embedding dominates, e.g. vocab 64 x hidden 16 over 2 layers, reaches 1.3)
-    cfg = CFG.model_copy(update={"num_hidden_layers": 4})
+    # a cell the replicas all hold is cut into one band per replica, so even a model whose
+    # embedding dominates (vocab 64 x hidden 16 over 2 layers) spreads evenly
+    cfg = CFG.model_copy(update={"vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 2})
     base = fsdp(cfg, 2)
     senders = [
         RankLayout(2 * replica + lay.rank, lay.regions, lay.local_shapes, lay.dtype)
@@ -506,14 +509,29 @@ def test_data_parallel_replicas_share_the_sending():
 
 
 def test_mismatches_are_reported_all_at_once():
-    senders = [module_layout({"a": torch.zeros(4, 2), "b": torch.zeros(9)})]
-    receivers = [module_layout({"a": torch.zeros(4, 2), "b": torch.zeros(8), "c": torch.zeros(3)})]
+    half = RankLayout(1)
+    half.add("e", (2,), [Piece("e", (4,), ((0, 2),), (0,))])
+    senders = [
+        module_layout({"a": torch.zeros(4, 2), "b": torch.zeros(9), "d": torch.zeros(1)}),
+        half,
+    ]
+    receivers = [
+        module_layout(
+            {"a": torch.zeros(4, 2), "b": torch.zeros(8), "c": torch.zeros(3), "e": torch.zeros(4)}
+        ),
+        module_layout({"a": torch.zeros(5, 2)}, rank=1),
+    ]
     with pytest.raises(LayoutMismatch) as err:
         plan_transfers(senders, receivers)
     assert err.value.problems == [
+        "a: receivers disagree on its shape ((4, 2) vs (5, 2))",
         "b: senders have shape (9,), receivers (8,)",
-        "receiver needs c (3,), no sender has it",
+        "receivers need c (3,), no sender has it",
+        "senders have d, which the receivers do not know",
+        "no sender holds e box ((2, 4),) (receiver 0)",
+        "no sender holds a box ((4, 5), (0, 2)) (receiver 1)",
     ]
+    plan_transfers(senders[:1], [module_layout({"a": torch.zeros(4, 2)})], ignore={"b", "d"})
 
 
 def test_a_box_no_sender_holds_is_reported():

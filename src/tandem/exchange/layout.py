@@ -67,19 +67,29 @@ class LayoutMismatch(ValueError):
         super().__init__(f"{len(problems)} layout problem(s): {shown}{more}")
 
 
-def check_compatible(senders: list[RankLayout], receivers: list[RankLayout]) -> None:
-    """Every tensor a receiver needs exists on the sender side with the same full shape."""
-    have: dict[str, tuple[int, ...]] = {}
-    for layout in senders:
-        have.update(layout.canonical_shapes())
-    problems = []
-    need: dict[str, tuple[int, ...]] = {}
-    for layout in receivers:
-        need.update(layout.canonical_shapes())
+def layout_problems(
+    senders: list[RankLayout], receivers: list[RankLayout], ignore: frozenset[str] = frozenset()
+) -> list[str]:
+    """Every disagreement between the two sides, by name: a tensor receivers need that no sender
+    has, a tensor senders have that receivers do not know (unless in ``ignore``), and full shapes
+    that differ across or within a side."""
+    problems: list[str] = []
+    have = _shapes(senders, "senders", problems)
+    need = _shapes(receivers, "receivers", problems)
     for name, shape in sorted(need.items()):
         if name not in have:
-            problems.append(f"receiver needs {name} {shape}, no sender has it")
+            problems.append(f"receivers need {name} {shape}, no sender has it")
         elif have[name] != shape:
             problems.append(f"{name}: senders have shape {have[name]}, receivers {shape}")
-    if problems:
-        raise LayoutMismatch(problems)
+    for name in sorted(set(have) - set(need) - ignore):
+        problems.append(f"senders have {name}, which the receivers do not know")
+    return problems
+
+
+def _shapes(layouts: list[RankLayout], side: str, problems: list[str]) -> dict:
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        for name, shape in layout.canonical_shapes().items():
+            if shapes.setdefault(name, shape) != shape:
+                problems.append(f"{name}: {side} disagree on its shape ({shapes[name]} vs {shape})")
+    return shapes

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
-from tandem.exchange.layout import LayoutMismatch, RankLayout, Region, check_compatible
+from tandem.exchange.layout import LayoutMismatch, RankLayout, Region, layout_problems
 from tandem.layers.placement import Piece
 
 Box = tuple[tuple[int, int], ...]
@@ -77,37 +77,54 @@ def local_slices(piece: Piece, box: Box) -> tuple[slice, ...]:
     )
 
 
-def plan_transfers(senders: list[RankLayout], receivers: list[RankLayout]) -> Plan:
-    check_compatible(senders, receivers)
+def plan_transfers(
+    senders: list[RankLayout], receivers: list[RankLayout], ignore: frozenset[str] = frozenset()
+) -> Plan:
+    """The transfers; every layout problem (names, shapes, uncovered boxes) raised at once.
+    Sender tensors named in ``ignore`` are not sent (a trainer's value head, say)."""
+    problems = layout_problems(senders, receivers, ignore)
     by_name: dict[str, list[tuple[int, Region]]] = defaultdict(list)
     for layout in sorted(senders, key=lambda lay: lay.rank):
         for region in layout.regions:
             by_name[region.piece.name].append((layout.rank, region))
     load: dict[int, int] = defaultdict(int)
     transfers: list[Transfer] = []
-    gaps: list[str] = []
     for layout in sorted(receivers, key=lambda lay: lay.rank):
         for region in layout.regions:
             dst_box = region.piece.box
             candidates = [
-                (rank, src) for rank, src in by_name[region.piece.name]
+                (rank, src) for rank, src in by_name.get(region.piece.name, [])
                 if _intersect(src.piece.box, dst_box) is not None
             ]  # fmt: skip
             for cell in _cells(dst_box, [src.piece.box for _, src in candidates]):
                 covering = [(r, s) for r, s in candidates if _contains(s.piece.box, cell)]
                 if not covering:
-                    gaps.append(f"{region.piece.name} box {cell} (receiver {layout.rank})")
+                    if candidates or region.piece.name in by_name:
+                        problems.append(
+                            f"no sender holds {region.piece.name} box {cell} "
+                            f"(receiver {layout.rank})"
+                        )
                     continue
-                rank, src = min(covering, key=lambda c: (load[c[0]], c[0]))
-                t = Transfer(rank, layout.rank, region.piece.name, cell, src.key, src.piece,
-                             region.key, region.piece)  # fmt: skip
-                load[rank] += t.numel
-                transfers.append(t)
-    if gaps:
-        raise LayoutMismatch([f"no sender holds {g}" for g in gaps])
+                for band in _bands(cell, len(covering)):
+                    rank, src = min(covering, key=lambda c: (load[c[0]], c[0]))
+                    t = Transfer(rank, layout.rank, region.piece.name, band, src.key, src.piece,
+                                 region.key, region.piece)  # fmt: skip
+                    load[rank] += t.numel
+                    transfers.append(t)
+    if problems:
+        raise LayoutMismatch(problems)
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
     numel = [load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, numel)
+
+
+def _bands(cell: Box, replicas: int) -> list[Box]:
+    """A cell several senders hold, cut into up to ``replicas`` bands of its first dimension so
+    the replicas share it (one band when a single sender holds it)."""
+    (lo, hi), rest = cell[0], cell[1:]
+    parts = max(1, min(replicas, hi - lo))
+    bounds = [lo + (hi - lo) * i // parts for i in range(parts + 1)]
+    return [((a, b), *rest) for a, b in itertools.pairwise(bounds)]
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
@@ -136,10 +153,15 @@ class PlanCache:
     def __init__(self):
         self._plans: dict[str, Plan] = {}
 
-    def get(self, senders: list[RankLayout], receivers: list[RankLayout]) -> Plan:
-        key = layout_fingerprint(senders) + layout_fingerprint(receivers)
+    def get(
+        self,
+        senders: list[RankLayout],
+        receivers: list[RankLayout],
+        ignore: frozenset[str] = frozenset(),
+    ) -> Plan:
+        key = layout_fingerprint(senders) + layout_fingerprint(receivers) + repr(sorted(ignore))
         if key not in self._plans:
-            self._plans[key] = plan_transfers(senders, receivers)
+            self._plans[key] = plan_transfers(senders, receivers, ignore)
         return self._plans[key]
 
 
