@@ -63,7 +63,7 @@ def test_push_into_tensor_parallel_engine(model_factory):
 
 
 class _CorruptingSender(WeightSender):
-    def _before_apply(self, segment):
+    def _before_ready(self, segment):
         view = segment.view(0, 4)
         view[0] ^= 0xFF  # one flipped byte in transit
 

@@ -7,39 +7,20 @@ from __future__ import annotations
 import hmac
 import selectors
 import socket
-import struct
 import time
 
 from tandem.engine.messages import Failure, Hello, Message, decode, encode
+from tandem.wire import PeerGone, frame, recv_frame, send_frame
 
-_HEADER = struct.Struct("!I")
-MAX_FRAME = 1 << 30
-
-
-class PeerGone(ConnectionError):
-    """The other end closed the connection (its process exited or crashed)."""
+__all__ = ["ControlServer", "PeerGone", "connect", "recv", "send"]
 
 
 def send(sock: socket.socket, msg: Message) -> None:
-    data = encode(msg)
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    send_frame(sock, encode(msg))
 
 
 def recv(sock: socket.socket) -> Message:
-    (size,) = _HEADER.unpack(_recv_exactly(sock, _HEADER.size))
-    if size > MAX_FRAME:
-        raise ValueError(f"control frame of {size} bytes exceeds {MAX_FRAME}")
-    return decode(_recv_exactly(sock, size))
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise PeerGone("connection closed")
-        buf += chunk
-    return bytes(buf)
+    return decode(recv_frame(sock))
 
 
 def connect(host: str, port: int, hello: Hello, timeout: float = 60.0) -> socket.socket:
@@ -91,11 +72,10 @@ class ControlServer:
         self.listener.close()
 
     def broadcast(self, msg: Message) -> None:
-        data = encode(msg)
-        frame = _HEADER.pack(len(data)) + data
+        data = frame(encode(msg))
         for rank, sock in self.peers.items():
             try:
-                sock.sendall(frame)
+                sock.sendall(data)
             except OSError as exc:
                 raise PeerGone(f"worker rank {rank} is gone ({exc})") from None
 

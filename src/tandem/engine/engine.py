@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 import time
 from collections import deque
 
@@ -54,6 +55,8 @@ class LLMEngine:
         self._released: list[int] = []  # finished sequences the ranks may forget
         self.dead: str | None = None  # why the executor can no longer run steps
         self.torn: str | None = None  # a push failed mid-write: refuse to generate
+        self.lock = threading.RLock()  # one step or one weight update at a time
+        self._exchange = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
 
     @property
@@ -62,7 +65,16 @@ class LLMEngine:
         return self.executor.runner
 
     def shutdown(self) -> None:
+        if self._exchange is not None:
+            self._exchange.close()
         self.executor.shutdown()
+
+    def exchange_server(self):
+        if self._exchange is None:
+            from tandem.engine.exchange_server import ExchangeServer
+
+            self._exchange = ExchangeServer(self)
+        return self._exchange
 
     def weight_layouts(self) -> list[RankLayout]:
         """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
@@ -72,18 +84,23 @@ class LLMEngine:
         """Apply a staged push between steps: every rank verifies, then every rank writes.
 
         A rejected push (bad checksum, unknown tensor, wrong dtype) changes nothing. A failure
-        while writing leaves the engine refusing requests until a complete push lands."""
+        while writing leaves the engine refusing requests until a complete push lands. Steps
+        already in flight (pipeline) finish first; waiting and running requests go on with the
+        new weights, and each records the versions that produced its tokens."""
+        with self.lock:
+            self._drain_in_flight()
+            self._update_weights(update, records_by_rank)
+
+    def _update_weights(self, update: dict, records_by_rank: dict[int, list]) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self._in_flight:
-            raise RuntimeError("weights can only change between steps (steps are in flight)")
-        errors = self.executor.apply("verify", update, records_by_rank)
+        errors = self._guarded(lambda: self.executor.apply("verify", update, records_by_rank))
         if errors:
             raise WeightSyncError(
                 f"update to version {update['version']} rejected; version "
                 f"{self.weight_version} keeps serving: " + "; ".join(errors)
             )
-        errors = self.executor.apply("commit", update, records_by_rank)
+        errors = self._guarded(lambda: self.executor.apply("commit", update, records_by_rank))
         if errors:
             self.torn = "; ".join(errors)
             raise WeightSyncError(
@@ -136,25 +153,40 @@ class LLMEngine:
         """Fill the pipeline with steps, then finish the oldest; returns the sequences that
         finished in it. With P pipeline stages up to P steps (on disjoint sequences) are in
         flight, so every stage has work."""
+        with self.lock:
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self.torn is not None:
             raise WeightSyncError(f"weights are incomplete after a failed push: {self.torn}")
-        try:
-            self._fill_pipeline()
-            if not self._in_flight:
-                raise RuntimeError("scheduler produced an empty batch with requests pending")
-            result = self.executor.collect()
-        except EngineDeadError as exc:
-            self.dead = str(exc)
-            self.executor.shutdown()
-            raise
+        self._guarded(self._fill_pipeline)
+        if not self._in_flight:
+            raise RuntimeError("scheduler produced an empty batch with requests pending")
+        return self._finish_oldest()
+
+    def _finish_oldest(self) -> list[Sequence]:
+        result = self._guarded(self.executor.collect)
         batch = self._in_flight.popleft()
         self._append(batch, result)
         self.scheduler.finish_step(batch)
         finished = [s for s in batch.seqs if s.finished]
         self._released.extend(s.seq_id for s in finished)
         return finished
+
+    def _drain_in_flight(self) -> None:
+        while self._in_flight:
+            self._finish_oldest()
+
+    def _guarded(self, call):
+        """Run an executor call; a dead worker marks the engine dead and stops the rest."""
+        try:
+            return call()
+        except EngineDeadError as exc:
+            self.dead = str(exc)
+            self.executor.shutdown()
+            raise
 
     def _fill_pipeline(self) -> None:
         depth = self.executor.max_in_flight

@@ -61,7 +61,7 @@ class InProcessExecutor:
 
     def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
         error, _ = handle_apply(
-            self.runner.model, 0, phase, update["segment"], update["size"], update["dtype"],
+            self.runner.model, 0, phase, update["segments"], update["dtype"],
             records_by_rank.get(0, []),
         )  # fmt: skip
         return [] if error is None else [error]

@@ -30,6 +30,12 @@ class LLM:
         return self.engine.weight_version
 
     @property
+    def exchange_address(self) -> str:
+        """Where trainer processes on this host push weights (``host:port/token``): pass it to
+        `tandem.exchange.WeightSender`. The exchange server starts on first use."""
+        return self.engine.exchange_server().address
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

@@ -95,8 +95,7 @@ class ApplyWeights:
 
     version: int
     phase: str
-    segment: str
-    size: int
+    segments: list  # [path, size] of each staged shared-memory segment
     dtype: str
     records: list  # Record.to_wire() of this rank's boxes
 

@@ -93,8 +93,8 @@ class MultiprocExecutor:
         try:
             for rank in range(len(self.layouts)):
                 msg = ApplyWeights(
-                    update["version"], phase, update["segment"], update["size"],
-                    update["dtype"], records_by_rank.get(rank, []),
+                    update["version"], phase, update["segments"], update["dtype"],
+                    records_by_rank.get(rank, []),
                 )  # fmt: skip
                 self._server.send_to(rank, msg)
         except PeerGone as exc:

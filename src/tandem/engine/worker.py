@@ -149,7 +149,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
             return
         if isinstance(msg, ApplyWeights):
             error, nbytes = handle_apply(
-                runner.model, args.rank, msg.phase, msg.segment, msg.size, msg.dtype, msg.records
+                runner.model, args.rank, msg.phase, msg.segments, msg.dtype, msg.records
             )
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
             continue

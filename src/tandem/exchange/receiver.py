@@ -24,9 +24,11 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One box for this rank: bytes at ``offset`` of the segment, written at ``slices`` of the
-    local tensor ``key`` (transposed there when the engine stores it transposed)."""
+    """One box for this rank: ``nbytes`` at ``offset`` of staged segment number ``segment``,
+    written at ``slices`` of the local tensor ``key`` (transposed there when the engine stores
+    it transposed)."""
 
+    segment: int
     offset: int
     nbytes: int
     key: str
@@ -36,18 +38,17 @@ class Record:
     crc: int | None  # zlib.crc32 of the bytes as sent; None: not verified
 
     def to_wire(self) -> list:
-        return [self.offset, self.nbytes, self.key, self.slices, self.box_shape, self.transposed,
-                self.crc]  # fmt: skip
+        return [self.segment, self.offset, self.nbytes, self.key, self.slices, self.box_shape,
+                self.transposed, self.crc]  # fmt: skip
 
     @classmethod
     def from_wire(cls, w: list) -> Record:
-        offset, nbytes, key, slices, box_shape, transposed, crc = w
-        return cls(
-            offset, nbytes, key, tuple(map(tuple, slices)), tuple(box_shape), transposed, crc
-        )
+        segment, offset, nbytes, key, slices, box_shape, transposed, crc = w
+        slices = tuple(map(tuple, slices))
+        return cls(segment, offset, nbytes, key, slices, tuple(box_shape), transposed, crc)
 
 
-def verify_records(model: nn.Module, segment: ShmSegment, dtype: str, records: list[Record]):
+def verify_records(model: nn.Module, segments: list[ShmSegment], dtype: str, records: list[Record]):
     """Every problem with this rank's records (empty: all good). Nothing is written."""
     params = dict(model.named_parameters())
     torch_dtype = _DTYPES.get(dtype)
@@ -63,37 +64,55 @@ def verify_records(model: nn.Module, segment: ShmSegment, dtype: str, records: l
         expected = r.box_shape[::-1] if r.transposed else r.box_shape
         if tuple(region.shape) != tuple(expected):
             problems.append(f"{r.key}{list(r.slices)}: box {r.box_shape} does not fit")
-        if r.crc is not None and zlib.crc32(segment.view(r.offset, r.nbytes)) != r.crc:
+        if not 0 <= r.segment < len(segments):
+            problems.append(f"{r.key}: no staged segment {r.segment}")
+        elif r.crc is not None and _crc(segments[r.segment], r) != r.crc:
             problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
     return problems
 
 
-def write_records(model: nn.Module, segment: ShmSegment, dtype: str, records: list[Record]) -> int:
+def _crc(segment: ShmSegment, r: Record) -> int:
+    return zlib.crc32(segment.view(r.offset, r.nbytes))
+
+
+def write_records(
+    model: nn.Module, segments: list[ShmSegment], dtype: str, records: list[Record]
+) -> int:
     """Copy every record into its parameter, in place. Returns the bytes written."""
     params = dict(model.named_parameters())
     torch_dtype = _DTYPES[dtype]
     with torch.no_grad():
         for r in records:
-            src = segment.tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
+            src = segments[r.segment].tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
             dst = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
             dst.copy_(src.t() if r.transposed else src)
     return sum(r.nbytes for r in records)
 
 
-def handle_apply(model: nn.Module, rank: int, phase: str, segment_path: str, size: int,
-                 dtype: str, wire_records: list) -> tuple[str | None, int]:  # fmt: skip
-    """One phase of a push on one rank: (error or None, bytes written)."""
+def handle_apply(
+    model: nn.Module, rank: int, phase: str, segments: list, dtype: str, wire_records: list
+) -> tuple[str | None, int]:
+    """One phase of a push on one rank: (error or None, bytes written). ``segments`` lists the
+    staged shared-memory segments as (path, size)."""
     records = [Record.from_wire(w) for w in wire_records]
+    needed = sorted({r.segment for r in records})
+    mapped: dict[int, ShmSegment] = {}
     try:
-        segment = ShmSegment.open(segment_path, size)
-    except (OSError, ValueError) as exc:
-        return f"rank {rank}: cannot map {segment_path} ({exc})", 0
+        for i in needed:
+            path, size = segments[i]
+            mapped[i] = ShmSegment.open(path, size)
+    except (OSError, ValueError, IndexError) as exc:
+        for seg in mapped.values():
+            seg.close()
+        return f"rank {rank}: cannot map staged segment ({exc})", 0
+    by_index = [mapped.get(i) for i in range(len(segments))]
     try:
         if phase == "verify":
-            problems = verify_records(model, segment, dtype, records)
+            problems = verify_records(model, by_index, dtype, records)
             return (f"rank {rank}: " + "; ".join(problems)) if problems else None, 0
         if phase == "commit":
-            return None, write_records(model, segment, dtype, records)
+            return None, write_records(model, by_index, dtype, records)
         return f"rank {rank}: unknown phase {phase!r}", 0
     finally:
-        segment.close()
+        for seg in mapped.values():
+            seg.close()

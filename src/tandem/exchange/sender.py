@@ -1,101 +1,130 @@
-"""The trainer side: `WeightSender(model, llm).push(version)`.
+"""The trainer side: `WeightSender(model, target).push(version)`, on every trainer rank.
 
-The sender describes what its model holds (canonical boxes), asks the engine what each rank
-holds, plans once (cached while layouts are unchanged), packs exactly the planned boxes —
-converted to the engine's dtype, so fewer bytes travel — and has the engine verify, then commit.
+Each rank tells the engine which canonical boxes it holds; the engine plans (once, cached) and
+answers with the boxes this rank must stage; the rank packs exactly those — converted to the
+engine's dtype, so fewer bytes travel — into its own shared-memory segment with a CRC32 each,
+and the engine verifies everything on every rank before writing anything in place.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 import zlib
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from tandem.exchange.adapters.dtensor import dtensor_layout
-from tandem.exchange.plan import PlanCache, local_slices
-from tandem.exchange.receiver import _DTYPES, Record
+from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
+from tandem.exchange.receiver import _DTYPES, WeightSyncError
 from tandem.exchange.transports.shm import ShmSegment
+from tandem.wire import PeerGone, recv_frame, send_frame
 
 
 @dataclass(frozen=True, slots=True)
 class PushStats:
     version: int
-    bytes_sent: int
-    bytes_needed: int  # what the engine's ranks hold, in the engine's dtype
+    bytes_sent: int  # by this rank
+    bytes_needed: int  # what all engine ranks hold, in the engine's dtype
+    bytes_moved: int  # by all trainer ranks together
     seconds: float
     transport: str
-    num_transfers: int
 
 
 class WeightSender:
     """Push a trainer model's weights into a tandem engine, in place.
 
-    ``model``: an ``nn.Module`` whose parameter names are the Hugging Face names (plain, or
-    FSDP2/DTensor-sharded). ``target``: an `LLM` in this process. ``verify=True`` checks a CRC32
-    of every box on the engine before anything is written (a mismatch rejects the update)."""
+    ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
+    FSDP2/DTensor-sharded. ``target``: an `LLM` (any process on this host reaches it through
+    ``llm.exchange_address``) or that address string. With a multi-rank trainer every rank calls
+    `push` (rank and world default to the torch.distributed default group's). ``verify`` sends a
+    CRC32 of every box; the engine rejects the update on any mismatch. ``ignore`` names trainer
+    tensors the engine does not have (a value head, say)."""
 
-    TRANSPORTS = ("shm",)
-
-    def __init__(self, model: nn.Module, target, *, transport: str = "auto", verify: bool = True):
-        if transport not in ("auto", *self.TRANSPORTS):
-            raise ValueError(f"transport must be one of {('auto', *self.TRANSPORTS)}")
+    def __init__(
+        self,
+        model: nn.Module,
+        target,
+        *,
+        transport: str = "auto",
+        verify: bool = True,
+        ignore: tuple[str, ...] = (),
+        rank: int | None = None,
+        world_size: int | None = None,
+        timeout_s: float = 600.0,
+    ):
+        if transport not in ("auto", "shm"):
+            raise ValueError(f"transport must be 'auto' or 'shm', got {transport!r}")
+        address = target if isinstance(target, str) else target.exchange_address
+        hostport, _, self._token = address.rpartition("/")
+        host, _, port = hostport.rpartition(":")
+        if not (host and port.isdigit() and self._token):
+            raise ValueError(f"not an exchange address (host:port/token): {address!r}")
+        self._endpoint = (host, int(port))
         self.model = model
-        self.engine = target.engine
         self.transport = "shm"
         self.verify = verify
-        self._plans = PlanCache()
+        self.ignore = list(ignore)
+        default = dist.is_available() and dist.is_initialized()
+        self.rank = rank if rank is not None else (dist.get_rank() if default else 0)
+        self.world_size = world_size or (dist.get_world_size() if default else 1)
+        self.timeout_s = timeout_s
 
     def push(self, version: int | None = None) -> PushStats:
+        """Stage this rank's boxes and wait until the engine committed (or rejected) them."""
         start = time.perf_counter()
-        version = self.engine.weight_version + 1 if version is None else version
-        receivers = self.engine.weight_layouts()
-        layout = dtensor_layout(self.model, rank=0)
-        plan = self._plans.get([layout], receivers)
-        dtype_name = self.engine.config.dtype
-        dtype = _DTYPES[dtype_name]
-        local = {name: _local(p) for name, p in self.model.named_parameters()}
-        sizes = [t.numel * dtype.itemsize for t in plan.transfers]
-        segment = ShmSegment.create(sum(sizes))
-        try:
-            records: dict[int, list] = defaultdict(list)
-            offset = 0
-            with torch.no_grad():
-                for t, nbytes in zip(plan.transfers, sizes, strict=True):
-                    src = local[t.src_key][local_slices(t.src_piece, t.box)]
-                    box_shape = tuple(b - a for a, b in t.box)
-                    out = segment.tensor(offset, nbytes, dtype).view(box_shape)
-                    out.copy_(src.t() if t.src_piece.transposed else src)
-                    crc = zlib.crc32(segment.view(offset, nbytes)) if self.verify else None
-                    slices = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
-                    rec = Record(offset, nbytes, t.dst_key, slices, box_shape,
-                                 t.dst_piece.transposed, crc)  # fmt: skip
-                    records[t.dst].append(rec.to_wire())
-                    offset += nbytes
-            update = {"version": version, "segment": str(segment.path), "size": segment.size,
-                      "dtype": dtype_name}  # fmt: skip
-            self._before_apply(segment)
-            self.engine.update_weights(update, records)
-        finally:
-            segment.close()
-            segment.unlink()
-        needed = sum(_numel(r.piece.box) * dtype.itemsize for lay in receivers for r in lay.regions)
-        return PushStats(version, offset, needed, time.perf_counter() - start, self.transport,
-                         len(plan.transfers))  # fmt: skip
+        layout = dtensor_layout(self.model, self.rank)
+        hello = PushHello(self._token, self.rank, self.world_size, version, layout.to_wire(),
+                          self.ignore)  # fmt: skip
+        segment = None
+        with socket.create_connection(self._endpoint, timeout=self.timeout_s) as sock:
+            try:
+                send_frame(sock, encode(hello))
+                reply = decode(recv_frame(sock))
+                if isinstance(reply, PushPlan):
+                    segment = ShmSegment.create(reply.size)
+                    crcs = self._stage(segment, reply)
+                    send_frame(sock, encode(PushReady(str(segment.path), reply.size, crcs)))
+                    reply = decode(recv_frame(sock))
+            except (PeerGone, OSError) as exc:
+                raise WeightSyncError(f"lost the engine during the push ({exc})") from None
+            finally:
+                if segment is not None:
+                    segment.close()
+                    segment.unlink()
+        if not isinstance(reply, PushDone):
+            raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
+        if reply.error is not None:
+            raise WeightSyncError(reply.error)
+        sent = segment.size if segment is not None else 0
+        return PushStats(reply.version, sent, reply.bytes_needed, reply.bytes_moved,
+                         time.perf_counter() - start, self.transport)  # fmt: skip
 
-    def _before_apply(self, segment: ShmSegment) -> None:
-        """Test hook: runs after packing, before the engine reads the segment."""
+    def _stage(self, segment: ShmSegment, plan: PushPlan) -> list[int | None]:
+        dtype = _DTYPES[plan.dtype]
+        local = {name: _local(t) for name, t in _named_tensors(self.model)}
+        crcs = []
+        with torch.no_grad():
+            for key, slices, transposed, box_shape, offset, nbytes in plan.items:
+                src = local[key][tuple(slice(a, b) for a, b in slices)]
+                out = segment.tensor(offset, nbytes, dtype).view(box_shape)
+                out.copy_(src.t() if transposed else src)
+                crcs.append(zlib.crc32(segment.view(offset, nbytes)) if self.verify else None)
+        self._before_ready(segment)
+        return crcs
+
+    def _before_ready(self, segment: ShmSegment) -> None:
+        """Test hook: runs after staging, before the engine reads the segment."""
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if hasattr(param, "to_local") else param
+def _named_tensors(model):
+    if isinstance(model, nn.Module):
+        return list(model.named_parameters())
+    return list(model.items())
 
 
-def _numel(box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -1,0 +1,168 @@
+"""The engine's door for weight pushes from trainer processes (`llm.exchange_address`).
+
+A background thread accepts trainer ranks, plans (cached while layouts are unchanged), collects
+the staged segments, then applies the update between engine steps (the engine lock): every rank
+verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
+push; the old weights keep serving.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import socket
+import threading
+from collections import defaultdict
+from pathlib import Path
+
+from tandem.exchange.layout import LayoutMismatch, RankLayout
+from tandem.exchange.plan import PlanCache, local_slices
+from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
+from tandem.exchange.receiver import _DTYPES, Record, WeightSyncError
+from tandem.exchange.transports.shm import SHM_DIR
+from tandem.wire import PeerGone, recv_frame, send_frame
+
+HANDSHAKE_TIMEOUT_S = 30.0
+
+
+class ExchangeServer:
+    def __init__(self, engine, host: str = "127.0.0.1", stage_timeout_s: float = 600.0):
+        self.engine = engine
+        self.token = secrets.token_hex(16)
+        self.stage_timeout_s = stage_timeout_s
+        self.plans = PlanCache()
+        self._listener = socket.create_server((host, 0))
+        self.address = "{}:{}/{}".format(*self._listener.getsockname()[:2], self.token)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="tandem-exchange", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+
+    def _serve(self) -> None:
+        gathering: list[tuple[socket.socket, PushHello]] = []
+        while not self._closed:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            hello = self._handshake(sock)
+            if hello is None:
+                continue
+            gathering.append((sock, hello))
+            if len(gathering) >= hello.world:
+                session, gathering = gathering, []
+                self._run(sorted(session, key=lambda c: c[1].rank))
+
+    def _handshake(self, sock: socket.socket) -> PushHello | None:
+        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        try:
+            hello = decode(recv_frame(sock))
+        except (OSError, ValueError, PeerGone):
+            sock.close()
+            return None
+        if not isinstance(hello, PushHello) or not hmac.compare_digest(hello.token, self.token):
+            sock.close()  # not a trainer of ours
+            return None
+        return hello
+
+    def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
+        socks = [s for s, _ in conns]
+        staged: list[str] = []
+        version = None
+        try:
+            version, plans, records, needed = self._plan([h for _, h in conns])
+            for sock, plan in zip(socks, plans, strict=True):
+                sock.settimeout(self.stage_timeout_s)
+                send_frame(sock, encode(plan))
+            segments = []
+            for rank, sock in enumerate(socks):
+                ready = decode(recv_frame(sock))
+                if not isinstance(ready, PushReady):
+                    raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
+                staged.append(ready.segment)
+                segments.append([ready.segment, ready.size])
+                for (_, wire), crc in zip(records[rank], ready.crcs, strict=True):
+                    wire[-1] = crc
+            by_receiver: dict[int, list] = defaultdict(list)
+            moved = 0
+            for rank in range(len(socks)):
+                for dst, wire in records[rank]:
+                    by_receiver[dst].append(wire)
+                    moved += wire[2]
+            self.engine.update_weights(
+                {"version": version, "segments": segments, "dtype": self.engine.config.dtype},
+                by_receiver,
+            )
+            done = PushDone(version, None, needed, moved)
+        except (PeerGone, OSError) as exc:
+            done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
+                            f"version {self.engine.weight_version} keeps serving")  # fmt: skip
+        except (WeightSyncError, LayoutMismatch, ValueError) as exc:
+            done = PushDone(version or -1, str(exc))
+        except Exception as exc:  # report any other failure to the trainers, never hang them
+            done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
+        finally:
+            for path in staged:
+                _unlink_staged(path)
+        for sock in socks:
+            try:
+                send_frame(sock, encode(done))
+            except OSError:
+                pass
+            sock.close()
+
+    def _plan(self, hellos: list[PushHello]):
+        world = {h.world for h in hellos}
+        if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
+            raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
+        versions = {h.version for h in hellos}
+        if len(versions) != 1:
+            raise ValueError(f"trainer ranks disagree on the version: {sorted(versions, key=str)}")
+        version = versions.pop()
+        if version is None:
+            version = self.engine.weight_version + 1
+        senders = [RankLayout.from_wire(h.layout) for h in hellos]
+        for h, layout in zip(hellos, senders, strict=True):
+            layout.rank = h.rank
+        receivers = self.engine.weight_layouts()
+        ignore = frozenset(name for h in hellos for name in h.ignore)
+        plan = self.plans.get(senders, receivers, ignore)
+        dtype = self.engine.config.dtype
+        itemsize = _DTYPES[dtype].itemsize
+        items: list[list] = [[] for _ in hellos]
+        records: list[list] = [[] for _ in hellos]  # (receiver rank, Record wire) per sender
+        offsets = [0] * len(hellos)
+        for t in plan.transfers:
+            nbytes = t.numel * itemsize
+            box_shape = [b - a for a, b in t.box]
+            src = [[s.start, s.stop] for s in local_slices(t.src_piece, t.box)]
+            items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape,
+                                 offsets[t.src], nbytes])  # fmt: skip
+            dst = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
+            rec = Record(t.src, offsets[t.src], nbytes, t.dst_key, dst, tuple(box_shape),
+                         t.dst_piece.transposed, None)  # fmt: skip
+            records[t.src].append((t.dst, rec.to_wire()))
+            offsets[t.src] += nbytes
+        needed = sum(_numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
+        plans = [PushPlan(dtype, offsets[i], items[i]) for i in range(len(hellos))]
+        return version, plans, records, needed
+
+
+def _unlink_staged(path: str) -> None:
+    p = Path(path)
+    if p.parent == SHM_DIR and p.name.startswith("tandem-"):
+        p.unlink(missing_ok=True)
+
+
+def _numel(box) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n

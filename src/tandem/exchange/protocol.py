@@ -1,0 +1,60 @@
+"""Messages between trainer ranks (`WeightSender`) and an engine's exchange server.
+
+One push: every trainer rank connects and says what it holds (`PushHello`); the engine plans
+and tells each rank which boxes to stage where (`PushPlan`); each rank stages them in its own
+shared-memory segment (`PushReady`, with CRC32s); the engine verifies on every rank, commits,
+and answers everyone (`PushDone`). msgpack only; tensor bytes never travel in these frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+
+
+@dataclass(slots=True)
+class PushHello:
+    token: str
+    rank: int  # this trainer rank
+    world: int  # trainer ranks taking part in the push
+    version: int | None  # None: the engine's current version + 1
+    layout: list  # RankLayout.to_wire()
+    ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
+
+
+@dataclass(slots=True)
+class PushPlan:
+    dtype: str  # stage boxes in this dtype (the engine's)
+    size: int  # bytes of this rank's segment
+    items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes]
+
+
+@dataclass(slots=True)
+class PushReady:
+    segment: str
+    size: int
+    crcs: list[int | None]  # per item, in PushPlan order
+
+
+@dataclass(slots=True)
+class PushDone:
+    version: int
+    error: str | None  # None: committed
+    bytes_needed: int = 0
+    bytes_moved: int = 0
+
+
+_KINDS = {"hello": PushHello, "plan": PushPlan, "ready": PushReady, "done": PushDone}
+_NAMES = {cls: kind for kind, cls in _KINDS.items()}
+
+
+def encode(msg) -> bytes:
+    return msgpack.packb([_NAMES[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
+
+
+def decode(data: bytes):
+    kind, *body = msgpack.unpackb(data)
+    if kind not in _KINDS:
+        raise ValueError(f"unknown exchange message {kind!r}")
+    return _KINDS[kind](*body)
