@@ -1,5 +1,7 @@
 """WeightSender pushes a trainer model into a live engine, in place, over shared memory."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -83,3 +85,76 @@ def test_checksum_mismatch_rejects_the_update(model_factory):
         assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
         WeightSender(trainer, llm).push(version=2)  # the next push succeeds
         assert llm.weight_version == 2
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_trainer(model_dir: str, address: str, version: int, *, die: bool = False) -> list[int]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fsdp_trainer.py")
+    port = str(_free_port())
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    extra = ["die"] if die else []
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), port, model_dir, address, str(version), *extra],
+            env=env,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+    try:
+        return [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def _check_matches_transformers(llm, trainer_dir: str, version: int) -> None:
+    reference = _trainer(trainer_dir)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
+    for out in llm.generate(PROMPTS, params):
+        c = out.outputs[0]
+        ids = out.prompt_token_ids + c.token_ids
+        logp = torch.log_softmax(_logits(reference, ids), dim=-1)
+        n = len(out.prompt_token_ids)
+        expected = logp[n - 1 : -1].gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        assert c.token_ids == logp[n - 1 : -1].argmax(-1).tolist()
+        assert (torch.tensor(c.logprobs) - expected).abs().max() <= 1e-4
+        assert out.weight_version == version
+
+
+def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory):
+    """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, over shared memory."""
+    engine_dir = model_factory("llama", vocab_size=509)
+    trainer_dir = model_factory("llama", seed=1, vocab_size=509)
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
+        assert _run_trainer(trainer_dir, llm.exchange_address, 5) == [0, 0]
+        assert llm.weight_version == 5
+        _check_matches_transformers(llm, trainer_dir, 5)
+
+
+def test_trainer_killed_mid_push_keeps_old_weights_then_next_push_lands(model_factory):
+    engine_dir = model_factory("llama", vocab_size=509)
+    trainer_dir = model_factory("llama", seed=1, vocab_size=509)
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+    with LLM(engine_dir) as llm:
+        before = llm.generate(PROMPTS, params)
+        codes = _run_trainer(trainer_dir, llm.exchange_address, 1, die=True)
+        assert codes == [3, 17]  # rank 0 told the push failed; rank 1 died
+        assert llm.weight_version == 0
+        after = llm.generate(PROMPTS, params)
+        assert [o.outputs[0].logprobs for o in after] == [o.outputs[0].logprobs for o in before]
+        assert _run_trainer(trainer_dir, llm.exchange_address, 2) == [0, 0]
+        _check_matches_transformers(llm, trainer_dir, 2)
+    assert not list(Path("/dev/shm").glob("tandem-*")), "a staged segment was left behind"

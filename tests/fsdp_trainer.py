@@ -1,0 +1,48 @@
+"""A 2-rank FSDP2 trainer (gloo) that pushes its weights into an engine; run by the tests.
+
+    python tests/fsdp_trainer.py RANK PORT MODEL_DIR EXCHANGE_ADDRESS VERSION [die]
+
+With ``die``, rank 1 is killed after the engine sent its plan and before it staged anything.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tandem.exchange import WeightSender, WeightSyncError
+
+
+class _DiesMidPush(WeightSender):
+    def _before_ready(self, segment):
+        os._exit(17)
+
+
+def main() -> int:
+    rank, port, model_dir, address, version = sys.argv[1:6]
+    die = len(sys.argv) > 6 and sys.argv[6] == "die"
+    rank = int(rank)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sender_cls = _DiesMidPush if die and rank == 1 else WeightSender
+    try:
+        stats = sender_cls(model, address).push(version=int(version))
+    except WeightSyncError as exc:
+        print(f"rank {rank}: push failed: {exc}", flush=True)
+        return 3
+    print(f"rank {rank}: pushed version {stats.version}, {stats.bytes_sent} bytes", flush=True)
+    assert stats.bytes_moved == stats.bytes_needed
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
