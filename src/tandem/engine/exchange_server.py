@@ -13,12 +13,12 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
-from pathlib import Path
 
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, local_slices
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import _DTYPES, Record, WeightSyncError
+from tandem.exchange.transports import shm
 from tandem.exchange.transports.shm import SHM_DIR
 from tandem.wire import PeerGone, recv_frame, send_frame
 
@@ -78,6 +78,7 @@ class ExchangeServer:
         version = None
         try:
             version, plans, records, needed = self._plan([h for _, h in conns])
+            staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
             for sock, plan in zip(socks, plans, strict=True):
                 sock.settimeout(self.stage_timeout_s)
                 send_frame(sock, encode(plan))
@@ -86,7 +87,8 @@ class ExchangeServer:
                 ready = decode(recv_frame(sock))
                 if not isinstance(ready, PushReady):
                     raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
-                staged.append(ready.segment)
+                if ready.segment != staged[rank]:
+                    raise WeightSyncError(f"trainer rank {rank} staged {ready.segment}")
                 segments.append([ready.segment, ready.size])
                 for (_, wire), crc in zip(records[rank], ready.crcs, strict=True):
                     wire[-1] = crc
@@ -110,7 +112,7 @@ class ExchangeServer:
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
         finally:
             for path in staged:
-                _unlink_staged(path)
+                shm.unlink(path)
         for sock in socks:
             try:
                 send_frame(sock, encode(done))
@@ -151,14 +153,8 @@ class ExchangeServer:
             records[t.src].append((t.dst, rec.to_wire()))
             offsets[t.src] += nbytes
         needed = sum(_numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
-        plans = [PushPlan(dtype, offsets[i], items[i]) for i in range(len(hellos))]
+        plans = [PushPlan(dtype, offsets[i], shm.new_name(), items[i]) for i in range(len(hellos))]
         return version, plans, records, needed
-
-
-def _unlink_staged(path: str) -> None:
-    p = Path(path)
-    if p.parent == SHM_DIR and p.name.startswith("tandem-"):
-        p.unlink(missing_ok=True)
 
 
 def _numel(box) -> int:

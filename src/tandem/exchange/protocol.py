@@ -27,6 +27,7 @@ class PushHello:
 class PushPlan:
     dtype: str  # stage boxes in this dtype (the engine's)
     size: int  # bytes of this rank's segment
+    segment: str  # the name to create it under (unguessable; the engine removes it after)
     items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes]
 
 

@@ -85,7 +85,7 @@ class WeightSender:
                 send_frame(sock, encode(hello))
                 reply = decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
-                    segment = ShmSegment.create(reply.size)
+                    segment = ShmSegment.create(reply.size, reply.segment)
                     crcs = self._stage(segment, reply)
                     send_frame(sock, encode(PushReady(str(segment.path), reply.size, crcs)))
                     reply = decode(recv_frame(sock))

@@ -18,6 +18,21 @@ import torch
 SHM_DIR = Path("/dev/shm")
 
 
+def new_name() -> str:
+    return f"tandem-{secrets.token_hex(16)}"
+
+
+def unlink(path: str) -> None:
+    """Remove a segment by path (only tandem's own names under /dev/shm)."""
+    _checked(Path(path)).unlink(missing_ok=True)
+
+
+def _checked(path: Path) -> Path:
+    if path.parent != SHM_DIR or not path.name.startswith("tandem-") or "/" in path.name:
+        raise ValueError(f"not a tandem shared-memory segment: {path}")
+    return path
+
+
 class ShmSegment:
     """A named shared-memory file mapped into this process."""
 
@@ -34,17 +49,15 @@ class ShmSegment:
             os.close(fd)
 
     @classmethod
-    def create(cls, size: int) -> ShmSegment:
+    def create(cls, size: int, name: str | None = None) -> ShmSegment:
+        """A new segment (owner-only, never an existing file); ``name`` from `new_name`."""
         if not SHM_DIR.is_dir():
             raise RuntimeError("the shm transport needs /dev/shm (Linux)")
-        return cls(SHM_DIR / f"tandem-{secrets.token_hex(16)}", size, create=True)
+        return cls(_checked(SHM_DIR / (name or new_name())), size, create=True)
 
     @classmethod
     def open(cls, path: str, size: int) -> ShmSegment:
-        path = Path(path)
-        if path.parent != SHM_DIR or not path.name.startswith("tandem-"):
-            raise ValueError(f"not a tandem shared-memory segment: {path}")
-        return cls(path, size, create=False)
+        return cls(_checked(Path(path)), size, create=False)
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor view of ``nbytes`` at ``offset`` (no copy)."""
