@@ -158,3 +158,35 @@ def test_trainer_killed_mid_push_keeps_old_weights_then_next_push_lands(model_fa
         assert _run_trainer(trainer_dir, llm.exchange_address, 2) == [0, 0]
         _check_matches_transformers(llm, trainer_dir, 2)
     assert not list(Path("/dev/shm").glob("tandem-*")), "a staged segment was left behind"
+
+
+def test_push_during_generation_lands_between_steps(model_factory):
+    """Async RL: a push while requests decode; each request reports the versions it used."""
+    import threading
+    import time
+
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    trainer = _trainer(trainer_dir)
+    prompts = [[7 + i, 3, 9] for i in range(6)]
+    params = SamplingParams(max_tokens=120, temperature=0, ignore_eos=True)
+    with LLM(engine_dir) as llm:
+        sender = WeightSender(trainer, llm)
+        started = threading.Event()
+        outputs = []
+
+        def generate():
+            started.set()
+            outputs.extend(llm.generate(prompts, params))
+
+        worker = threading.Thread(target=generate)
+        worker.start()
+        started.wait()
+        deadline = time.monotonic() + 30
+        while not llm.engine.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.001)  # wait until decoding is under way
+        sender.push(version=1)
+        worker.join(timeout=120)
+        assert llm.weight_version == 1
+    assert all(o.weight_versions in ([0, 1], [1], [0]) for o in outputs)
+    assert any(o.weight_versions == [0, 1] for o in outputs), [o.weight_versions for o in outputs]
+    assert all(o.weight_version == o.weight_versions[-1] for o in outputs)

@@ -222,6 +222,7 @@ class LLMEngine:
         for row, seq in enumerate(batch.seqs):
             token = out.token_ids[row]
             seq.token_ids.append(token)
+            seq.weight_versions.add(self.weight_version)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             k = seq.params.logprobs

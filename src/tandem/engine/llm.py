@@ -97,8 +97,9 @@ class LLM:
             first_token_time=min(firsts) if firsts else None,
             finished_time=max(s.finished_time for s in seqs),
         )
+        versions = sorted(set().union(*(s.weight_versions for s in seqs)))
         return RequestOutput(
-            request_id, prompt, prompt_ids, completions, True, self.weight_version, metrics
+            request_id, prompt, prompt_ids, completions, True, versions[-1], metrics, versions
         )
 
     def shutdown(self) -> None:

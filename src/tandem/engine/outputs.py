@@ -40,5 +40,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
-    weight_version: int = 0  # version of the weights that generated every token of it
+    weight_version: int = 0  # the newest version that generated its tokens
     metrics: RequestMetrics | None = None
+    weight_versions: list[int] = field(default_factory=list)  # every version that did (async)

@@ -36,6 +36,7 @@ class Sequence:
         self.arrival = arrival
         self.priority = priority  # lower runs first under the "priority" policy
         self.preempted = False  # waiting again after losing its KV blocks: goes first
+        self.weight_versions: set[int] = set()  # versions that produced its tokens
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
