@@ -143,8 +143,9 @@ class LLMEngine:
         ]
 
     def add(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self.scheduler.add(seq)
+        with self.lock:
+            for seq in seqs:
+                self.scheduler.add(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
