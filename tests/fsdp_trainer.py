@@ -1,8 +1,9 @@
 """A 2-rank FSDP2 trainer (gloo) that pushes its weights into an engine; run by the tests.
 
-    python tests/fsdp_trainer.py RANK PORT MODEL_DIR EXCHANGE_ADDRESS VERSION [die]
+    python tests/fsdp_trainer.py RANK PORT MODEL_DIR EXCHANGE_ADDRESS VERSION TRANSPORT MODE [die]
 
-With ``die``, rank 1 is killed after the engine sent its plan and before it staged anything.
+With ``die``, rank 1 is killed mid-push: with shm after the engine sent its plan and before it
+staged anything; with dist after sending engine rank 0 its boxes and before engine rank 1's.
 """
 
 import os
@@ -21,10 +22,15 @@ class _DiesMidPush(WeightSender):
     def _before_ready(self, segment):
         os._exit(17)
 
+    def _send(self, plan):
+        first = min(item[6] for item in plan.items)
+        plan.items = [item for item in plan.items if item[6] == first]
+        super()._send(plan)  # reaches _before_ready: dies after the first engine rank
+
 
 def main() -> int:
-    rank, port, model_dir, address, version = sys.argv[1:6]
-    die = len(sys.argv) > 6 and sys.argv[6] == "die"
+    rank, port, model_dir, address, version, transport, mode = sys.argv[1:8]
+    die = len(sys.argv) > 8 and sys.argv[8] == "die"
     rank = int(rank)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
@@ -34,7 +40,8 @@ def main() -> int:
     fully_shard(model, mesh=mesh)
     sender_cls = _DiesMidPush if die and rank == 1 else WeightSender
     try:
-        stats = sender_cls(model, address).push(version=int(version))
+        sender = sender_cls(model, address, transport=transport, mode=mode)
+        stats = sender.push(version=int(version))
     except WeightSyncError as exc:
         print(f"rank {rank}: push failed: {exc}", flush=True)
         return 3

@@ -24,17 +24,20 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits[0]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_push_into_single_process_engine_in_place(model_factory, family):
+@pytest.mark.parametrize(
+    ("family", "transport"),
+    [("llama", "shm"), ("qwen2", "shm"), ("gpt2", "shm"), ("llama", "dist"), ("gpt2", "dist")],
+)
+def test_push_into_single_process_engine_in_place(model_factory, family, transport):
     engine_dir, trainer_dir = model_factory(family), model_factory(family, seed=1)
     trainer = _trainer(trainer_dir)
     with LLM(engine_dir) as llm:
         runner = llm.engine.runner
         before = {n: p.data_ptr() for n, p in runner.model.named_parameters()}
         assert (runner.score([PROMPTS[0]])[0] - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
-        stats = WeightSender(trainer, llm).push(version=7)
-        assert llm.weight_version == 7 and stats.version == 7 and stats.transport == "shm"
-        assert stats.bytes_sent == stats.bytes_needed > 0
+        stats = WeightSender(trainer, llm, transport=transport).push(version=7)
+        assert llm.weight_version == 7 and stats.version == 7 and stats.transport == transport
+        assert stats.bytes_sent == stats.bytes_moved == stats.bytes_needed > 0
         assert {n: p.data_ptr() for n, p in runner.model.named_parameters()} == before
         for ids in PROMPTS:
             assert (runner.score([ids])[0] - _logits(trainer, ids)).abs().max() <= 1e-4
@@ -42,14 +45,15 @@ def test_push_into_single_process_engine_in_place(model_factory, family):
         assert out[0].weight_version == 7
 
 
-def test_push_into_tensor_parallel_engine(model_factory):
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_push_into_tensor_parallel_engine(model_factory, transport):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     trainer = _trainer(trainer_dir)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
     with LLM(trainer_dir) as reference:
         expected = reference.generate(PROMPTS, params)
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
-        stats = WeightSender(trainer, llm).push(version=3)
+        stats = WeightSender(trainer, llm, transport=transport).push(version=3)
         assert stats.bytes_sent == stats.bytes_needed
         got = llm.generate(PROMPTS, params)
     for e, g in zip(expected, got, strict=True):
@@ -95,7 +99,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_trainer(model_dir: str, address: str, version: int, *, die: bool = False) -> list[int]:
+def _run_trainer(
+    model_dir: str, address: str, version: int, transport: str, mode: str = "staged",
+    *, die: bool = False,
+) -> list[int]:  # fmt: skip
     import os
     import subprocess
     import sys
@@ -107,7 +114,18 @@ def _run_trainer(model_dir: str, address: str, version: int, *, die: bool = Fals
     extra = ["die"] if die else []
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(r), port, model_dir, address, str(version), *extra],
+            [
+                sys.executable,
+                str(script),
+                str(r),
+                port,
+                model_dir,
+                address,
+                str(version),
+                transport,
+                mode,
+                *extra,
+            ],
             env=env,
         )  # fmt: skip
         for r in range(2)
@@ -134,28 +152,30 @@ def _check_matches_transformers(llm, trainer_dir: str, version: int) -> None:
         assert out.weight_version == version
 
 
-def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory):
-    """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, over shared memory."""
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport):
+    """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, each transport."""
     engine_dir = model_factory("llama", vocab_size=509)
     trainer_dir = model_factory("llama", seed=1, vocab_size=509)
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
-        assert _run_trainer(trainer_dir, llm.exchange_address, 5) == [0, 0]
+        assert _run_trainer(trainer_dir, llm.exchange_address, 5, transport) == [0, 0]
         assert llm.weight_version == 5
         _check_matches_transformers(llm, trainer_dir, 5)
 
 
-def test_trainer_killed_mid_push_keeps_old_weights_then_next_push_lands(model_factory):
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_trainer_killed_mid_push_keeps_old_weights_then_next_push_lands(model_factory, transport):
     engine_dir = model_factory("llama", vocab_size=509)
     trainer_dir = model_factory("llama", seed=1, vocab_size=509)
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
-    with LLM(engine_dir) as llm:
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
         before = llm.generate(PROMPTS, params)
-        codes = _run_trainer(trainer_dir, llm.exchange_address, 1, die=True)
+        codes = _run_trainer(trainer_dir, llm.exchange_address, 1, transport, die=True)
         assert codes == [3, 17]  # rank 0 told the push failed; rank 1 died
         assert llm.weight_version == 0
         after = llm.generate(PROMPTS, params)
         assert [o.outputs[0].logprobs for o in after] == [o.outputs[0].logprobs for o in before]
-        assert _run_trainer(trainer_dir, llm.exchange_address, 2) == [0, 0]
+        assert _run_trainer(trainer_dir, llm.exchange_address, 2, transport) == [0, 0]
         _check_matches_transformers(llm, trainer_dir, 2)
     assert not list(Path("/dev/shm").glob("tandem-*")), "a staged segment was left behind"
 
@@ -190,3 +210,15 @@ def test_push_during_generation_lands_between_steps(model_factory):
     assert all(o.weight_versions in ([0, 1], [1], [0]) for o in outputs)
     assert any(o.weight_versions == [0, 1] for o in outputs), [o.weight_versions for o in outputs]
     assert all(o.weight_version == o.weight_versions[-1] for o in outputs)
+
+
+def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(model_factory):
+    engine_dir = model_factory("llama", vocab_size=509)
+    trainer_dir = model_factory("llama", seed=1, vocab_size=509)
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
+        codes = _run_trainer(trainer_dir, llm.exchange_address, 1, "dist", "in_place", die=True)
+        assert codes == [3, 17]
+        with pytest.raises(WeightSyncError, match="refused until a complete push"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+        assert _run_trainer(trainer_dir, llm.exchange_address, 2, "dist", "in_place") == [0, 0]
+        _check_matches_transformers(llm, trainer_dir, 2)

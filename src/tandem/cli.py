@@ -90,6 +90,13 @@ def _bench(args) -> int:
         from tandem.bench.generate import run
 
         result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+    elif args.what == "sync":
+        from tandem.bench.sync import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:  # a ratio may be null (no baseline yet)
+            print(summary(result))
+            return 0
     else:
         print(f"tandem bench {args.what}: not available yet", file=sys.stderr)
         return 2

@@ -80,21 +80,44 @@ class LLMEngine:
         """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
         return self.executor.layouts
 
-    def update_weights(self, update: dict, records_by_rank: dict[int, list]) -> None:
-        """Apply a staged push between steps: every rank verifies, then every rank writes.
+    def update_weights(self, update: dict, records_by_rank: dict[int, list], checksums=None):
+        """Apply a push between steps: (dist transport) every rank receives, then every rank
+        verifies, then every rank writes.
 
-        A rejected push (bad checksum, unknown tensor, wrong dtype) changes nothing. A failure
-        while writing leaves the engine refusing requests until a complete push lands. Steps
-        already in flight (pipeline) finish first; waiting and running requests go on with the
-        new weights, and each records the versions that produced its tokens."""
+        ``checksums()``, if given, is called after the receive phase and returns the records
+        with the senders' CRC32s filled in. A rejected push (bad checksum, unknown tensor, wrong
+        dtype) changes nothing — except that an ``in_place`` receive has already written, so
+        then, as after a failure while writing, the engine refuses requests until a complete
+        push lands. Steps already in flight (pipeline) finish first; waiting and running
+        requests go on with the new weights, and each records the versions it used."""
         with self.lock:
             self._drain_in_flight()
-            self._update_weights(update, records_by_rank)
+            self._update_weights(update, records_by_rank, checksums)
 
-    def _update_weights(self, update: dict, records_by_rank: dict[int, list]) -> None:
+    def _update_weights(self, update: dict, records_by_rank: dict[int, list], checksums) -> None:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
+        in_place = update.get("mode") == "in_place"
+        if update["transport"] == "dist":
+            errors = self._guarded(lambda: self.executor.apply("receive", update, records_by_rank))
+            if errors and in_place:
+                self.torn = "; ".join(errors)
+            if errors:
+                raise WeightSyncError(
+                    f"receiving version {update['version']} failed; "
+                    + ("requests are refused until a complete push lands: " if in_place else
+                       f"version {self.weight_version} keeps serving: ")
+                    + "; ".join(errors)
+                )  # fmt: skip
+        if checksums is not None:
+            records_by_rank = checksums()
         errors = self._guarded(lambda: self.executor.apply("verify", update, records_by_rank))
+        if errors and in_place and update["transport"] == "dist":
+            self.torn = "; ".join(errors)
+            raise WeightSyncError(
+                "in-place update failed verification; requests are refused until a complete "
+                "push lands: " + self.torn
+            )
         if errors:
             raise WeightSyncError(
                 f"update to version {update['version']} rejected; version "
@@ -161,7 +184,10 @@ class LLMEngine:
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self.torn is not None:
-            raise WeightSyncError(f"weights are incomplete after a failed push: {self.torn}")
+            raise WeightSyncError(
+                "weights are incomplete after a failed push; requests are refused until a "
+                f"complete push lands: {self.torn}"
+            )
         self._guarded(self._fill_pipeline)
         if not self._in_flight:
             raise RuntimeError("scheduler produced an empty batch with requests pending")

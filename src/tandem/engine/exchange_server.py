@@ -13,12 +13,16 @@ import secrets
 import socket
 import threading
 from collections import defaultdict
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, local_slices
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import _DTYPES, Record, WeightSyncError
 from tandem.exchange.transports import shm
+from tandem.exchange.transports.dist import DEFAULT_BUCKET_BYTES, GroupInfo
 from tandem.exchange.transports.shm import SHM_DIR
 from tandem.wire import PeerGone, recv_frame, send_frame
 
@@ -31,6 +35,10 @@ class ExchangeServer:
         self.token = secrets.token_hex(16)
         self.stage_timeout_s = stage_timeout_s
         self.plans = PlanCache()
+        self.bucket_bytes = DEFAULT_BUCKET_BYTES
+        self._store = None  # c10d store for the dist transport's groups, made on first use
+        self._generation = 0
+        self._group_trainers = None
         self._listener = socket.create_server((host, 0))
         self.address = "{}:{}/{}".format(*self._listener.getsockname()[:2], self.token)
         self._closed = False
@@ -74,41 +82,57 @@ class ExchangeServer:
 
     def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
         socks = [s for s, _ in conns]
+        hellos = [h for _, h in conns]
         staged: list[str] = []
         version = None
         try:
-            version, plans, records, needed = self._plan([h for _, h in conns])
-            staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
+            version, plans, records, needed = self._plan(hellos)
+            update = {"version": version, "transport": hellos[0].transport,
+                      "dtype": self.engine.config.dtype, "mode": hellos[0].mode,
+                      "verify": hellos[0].verify}  # fmt: skip
+            if update["transport"] == "shm":
+                staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
+                update["segments"] = [[path, p.size] for path, p in zip(staged, plans, strict=True)]
+            else:
+                update.update(group=self._group(len(hellos)).to_wire(), trainers=len(hellos),
+                              bucket_bytes=self.bucket_bytes)  # fmt: skip
+                for plan in plans:
+                    plan.group, plan.trainers = update["group"], len(hellos)
+                    plan.bucket_bytes = self.bucket_bytes
             for sock, plan in zip(socks, plans, strict=True):
                 sock.settimeout(self.stage_timeout_s)
                 send_frame(sock, encode(plan))
-            segments = []
-            for rank, sock in enumerate(socks):
-                ready = decode(recv_frame(sock))
-                if not isinstance(ready, PushReady):
-                    raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
-                if ready.segment != staged[rank]:
-                    raise WeightSyncError(f"trainer rank {rank} staged {ready.segment}")
-                segments.append([ready.segment, ready.size])
-                for (_, wire), crc in zip(records[rank], ready.crcs, strict=True):
-                    wire[-1] = crc
-            by_receiver: dict[int, list] = defaultdict(list)
-            moved = 0
-            for rank in range(len(socks)):
-                for dst, wire in records[rank]:
-                    by_receiver[dst].append(wire)
-                    moved += wire[2]
-            self.engine.update_weights(
-                {"version": version, "segments": segments, "dtype": self.engine.config.dtype},
-                by_receiver,
-            )
+
+            def checksums() -> dict[int, list]:
+                by_receiver: dict[int, list] = defaultdict(list)
+                for rank, sock in enumerate(socks):
+                    ready = decode(recv_frame(sock))
+                    if not isinstance(ready, PushReady):
+                        raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
+                    for (dst, wire), crc in zip(records[rank], ready.crcs, strict=True):
+                        wire[-1] = crc
+                        by_receiver[dst].append(wire)
+                return by_receiver
+
+            if update["transport"] == "shm":
+                self.engine.update_weights(update, checksums())
+            else:
+                by_receiver: dict[int, list] = defaultdict(list)
+                for rank in range(len(socks)):
+                    for dst, wire in records[rank]:
+                        by_receiver[dst].append(wire)
+                self.engine.update_weights(update, by_receiver, checksums)
+            moved = sum(wire[2] for per_rank in records for _, wire in per_rank)
             done = PushDone(version, None, needed, moved)
         except (PeerGone, OSError) as exc:
+            self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
                             f"version {self.engine.weight_version} keeps serving")  # fmt: skip
         except (WeightSyncError, LayoutMismatch, ValueError) as exc:
+            self._retire_group()
             done = PushDone(version or -1, str(exc))
         except Exception as exc:  # report any other failure to the trainers, never hang them
+            self._retire_group()
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
         finally:
             for path in staged:
@@ -120,14 +144,34 @@ class ExchangeServer:
                 pass
             sock.close()
 
+    def _group(self, trainers: int) -> GroupInfo:
+        """The process group of trainer ranks and engine ranks (made once per generation)."""
+        host = self._listener.getsockname()[0]
+        if self._store is None:
+            timeout = timedelta(seconds=self.stage_timeout_s)
+            self._store = dist.TCPStore(
+                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
+            )
+        if self._group_trainers != trainers:
+            self._retire_group()
+            self._group_trainers = trainers
+        world = trainers + len(self.engine.weight_layouts())
+        backend = "nccl" if self.engine.config.torch_device.type == "cuda" else "gloo"
+        return GroupInfo(host, self._store.port, f"exchange/{self._generation}", world, backend)
+
+    def _retire_group(self) -> None:
+        """After a failure the group may hold half-done operations: the next push makes anew."""
+        self._generation += 1
+
     def _plan(self, hellos: list[PushHello]):
         world = {h.world for h in hellos}
         if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
             raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
-        versions = {h.version for h in hellos}
-        if len(versions) != 1:
-            raise ValueError(f"trainer ranks disagree on the version: {sorted(versions, key=str)}")
-        version = versions.pop()
+        for field in ("version", "transport", "mode", "verify"):
+            values = {getattr(h, field) for h in hellos}
+            if len(values) != 1:
+                raise ValueError(f"trainer ranks disagree on {field}: {sorted(values, key=str)}")
+        version = hellos[0].version
         if version is None:
             version = self.engine.weight_version + 1
         senders = [RankLayout.from_wire(h.layout) for h in hellos]
@@ -138,22 +182,27 @@ class ExchangeServer:
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.engine.config.dtype
         itemsize = _DTYPES[dtype].itemsize
+        per_stream = hellos[0].transport == "dist"  # offsets per (sender, receiver) stream
         items: list[list] = [[] for _ in hellos]
         records: list[list] = [[] for _ in hellos]  # (receiver rank, Record wire) per sender
-        offsets = [0] * len(hellos)
+        offsets: dict[tuple[int, int], int] = defaultdict(int)
         for t in plan.transfers:
             nbytes = t.numel * itemsize
             box_shape = [b - a for a, b in t.box]
+            stream = (t.src, t.dst if per_stream else -1)
+            offset = offsets[stream]
             src = [[s.start, s.stop] for s in local_slices(t.src_piece, t.box)]
-            items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape,
-                                 offsets[t.src], nbytes])  # fmt: skip
+            items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape, offset,
+                                 nbytes, t.dst])  # fmt: skip
             dst = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
-            rec = Record(t.src, offsets[t.src], nbytes, t.dst_key, dst, tuple(box_shape),
+            rec = Record(t.src, offset, nbytes, t.dst_key, dst, tuple(box_shape),
                          t.dst_piece.transposed, None)  # fmt: skip
             records[t.src].append((t.dst, rec.to_wire()))
-            offsets[t.src] += nbytes
+            offsets[stream] += nbytes
         needed = sum(_numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
-        plans = [PushPlan(dtype, offsets[i], shm.new_name(), items[i]) for i in range(len(hellos))]
+        plans = [
+            PushPlan(dtype, offsets[(i, -1)], shm.new_name(), items[i]) for i in range(len(hellos))
+        ]
         return version, plans, records, needed
 
 

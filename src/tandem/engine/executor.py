@@ -10,7 +10,7 @@ from tandem.engine.messages import StepMessage, StepResult
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.receiver import handle_apply
+from tandem.exchange.receiver import RankReceiver
 from tandem.models.loader import ModelSpec
 
 
@@ -57,13 +57,11 @@ class InProcessExecutor:
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)
         self.layouts = [engine_layout(self.runner.model, 0)]
+        self.receiver = RankReceiver(self.runner.model, 0, config.torch_device)
         self._results: deque[StepResult] = deque()
 
     def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
-        error, _ = handle_apply(
-            self.runner.model, 0, phase, update["segments"], update["dtype"],
-            records_by_rank.get(0, []),
-        )  # fmt: skip
+        error, _ = self.receiver.handle(phase, update, records_by_rank.get(0, []))
         return [] if error is None else [error]
 
     def submit(self, msg: StepMessage) -> None:

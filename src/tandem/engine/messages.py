@@ -90,13 +90,11 @@ class StepResult:
 
 @dataclass(slots=True)
 class ApplyWeights:
-    """Between steps: check (phase "verify") or write (phase "commit") this rank's records of
-    a weight push staged in a shared-memory segment."""
+    """Between steps, one phase of a weight push on this rank (see
+    `tandem.exchange.receiver.RankReceiver`): the push's settings and this rank's records."""
 
-    version: int
-    phase: str
-    segments: list  # [path, size] of each staged shared-memory segment
-    dtype: str
+    phase: str  # receive | verify | commit
+    update: dict  # version, transport, dtype, mode, segments or group, ...
     records: list  # Record.to_wire() of this rank's boxes
 
 

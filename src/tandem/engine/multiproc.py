@@ -92,10 +92,7 @@ class MultiprocExecutor:
     def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
         try:
             for rank in range(len(self.layouts)):
-                msg = ApplyWeights(
-                    update["version"], phase, update["segments"], update["dtype"],
-                    records_by_rank.get(rank, []),
-                )  # fmt: skip
+                msg = ApplyWeights(phase, update, records_by_rank.get(rank, []))
                 self._server.send_to(rank, msg)
         except PeerGone as exc:
             raise EngineDeadError(str(exc)) from None

@@ -32,7 +32,7 @@ from tandem.engine.messages import (
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
-from tandem.exchange.receiver import handle_apply
+from tandem.exchange.receiver import RankReceiver
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -142,15 +142,14 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
     if not isinstance(start, Start):
         raise RuntimeError(f"expected Start, got {type(start).__name__}")
     runner.allocate_kv_cache(start.num_blocks)
+    receiver = RankReceiver(runner.model, args.rank, device)
     while True:
         msg = control.recv(sock)
         if isinstance(msg, Shutdown):
             pipe.flush()
             return
         if isinstance(msg, ApplyWeights):
-            error, nbytes = handle_apply(
-                runner.model, args.rank, msg.phase, msg.segments, msg.dtype, msg.records
-            )
+            error, nbytes = receiver.handle(msg.phase, msg.update, msg.records)
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
             continue
         if not isinstance(msg, StepMessage):

@@ -21,14 +21,20 @@ class PushHello:
     version: int | None  # None: the engine's current version + 1
     layout: list  # RankLayout.to_wire()
     ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
+    transport: str  # shm | dist
+    mode: str  # staged | in_place (dist): where the engine receives
+    verify: bool  # CRC32 per box
 
 
 @dataclass(slots=True)
 class PushPlan:
     dtype: str  # stage boxes in this dtype (the engine's)
-    size: int  # bytes of this rank's segment
+    size: int  # bytes of this rank's segment (shm)
     segment: str  # the name to create it under (unguessable; the engine removes it after)
-    items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes]
+    items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes, dst]
+    group: list | None = None  # dist: GroupInfo.to_wire(); this rank is its trainer rank
+    trainers: int = 1  # dist: engine rank e is group rank trainers + e
+    bucket_bytes: int = 0
 
 
 @dataclass(slots=True)

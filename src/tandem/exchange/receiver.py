@@ -48,8 +48,26 @@ class Record:
         return cls(segment, offset, nbytes, key, slices, tuple(box_shape), transposed, crc)
 
 
-def verify_records(model: nn.Module, segments: list[ShmSegment], dtype: str, records: list[Record]):
-    """Every problem with this rank's records (empty: all good). Nothing is written."""
+class TensorStaging:
+    """Received bytes held in engine memory (the dist transport's staged mode), read like a
+    shared-memory segment."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data  # uint8
+
+    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        return self.data[offset : offset + nbytes].view(dtype)
+
+    def view(self, offset: int, nbytes: int):
+        return self.data[offset : offset + nbytes].numpy().data
+
+    def close(self) -> None:
+        pass
+
+
+def verify_records(model: nn.Module, segments: list, dtype: str, records: list[Record]):
+    """Every problem with this rank's records (empty: all good). Nothing is written.
+    ``segments``: the staged bytes per record source (None where only CRCs are checked)."""
     params = dict(model.named_parameters())
     torch_dtype = _DTYPES.get(dtype)
     problems = []
@@ -65,54 +83,128 @@ def verify_records(model: nn.Module, segments: list[ShmSegment], dtype: str, rec
         if tuple(region.shape) != tuple(expected):
             problems.append(f"{r.key}{list(r.slices)}: box {r.box_shape} does not fit")
         if not 0 <= r.segment < len(segments):
-            problems.append(f"{r.key}: no staged segment {r.segment}")
-        elif r.crc is not None and _crc(segments[r.segment], r) != r.crc:
-            problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
+            problems.append(f"{r.key}: no staged source {r.segment}")
+        elif r.crc is not None and segments[r.segment] is not None:
+            if _crc(segments[r.segment], r) != r.crc:
+                problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
     return problems
 
 
-def _crc(segment: ShmSegment, r: Record) -> int:
+def _crc(segment, r: Record) -> int:
     return zlib.crc32(segment.view(r.offset, r.nbytes))
 
 
-def write_records(
-    model: nn.Module, segments: list[ShmSegment], dtype: str, records: list[Record]
-) -> int:
+def write_records(model: nn.Module, segments: list, dtype: str, records: list[Record]) -> int:
     """Copy every record into its parameter, in place. Returns the bytes written."""
     params = dict(model.named_parameters())
     torch_dtype = _DTYPES[dtype]
     with torch.no_grad():
         for r in records:
             src = segments[r.segment].tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
-            dst = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
-            dst.copy_(src.t() if r.transposed else src)
+            _place(params[r.key], r, src)
     return sum(r.nbytes for r in records)
 
 
-def handle_apply(
-    model: nn.Module, rank: int, phase: str, segments: list, dtype: str, wire_records: list
-) -> tuple[str | None, int]:
-    """One phase of a push on one rank: (error or None, bytes written). ``segments`` lists the
-    staged shared-memory segments as (path, size)."""
-    records = [Record.from_wire(w) for w in wire_records]
-    needed = sorted({r.segment for r in records})
-    mapped: dict[int, ShmSegment] = {}
-    try:
-        for i in needed:
-            path, size = segments[i]
-            mapped[i] = ShmSegment.open(path, size)
-    except (OSError, ValueError, IndexError) as exc:
-        for seg in mapped.values():
-            seg.close()
-        return f"rank {rank}: cannot map staged segment ({exc})", 0
-    by_index = [mapped.get(i) for i in range(len(segments))]
-    try:
+def _place(param: torch.Tensor, r: Record, box: torch.Tensor) -> None:
+    dst = param[tuple(slice(a, b) for a, b in r.slices)]
+    dst.copy_(box.t() if r.transposed else box)
+
+
+class RankReceiver:
+    """One engine rank's side of pushes. Phases, each answered with (error or None, bytes):
+
+    - ``receive`` (dist transport): join the push's group, take every bucket from each trainer
+      rank — into engine-side staging (mode ``staged``) or straight into the parameters
+      (mode ``in_place``: no extra memory, but a broken push leaves them torn);
+    - ``verify``: names, shapes, dtypes, and CRC32s against what the trainers sent;
+    - ``commit``: write the staged boxes into the live parameters.
+    """
+
+    def __init__(self, model: nn.Module, rank: int, device: torch.device):
+        self.model = model
+        self.rank = rank
+        self.device = device
+        self._received: dict[int, tuple[list, list[list[int]]]] = {}  # version -> staging, crcs
+
+    def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
+        records = [Record.from_wire(w) for w in wire_records]
+        try:
+            if update["transport"] == "shm":
+                return self._shm(phase, update, records)
+            return self._dist(phase, update, records)
+        except Exception as exc:  # answered to the engine, which decides; never kills the rank
+            self._received.pop(update["version"], None)
+            return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
+
+    def _shm(self, phase: str, update: dict, records: list[Record]):
+        needed = sorted({r.segment for r in records})
+        mapped: dict[int, ShmSegment] = {}
+        try:
+            for i in needed:
+                path, size = update["segments"][i]
+                mapped[i] = ShmSegment.open(path, size)
+            segments = [mapped.get(i) for i in range(len(update["segments"]))]
+            return self._check_or_write(phase, update["dtype"], segments, records)
+        finally:
+            for seg in mapped.values():
+                seg.close()
+
+    def _dist(self, phase: str, update: dict, records: list[Record]):
+        version, dtype = update["version"], update["dtype"]
+        if phase == "receive":
+            self._received[version] = self._receive(update, records)
+            return None, sum(r.nbytes for r in records)
+        staging, crcs = self._received[version]
         if phase == "verify":
-            problems = verify_records(model, by_index, dtype, records)
-            return (f"rank {rank}: " + "; ".join(problems)) if problems else None, 0
+            problems = verify_records(self.model, [None] * len(staging), dtype, records)
+            received = {src: iter(c) for src, c in enumerate(crcs)}
+            for r in records:  # records from one source come in the order they were sent
+                got = next(received[r.segment], None)
+                if r.crc is not None and got != r.crc:
+                    problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
+            if problems:
+                self._received.pop(version, None)
+                return f"rank {self.rank}: " + "; ".join(problems), 0
+            return None, 0
+        del self._received[version]
+        if update["mode"] == "in_place":
+            return None, 0  # already written while receiving
+        return self._check_or_write("commit", dtype, staging, records)
+
+    def _receive(self, update: dict, records: list[Record]):
+        from tandem.exchange.transports import dist as transport
+
+        info = transport.GroupInfo.from_wire(update["group"])
+        group = transport.join(info, update["trainers"] + self.rank)
+        torch_dtype = _DTYPES[update["dtype"]]
+        params = dict(self.model.named_parameters())
+        staging: list = [None] * update["trainers"]
+        crcs: list[list[int]] = [[] for _ in range(update["trainers"])]
+        for src in range(update["trainers"]):  # sources in rank order: no cyclic waits
+            mine = [r for r in records if r.segment == src]
+            if not mine:
+                continue
+            sizes = [r.nbytes for r in mine]
+            buf = None
+            if update["mode"] == "staged":
+                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+                staging[src] = TensorStaging(buf)
+
+            def place(i, part, mine=mine):
+                box = part.view(torch_dtype).view(mine[i].box_shape)
+                with torch.no_grad():
+                    _place(params[mine[i].key], mine[i], box)
+
+            crcs[src] = transport.recv_boxes(
+                group, src, sizes, update["bucket_bytes"], self.device,
+                staging=buf, place=None if buf is not None else place, checksum=update["verify"],
+            )  # fmt: skip
+        return staging, crcs
+
+    def _check_or_write(self, phase: str, dtype: str, segments: list, records: list[Record]):
+        if phase == "verify":
+            problems = verify_records(self.model, segments, dtype, records)
+            return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, 0
         if phase == "commit":
-            return None, write_records(model, by_index, dtype, records)
-        return f"rank {rank}: unknown phase {phase!r}", 0
-    finally:
-        for seg in mapped.values():
-            seg.close()
+            return None, write_records(self.model, segments, dtype, records)
+        return f"rank {self.rank}: unknown phase {phase!r}", 0

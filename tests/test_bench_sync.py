@@ -1,0 +1,82 @@
+"""`tandem bench sync --quick`: the result has the documented shape, nothing is left in /dev/shm."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tandem.bench.sync import QUICK_MOE, REPEATS, run
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def _segments() -> set[Path]:
+    return set(Path("/dev/shm").glob("tandem-*"))
+
+
+@pytest.mark.timeout(300)
+def test_quick_sync_bench_shape(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the model is cached under ./.tandem
+    before = _segments()
+    result = run(quick=True)
+    json.dumps(result)  # serialisable as the CLI prints it
+    assert not _segments() - before, "a staged segment or state-dict file was left in /dev/shm"
+    assert result["benchmark"] == "sync" and result["quick"] is True
+    assert (tmp_path / ".tandem/bench-sync-quick/config.json").is_file()
+    model = result["model"]
+    assert all(_positive(model[k]) for k in ("params", "bytes", "hidden", "layers", "vocab"))
+    assert model["bytes"] == 4 * model["params"]  # float32
+
+    shm = result["shm"]
+    assert shm["transport"] == "shm"
+    assert shm["bytes_moved"] == shm["bytes_needed"] >= model["bytes"]
+    assert sum(shm["bytes_sent_per_rank"]) == shm["bytes_needed"]
+    assert len(shm["seconds_per_push"]) == REPEATS
+    assert shm["seconds"] == min(shm["seconds_per_push"])
+    assert result["bytes_moved_over_needed"] == 1.0
+    for name in ("shm", "memcpy", "raw_gloo", "naive"):
+        assert _positive(result[name]["seconds"]), name
+        assert _positive(result[name]["gib_per_s"]), name
+    for name in ("memcpy", "raw_gloo"):
+        assert result[name]["bytes"] == shm["bytes_needed"]  # the same bytes as the push
+    naive = result["naive"]
+    assert naive["state_dict_bytes"] == model["bytes"]
+    assert naive["seconds"] == pytest.approx(
+        naive["gather_save_seconds"] + naive["load_copy_seconds"], abs=2e-4
+    )
+
+    planner = result["planner"]
+    assert planner["trainer_ranks"] == QUICK_MOE.trainer_ranks
+    assert planner["engine_ranks"] == QUICK_MOE.engine_ranks
+    assert _positive(planner["seconds"]) and _positive(planner["transfers"])
+    assert 1.0 <= planner["sender_max_over_mean"] < 2.0
+
+    ratios = result["ratios"]
+    assert set(ratios) == {"shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive"}
+    assert ratios["gloo_vs_raw_gloo"] is None and result["notes"]
+    assert _positive(ratios["shm_vs_memcpy"]) and _positive(ratios["vs_naive"])
+    expected = result["memcpy"]["seconds"] / shm["seconds"]
+    assert ratios["shm_vs_memcpy"] == pytest.approx(expected, rel=1e-2)
+
+
+def test_moe_layouts_cover_every_canonical_tensor_once():
+    """The planner's synthetic layouts: senders hold every canonical element exactly once per
+    stage replica; every receiver box is covered (the planner raises otherwise)."""
+    from tandem.bench.sync import moe_layouts
+    from tandem.exchange.plan import plan_transfers
+
+    senders, receivers = moe_layouts(QUICK_MOE)
+    assert len(senders) == QUICK_MOE.trainer_ranks and len(receivers) == QUICK_MOE.engine_ranks
+    canonical = {}
+    for lay in senders:
+        for region in lay.regions:
+            canonical[region.piece.name] = region.piece.full_shape
+    assert sum(math.prod(s) for s in canonical.values()) == QUICK_MOE.params()
+    plan = plan_transfers(senders, receivers)
+    needed = sum(math.prod(b - a for a, b in r.piece.box) for lay in receivers for r in lay.regions)
+    assert plan.total_numel == needed
