@@ -19,7 +19,7 @@ from tandem.exchange import WeightSender, WeightSyncError
 
 
 class _DiesMidPush(WeightSender):
-    def _before_ready(self, segment):
+    def _before_ready(self, staged):
         os._exit(17)
 
     def _send(self, plan):

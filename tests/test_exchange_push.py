@@ -69,9 +69,8 @@ def test_push_into_tensor_parallel_engine(model_factory, transport):
 
 
 class _CorruptingSender(WeightSender):
-    def _before_ready(self, segment):
-        view = segment.view(0, 4)
-        view[0] ^= 0xFF  # one flipped byte in transit
+    def _before_ready(self, staged):
+        staged[:1] ^= 0xFF  # one flipped byte in transit
 
 
 def test_checksum_mismatch_rejects_the_update(model_factory):

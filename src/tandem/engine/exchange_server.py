@@ -93,6 +93,8 @@ class ExchangeServer:
             if update["transport"] == "shm":
                 staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
                 update["segments"] = [[path, p.size] for path, p in zip(staged, plans, strict=True)]
+            elif update["transport"] == "cuda_ipc":
+                update["segments"] = [None] * len(plans)  # handles arrive with PushReady
             else:
                 update.update(group=self._group(len(hellos)).to_wire(), trainers=len(hellos),
                               bucket_bytes=self.bucket_bytes)  # fmt: skip
@@ -109,12 +111,14 @@ class ExchangeServer:
                     ready = decode(recv_frame(sock))
                     if not isinstance(ready, PushReady):
                         raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
+                    if update["transport"] == "cuda_ipc":
+                        update["segments"][rank] = ready.handle
                     for (dst, wire), crc in zip(records[rank], ready.crcs, strict=True):
                         wire[-1] = crc
                         by_receiver[dst].append(wire)
                 return by_receiver
 
-            if update["transport"] == "shm":
+            if update["transport"] in ("shm", "cuda_ipc"):
                 self.engine.update_weights(update, checksums())
             else:
                 by_receiver: dict[int, list] = defaultdict(list)

@@ -21,7 +21,7 @@ class PushHello:
     version: int | None  # None: the engine's current version + 1
     layout: list  # RankLayout.to_wire()
     ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
-    transport: str  # shm | dist
+    transport: str  # shm | dist | cuda_ipc
     mode: str  # staged | in_place (dist): where the engine receives
     verify: bool  # CRC32 per box
 
@@ -39,9 +39,10 @@ class PushPlan:
 
 @dataclass(slots=True)
 class PushReady:
-    segment: str
+    segment: str  # shm: the segment's path
     size: int
     crcs: list[int | None]  # per item, in PushPlan order
+    handle: list | None = None  # cuda_ipc: the staging buffer's IPC handle
 
 
 @dataclass(slots=True)

@@ -129,20 +129,26 @@ class RankReceiver:
     def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
         records = [Record.from_wire(w) for w in wire_records]
         try:
-            if update["transport"] == "shm":
-                return self._shm(phase, update, records)
+            if update["transport"] in ("shm", "cuda_ipc"):
+                return self._from_staged(phase, update, records)
             return self._dist(phase, update, records)
         except Exception as exc:  # answered to the engine, which decides; never kills the rank
             self._received.pop(update["version"], None)
             return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
 
-    def _shm(self, phase: str, update: dict, records: list[Record]):
+    def _from_staged(self, phase: str, update: dict, records: list[Record]):
+        """shm / cuda_ipc: the trainer ranks staged everything; map what this rank reads."""
         needed = sorted({r.segment for r in records})
-        mapped: dict[int, ShmSegment] = {}
+        mapped: dict[int, object] = {}
         try:
             for i in needed:
-                path, size = update["segments"][i]
-                mapped[i] = ShmSegment.open(path, size)
+                if update["transport"] == "shm":
+                    path, size = update["segments"][i]
+                    mapped[i] = ShmSegment.open(path, size)
+                else:
+                    from tandem.exchange.transports.cuda_ipc import CudaStaging
+
+                    mapped[i] = CudaStaging(update["segments"][i])
             segments = [mapped.get(i) for i in range(len(update["segments"]))]
             return self._check_or_write(phase, update["dtype"], segments, records)
         finally:

@@ -35,6 +35,8 @@ class PushStats:
 
 
 class WeightSender:
+    TRANSPORTS = ("shm", "dist", "cuda_ipc")
+
     """Push a trainer model's weights into a tandem engine, in place.
 
     ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
@@ -45,7 +47,9 @@ class WeightSender:
 
     ``transport``: ``shm`` (same host: each rank stages its boxes in a shared-memory segment
     the engine ranks read) or ``dist`` (torch.distributed point-to-point in a group of trainer
-    and engine ranks; works across hosts); ``auto`` picks ``shm``. ``mode`` (dist): ``staged``
+    and engine ranks; works across hosts) or ``cuda_ipc`` (same node, CUDA: the engine maps
+    each rank's CUDA staging buffer); ``auto`` picks ``cuda_ipc`` for a model on a GPU, else
+    ``shm``. ``mode`` (dist): ``staged``
     receives into engine memory and commits only a complete, verified push (the old version
     serves on failure); ``in_place`` receives straight into the live parameters (no extra
     memory; a broken push makes the engine refuse requests until a complete push lands)."""
@@ -63,8 +67,8 @@ class WeightSender:
         world_size: int | None = None,
         timeout_s: float = 600.0,
     ):
-        if transport not in ("auto", "shm", "dist"):
-            raise ValueError(f"transport must be 'auto', 'shm' or 'dist', got {transport!r}")
+        if transport not in ("auto", *self.TRANSPORTS):
+            raise ValueError(f"transport must be one of {('auto', *self.TRANSPORTS)}")
         if mode not in ("staged", "in_place"):
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
         address = target if isinstance(target, str) else target.exchange_address
@@ -74,7 +78,12 @@ class WeightSender:
             raise ValueError(f"not an exchange address (host:port/token): {address!r}")
         self._endpoint = (host, int(port))
         self.model = model
-        self.transport = "shm" if transport == "auto" else transport
+        if transport == "auto":
+            on_gpu = any(_local(t).is_cuda for _, t in _named_tensors(model))
+            # CUDA IPC cannot map a buffer in the process that made it
+            local_engine = not isinstance(target, str) and target.engine.config.world_size == 1
+            transport = "cuda_ipc" if on_gpu and not local_engine else "shm"
+        self.transport = transport
         self.mode = mode
         self.verify = verify
         self.ignore = list(ignore)
@@ -84,52 +93,62 @@ class WeightSender:
         self.timeout_s = timeout_s
 
     def push(self, version: int | None = None) -> PushStats:
-        """Stage this rank's boxes and wait until the engine committed (or rejected) them."""
+        """Send this rank's boxes and wait until the engine committed (or rejected) them."""
         start = time.perf_counter()
         layout = dtensor_layout(self.model, self.rank)
         hello = PushHello(self._token, self.rank, self.world_size, version, layout.to_wire(),
                           self.ignore, self.transport, self.mode, self.verify)  # fmt: skip
-        segment = None
+        staged = None  # what the engine reads until it answers: a segment or a CUDA buffer
         sent = 0
         with socket.create_connection(self._endpoint, timeout=self.timeout_s) as sock:
             try:
                 send_frame(sock, encode(hello))
                 reply = decode(recv_frame(sock))
-                if isinstance(reply, PushPlan) and self.transport == "shm":
-                    segment = ShmSegment.create(reply.size, reply.segment)
-                    crcs = self._stage(segment, reply)
-                    send_frame(sock, encode(PushReady(str(segment.path), reply.size, crcs)))
-                    reply = decode(recv_frame(sock))
-                elif isinstance(reply, PushPlan):
-                    crcs = self._send(reply)
+                if isinstance(reply, PushPlan):
                     sent = sum(item[5] for item in reply.items)
-                    send_frame(sock, encode(PushReady("", 0, crcs)))
+                    ready, staged = self._deliver(reply)
+                    send_frame(sock, encode(ready))
                     reply = decode(recv_frame(sock))
             except (PeerGone, OSError) as exc:
                 raise WeightSyncError(f"lost the engine during the push ({exc})") from None
             finally:
-                if segment is not None:
-                    segment.close()
-                    segment.unlink()
+                if isinstance(staged, ShmSegment):
+                    staged.close()
+                    staged.unlink()
         if not isinstance(reply, PushDone):
             raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
         if reply.error is not None:
             raise WeightSyncError(reply.error)
-        sent = segment.size if segment is not None else sent
         return PushStats(reply.version, sent, reply.bytes_needed, reply.bytes_moved,
                          time.perf_counter() - start, self.transport)  # fmt: skip
 
-    def _stage(self, segment: ShmSegment, plan: PushPlan) -> list[int | None]:
+    def _deliver(self, plan: PushPlan) -> tuple[PushReady, object]:
+        """Carry out this rank's part of the plan; (the ready message, what must stay alive)."""
+        if self.transport == "dist":
+            return PushReady("", 0, self._send(plan)), None
+        if self.transport == "cuda_ipc":
+            from tandem.exchange.transports.cuda_ipc import export_handle
+
+            device = next(_local(t).device for _, t in _named_tensors(self.model))
+            buf = torch.empty(plan.size, dtype=torch.uint8, device=device)
+            crcs = self._stage(buf, plan)
+            torch.cuda.synchronize(device)
+            return PushReady("", plan.size, crcs, export_handle(buf)), buf
+        segment = ShmSegment.create(plan.size, plan.segment)
+        return PushReady(str(segment.path), plan.size, self._stage(segment.data, plan)), segment
+
+    def _stage(self, buf: torch.Tensor, plan: PushPlan) -> list[int | None]:
+        """Pack every planned box at its offset of ``buf`` (uint8), in the engine's dtype."""
         dtype = _DTYPES[plan.dtype]
         local = {name: _local(t) for name, t in _named_tensors(self.model)}
         crcs = []
         with torch.no_grad():
             for key, slices, transposed, box_shape, offset, nbytes, _ in plan.items:
                 src = local[key][tuple(slice(a, b) for a, b in slices)]
-                out = segment.tensor(offset, nbytes, dtype).view(box_shape)
+                out = buf[offset : offset + nbytes].view(dtype).view(box_shape)
                 out.copy_(src.t() if transposed else src)
-                crcs.append(zlib.crc32(segment.view(offset, nbytes)) if self.verify else None)
-        self._before_ready(segment)
+                crcs.append(_crc(buf[offset : offset + nbytes]) if self.verify else None)
+        self._before_ready(buf)
         return crcs
 
     def _send(self, plan: PushPlan) -> list[int | None]:
@@ -157,14 +176,19 @@ class WeightSender:
         self._before_ready(None)
         return crcs
 
-    def _before_ready(self, segment: ShmSegment | None) -> None:
-        """Test hook: runs after staging, before the engine reads the segment."""
+    def _before_ready(self, staged: torch.Tensor | None) -> None:
+        """Test hook: runs after staging (``staged``: the bytes, None for dist), before the
+        engine reads them."""
 
 
 def _named_tensors(model):
     if isinstance(model, nn.Module):
         return list(model.named_parameters())
     return list(model.items())
+
+
+def _crc(data: torch.Tensor) -> int:
+    return zlib.crc32(data.cpu().numpy().data)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

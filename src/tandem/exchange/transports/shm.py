@@ -59,6 +59,13 @@ class ShmSegment:
     def open(cls, path: str, size: int) -> ShmSegment:
         return cls(_checked(Path(path)), size, create=False)
 
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole segment as a uint8 tensor (no copy)."""
+        if self.size == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.frombuffer(self._map, dtype=torch.uint8, count=self.size)
+
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor view of ``nbytes`` at ``offset`` (no copy)."""
         if offset + nbytes > self.size:
