@@ -7,6 +7,10 @@ Measured in one run, on this host, on the same bytes:
   ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans and caches), then
   ``REPEATS`` timed ones. A push's time is its wall time on the slowest trainer rank (staging,
   CRC32s, the engine's verify and in-place commit on both of its ranks); the best push counts.
+  ``unverified_seconds``: the same pushes with ``verify=False`` (no CRC32 on either side).
+- ``gloo``: the same trainer processes push with ``transport="dist"`` (trainer and engine ranks
+  in one gloo group, point to point), default ``staged`` mode, timed the same way;
+  ``in_place_seconds``: ``mode="in_place"``.
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
 - ``raw_gloo``: ``dist.send`` of one uint8 tensor of ``bytes_needed`` bytes from one process to
@@ -268,38 +272,43 @@ def run(quick: bool = False) -> dict[str, Any]:
             "sharding": "FSDP2 (fully_shard per layer, then the root)",
             "backend": "gloo",
             "threads_per_rank": 1,
-        },  # fmt: skip
+        },
         "engine": {"tensor_parallel_size": 2, "kv_cache_memory": KV_CACHE_MEMORY},
         "threads": torch.get_num_threads(),
         "repeats": REPEATS,
     }
     with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY) as llm:
         lap("engine_start")
-        shm = _shm_push(llm, path, timeout)
-        if llm.weight_version != 1 + REPEATS:
-            raise RuntimeError(f"engine at version {llm.weight_version}, expected {1 + REPEATS}")
-    lap("shm")
+        pushes = _pushes(llm, path, timeout)
+    lap("pushes")
+    shm, gloo = pushes["shm"], pushes["dist"]
+    shm["unverified_seconds"] = pushes["shm-unverified"]["seconds"]  # verify=False: no CRC32s
+    gloo["mode"] = "staged"
+    gloo["in_place_seconds"] = pushes["dist-in_place"]["seconds"]
     needed = shm["bytes_needed"]
+    if any(p["bytes_needed"] != needed for p in pushes.values()):
+        raise RuntimeError(f"push modes disagree on bytes_needed: {pushes}")
     result["shm"] = shm
+    result["gloo"] = gloo
     result["memcpy"] = _memcpy(needed)
     lap("memcpy")
     result["raw_gloo"] = _raw_gloo(needed, timeout)
     lap("raw_gloo")
     result["naive"] = _naive(path, timeout)
     lap("naive")
-    result["bytes_moved_over_needed"] = shm["bytes_moved"] / needed
+    result["bytes_moved_over_needed"] = max(p["bytes_moved"] for p in pushes.values()) / needed
     result["planner"] = _planner(quick, timeout=120.0 if quick else PLANNER_TIMEOUT_S)
     lap("planner")
     result["phase_seconds"] = phases  # wall time of each part of this run, processes included
     planner_s = result["planner"]["seconds"]
     result["ratios"] = {
         "shm_vs_memcpy": round(result["memcpy"]["seconds"] / shm["seconds"], 3),
-        "gloo_vs_raw_gloo": None,
+        "gloo_vs_raw_gloo": round(result["raw_gloo"]["seconds"] / gloo["seconds"], 3),
         "vs_naive": round(result["naive"]["seconds"] / shm["seconds"], 3),
     }
     result["notes"] = [
-        "gloo_vs_raw_gloo is null: WeightSender has no torch.distributed transport measured "
-        "here yet; raw_gloo is the floor such a transport would be compared against.",
+        "gloo: WeightSender(transport='dist') in its default staged mode (gloo on CPU, between "
+        "the 2 trainer and the 2 engine ranks); in_place_seconds: mode='in_place'.",
         "naive's load+copy fills preallocated tensors of the full shapes; a tensor-parallel "
         "engine would also split every tensor, so naive is a lower bound.",
     ]
@@ -311,7 +320,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return result
 
 
-PLANNER_TIMEOUT_S = 540.0
+PLANNER_TIMEOUT_S = 450.0
 
 
 def _weights(path: Path) -> tuple[int, int]:
@@ -333,22 +342,35 @@ def _gib_per_s(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / (1 << 30), 3)
 
 
-def _shm_push(llm, path: Path, timeout: float) -> dict[str, Any]:
+PUSH_MODES = ("shm", "shm-unverified", "dist", "dist-in_place")  # see sync_worker.MODES
+
+
+def _pushes(llm, path: Path, timeout: float) -> dict[str, dict[str, Any]]:
+    """Every push mode in turn by the same 2 trainer processes: figures per mode."""
     port = str(_free_port())
-    argv = [["push", str(r), port, str(path), llm.exchange_address, str(REPEATS)] for r in (0, 1)]
+    modes = ",".join(PUSH_MODES)
+    argv = [["push", str(r), port, str(path), llm.exchange_address, str(REPEATS), modes]
+            for r in (0, 1)]  # fmt: skip
     ranks = _workers(argv, timeout)
+    if llm.weight_version != ranks[0]["pushes"]:
+        raise RuntimeError(f"engine at version {llm.weight_version}, pushed {ranks[0]['pushes']}")
+    return {mode: _push_figures([r["modes"][mode] for r in ranks]) for mode in PUSH_MODES}
+
+
+def _push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_push = [max(r["seconds"][i] for r in ranks) for i in range(REPEATS)]  # slowest rank
     best = min(per_push)
     first = ranks[0]
-    if any(r["bytes_needed"] != first["bytes_needed"] for r in ranks):
-        raise RuntimeError(f"trainer ranks disagree on bytes_needed: {ranks}")
+    if any((r["bytes_needed"], r["bytes_moved"]) != (first["bytes_needed"], first["bytes_moved"])
+           for r in ranks):  # fmt: skip
+        raise RuntimeError(f"trainer ranks disagree on the bytes: {ranks}")
     return {
-        "seconds": round(best, 4),
+        "seconds": round(best, 6),
         "gib_per_s": _gib_per_s(first["bytes_needed"], best),
         "bytes_needed": first["bytes_needed"],
         "bytes_moved": first["bytes_moved"],
         "bytes_sent_per_rank": [r["bytes_sent"] for r in ranks],
-        "seconds_per_push": [round(s, 4) for s in per_push],
+        "seconds_per_push": [round(s, 6) for s in per_push],
         "warmup_seconds": round(max(r["warmup_seconds"] for r in ranks), 4),
         "transport": first["transport"],
         "timing": f"best of {REPEATS} pushes after a warm-up; a push is its slowest rank's time",
@@ -368,7 +390,7 @@ def _memcpy(nbytes: int) -> dict[str, Any]:
     if int(dst[-1]) != 7:
         raise RuntimeError("memcpy baseline did not copy")
     best = min(seconds)
-    return {"seconds": round(best, 4), "gib_per_s": _gib_per_s(nbytes, best), "bytes": nbytes,
+    return {"seconds": round(best, 6), "gib_per_s": _gib_per_s(nbytes, best), "bytes": nbytes,
             "threads": torch.get_num_threads(), "timing": f"best of {REPEATS}"}  # fmt: skip
 
 
@@ -377,7 +399,7 @@ def _raw_gloo(nbytes: int, timeout: float) -> dict[str, Any]:
     argv = [["raw-gloo", str(r), port, str(nbytes), str(REPEATS)] for r in (0, 1)]
     ranks = _workers(argv, timeout)
     best = min(ranks[1]["seconds"])
-    return {"seconds": round(best, 4), "gib_per_s": _gib_per_s(nbytes, best), "bytes": nbytes,
+    return {"seconds": round(best, 6), "gib_per_s": _gib_per_s(nbytes, best), "bytes": nbytes,
             "timing": f"best of {REPEATS} after a warm-up, timed on the receiver"}  # fmt: skip
 
 
@@ -405,10 +427,10 @@ def _naive(path: Path, timeout: float) -> dict[str, Any]:
     gather_save, load_copy = min(rank0["seconds"]), min(seconds)
     total = gather_save + load_copy
     return {
-        "seconds": round(total, 4),
+        "seconds": round(total, 6),
         "gib_per_s": _gib_per_s(rank0["state_dict_bytes"], total),
-        "gather_save_seconds": round(gather_save, 4),
-        "load_copy_seconds": round(load_copy, 4),
+        "gather_save_seconds": round(gather_save, 6),
+        "load_copy_seconds": round(load_copy, 6),
         "state_dict_bytes": rank0["state_dict_bytes"],
         "file_bytes": rank0["file_bytes"],
         "timing": f"best gather+save (rank 0) + best load+copy, {REPEATS} each after a warm-up",
@@ -434,6 +456,8 @@ def _planner(quick: bool, timeout: float) -> dict[str, Any]:
     return {
         "seconds": round(got["seconds"], 3),
         "sender_max_over_mean": round(got["sender_max_over_mean"], 4),
+        # the least max/mean any plan reaches: a stage's load can only go to its own EP ranks
+        "stage_bound_max_over_mean": round(got["stage_bound_max_over_mean"], 4),
         "transfers": got["transfers"],
         "build_seconds": round(got["build_seconds"], 3),
         "sender_regions": got["sender_regions"],

@@ -1,13 +1,15 @@
 """Subprocesses of `tandem bench sync`; each prints one JSON line with its figures.
 
-    python -m tandem.bench.sync_worker push RANK PORT DIR ADDRESS REPEATS [TRANSPORT]
+    python -m tandem.bench.sync_worker push RANK PORT DIR ADDRESS REPEATS [MODE,...]
     python -m tandem.bench.sync_worker raw-gloo RANK PORT NBYTES REPEATS
     python -m tandem.bench.sync_worker naive RANK PORT DIR PATH REPEATS
     python -m tandem.bench.sync_worker planner quick|full
 
 ``push`` and ``naive`` are 2-rank FSDP2 trainers over gloo (world size 2, rendezvous on
-127.0.0.1:PORT); every rank uses one torch thread. With ``TANDEM_BENCH_SYNC_PROFILE=DIR`` the
-timed pushes of each rank are profiled (cProfile) into DIR/push-rank{RANK}.prof.
+127.0.0.1:PORT); every rank uses one torch thread. ``push`` runs each MODE (see `MODES`;
+default ``shm``) in turn: one untimed push, then REPEATS timed ones, versions counting up from 1.
+With ``TANDEM_BENCH_SYNC_PROFILE=DIR`` the timed pushes of each mode and rank are profiled
+(cProfile) into DIR/push-MODE-rankRANK.prof.
 """
 
 from __future__ import annotations
@@ -40,35 +42,49 @@ def _trainer(rank: int, port: str, model_dir: str) -> torch.nn.Module:
     return model
 
 
-def push(rank: int, port: str, model_dir: str, address: str, repeats: int, transport="auto"):
+# mode -> WeightSender options; each mode gets one untimed push, then REPEATS timed ones
+MODES = {
+    "shm": {"transport": "shm"},
+    "shm-unverified": {"transport": "shm", "verify": False},  # no CRC32 on either side
+    "dist": {"transport": "dist", "mode": "staged"},
+    "dist-in_place": {"transport": "dist", "mode": "in_place"},
+}
+
+
+def push(rank: int, port: str, model_dir: str, address: str, repeats: int, modes: str = "shm"):
     from tandem.exchange import WeightSender
 
     model = _trainer(rank, port, model_dir)
-    sender = WeightSender(model, address, transport=transport)
-    dist.barrier()
-    warm = sender.push(version=1)  # plans, caches
     profile_dir = os.environ.get("TANDEM_BENCH_SYNC_PROFILE")
-    profiler = None
-    if profile_dir:
-        import cProfile
-
-        profiler = cProfile.Profile()
-    seconds, stats = [], warm
-    for i in range(repeats):
+    version, out = 0, {}
+    for name in modes.split(","):
+        sender = WeightSender(model, address, **MODES[name])
         dist.barrier()
+        version += 1
+        warm = sender.push(version=version)  # plans, caches, joins groups
+        profiler = None
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+        seconds = []
+        for _ in range(repeats):
+            dist.barrier()
+            version += 1
+            if profiler is not None:
+                profiler.enable()
+            start = time.perf_counter()
+            stats = sender.push(version=version)
+            seconds.append(time.perf_counter() - start)
+            if profiler is not None:
+                profiler.disable()
         if profiler is not None:
-            profiler.enable()
-        start = time.perf_counter()
-        stats = sender.push(version=2 + i)
-        seconds.append(time.perf_counter() - start)
-        if profiler is not None:
-            profiler.disable()
-    if profiler is not None:
-        profiler.dump_stats(os.path.join(profile_dir, f"push-rank{rank}.prof"))
+            profiler.dump_stats(os.path.join(profile_dir, f"push-{name}-rank{rank}.prof"))
+        out[name] = {"seconds": seconds, "warmup_seconds": warm.seconds, "version": stats.version,
+                     "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
+                     "bytes_moved": stats.bytes_moved, "transport": stats.transport}  # fmt: skip
     dist.barrier()
-    _emit(rank=rank, seconds=seconds, push_seconds=[stats.seconds], warmup_seconds=warm.seconds,
-          version=stats.version, bytes_sent=stats.bytes_sent, bytes_needed=stats.bytes_needed,
-          bytes_moved=stats.bytes_moved, transport=stats.transport)  # fmt: skip
+    _emit(rank=rank, pushes=version, modes=out)
     dist.destroy_process_group()
 
 
@@ -129,8 +145,14 @@ def planner(scale: str):
     start = time.perf_counter()
     plan = plan_transfers(senders, receivers)
     seconds = time.perf_counter() - start
+    # A pipeline stage's tensors live only on its EP ranks: the best any plan can do is to
+    # spread each stage's load evenly over them.
+    stage_load = [sum(plan.sender_numel[s * shape.ep : (s + 1) * shape.ep]) / shape.ep
+                  for s in range(shape.pp)]  # fmt: skip
+    mean = plan.total_numel / len(plan.sender_numel)
     _emit(seconds=seconds, transfers=len(plan.transfers),
-          sender_max_over_mean=plan.sender_max_over_mean, build_seconds=built,
+          sender_max_over_mean=plan.sender_max_over_mean,
+          stage_bound_max_over_mean=max(stage_load) / mean, build_seconds=built,
           sender_regions=sum(len(s.regions) for s in senders),
           receiver_regions=sum(len(r.regions) for r in receivers),
           max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # fmt: skip
@@ -143,8 +165,8 @@ def _emit(**fields) -> None:
 def main(argv: list[str]) -> int:
     what, *args = argv
     if what == "push":
-        rank, port, model_dir, address, repeats, *transport = args
-        push(int(rank), port, model_dir, address, int(repeats), *transport)
+        rank, port, model_dir, address, repeats, *modes = args
+        push(int(rank), port, model_dir, address, int(repeats), *modes)
     elif what == "raw-gloo":
         rank, port, nbytes, repeats = args
         raw_gloo(int(rank), port, int(nbytes), int(repeats))
