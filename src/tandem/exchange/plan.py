@@ -9,6 +9,7 @@ is deterministic; `PlanCache` computes a plan once per pair of layouts.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -77,54 +78,106 @@ def local_slices(piece: Piece, box: Box) -> tuple[slice, ...]:
     )
 
 
+MIN_BAND_NUMEL = 1 << 20  # cells smaller than two of these go whole to one holder
+
+
 def plan_transfers(
-    senders: list[RankLayout], receivers: list[RankLayout], ignore: frozenset[str] = frozenset()
+    senders: list[RankLayout],
+    receivers: list[RankLayout],
+    ignore: frozenset[str] = frozenset(),
+    min_band_numel: int = MIN_BAND_NUMEL,
 ) -> Plan:
     """The transfers; every layout problem (names, shapes, uncovered boxes) raised at once.
-    Sender tensors named in ``ignore`` are not sent (a trainer's value head, say)."""
+    Sender tensors named in ``ignore`` are not sent (a trainer's value head, say).
+
+    A cell several senders hold goes to the least-loaded of them; a large one (at least two
+    ``min_band_numel`` elements) is first cut into bands of its first dimension, one per
+    holder at most, so replicas share it."""
     problems = layout_problems(senders, receivers, ignore)
-    by_name: dict[str, list[tuple[int, Region]]] = defaultdict(list)
+    # tensor name -> box -> the (rank, region)s holding exactly that box (replicas)
+    holders: dict[str, dict[Box, list[tuple[int, Region]]]] = defaultdict(dict)
     for layout in sorted(senders, key=lambda lay: lay.rank):
         for region in layout.regions:
-            by_name[region.piece.name].append((layout.rank, region))
-    load: dict[int, int] = defaultdict(int)
+            holders[region.piece.name].setdefault(region.piece.box, []).append(
+                (layout.rank, region)
+            )
+    balance = _Balance()
     transfers: list[Transfer] = []
     for layout in sorted(receivers, key=lambda lay: lay.rank):
         for region in layout.regions:
-            dst_box = region.piece.box
-            candidates = [
-                (rank, src) for rank, src in by_name.get(region.piece.name, [])
-                if _intersect(src.piece.box, dst_box) is not None
-            ]  # fmt: skip
-            for cell in _cells(dst_box, [src.piece.box for _, src in candidates]):
-                covering = [(r, s) for r, s in candidates if _contains(s.piece.box, cell)]
+            name, dst_box = region.piece.name, region.piece.box
+            groups = holders.get(name, {})
+            candidates = [(box, g) for box, g in groups.items() if _intersect(box, dst_box)]
+            if len(candidates) == 1 and _contains(candidates[0][0], dst_box):
+                cells = [dst_box]  # the common case: one box (and its replicas) covers it all
+            else:
+                cells = _cells(dst_box, [box for box, _ in candidates])
+            for cell in cells:
+                covering = [g for box, g in candidates if _contains(box, cell)]
                 if not covering:
-                    if candidates or region.piece.name in by_name:
+                    if groups:
                         problems.append(
-                            f"no sender holds {region.piece.name} box {cell} "
-                            f"(receiver {layout.rank})"
+                            f"no sender holds {name} box {cell} (receiver {layout.rank})"
                         )
                     continue
-                for band in _bands(cell, len(covering)):
-                    rank, src = min(covering, key=lambda c: (load[c[0]], c[0]))
-                    t = Transfer(rank, layout.rank, region.piece.name, band, src.key, src.piece,
-                                 region.key, region.piece)  # fmt: skip
-                    load[rank] += t.numel
-                    transfers.append(t)
+                group = covering[0] if len(covering) == 1 else [m for g in covering for m in g]
+                for band in _bands(cell, len(group), min_band_numel):
+                    t_numel = _numel(band)
+                    rank, src = balance.take(group, t_numel)
+                    transfers.append(Transfer(rank, layout.rank, name, band, src.key, src.piece,
+                                              region.key, region.piece))  # fmt: skip
     if problems:
         raise LayoutMismatch(problems)
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
-    numel = [load[r] for r in range(num_senders)]
+    numel = [balance.load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, numel)
 
 
-def _bands(cell: Box, replicas: int) -> list[Box]:
-    """A cell several senders hold, cut into up to ``replicas`` bands of its first dimension so
-    the replicas share it (one band when a single sender holds it)."""
+class _Balance:
+    """Elements assigned per sender, and the least-loaded holder of a replica group in
+    O(log holders): one lazy heap per group, re-keyed when a rank's load moved elsewhere."""
+
+    def __init__(self):
+        self.load: dict[int, int] = defaultdict(int)
+        self._heaps: dict[int, list[tuple[int, int, int]]] = {}
+
+    def take(self, group: list[tuple[int, Region]], numel: int) -> tuple[int, Region]:
+        if len(group) == 1:
+            rank, region = group[0]
+        else:
+            heap = self._heaps.get(id(group))
+            if heap is None:
+                heap = self._heaps[id(group)] = [
+                    (self.load[r], r, i) for i, (r, _) in enumerate(group)
+                ]
+                heapq.heapify(heap)
+            while True:
+                load, rank, i = heap[0]
+                if load == self.load[rank]:
+                    break
+                heapq.heapreplace(heap, (self.load[rank], rank, i))
+            region = group[i][1]
+            heapq.heapreplace(heap, (load + numel, rank, i))
+        self.load[rank] += numel
+        return rank, region
+
+
+def _bands(cell: Box, holders: int, min_band_numel: int) -> list[Box]:
+    """A cell cut into bands of its first dimension: one per holder at most, none smaller
+    than ``min_band_numel`` elements (one band when a single sender holds it)."""
     (lo, hi), rest = cell[0], cell[1:]
-    parts = max(1, min(replicas, hi - lo))
+    parts = max(1, min(holders, hi - lo, _numel(cell) // max(1, min_band_numel)))
+    if parts == 1:
+        return [cell]
     bounds = [lo + (hi - lo) * i // parts for i in range(parts + 1)]
     return [((a, b), *rest) for a, b in itertools.pairwise(bounds)]
+
+
+def _numel(box: Box) -> int:
+    n = 1
+    for start, stop in box:
+        n *= stop - start
+    return n
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
