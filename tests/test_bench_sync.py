@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.bench.sync import QUICK_MOE, REPEATS, run
+from tandem.bench.moe_layout import QUICK_MOE
+from tandem.bench.sync import REPEATS, run
 
 
 def _positive(x: object) -> bool:
@@ -69,7 +70,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
 def test_moe_layouts_cover_every_canonical_tensor_once():
     """The planner's synthetic layouts: senders hold every canonical element exactly once per
     stage replica; every receiver box is covered (the planner raises otherwise)."""
-    from tandem.bench.sync import moe_layouts
+    from tandem.bench.moe_layout import moe_layouts
     from tandem.exchange.plan import plan_transfers
 
     senders, receivers = moe_layouts(QUICK_MOE)

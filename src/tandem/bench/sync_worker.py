@@ -134,7 +134,7 @@ def planner(scale: str):
     import gc
     import resource
 
-    from tandem.bench.sync import FULL_MOE, QUICK_MOE, moe_layouts
+    from tandem.bench.moe_layout import FULL_MOE, QUICK_MOE, moe_layouts
     from tandem.exchange.plan import plan_transfers
 
     shape = {"full": FULL_MOE, "quick": QUICK_MOE}[scale]
