@@ -7,7 +7,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from tandem.dtypes import DTYPES
 
 
 class EngineConfig(BaseModel):
@@ -72,7 +72,7 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        return DTYPES[self.dtype]
 
     @property
     def torch_device(self) -> torch.device:

@@ -17,10 +17,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.layout import LayoutMismatch, RankLayout
-from tandem.exchange.plan import PlanCache, local_slices
+from tandem.exchange.plan import PlanCache, local_slices, numel
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
-from tandem.exchange.receiver import _DTYPES, Record, WeightSyncError
+from tandem.exchange.receiver import Record, WeightSyncError
 from tandem.exchange.transports import shm
 from tandem.exchange.transports.dist import DEFAULT_BUCKET_BYTES, GroupInfo
 from tandem.exchange.transports.shm import SHM_DIR
@@ -185,7 +186,7 @@ class ExchangeServer:
         ignore = frozenset(name for h in hellos for name in h.ignore)
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.engine.config.dtype
-        itemsize = _DTYPES[dtype].itemsize
+        itemsize = DTYPES[dtype].itemsize
         per_stream = hellos[0].transport == "dist"  # offsets per (sender, receiver) stream
         items: list[list] = [[] for _ in hellos]
         records: list[list] = [[] for _ in hellos]  # (receiver rank, Record wire) per sender
@@ -203,15 +204,8 @@ class ExchangeServer:
                          t.dst_piece.transposed, None)  # fmt: skip
             records[t.src].append((t.dst, rec.to_wire()))
             offsets[stream] += nbytes
-        needed = sum(_numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
+        needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
         plans = [
             PushPlan(dtype, offsets[(i, -1)], shm.new_name(), items[i]) for i in range(len(hellos))
         ]
         return version, plans, records, needed
-
-
-def _numel(box) -> int:
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n

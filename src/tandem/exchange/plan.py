@@ -37,10 +37,7 @@ class Transfer:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for start, stop in self.box:
-            n *= stop - start
-        return n
+        return numel(self.box)
 
 
 @dataclass(slots=True)
@@ -122,15 +119,14 @@ def plan_transfers(
                     continue
                 group = covering[0] if len(covering) == 1 else [m for g in covering for m in g]
                 for band in _bands(cell, len(group), min_band_numel):
-                    t_numel = _numel(band)
-                    rank, src = balance.take(group, t_numel)
+                    rank, src = balance.take(group, numel(band))
                     transfers.append(Transfer(rank, layout.rank, name, band, src.key, src.piece,
                                               region.key, region.piece))  # fmt: skip
     if problems:
         raise LayoutMismatch(problems)
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
-    numel = [balance.load[r] for r in range(num_senders)]
-    return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, numel)
+    loads = [balance.load[r] for r in range(num_senders)]
+    return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, loads)
 
 
 class _Balance:
@@ -166,14 +162,14 @@ def _bands(cell: Box, holders: int, min_band_numel: int) -> list[Box]:
     """A cell cut into bands of its first dimension: one per holder at most, none smaller
     than ``min_band_numel`` elements (one band when a single sender holds it)."""
     (lo, hi), rest = cell[0], cell[1:]
-    parts = max(1, min(holders, hi - lo, _numel(cell) // max(1, min_band_numel)))
+    parts = max(1, min(holders, hi - lo, numel(cell) // max(1, min_band_numel)))
     if parts == 1:
         return [cell]
     bounds = [lo + (hi - lo) * i // parts for i in range(parts + 1)]
     return [((a, b), *rest) for a, b in itertools.pairwise(bounds)]
 
 
-def _numel(box: Box) -> int:
+def numel(box: Box) -> int:
     n = 1
     for start, stop in box:
         n *= stop - start

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.transports.shm import ShmSegment
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightSyncError(RuntimeError):
@@ -69,7 +68,7 @@ def verify_records(model: nn.Module, segments: list, dtype: str, records: list[R
     """Every problem with this rank's records (empty: all good). Nothing is written.
     ``segments``: the staged bytes per record source (None where only CRCs are checked)."""
     params = dict(model.named_parameters())
-    torch_dtype = _DTYPES.get(dtype)
+    torch_dtype = DTYPES.get(dtype)
     problems = []
     for r in records:
         param = params.get(r.key)
@@ -97,7 +96,7 @@ def _crc(segment, r: Record) -> int:
 def write_records(model: nn.Module, segments: list, dtype: str, records: list[Record]) -> int:
     """Copy every record into its parameter, in place. Returns the bytes written."""
     params = dict(model.named_parameters())
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = DTYPES[dtype]
     with torch.no_grad():
         for r in records:
             src = segments[r.segment].tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
@@ -182,7 +181,7 @@ class RankReceiver:
 
         info = transport.GroupInfo.from_wire(update["group"])
         group = transport.join(info, update["trainers"] + self.rank)
-        torch_dtype = _DTYPES[update["dtype"]]
+        torch_dtype = DTYPES[update["dtype"]]
         params = dict(self.model.named_parameters())
         staging: list = [None] * update["trainers"]
         crcs: list[list[int]] = [[] for _ in range(update["trainers"])]

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import socket
 import time
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.adapters.dtensor import dtensor_layout
+from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
-from tandem.exchange.receiver import _DTYPES, WeightSyncError
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.transports.dist import crc32
 from tandem.exchange.transports.shm import ShmSegment
 from tandem.wire import PeerGone, recv_frame, send_frame
 
@@ -79,7 +81,7 @@ class WeightSender:
         self._endpoint = (host, int(port))
         self.model = model
         if transport == "auto":
-            on_gpu = any(_local(t).is_cuda for _, t in _named_tensors(model))
+            on_gpu = any(local_tensor(t).is_cuda for _, t in named_tensors(model))
             # CUDA IPC cannot map a buffer in the process that made it
             local_engine = not isinstance(target, str) and target.engine.config.world_size == 1
             transport = "cuda_ipc" if on_gpu and not local_engine else "shm"
@@ -129,7 +131,7 @@ class WeightSender:
         if self.transport == "cuda_ipc":
             from tandem.exchange.transports.cuda_ipc import export_handle
 
-            device = next(_local(t).device for _, t in _named_tensors(self.model))
+            device = next(local_tensor(t).device for _, t in named_tensors(self.model))
             buf = torch.empty(plan.size, dtype=torch.uint8, device=device)
             crcs = self._stage(buf, plan)
             torch.cuda.synchronize(device)
@@ -139,15 +141,15 @@ class WeightSender:
 
     def _stage(self, buf: torch.Tensor, plan: PushPlan) -> list[int | None]:
         """Pack every planned box at its offset of ``buf`` (uint8), in the engine's dtype."""
-        dtype = _DTYPES[plan.dtype]
-        local = {name: _local(t) for name, t in _named_tensors(self.model)}
+        dtype = DTYPES[plan.dtype]
+        local = {name: local_tensor(t) for name, t in named_tensors(self.model)}
         crcs = []
         with torch.no_grad():
             for key, slices, transposed, box_shape, offset, nbytes, _ in plan.items:
                 src = local[key][tuple(slice(a, b) for a, b in slices)]
                 out = buf[offset : offset + nbytes].view(dtype).view(box_shape)
                 out.copy_(src.t() if transposed else src)
-                crcs.append(_crc(buf[offset : offset + nbytes]) if self.verify else None)
+                crcs.append(crc32(buf[offset : offset + nbytes]) if self.verify else None)
         self._before_ready(buf)
         return crcs
 
@@ -156,8 +158,8 @@ class WeightSender:
         from tandem.exchange.transports import dist as transport
 
         group = transport.join(transport.GroupInfo.from_wire(plan.group), self.rank)
-        dtype = _DTYPES[plan.dtype]
-        local = {name: _local(t) for name, t in _named_tensors(self.model)}
+        dtype = DTYPES[plan.dtype]
+        local = {name: local_tensor(t) for name, t in named_tensors(self.model)}
         by_dst: dict[int, list[int]] = {}
         for i, item in enumerate(plan.items):
             by_dst.setdefault(item[6], []).append(i)
@@ -179,17 +181,3 @@ class WeightSender:
     def _before_ready(self, staged: torch.Tensor | None) -> None:
         """Test hook: runs after staging (``staged``: the bytes, None for dist), before the
         engine reads them."""
-
-
-def _named_tensors(model):
-    if isinstance(model, nn.Module):
-        return list(model.named_parameters())
-    return list(model.items())
-
-
-def _crc(data: torch.Tensor) -> int:
-    return zlib.crc32(data.cpu().numpy().data)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

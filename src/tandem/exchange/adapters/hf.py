@@ -43,16 +43,17 @@ def dtype_name(tensors: list[tuple[str, torch.Tensor]]) -> str:
     """The layout's dtype: that of its first tensor (``float32`` when it has none)."""
     if not tensors:
         return "float32"
-    return str(_local(tensors[0][1]).dtype).removeprefix("torch.")
+    return str(local_tensor(tensors[0][1]).dtype).removeprefix("torch.")
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's own shard (what this rank holds); any other tensor itself."""
     to_local = getattr(tensor, "to_local", None)  # a DTensor's own shard
     return to_local() if to_local is not None else tensor
 
 
 def _view_identity(tensor: torch.Tensor) -> tuple:
-    t = _local(tensor)
+    t = local_tensor(tensor)
     # the storage object's address: data_ptr() is 0 for every meta or empty tensor
     storage = t.untyped_storage()._cdata
     return (storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()))

@@ -85,7 +85,7 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
         for i in bucket:
             view = buf[offset : offset + sizes[i]].view(dtype).view(boxes[i].shape)
             view.copy_(boxes[i])
-            crcs[i] = _crc(buf[offset : offset + sizes[i]]) if checksum else None
+            crcs[i] = crc32(buf[offset : offset + sizes[i]]) if checksum else None
             offset += sizes[i]
         if len(in_flight) == 2:
             in_flight.pop(0)[0].wait()
@@ -112,7 +112,7 @@ def recv_boxes(group, src: int, sizes: list[int], limit: int, device, *, staging
         offset = 0
         for i in bucket:
             part = buf[offset : offset + sizes[i]]
-            crcs[i] = _crc(part) if checksum else None
+            crcs[i] = crc32(part) if checksum else None
             if place is not None:
                 place(i, part)
             offset += sizes[i]
@@ -120,5 +120,6 @@ def recv_boxes(group, src: int, sizes: list[int], limit: int, device, *, staging
     return crcs
 
 
-def _crc(data: torch.Tensor) -> int:
+def crc32(data: torch.Tensor) -> int:
+    """CRC32 of a uint8 tensor's bytes (what the engine checks a box against)."""
     return zlib.crc32(data.cpu().numpy().data) if data.numel() else 0
