@@ -44,6 +44,9 @@ class EngineConfig(BaseModel):
     master_port: int | None = Field(
         None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
     )
+    exchange_host: str = Field(
+        "127.0.0.1", description="address the weight-exchange server listens on (trainers dial it)"
+    )
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(120.0, gt=0)
     kv_cache_memory: int | float = Field(

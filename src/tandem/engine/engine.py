@@ -73,7 +73,7 @@ class LLMEngine:
         if self._exchange is None:
             from tandem.engine.exchange_server import ExchangeServer
 
-            self._exchange = ExchangeServer(self)
+            self._exchange = ExchangeServer(self, host=self.config.exchange_host)
         return self._exchange
 
     def weight_layouts(self) -> list[RankLayout]:
