@@ -110,7 +110,12 @@ class LLMEngine:
                     + "; ".join(errors)
                 )  # fmt: skip
         if checksums is not None:
-            records_by_rank = checksums()
+            try:
+                records_by_rank = checksums()
+            except Exception as exc:
+                if in_place:  # written but never verified: do not serve it as any version
+                    self.torn = f"the push broke after an in-place receive ({exc})"
+                raise
         errors = self._guarded(lambda: self.executor.apply("verify", update, records_by_rank))
         if errors and in_place and update["transport"] == "dist":
             self.torn = "; ".join(errors)

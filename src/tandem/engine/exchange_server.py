@@ -55,7 +55,7 @@ class ExchangeServer:
         self._listener.close()
 
     def _serve(self) -> None:
-        gathering: list[tuple[socket.socket, PushHello]] = []
+        gathering: dict[int, tuple[socket.socket, PushHello]] = {}  # by trainer rank
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
@@ -64,10 +64,13 @@ class ExchangeServer:
             hello = self._handshake(sock)
             if hello is None:
                 continue
-            gathering.append((sock, hello))
+            stale = gathering.pop(hello.rank, None)
+            if stale is not None:  # that rank gave up on an earlier push and came back
+                stale[0].close()
+            gathering[hello.rank] = (sock, hello)
             if len(gathering) >= hello.world:
-                session, gathering = gathering, []
-                self._run(sorted(session, key=lambda c: c[1].rank))
+                session, gathering = gathering, {}
+                self._run([session[r] for r in sorted(session)])
 
     def _handshake(self, sock: socket.socket) -> PushHello | None:
         sock.settimeout(HANDSHAKE_TIMEOUT_S)
