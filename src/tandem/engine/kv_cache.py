@@ -27,10 +27,6 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
-
     def _missing(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
 
@@ -48,11 +44,6 @@ class BlockManager:
         assert len(self._free) <= self.num_blocks, "a block was freed twice"
         seq.block_table = []
         seq.num_cached_tokens = 0
-
-    def slots(self, seq: Sequence, start: int, stop: int) -> list[int]:
-        """Cache slot of each token position in [start, stop)."""
-        bs, table = self.block_size, seq.block_table
-        return [table[p // bs] * bs + p % bs for p in range(start, stop)]
 
 
 def bytes_per_block(

@@ -59,14 +59,6 @@ class SamplingParams:
                 f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}"
             )
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def top_k_enabled(self) -> bool:
-        return self.top_k > 0
-
 
 def _check_int(name: str, value, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):

@@ -47,9 +47,6 @@ class Plan:
     num_receivers: int
     sender_numel: list[int] = field(default_factory=list)
 
-    def for_sender(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.src == rank]
-
     def for_receiver(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == rank]
 
