@@ -65,24 +65,38 @@ def _demo(args) -> int:
 
 
 def _serve(args) -> int:
-    from tandem.config import EngineConfig
-    from tandem.engine.multiproc import run_node
+    from tandem.errors import ModelLoadError, UnsupportedModelError
+    from tandem.server.config import ConfigError, load_config
 
-    config = EngineConfig(
-        model=args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-        dtype=args.dtype, device=args.device, nnodes=args.nnodes, master_addr=args.master_addr,
-        master_port=args.master_port, model_modules=args.model_module,
-    )  # fmt: skip
-    if args.node_rank == 0:
-        print(
-            "error: the HTTP server (node rank 0) is not available yet; run the engine on node 0 "
-            "with LLM(..., nnodes=N, master_addr=..., master_port=...)",
-            file=sys.stderr,
-        )
+    flags = {k: getattr(args, k) for k in _SERVE_FLAGS if getattr(args, k) is not None}
+    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
+    if args.model_module:
+        engine["model_modules"] = args.model_module
+    try:
+        config = load_config(args.config, {**flags, "engine": engine})
+    except ConfigError as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
-    print(f"node {args.node_rank}/{args.nnodes}: joining the engine at "
-          f"{args.master_addr}:{args.master_port}", flush=True)  # fmt: skip
-    return run_node(config, args.node_rank)
+    if args.node_rank:
+        from tandem.engine.multiproc import run_node
+
+        ec = config.engine_config()
+        print(f"node {args.node_rank}/{ec.nnodes}: joining the engine at "
+              f"{ec.master_addr}:{ec.master_port}", flush=True)  # fmt: skip
+        return run_node(ec, args.node_rank)
+    from tandem.server.launch import serve
+
+    try:
+        return serve(config)
+    except (ModelLoadError, UnsupportedModelError, OSError) as exc:
+        print(f"tandem serve: {exc}", file=sys.stderr)
+        return 2
+
+
+_SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
+                "served_model_name", "max_waiting_requests", "log_level")  # fmt: skip
+_ENGINE_FLAGS = ("dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
+                 "kv_cache_memory", "batching", "max_model_len", "seed")  # fmt: skip
 
 
 def _bench(args) -> int:
@@ -138,18 +152,33 @@ def parser() -> argparse.ArgumentParser:
                    help="import this module first (registers a custom architecture)")  # fmt: skip
     g.set_defaults(func=_generate)
 
-    s = sub.add_parser("serve", help="serve a model; with --node-rank N >= 1, host node N's ranks")
-    s.add_argument("--model", required=True)
-    s.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    s.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
-    s.add_argument("--dtype", default="float32")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--nnodes", type=int, default=1)
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible server; with --node-rank N >= 1, host node N's ranks"
+    )
+    s.add_argument("--config", help="TOML file of these settings (flags override it)")
+    s.add_argument("--model", help="model directory (Hugging Face format)")
+    s.add_argument("--tp", type=int, help="tensor parallel size")
+    s.add_argument("--pp", type=int, help="pipeline parallel size")
+    s.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="default 8000; 0 picks a free port")
+    s.add_argument("--api-key", help="required as a Bearer token on /v1 routes")
+    s.add_argument("--admin-key", help="enables /admin routes (weight sync, sleep/wake)")
+    s.add_argument("--served-model-name", help="the model id clients send (default: dir name)")
+    s.add_argument("--max-waiting-requests", type=int, help="more waiting: 429 (default 256)")
+    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--dtype")
+    s.add_argument("--device")
+    s.add_argument("--max-num-seqs", type=int)
+    s.add_argument("--max-model-len", type=int)
+    s.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per rank")
+    s.add_argument("--batching", choices=["continuous", "static"])
+    s.add_argument("--seed", type=int)
+    s.add_argument("--nnodes", type=int)
     s.add_argument("--node-rank", type=int, default=0)
-    s.add_argument("--master-addr", default="127.0.0.1", help="the engine's (node 0) address")
-    s.add_argument("--master-port", type=int, default=None, help="the engine's c10d port")
+    s.add_argument("--master-addr", help="the engine's (node 0) address")
+    s.add_argument("--master-port", type=int, help="the engine's c10d port")
     s.add_argument("--model-module", action="append", default=[],
-                   help="import this module first (registers a custom architecture)")  # fmt: skip
+                   help="module that registers a custom architecture (repeatable)")  # fmt: skip
     s.set_defaults(func=_serve)
 
     d = sub.add_parser("demo", help="the main job on a built-in tiny model")

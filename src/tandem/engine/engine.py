@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
@@ -20,6 +21,10 @@ from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
+
+
+class EngineAsleepError(RuntimeError):
+    """The engine released its KV cache (`sleep`); `wake` it before generating."""
 
 
 class LLMEngine:
@@ -55,7 +60,10 @@ class LLMEngine:
         self._released: list[int] = []  # finished sequences the ranks may forget
         self.dead: str | None = None  # why the executor can no longer run steps
         self.torn: str | None = None  # a push failed mid-write: refuse to generate
+        self.sleeping = False  # KV cache released (`sleep`) until `wake`
         self.lock = threading.RLock()  # one step or one weight update at a time
+        # Called after every push with (version, seconds, error or None): metrics, logs.
+        self.update_listeners: list[Callable[[int, float, str | None], None]] = []
         self._exchange = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
 
@@ -90,9 +98,18 @@ class LLMEngine:
         then, as after a failure while writing, the engine refuses requests until a complete
         push lands. Steps already in flight (pipeline) finish first; waiting and running
         requests go on with the new weights, and each records the versions it used."""
-        with self.lock:
-            self._drain_in_flight()
-            self._update_weights(update, records_by_rank, checksums)
+        start = time.perf_counter()
+        error = None
+        try:
+            with self.lock:
+                self._drain_in_flight()
+                self._update_weights(update, records_by_rank, checksums)
+        except Exception as exc:
+            error = str(exc)
+            raise
+        finally:
+            for listener in self.update_listeners:
+                listener(update["version"], time.perf_counter() - start, error)
 
     def _update_weights(self, update: dict, records_by_rank: dict[int, list], checksums) -> None:
         if self.dead is not None:
@@ -178,6 +195,38 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop these sequences now (their client went away); their KV blocks return to the
+        pool. One inside a step still in flight is released when that step lands."""
+        with self.lock:
+            busy = {s.seq_id for b in self._in_flight for s in b.seqs}
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                seq.finish("abort")
+                if seq.seq_id not in busy:
+                    self.scheduler.remove(seq)
+                    self._released.append(seq.seq_id)
+
+    def sleep(self) -> None:
+        """Release the KV cache (every rank) so a colocated trainer can use the memory.
+        Running sequences are preempted (recomputed after `wake`); nothing is lost."""
+        with self.lock:
+            if self.sleeping:
+                return
+            self._drain_in_flight()
+            self.scheduler.preempt_all()
+            self._guarded(lambda: self.executor.set_kv_cache(False))
+            self.sleeping = True
+
+    def wake(self) -> None:
+        """Re-allocate the KV cache released by `sleep`."""
+        with self.lock:
+            if not self.sleeping:
+                return
+            self._guarded(lambda: self.executor.set_kv_cache(True))
+            self.sleeping = False
+
     def step(self) -> list[Sequence]:
         """Fill the pipeline with steps, then finish the oldest; returns the sequences that
         finished in it. With P pipeline stages up to P steps (on disjoint sequences) are in
@@ -193,6 +242,8 @@ class LLMEngine:
                 "weights are incomplete after a failed push; requests are refused until a "
                 f"complete push lands: {self.torn}"
             )
+        if self.sleeping:
+            raise EngineAsleepError("the engine is asleep (KV cache released); call wake() first")
         self._guarded(self._fill_pipeline)
         if not self._in_flight:
             raise RuntimeError("scheduler produced an empty batch with requests pending")
@@ -252,6 +303,8 @@ class LLMEngine:
     def _append(self, batch: ScheduledBatch, out: StepResult) -> None:
         now = time.monotonic()
         for row, seq in enumerate(batch.seqs):
+            if seq.finished:  # aborted while its step was in flight
+                continue
             token = out.token_ids[row]
             seq.token_ids.append(token)
             seq.weight_versions.add(self.weight_version)

@@ -28,6 +28,9 @@ class Executor(Protocol):
 
     def submit(self, msg: StepMessage) -> None: ...
 
+    def set_kv_cache(self, allocate: bool) -> None:
+        """Release (False) or re-allocate (True) every rank's KV cache."""
+
     def collect(self) -> StepResult:
         """The result of the oldest submitted step not yet collected."""
 
@@ -66,6 +69,12 @@ class InProcessExecutor:
 
     def submit(self, msg: StepMessage) -> None:
         self._results.append(self.runner.execute(msg))
+
+    def set_kv_cache(self, allocate: bool) -> None:
+        if allocate:
+            self.runner.allocate_kv_cache(self.num_blocks)
+        else:
+            self.runner.release_kv_cache()
 
     def collect(self) -> StepResult:
         return self._results.popleft()

@@ -102,6 +102,15 @@ class LLM:
             request_id, prompt, prompt_ids, completions, True, versions[-1], metrics, versions
         )
 
+    def sleep(self) -> None:
+        """Release the KV cache on every rank (a colocated trainer may use the memory); the
+        weights stay. `generate` raises `EngineAsleepError` until `wake`."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        """Re-allocate the KV cache released by `sleep`."""
+        self.engine.wake()
+
     def shutdown(self) -> None:
         """Stop the workers (if any) and release the model and KV cache. Idempotent."""
         if self.engine is not None:

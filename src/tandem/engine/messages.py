@@ -106,6 +106,19 @@ class ApplyResult:
     nbytes: int = 0
 
 
+@dataclass(slots=True)
+class KVCache:
+    """Release (``allocate=False``, the engine sleeps) or re-allocate the KV cache."""
+
+    allocate: bool
+
+
+@dataclass(slots=True)
+class KVCacheDone:
+    rank: int
+    allocate: bool
+
+
 Message = (
     StepMessage
     | Shutdown
@@ -116,10 +129,13 @@ Message = (
     | Failure
     | ApplyWeights
     | ApplyResult
+    | KVCache
+    | KVCacheDone
 )
 _SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
            "failure": Failure, "apply": ApplyWeights,
-           "applied": ApplyResult}  # fmt: skip
+           "applied": ApplyResult, "kv_cache": KVCache,
+           "kv_cache_done": KVCacheDone}  # fmt: skip
 _KIND = {cls: kind for kind, cls in _SIMPLE.items()}
 
 

@@ -110,6 +110,11 @@ class ModelRunner:
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        for layer in self.attention_layers:
+            layer.k_cache = layer.v_cache = None
+
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> StepResult | None:
         """Run this rank's part of one step; the sampling rank returns the sampled tokens."""

@@ -28,6 +28,8 @@ from tandem.engine.messages import (
     ApplyResult,
     ApplyWeights,
     Capacity,
+    KVCache,
+    KVCacheDone,
     Shutdown,
     Start,
     StepMessage,
@@ -98,6 +100,14 @@ class MultiprocExecutor:
             raise EngineDeadError(str(exc)) from None
         results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
         return [r.error for r in results if r.error is not None]
+
+    def set_kv_cache(self, allocate: bool) -> None:
+        try:
+            self._server.broadcast(KVCache(allocate))
+        except PeerGone as exc:
+            raise EngineDeadError(str(exc)) from None
+        for _ in self.layouts:
+            self._receive(KVCacheDone, deadline=None)
 
     def collect(self) -> StepResult:
         return self._receive(StepResult, deadline=None)

@@ -121,6 +121,19 @@ class Scheduler:
             budget -= seq.num_uncached_tokens
         del self.waiting[:admitted]
 
+    def remove(self, seq: Sequence) -> None:
+        """Forget an aborted sequence, freeing its blocks."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+
+    def preempt_all(self) -> None:
+        """Free every running sequence's blocks (they recompute when admitted again)."""
+        for seq in list(self.running):
+            self._preempt(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)

@@ -26,6 +26,8 @@ from tandem.engine.messages import (
     Capacity,
     Failure,
     Hello,
+    KVCache,
+    KVCacheDone,
     Shutdown,
     Start,
     StepMessage,
@@ -151,6 +153,13 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         if isinstance(msg, ApplyWeights):
             error, nbytes = receiver.handle(msg.phase, msg.update, msg.records)
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
+            continue
+        if isinstance(msg, KVCache):
+            if msg.allocate:
+                runner.allocate_kv_cache(start.num_blocks)
+            else:
+                runner.release_kv_cache()
+            control.send(sock, KVCacheDone(args.rank, msg.allocate))
             continue
         if not isinstance(msg, StepMessage):
             raise RuntimeError(f"unexpected control message {type(msg).__name__}")

@@ -19,6 +19,7 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
+from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.transports.dist import crc32
@@ -42,7 +43,8 @@ class WeightSender:
     """Push a trainer model's weights into a tandem engine, in place.
 
     ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
-    FSDP2/DTensor-sharded. ``target``: an `LLM`, or its ``llm.exchange_address``. With a
+    FSDP2/DTensor-sharded. ``target``: an `LLM`, its ``llm.exchange_address``, or the URL of a
+    `tandem serve` (``http://host:port``, with ``admin_key`` or ``$TANDEM_ADMIN_KEY``). With a
     multi-rank trainer every rank calls `push` (rank and world default to the torch.distributed
     default group's). ``verify`` sends a CRC32 of every box; the engine rejects the update on
     any mismatch. ``ignore`` names trainer tensors the engine does not have (a value head).
@@ -68,12 +70,16 @@ class WeightSender:
         rank: int | None = None,
         world_size: int | None = None,
         timeout_s: float = 600.0,
+        admin_key: str | None = None,
     ):
         if transport not in ("auto", *self.TRANSPORTS):
             raise ValueError(f"transport must be one of {('auto', *self.TRANSPORTS)}")
         if mode not in ("staged", "in_place"):
             raise ValueError(f"mode must be 'staged' or 'in_place', got {mode!r}")
-        address = target if isinstance(target, str) else target.exchange_address
+        if isinstance(target, str):
+            address = exchange_address(target, admin_key)
+        else:
+            address = target.exchange_address
         hostport, _, self._token = address.rpartition("/")
         host, _, port = hostport.rpartition(":")
         if not (host and port.isdigit() and self._token):

@@ -103,6 +103,13 @@ def corpus(lines: int = 4000, seed: int = 0) -> list[str]:
     return out
 
 
+# A plain-text chat format (the tokenizer has no special tokens besides EOS).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -143,7 +150,12 @@ def make_tiny_model(
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS},
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": EOS,
+                "chat_template": CHAT_TEMPLATE,
+            },  # fmt: skip
             indent=2,
         )
     )

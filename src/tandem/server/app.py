@@ -1,0 +1,62 @@
+"""The FastAPI application of one `tandem serve`: routes, error shapes, request metrics."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tandem.server import admin, errors, openai_routes
+from tandem.server.metrics import CONTENT_TYPE
+from tandem.server.state import ServerState, state
+
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def build_app(server: ServerState) -> FastAPI:
+    app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tandem = server
+    errors.install(app)
+    app.include_router(openai_routes.router)
+    app.include_router(admin.router)
+    app.add_middleware(_CountRequests, server=server)
+
+    @app.get("/health")
+    async def health(request: Request):
+        s = state(request)
+        why = s.engine.unavailable()
+        core = s.engine.engine
+        body = {"status": "ok" if why is None else "unavailable", "reason": why,
+                "weight_version": core.weight_version, "sleeping": core.sleeping}  # fmt: skip
+        return JSONResponse(body, status_code=200 if why is None else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+class _CountRequests:
+    """Counts every answered request by endpoint and status (pure ASGI: streams pass through)."""
+
+    def __init__(self, app, server: ServerState):
+        self.app = app
+        self.counter = server.metrics.requests
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        path = scope.get("path", "")
+        endpoint = path if path in _ENDPOINTS else "admin" if path.startswith("/admin") else "other"
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.counter.labels(endpoint=endpoint, status=str(status)).inc()

@@ -1,0 +1,254 @@
+"""The engine on a thread of its own, for an asyncio server.
+
+Requests are handed to the engine thread, which steps while any are unfinished and, after every
+step, posts each request's new tokens (and text, logprobs, finish reasons) to the request's
+asyncio queue. Weight pushes (the exchange server's thread) take the engine lock between steps,
+so they land between decode steps and every sequence records the versions that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from tandem.engine.engine import LLMEngine
+from tandem.engine.executor import EngineDeadError
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
+from tandem.exchange.receiver import WeightSyncError
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot take requests now (dead, torn weights, shutting down)."""
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting; retry later."""
+
+
+@dataclass(slots=True)
+class SeqDelta:
+    """What one sample produced since the last update."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    prompt_index: int  # which request of the submission
+    deltas: list[SeqDelta]
+    finished: bool  # every sample of the request is done
+    weight_versions: list[int]  # versions that produced the request's tokens so far
+    num_output_tokens: int
+    error: str | None = None  # the engine failed; the request is over
+
+
+class Submission:
+    """The requests of one API call (one per prompt), their updates on one queue."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], queue: asyncio.Queue):
+        self._engine = engine
+        self._ids = request_ids
+        self._queue = queue
+        self._unfinished = set(range(len(request_ids)))
+
+    async def updates(self) -> AsyncIterator[RequestUpdate]:
+        """Every update of every request until all are finished; raises EngineUnavailable
+        when the engine fails. Leaving early (client gone) must be followed by `abort`."""
+        while self._unfinished:
+            update = await self._queue.get()
+            if update.error is not None:
+                self._unfinished.clear()
+                raise EngineUnavailable(update.error)
+            if update.finished:
+                self._unfinished.discard(update.prompt_index)
+            yield update
+
+    def abort(self) -> None:
+        """Stop the requests still running (no-op once all finished)."""
+        for i in self._unfinished:
+            self._engine.abort(self._ids[i])
+        self._unfinished.clear()
+
+
+@dataclass
+class _Tracked:
+    prompt_index: int
+    seqs: list[Sequence]
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    sent_tokens: list[int] = field(default_factory=list)  # per sample, already posted
+    sent_chars: list[int] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)  # its final update went out
+
+    def __post_init__(self):
+        self.sent_tokens = [0] * len(self.seqs)
+        self.sent_chars = [0] * len(self.seqs)
+        self.done = [False] * len(self.seqs)
+
+    def post(self, update: RequestUpdate) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting: int = 256):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.generated_tokens = 0  # all requests, for metrics
+        self._cond = threading.Condition()
+        self._new: list[tuple[str, _Tracked]] = []
+        self._aborts: list[str] = []
+        self._tracked: dict[str, _Tracked] = {}
+        self._closed: str | None = None
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # ----- event-loop side -----
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + len(self._new)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def unavailable(self) -> str | None:
+        """Why no request can be served now, or None."""
+        e = self.engine
+        if self._closed is not None:
+            return self._closed
+        if e.dead is not None:
+            return f"the engine is dead: {e.dead}"
+        if e.torn is not None:
+            return f"weights are incomplete after a failed push: {e.torn}"
+        return None
+
+    def prepare(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[Sequence]:
+        """Check one prompt (ValueError names the problem) and make its samples."""
+        return self.engine.make_sequences(request_id, prompt_ids, params, priority)
+
+    def submit(self, requests: list[tuple[str, list[Sequence]]]) -> Submission:
+        """Queue prepared requests (all or none). Raises QueueFull, EngineUnavailable."""
+        if (why := self.unavailable()) is not None:
+            raise EngineUnavailable(why)
+        if self.num_waiting + len(requests) > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting_requests)")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in enumerate(requests)]
+        with self._cond:
+            self._new.extend(tracked)
+            self._cond.notify()
+        return Submission(self, [rid for rid, _ in requests], queue)
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def sleep(self) -> None:
+        """Release the KV cache; requests queue up until `wake` (blocking: call in a thread)."""
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
+        with self._cond:
+            self._cond.notify()
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        with self._cond:
+            self._closed = reason
+            self._cond.notify()
+        self._thread.join(timeout=30)
+
+    # ----- engine thread -----
+    def _runnable(self) -> bool:
+        e = self.engine
+        return e.has_unfinished() and not e.sleeping and e.dead is None and e.torn is None
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._new or self._aborts or self._runnable()):
+                    self._cond.wait()
+                if self._closed:
+                    break
+                new, self._new = self._new, []
+                aborts, self._aborts = self._aborts, []
+            for request_id, tracked in new:
+                self._tracked[request_id] = tracked
+                self.engine.add(tracked.seqs)
+            for request_id in aborts:
+                tracked = self._tracked.pop(request_id, None)
+                if tracked is not None:
+                    self.engine.abort(tracked.seqs)
+            if self.engine.torn is not None or self.engine.dead is not None:
+                self._fail_all(self.unavailable())
+                continue
+            if not self._runnable():
+                continue
+            try:
+                self.engine.step()
+            except (EngineDeadError, WeightSyncError) as exc:
+                self._fail_all(str(exc))
+                continue
+            self._publish()
+        self._fail_all(self._closed)
+
+    def _fail_all(self, reason: str) -> None:
+        tracked, self._tracked = self._tracked, {}
+        for t in tracked.values():
+            if self.engine.dead is None:
+                self.engine.abort(t.seqs)
+            t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=reason))
+
+    def _publish(self) -> None:
+        done = []
+        for request_id, t in self._tracked.items():
+            deltas = [d for i, seq in enumerate(t.seqs) if (d := self._delta(t, i, seq))]
+            if not deltas:
+                continue
+            finished = all(s.finished for s in t.seqs)
+            versions = sorted(set().union(*(s.weight_versions for s in t.seqs)))
+            outputs = sum(s.num_output_tokens for s in t.seqs)
+            self.generated_tokens += sum(len(d.token_ids) for d in deltas)
+            t.post(RequestUpdate(t.prompt_index, deltas, finished, versions, outputs))
+            if finished:
+                done.append(request_id)
+        for request_id in done:
+            del self._tracked[request_id]
+
+    def _delta(self, t: _Tracked, i: int, seq: Sequence) -> SeqDelta | None:
+        if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):
+            return None
+        text = self.engine.output_text(seq)
+        cut = len(text)
+        if not seq.finished:  # hold back what may still change: a partial UTF-8 character,
+            cut = len(text.rstrip("\ufffd"))  # or the start of a stop string
+            if seq.params.stop:
+                cut = min(cut, len(text) - max(map(len, seq.params.stop)) + 1)
+        start = t.sent_tokens[i]
+        chars = t.sent_chars[i]
+        delta = SeqDelta(
+            index=seq.index,
+            text=text[chars:cut] if cut > chars else "",
+            token_ids=seq.output_token_ids[start:],
+            logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
+            top_logprobs=seq.top_logprobs[start:] if seq.params.logprobs else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+        t.sent_chars[i] = max(chars, cut)
+        t.sent_tokens[i] = seq.num_output_tokens
+        t.done[i] = seq.finished
+        return delta

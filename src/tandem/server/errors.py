@@ -1,0 +1,87 @@
+"""Every error the server returns, in OpenAI's shape:
+``{"error": {"message", "type", "param", "code"}}`` with the matching HTTP status."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(status: int, message: str, param=None, code=None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
+    """The first problem of a request body, naming the field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    loc = [str(p) for p in first["loc"] if p != "body"]
+    param = ".".join(loc) or None
+    if first["type"] in ("json_invalid", "json_type"):
+        return APIError(400, f"request body is not valid JSON: {first['msg']}", code="bad_json")
+    if first["type"] == "extra_forbidden":
+        message = f"unknown field `{param}`"
+    elif first["type"] == "missing":
+        message = f"`{param}` is required"
+    elif param:
+        message = f"`{param}`: {first['msg'].removeprefix('Value error, ')}"
+    else:
+        message = first["msg"].removeprefix("Value error, ")
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return APIError(400, message + more, param=param, code="invalid_value")
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api(request: Request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return from_validation(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()

@@ -1,0 +1,67 @@
+"""`tandem serve`: start the engine, then the HTTP server; stop both on SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+
+import uvicorn
+
+from tandem.engine.engine import LLMEngine
+from tandem.server.app import build_app
+from tandem.server.async_engine import AsyncEngine
+from tandem.server.chat import ChatTemplate
+from tandem.server.config import ServeConfig
+from tandem.server.metrics import Metrics
+from tandem.server.state import ServerState
+
+log = logging.getLogger("tandem.serve")
+
+
+def serve(config: ServeConfig) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    sock = socket.create_server((config.host, config.port), reuse_port=False)
+    host, port = sock.getsockname()[:2]
+    engine_config = config.engine_config()
+    log.info("loading %s (tp=%d, pp=%d)", config.model, config.tp, config.pp)
+    engine = LLMEngine(engine_config)
+    async_engine = AsyncEngine(engine, config.max_waiting_requests)
+    try:
+        state = ServerState(config, async_engine, Metrics(async_engine), ChatTemplate(config.model))
+        app = build_app(state)
+        uv = uvicorn.Config(
+            app, log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout_s,
+            access_log=config.log_level == "debug", lifespan="off",
+        )  # fmt: skip
+        server = _Server(uv, async_engine, config.shutdown_timeout_s)
+        print(f"tandem serve: {config.model_name} on http://{host}:{port} "
+              f"(tp={config.tp}, pp={config.pp}, weight version {engine.weight_version})",
+              flush=True)  # fmt: skip
+        server.run(sockets=[sock])
+    finally:
+        async_engine.close()
+        engine.shutdown()
+        sock.close()
+        print("tandem serve: stopped", flush=True)
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """On shutdown, requests still running just before the grace period ends are answered
+    with 503 "the server is shutting down" instead of a dropped connection."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float):
+        super().__init__(config)
+        self._engine = engine
+        self._grace_s = grace_s
+
+    async def shutdown(self, sockets=None) -> None:
+        def close():
+            threading.Thread(target=self._engine.close, daemon=True).start()
+
+        asyncio.get_running_loop().call_later(max(0.0, self._grace_s - 1.0), close)
+        await super().shutdown(sockets)

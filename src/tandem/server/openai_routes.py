@@ -1,0 +1,222 @@
+"""``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``: OpenAI's shapes, plus
+``token_ids`` on every choice and ``weight_version(s)`` next to ``usage``."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tandem.engine.sequence import Sequence
+from tandem.server.async_engine import EngineUnavailable, RequestUpdate, SeqDelta, Submission
+from tandem.server.errors import APIError, error_body
+from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
+from tandem.server.state import ServerState, check_key, read_json, state, until_done
+
+
+def _api_key(request: Request) -> None:
+    check_key(request, state(request).config.api_key, "API key")
+
+
+router = APIRouter(dependencies=[Depends(_api_key)])
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    s = state(request)
+    card = {"id": s.config.model_name, "object": "model", "created": s.created,
+            "owned_by": "tandem", "max_model_len": s.engine.engine.max_model_len}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    s = state(request)
+    req: CompletionRequest = await read_json(request, CompletionRequest, s.config.max_request_bytes)
+    s.check_model(req.model)
+    params = _checked(req.params)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "`echo` with `logprobs` is not supported", param="echo")
+    prompts = req.prompts()
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    prepared = []
+    for i, p in enumerate(prompts):
+        ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        seqs = _checked(lambda ids=ids, i=i: s.engine.prepare(f"{rid}-{i}", ids, params,
+                                                                req.priority))  # fmt: skip
+        prepared.append((f"{rid}-{i}", seqs))
+    texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
+    call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage)
+
+    def choice(pi: int, d: SeqDelta, first: bool) -> dict:
+        text = texts[pi] + d.text if req.echo and first else d.text
+        lp = None if d.logprobs is None else _completion_logprobs(s, d)
+        return {"index": pi * req.n + d.index, "text": text, "logprobs": lp,
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
+                "token_ids": d.token_ids}  # fmt: skip
+
+    if req.stream:
+        return call.stream(choice)
+    return await call.complete(choice)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    s = state(request)
+    req: ChatCompletionRequest = await read_json(
+        request, ChatCompletionRequest, s.config.max_request_bytes
+    )
+    s.check_model(req.model)
+    params = _checked(req.params)
+    messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
+    text = s.chat.render(messages, req.add_generation_prompt)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    ids = s.tokenizer.encode(text)
+    seqs = _checked(lambda: s.engine.prepare(rid, ids, params, req.priority))
+    call = _Call(s, request, rid, "chat.completion", req.n, [(rid, seqs)], req.include_usage)
+
+    def logprobs(d: SeqDelta):
+        return None if d.logprobs is None else {"content": _chat_logprobs(s, d)}
+
+    def choice(pi: int, d: SeqDelta, first: bool) -> dict:
+        return {"index": d.index, "message": {"role": "assistant", "content": d.text},
+                "logprobs": logprobs(d), "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason, "token_ids": d.token_ids}  # fmt: skip
+
+    def chunk(pi: int, d: SeqDelta, first: bool) -> dict:
+        delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
+        return {"index": d.index, "delta": delta, "logprobs": logprobs(d),
+                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
+                "token_ids": d.token_ids}  # fmt: skip
+
+    if req.stream:
+        return call.stream(chunk)
+    return await call.complete(choice)
+
+
+class _Call:
+    """One API call's requests: run them to the end (JSON) or stream their deltas (SSE)."""
+
+    def __init__(self, s: ServerState, request: Request, rid: str, kind: str, n: int,
+                 prepared: list[tuple[str, list[Sequence]]], include_usage: bool):  # fmt: skip
+        self.s, self.request, self.rid, self.kind, self.n = s, request, rid, kind, n
+        self.prepared = prepared
+        self.include_usage = include_usage
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.submission: Submission = s.submit(prepared)
+        s.metrics.prompt_tokens.inc(sum(seqs[0].num_prompt_tokens for _, seqs in prepared))
+
+    def _seen(self, update: RequestUpdate) -> None:
+        if self.first_token is None and any(d.token_ids for d in update.deltas):
+            self.first_token = time.monotonic()
+            self.s.metrics.ttft.observe(self.first_token - self.arrival)
+
+    def _usage(self) -> dict:
+        seqs = [seq for _, group in self.prepared for seq in group]
+        prompt = sum(group[0].num_prompt_tokens for _, group in self.prepared)
+        completion = sum(seq.num_output_tokens for seq in seqs)
+        versions = sorted(set().union(*(seq.weight_versions for seq in seqs)))
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion}  # fmt: skip
+        return {"usage": usage, "weight_version": versions[-1] if versions else
+                self.s.engine.engine.weight_version, "weight_versions": versions}  # fmt: skip
+
+    def _head(self, chunk: bool = False) -> dict:
+        kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
+        return {"id": self.rid, "object": kind, "created": int(time.time()),
+                "model": self.s.config.model_name}  # fmt: skip
+
+    async def complete(self, choice: Callable) -> JSONResponse:
+        await until_done(self.submission, self.request, self._seen)
+        self.s.metrics.latency.observe(time.monotonic() - self.arrival)
+        choices = [
+            choice(pi, _final(self.s, seq), True)
+            for pi, (_, seqs) in enumerate(self.prepared)
+            for seq in seqs
+        ]
+        return JSONResponse(self._head() | {"choices": choices} | self._usage())
+
+    def stream(self, chunk: Callable) -> StreamingResponse:
+        return StreamingResponse(self._events(chunk), media_type="text/event-stream")
+
+    async def _events(self, chunk: Callable) -> AsyncIterator[str]:
+        started: set[tuple[int, int]] = set()
+        try:
+            async for update in self.submission.updates():
+                self._seen(update)
+                choices = []
+                for d in update.deltas:
+                    key = (update.prompt_index, d.index)
+                    choices.append(chunk(update.prompt_index, d, key not in started))
+                    started.add(key)
+                body = self._head(chunk=True) | {"choices": choices}
+                if update.finished:
+                    body |= {k: v for k, v in self._usage().items() if k != "usage"}
+                yield _sse(body)
+            self.s.metrics.latency.observe(time.monotonic() - self.arrival)
+            if self.include_usage:
+                yield _sse(self._head(chunk=True) | {"choices": []} | self._usage())
+        except EngineUnavailable as exc:
+            yield _sse(error_body(503, str(exc), code="engine_unavailable"))
+        finally:
+            self.submission.abort()  # no-op unless the client left early
+        yield "data: [DONE]\n\n"
+
+
+def _final(s: ServerState, seq: Sequence) -> SeqDelta:
+    """A whole sample as one delta (for non-streamed answers)."""
+    k = seq.params.logprobs
+    return SeqDelta(
+        seq.index, s.engine.engine.output_text(seq), seq.output_token_ids,
+        list(seq.logprobs) if k is not None else None,
+        list(seq.top_logprobs) if k else None, seq.finish_reason, seq.stop_reason,
+    )  # fmt: skip
+
+
+def _checked(call):
+    """Run a check that raises ValueError; turn it into a 400."""
+    try:
+        return call()
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+
+
+def _lp(value: float) -> float:
+    return max(value, -9999.0)  # JSON has no -inf
+
+
+def _completion_logprobs(s: ServerState, d: SeqDelta) -> dict:
+    tok = s.tokenizer
+    tokens = [tok.decode([t], False) for t in d.token_ids]
+    offsets, pos = [], 0
+    for t in tokens:
+        offsets.append(pos)
+        pos += len(t)
+    top = None
+    if d.top_logprobs is not None:
+        top = [{tok.decode([t], False): _lp(v) for t, v in alts.items()} for alts in d.top_logprobs]
+    return {"tokens": tokens, "token_logprobs": [_lp(v) for v in d.logprobs],
+            "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+
+
+def _chat_logprobs(s: ServerState, d: SeqDelta) -> list[dict]:
+    tok = s.tokenizer
+
+    def entry(t: int, v: float) -> dict:
+        text = tok.decode([t], False)
+        return {"token": text, "logprob": _lp(v), "bytes": list(text.encode())}
+
+    out = []
+    for i, (t, v) in enumerate(zip(d.token_ids, d.logprobs, strict=True)):
+        alts = d.top_logprobs[i] if d.top_logprobs is not None else {}
+        out.append(entry(t, v) | {"top_logprobs": [entry(a, w) for a, w in alts.items()]})
+    return out
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"

@@ -1,0 +1,148 @@
+"""Request schemas of the OpenAI-compatible routes (OpenAI field names, strict types).
+
+Unknown fields and values of the wrong type are rejected (400, naming the field) rather than
+silently ignored or coerced: a typo in ``temprature`` must not sample at temperature 1.
+Extensions beyond OpenAI's fields follow vLLM's names (``top_k``, ``ignore_eos``,
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``) plus
+``logprobs_mode`` and ``priority``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.server.errors import APIError
+
+MAX_INT = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+StopString = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(max_length=1024)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, le=MAX_INT)
+    n: int = Field(1, ge=1, le=64)
+    stop: StopString | list[StopString] | None = Field(None, max_length=16)
+    seed: int | None = Field(None, ge=0, le=MAX_INT)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = Field(None, max_length=1024)
+    # extensions
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs_mode: Literal["raw", "processed"] = "raw"
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"`{name}` is not supported (must be 0)", param=name)
+        if self.logit_bias:
+            raise APIError(400, "`logit_bias` is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
+        return SamplingParams(
+            n=self.n,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs,
+            logprobs_mode=self.logprobs_mode,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
+    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=64)
+    suffix: None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    def params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "`best_of` other than `n` is not supported", param="best_of")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Extra keys are ignored: clients send back assistant messages with refusal, tool_calls...
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+    def params(self) -> SamplingParams:
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool calling is not supported", param="tools")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, "only `response_format: {type: text}` is supported",
+                           param="response_format")  # fmt: skip
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)

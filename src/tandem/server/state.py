@@ -1,0 +1,105 @@
+"""What every route of one server shares, and the request plumbing they have in common."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from tandem.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+from tandem.server.chat import ChatTemplate
+from tandem.server.config import ServeConfig
+from tandem.server.errors import APIError, from_validation
+from tandem.server.metrics import Metrics
+
+
+@dataclass
+class ServerState:
+    config: ServeConfig
+    engine: AsyncEngine
+    metrics: Metrics
+    chat: ChatTemplate
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.config.model_name:
+            raise APIError(
+                404,
+                f"model `{name}` does not exist; this server serves `{self.config.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def submit(self, requests) -> Submission:
+        try:
+            return self.engine.submit(requests)
+        except QueueFull as exc:
+            raise APIError(429, f"server busy: {exc}", code="queue_full",
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), code="engine_unavailable") from None
+
+
+def state(request: Request) -> ServerState:
+    return request.app.state.tandem
+
+
+def check_key(request: Request, expected: str | None, what: str) -> None:
+    """Bearer-token check in constant time; ``expected`` None means no key is required."""
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), expected.encode()
+    ):
+        raise APIError(401, f"missing or wrong {what} (send `Authorization: Bearer <key>`)",
+                       code="invalid_api_key")  # fmt: skip
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The body, at most ``limit`` bytes, validated strictly against ``model``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+
+
+async def until_done(submission: Submission, request: Request, on_update=None) -> None:
+    """Consume a submission's updates; if the client goes away first, abort it."""
+
+    async def consume():
+        async for update in submission.updates():
+            if on_update is not None:
+                on_update(update)
+
+    task = asyncio.ensure_future(consume())
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if done:
+                try:
+                    return task.result()
+                except EngineUnavailable as exc:
+                    raise APIError(503, str(exc), code="engine_unavailable") from None
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        task.cancel()
+        submission.abort()
