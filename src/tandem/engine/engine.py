@@ -208,6 +208,17 @@ class LLMEngine:
                     self.scheduler.remove(seq)
                     self._released.append(seq.seq_id)
 
+    def check_health(self) -> None:
+        """Notice a dead worker while idle (marks the engine dead). Skipped while a step or a
+        weight update holds the engine: those notice it themselves."""
+        if self.dead is None and self.lock.acquire(blocking=False):
+            try:
+                self._guarded(self.executor.check_alive)
+            except EngineDeadError:
+                pass
+            finally:
+                self.lock.release()
+
     def sleep(self) -> None:
         """Release the KV cache (every rank) so a colocated trainer can use the memory.
         Running sequences are preempted (recomputed after `wake`); nothing is lost."""

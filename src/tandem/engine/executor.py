@@ -31,6 +31,9 @@ class Executor(Protocol):
     def set_kv_cache(self, allocate: bool) -> None:
         """Release (False) or re-allocate (True) every rank's KV cache."""
 
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if a worker is known to be gone (cheap; called when idle)."""
+
     def collect(self) -> StepResult:
         """The result of the oldest submitted step not yet collected."""
 
@@ -69,6 +72,9 @@ class InProcessExecutor:
 
     def submit(self, msg: StepMessage) -> None:
         self._results.append(self.runner.execute(msg))
+
+    def check_alive(self) -> None:
+        pass
 
     def set_kv_cache(self, allocate: bool) -> None:
         if allocate:

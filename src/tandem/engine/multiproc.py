@@ -74,7 +74,7 @@ class MultiprocExecutor:
         )
         try:
             deadline = time.monotonic() + config.worker_start_timeout_s
-            self._server.accept_all(deadline, self._check_alive)
+            self._server.accept_all(deadline, self.check_alive)
             loaded = [self._receive(Capacity, deadline) for _ in range(dims.world_size)]
             self.num_blocks = kv_blocks([m.num_blocks for m in loaded])
             self.layouts = sorted(
@@ -114,7 +114,7 @@ class MultiprocExecutor:
 
     def _receive(self, kind, deadline: float | None):
         while True:
-            self._check_alive()
+            self.check_alive()
             try:
                 got = self._server.receive(timeout=0.2)
             except PeerGone as exc:
@@ -129,7 +129,8 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 raise EngineDeadError(f"workers did not report {kind.__name__} in time")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise EngineDeadError if a worker process on this host has exited."""
         for rank, proc in enumerate(self._procs):
             if proc.poll() is not None:
                 raise EngineDeadError(

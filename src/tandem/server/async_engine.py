@@ -19,6 +19,8 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.exchange.receiver import WeightSyncError
 
+HEALTH_CHECK_S = 1.0  # how often an idle engine checks its workers
+
 
 class EngineUnavailable(RuntimeError):
     """The engine cannot take requests now (dead, torn weights, shutting down)."""
@@ -180,7 +182,8 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not (self._closed or self._new or self._aborts or self._runnable()):
-                    self._cond.wait()
+                    if not self._cond.wait(timeout=HEALTH_CHECK_S):
+                        self.engine.check_health()  # idle: is every worker still there?
                 if self._closed:
                     break
                 new, self._new = self._new, []

@@ -51,10 +51,14 @@ def error_body(status: int, message: str, param=None, code=None) -> dict:
 
 def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     """The first problem of a request body, naming the field."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    loc = [str(p) for p in first["loc"] if p != "body"]
-    param = ".".join(loc) or None
+    errors = exc.errors() or [{"loc": (), "msg": "invalid request", "type": ""}]
+    # A union field fails once per member type: report the most specific failure (deepest,
+    # and a broken constraint rather than a type mismatch) of the first field that failed.
+    field = _param(errors[0]["loc"][:1])
+    candidates = [e for e in errors if _param(e["loc"][:1]) == field]
+    first = max(candidates, key=lambda e: (len(_param(e["loc"]) or ""),
+                                           not e["type"].endswith("_type")))  # fmt: skip
+    param = _param(first["loc"])
     if first["type"] in ("json_invalid", "json_type"):
         return APIError(400, f"request body is not valid JSON: {first['msg']}", code="bad_json")
     if first["type"] == "extra_forbidden":
@@ -65,8 +69,21 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
         message = f"`{param}`: {first['msg'].removeprefix('Value error, ')}"
     else:
         message = first["msg"].removeprefix("Value error, ")
-    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    others = {_param(e["loc"][:1]) for e in errors} - {field}
+    more = f" (also: {', '.join(sorted(map(str, others)))})" if others else ""
     return APIError(400, message + more, param=param, code="invalid_value")
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param(loc) -> str | None:
+    """The field path of an error location, without pydantic's union-member tags."""
+    keep = [
+        str(p) for p in loc
+        if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS and p != "body")
+    ]  # fmt: skip
+    return ".".join(keep) or None
 
 
 def install(app: FastAPI) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 import threading
 
@@ -41,13 +42,24 @@ def serve(config: ServeConfig) -> int:
         print(f"tandem serve: {config.model_name} on http://{host}:{port} "
               f"(tp={config.tp}, pp={config.pp}, weight version {engine.weight_version})",
               flush=True)  # fmt: skip
-        server.run(sockets=[sock])
+        # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
+        # place that is a no-op, so the engine and its workers are shut down below.
+        previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.run(sockets=[sock])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     finally:
         async_engine.close()
         engine.shutdown()
         sock.close()
         print("tandem serve: stopped", flush=True)
     return 0
+
+
+def _ignore(signum, frame) -> None:
+    pass
 
 
 class _Server(uvicorn.Server):

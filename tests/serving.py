@@ -1,0 +1,112 @@
+"""A real `tandem serve` subprocess for tests: started on a free port, stopped (and checked to
+have stopped, workers included) on exit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+ADMIN_KEY = "test-admin-key-0123456789"
+_LISTENING = re.compile(r"tandem serve: (\S+) on (http://\S+) ")
+
+
+class Server:
+    def __init__(self, model_dir: str, *args: str, config: str | None = None, timeout=120.0):
+        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--log-level",
+               "warning", *args]  # fmt: skip
+        cmd += ["--config", config] if config else ["--model", model_dir]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        self.lines: list[str] = []
+        found = threading.Event()
+
+        def pump():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if not found.is_set() and (m := _LISTENING.search(line)):
+                    self.model, self.url = m.group(1), m.group(2)
+                    found.set()
+            found.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not found.wait(timeout) or not hasattr(self, "url"):
+            self.stop()
+            raise RuntimeError("server did not start:\n" + self.output)
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return self.client.get(path, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return self.client.post(path, **kw)
+
+    def admin(self, method: str, path: str, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        return self.client.request(method, path, headers=headers, **kw)
+
+    def metric(self, name: str, **labels) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        for family in text_string_to_metric_families(self.get("/metrics").text):
+            for sample in family.samples:
+                if sample.name == name and all(
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
+                    return sample.value
+        return 0.0
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self, "client"):
+            self.client.close()
+        return self.proc.returncode
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def children(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (from /proc)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,139 @@
+"""Bad requests get the right status and an OpenAI-style error body; the server keeps serving."""
+
+import concurrent.futures
+
+import httpx
+import pytest
+
+from serving import Server
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "sk-test"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server(model_factory):
+    model = model_factory("llama", max_position_embeddings=128)
+    args = ["--api-key", KEY, "--max-num-seqs", "1", "--max-waiting-requests", "1",
+            "--kv-cache-memory", str(8 << 20)]  # fmt: skip
+    with Server(model, *args) as s:
+        s.client.headers.update(AUTH)
+        yield s
+
+
+def _ok(server) -> None:
+    r = server.post(
+        "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2}
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def _completion(server, **fields):
+    return {"model": server.model, "prompt": "Hello", **fields}
+
+
+BAD = [
+    # (what, body or raw bytes, status, param)
+    ("malformed JSON", b'{"model": "x", "prompt": ', 400, None),
+    ("not an object", b"[1, 2, 3]", 400, None),
+    ("invalid UTF-8", b'{"model": "\xff\xfe", "prompt": "hi"}', 400, None),
+    ("wrong type: max_tokens string", {"max_tokens": "16"}, 400, "max_tokens"),
+    ("wrong type: temperature bool", {"temperature": True}, 400, "temperature"),
+    ("wrong type: prompt number", {"prompt": 17}, 400, "prompt"),
+    ("out of range: temperature", {"temperature": -0.5}, 400, "temperature"),
+    ("out of range: top_p", {"top_p": 0}, 400, "top_p"),
+    ("out of range: n", {"n": 0}, 400, "n"),
+    ("out of range: max_tokens", {"max_tokens": -3}, 400, "max_tokens"),
+    ("huge number", {"max_tokens": 10**30}, 400, "max_tokens"),
+    ("token id outside the vocabulary", {"prompt": [1, 2, 10**9]}, 400, None),
+    ("negative token id", {"prompt": [1, -2]}, 400, "prompt"),
+    ("empty prompt", {"prompt": ""}, 400, "prompt"),
+    ("unknown field", {"temprature": 0.5}, 400, "temprature"),
+    ("unsupported: penalty", {"presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("unsupported: echo with logprobs", {"echo": True, "logprobs": 1}, 400, "echo"),
+    ("prompt over the context length", {"prompt": [5] * 200}, 400, None),
+    ("missing model", None, 400, "model"),
+]
+
+
+@pytest.mark.parametrize("what,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_request(server, what, body, status, param):
+    if isinstance(body, bytes):
+        r = server.post(
+            "/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+    elif body is None:
+        r = server.post("/v1/completions", json={"prompt": "hi"})
+    else:
+        r = server.post("/v1/completions", json=_completion(server, **body))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"].split(".")[0] == param
+    _ok(server)
+
+
+def test_chat_without_template_is_400(model_factory, tmp_path):
+    import json
+    import shutil
+
+    model = tmp_path / "no-template"
+    shutil.copytree(model_factory("llama", max_position_embeddings=128), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    with Server(str(model)) as s:
+        r = s.post("/v1/chat/completions", json={"model": s.model, "messages": [
+            {"role": "user", "content": "hi"}]})  # fmt: skip
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "no_chat_template"
+        assert s.post("/v1/completions", json={"model": s.model, "prompt": "x"}).status_code == 200
+
+
+def test_wrong_model_is_404(server):
+    r = server.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_api_key_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(server.url + "/v1/completions", headers=headers,
+                       json=_completion(server))  # fmt: skip
+        assert r.status_code == 401, headers
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+    _ok(server)
+
+
+def test_admin_routes_disabled_without_admin_key(server):
+    r = server.get("/admin/weights")
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
+
+
+def test_body_over_the_limit_is_413(server):
+    r = server.post("/v1/completions", json=_completion(server, prompt="x" * (5 << 20)))
+    assert r.status_code == 413
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    _ok(server)
+
+
+def test_queue_full_is_429_with_retry_after(server):
+    body = _completion(server, max_tokens=60, ignore_eos=True)
+
+    def send(_):
+        return httpx.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+
+    # one request runs (max_num_seqs=1), one waits (max_waiting_requests=1): the rest are 429
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(send, range(6)))
+    codes = sorted(r.status_code for r in responses)
+    assert 200 in codes and 429 in codes, codes
+    assert set(codes) <= {200, 429}
+    busy = next(r for r in responses if r.status_code == 429)
+    assert busy.headers["retry-after"] == "1"
+    assert busy.json()["error"]["type"] == "rate_limit_error"
+    _ok(server)
