@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from pathlib import Path
 
 from tandem.models.tiny import FAMILIES
 
@@ -43,24 +41,30 @@ def _generate(args) -> int:
 
 
 def _demo(args) -> int:
-    from tandem import LLM, SamplingParams
-    from tandem.models.tiny import make_tiny_model
+    from tandem.rl import report
+    from tandem.rl.loop import DemoConfig, run
 
-    model_dir = Path(args.model_dir)
-    if not (model_dir / "config.json").is_file():
-        print(f"making the built-in tiny model in {model_dir} ...")
-        make_tiny_model(model_dir, "llama", seed=0)
-    prompts = ["The quick dog", "12 + 7 =", "Every policy learns", "A small red bird"] * 4
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, top_p=0.95, seed=0)
-    with LLM(str(model_dir)) as llm:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
-    for out in outs[:4]:
-        print(f"{out.prompt!r} -> {out.outputs[0].text!r}")
-    print(f"{len(outs)} requests, {generated} tokens in {seconds:.2f} s: "
-          f"{generated / seconds:.0f} tokens/s (random-init model: the text is noise)")  # fmt: skip
+    config = DemoConfig(
+        model_dir=args.model_dir, out_dir=args.out_dir, steps=args.steps,
+        placement="disaggregated" if args.disaggregated else "colocate",
+        async_staleness=args.async_staleness, seed=args.seed,
+    )  # fmt: skip
+    mode = config.placement + ("" if args.async_staleness is None else
+                               f", async (staleness <= {args.async_staleness})")  # fmt: skip
+    print(f"tandem demo: RL on the built-in tiny model ({mode}): engine LLM(tp=2), trainer "
+          f"FSDP2 x 2 (AdamW, clipped policy gradient), weights by {config.transport}; task: "
+          "answer in digits (reward = digit fraction of the answer)", flush=True)  # fmt: skip
+    progress = report.Progress(config.steps)
+    result = run(config, on_step=progress.update)
+    result["summary"] = report.summary(result)
+    log_path, plot_path = report.write(result, config.out_dir)
+    s = result["summary"]
+    print(f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (first/last "
+          f"{s['steps_averaged']} steps); logprob mismatch trainer vs engine: max "
+          f"{s['max_logprob_mismatch']:.1e}, after the last push "
+          f"{s['final_logprob_mismatch']:.1e}; "
+          f"sync {s['mean_sync_ms']:.0f} ms/step; {s['seconds']:.0f} s")  # fmt: skip
+    print(f"wrote {log_path} and {plot_path}")
     return 0
 
 
@@ -181,9 +185,28 @@ def parser() -> argparse.ArgumentParser:
                    help="module that registers a custom architecture (repeatable)")  # fmt: skip
     s.set_defaults(func=_serve)
 
-    d = sub.add_parser("demo", help="the main job on a built-in tiny model")
+    d = sub.add_parser("demo", help="an RL loop on the built-in tiny model (what `make demo` runs)")
+    where = d.add_mutually_exclusive_group()
+    where.add_argument(
+        "--colocate",
+        action="store_true",
+        help="(default) engine sleeps while the trainer steps; weights by shm",
+    )
+    where.add_argument(
+        "--disaggregated", action="store_true", help="engine stays up; weights by torch.distributed"
+    )
+    d.add_argument(
+        "--async",
+        dest="async_staleness",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rollouts continue during training; drop samples > N versions stale",
+    )
+    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--model-dir", default=".tandem/tiny-llama")
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--out-dir", default=".tandem/demo", help="demo.json and demo.png go here")
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")

@@ -1,0 +1,228 @@
+"""The demo's controller: rollouts from the engine, rewards, a trainer step, a weight push.
+
+Each step: the engine (`LLM(tp=2)`, 2 worker processes) samples ``group_size`` completions for
+each of ``prompts_per_step`` prompts, with the raw log-probs of every sampled token; the task
+scores them; group-relative advantages go with the samples to the trainer ranks (2 processes,
+FSDP2 over gloo), which recompute the log-probs, take one AdamW step on the clipped
+importance-weighted loss and push their shards into the engine (`WeightSender`).
+
+- colocated (default): the engine releases its KV cache (`sleep`) while the trainers step and
+  re-allocates it (`wake`) for the next rollouts; weights move through shared memory.
+- disaggregated: the engine stays up; weights move by torch.distributed point to point.
+- ``async_staleness=N``: rollouts never stop. A background thread generates up to N batches
+  ahead while the trainers train; pushes land between decode steps, so a sample may carry two
+  versions. A sample's staleness is the trainer's version minus the oldest version that
+  produced it. Running at most N batches ahead bounds it by N; a group staler than N all the
+  same is **dropped**; the others are importance-weighted by the clipped ratio
+  exp(logp_trainer - logp_engine) against the log-probs the engine sampled with.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from tandem import LLM, SamplingParams
+from tandem.engine.outputs import RequestOutput
+from tandem.models.tiny import make_tiny_model
+from tandem.rl.grpo import group_advantages
+from tandem.rl.messages import Sample
+from tandem.rl.task import DigitsTask
+from tandem.rl.trainers import TrainerGroup
+
+
+@dataclass
+class DemoConfig:
+    model_dir: str = ".tandem/tiny-llama"
+    out_dir: str = ".tandem/demo"
+    steps: int = 30
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_tokens: int = 12
+    temperature: float = 1.0
+    lr: float = 3e-3
+    placement: Literal["colocate", "disaggregated"] = "colocate"
+    async_staleness: int | None = None  # None: synchronous RL
+    trainer_ranks: int = 2
+    engine_tp: int = 2
+    seed: int = 0
+
+    @property
+    def transport(self) -> str:
+        return "shm" if self.placement == "colocate" else "dist"
+
+
+@dataclass
+class StepLog:
+    step: int
+    version: int  # the engine's weight version after this step's push
+    reward_mean: float
+    reward_min: float
+    reward_max: float
+    samples: int
+    dropped: int
+    rollout_tokens: int
+    rollout_seconds: float
+    rollout_tokens_per_s: float
+    train_seconds: float
+    sync_ms: float
+    loss: float
+    grad_norm: float
+    logprob_mismatch: float | None  # max |trainer - engine| over samples of the current version
+    staleness_mean: float
+    staleness_max: int
+    sample_versions: list[list[int]] = field(default_factory=list)  # per group
+
+
+@dataclass
+class _Rollout:
+    step: int
+    prompts: list[list[int]]
+    outputs: list[RequestOutput]
+    seconds: float
+
+
+def run(config: DemoConfig, on_step=None) -> dict:
+    """Run the loop; ``on_step(StepLog)`` after every step. Returns the JSON log."""
+    model_dir = Path(config.model_dir)
+    if not (model_dir / "config.json").is_file():
+        make_tiny_model(model_dir, "llama", seed=config.seed)
+    task = DigitsTask(config.seed)
+    params = SamplingParams(n=config.group_size, max_tokens=config.max_tokens,
+                            temperature=config.temperature, logprobs=0)  # fmt: skip
+    started = time.perf_counter()
+    logs: list[StepLog] = []
+    with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
+             seed=config.seed) as llm:  # fmt: skip
+        with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
+                          config.transport, config.lr, config.seed) as trainers:  # fmt: skip
+            rollouts = _Rollouts(llm, task, params, config)
+            try:
+                for step in range(config.steps):
+                    log = _step(llm, trainers, task, rollouts.next(step), step, config)
+                    logs.append(log)
+                    if on_step is not None:
+                        on_step(log)
+            finally:
+                rollouts.stop()
+            final = _final_check(llm, trainers, task, params, config)
+    return {
+        "config": asdict(config),
+        "task": task.name,
+        "steps": [asdict(log) for log in logs],
+        "final_check": final,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+
+
+def _step(llm: LLM, trainers: TrainerGroup, task: DigitsTask, rollout: _Rollout, step: int,
+          config: DemoConfig) -> StepLog:  # fmt: skip
+    version = llm.weight_version  # what the trainers hold now (every push is committed)
+    groups, versions, stale = [], [], []
+    dropped = 0
+    for prompt, out in zip(rollout.prompts, rollout.outputs, strict=True):
+        staleness = version - min(out.weight_versions)
+        if config.async_staleness is not None and staleness > config.async_staleness:
+            dropped += len(out.outputs)
+            continue
+        groups.append((prompt, out))
+        versions.append(out.weight_versions)
+        stale.append(staleness)
+    rewards = [task.reward(c.text) for _, out in groups for c in out.outputs]
+    advantages = group_advantages(rewards, config.group_size) if rewards else []
+    samples = []
+    for g, (prompt, out) in enumerate(groups):
+        fresh = out.weight_versions == [version]
+        for i, c in enumerate(out.outputs):
+            samples.append(Sample(prompt, c.token_ids, c.logprobs,
+                                  advantages[g * config.group_size + i], fresh))  # fmt: skip
+    shares = [samples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+    update = all(shares)
+    if not update:  # every rank runs the same collectives: all step or none does
+        shares = [[] for _ in shares]
+    if config.placement == "colocate" and config.async_staleness is None:
+        llm.sleep()  # the trainers get the KV cache's memory while they step
+    try:
+        reports = trainers.step(step, version + 1, shares, update=update)
+    finally:
+        if llm.engine.sleeping:
+            llm.wake()
+    mismatches = [r.logprob_mismatch for r in reports if r.logprob_mismatch is not None]
+    tokens = sum(len(c.token_ids) for out in rollout.outputs for c in out.outputs)
+    all_rewards = rewards or [0.0]
+    return StepLog(
+        step=step, version=llm.weight_version, reward_mean=sum(all_rewards) / len(all_rewards),
+        reward_min=min(all_rewards), reward_max=max(all_rewards), samples=len(samples),
+        dropped=dropped, rollout_tokens=tokens, rollout_seconds=round(rollout.seconds, 4),
+        rollout_tokens_per_s=round(tokens / rollout.seconds, 1),
+        train_seconds=round(max(r.train_seconds for r in reports), 4),
+        sync_ms=round(1000 * max(r.push_seconds for r in reports), 2),
+        loss=sum(r.loss for r in reports) / len(reports),
+        grad_norm=reports[0].grad_norm, logprob_mismatch=max(mismatches) if mismatches else None,
+        staleness_mean=sum(stale) / len(stale) if stale else 0.0,
+        staleness_max=max(stale, default=0), sample_versions=versions,
+    )  # fmt: skip
+
+
+def _final_check(llm, trainers, task, params, config) -> dict:
+    """After the last push: fresh rollouts, log-probs recomputed by the trainers (no update)."""
+    prompts = [llm.tokenizer.encode(p) for p in task.prompts(10**6, 2)]
+    outputs = llm.generate(prompts, params)
+    samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
+               for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
+    shares = [samples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+    reports = trainers.step(-1, llm.weight_version, shares, update=False)
+    return {"version": llm.weight_version,
+            "logprob_mismatch": max(r.logprob_mismatch for r in reports)}  # fmt: skip
+
+
+class _Rollouts:
+    """Synchronous: generate when asked. Async: a thread generates ahead, at most N batches
+    (so a batch is at most N versions stale when the trainer takes it)."""
+
+    def __init__(self, llm: LLM, task: DigitsTask, params: SamplingParams, config: DemoConfig):
+        self.llm, self.task, self.params, self.config = llm, task, params, config
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = None
+        self._ahead = threading.Semaphore(max(1, config.async_staleness or 1))
+        if config.async_staleness is not None:
+            self._thread = threading.Thread(target=self._produce, daemon=True)
+            self._thread.start()
+
+    def _generate(self, step: int) -> _Rollout:
+        prompts = [self.llm.tokenizer.encode(p)
+                   for p in self.task.prompts(step, self.config.prompts_per_step)]  # fmt: skip
+        start = time.perf_counter()
+        outputs = self.llm.generate(prompts, self.params)
+        return _Rollout(step, prompts, outputs, time.perf_counter() - start)
+
+    def _produce(self) -> None:
+        step = 0
+        while not self._stop.is_set() and step < self.config.steps:
+            if not self._ahead.acquire(timeout=0.2):
+                continue
+            try:
+                item = self._generate(step)
+            except Exception as exc:  # handed to the consumer, which raises it
+                item = exc
+            self._queue.put(item)
+            step += 1
+
+    def next(self, step: int) -> _Rollout:
+        if self._thread is None:
+            return self._generate(step)
+        item = self._queue.get(timeout=600)
+        self._ahead.release()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=120)

@@ -1,0 +1,74 @@
+"""Typed messages between the demo's controller and its trainer ranks (msgpack, no pickle)."""
+
+from __future__ import annotations
+
+from dataclasses import astuple, dataclass
+
+import msgpack
+
+
+@dataclass(slots=True)
+class TrainerHello:
+    rank: int
+    token: str  # the controller's secret
+    pid: int
+
+
+@dataclass(slots=True)
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    behaviour_logprobs: list[float]  # the engine's raw log-probs when it sampled them
+    advantage: float
+    fresh: bool  # produced by exactly the trainer's current version: compare log-probs
+
+
+@dataclass(slots=True)
+class TrainBatch:
+    """One rank's share of a step. ``update=False``: only recompute log-probs (a check)."""
+
+    step: int
+    version: int  # pushed after the update
+    update: bool
+    samples: list[Sample]
+
+
+@dataclass(slots=True)
+class TrainReport:
+    rank: int
+    step: int
+    loss: float
+    logprob_mismatch: float | None  # max |trainer - engine| over fresh samples' tokens
+    push_seconds: float
+    train_seconds: float
+    grad_norm: float
+    ratio_max: float
+    clip_fraction: float
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Stop:
+    pass
+
+
+_KINDS = {"hello": TrainerHello, "batch": TrainBatch, "report": TrainReport, "stop": Stop}
+_NAMES = {cls: name for name, cls in _KINDS.items()}
+
+
+def encode(msg) -> bytes:
+    if isinstance(msg, TrainBatch):
+        body = [msg.step, msg.version, msg.update, [list(astuple(s)) for s in msg.samples]]
+    else:
+        body = list(astuple(msg))
+    return msgpack.packb([_NAMES[type(msg)], *body])
+
+
+def decode(data: bytes):
+    kind, *body = msgpack.unpackb(data)
+    if kind not in _KINDS:
+        raise ValueError(f"unknown message kind {kind!r}")
+    if kind == "batch":
+        step, version, update, samples = body
+        return TrainBatch(step, version, update, [Sample(*s) for s in samples])
+    return _KINDS[kind](*body)

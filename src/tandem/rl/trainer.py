@@ -1,0 +1,142 @@
+"""One trainer rank of the demo: the policy as FSDP2 shards over gloo, AdamW, the clipped
+policy-gradient loss; after each update it pushes its shards into the engine in place.
+
+    python -m tandem.rl.trainer        (settings as JSON in $TANDEM_TRAINER)
+
+This is what an RL user's own training loop looks like with tandem: a plain transformers model,
+`fully_shard`, an optimizer, and one `WeightSender.push` per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tandem.rl.grpo import policy_loss
+from tandem.rl.messages import Stop, TrainBatch, TrainerHello, TrainReport, decode, encode
+from tandem.wire import recv_frame, send_frame
+
+ENV = "TANDEM_TRAINER"
+
+
+@dataclass
+class TrainerArgs:
+    rank: int
+    world_size: int
+    dist_port: int
+    model_dir: str
+    controller: list  # [host, port]
+    token: str
+    exchange_address: str
+    transport: str
+    lr: float
+    seed: int
+    threads: int = 1
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def completion_logprobs(
+    model, batch: TrainBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's log-probs of every completion token [B, L-1] (with grad), the engine's
+    recorded ones aligned the same way, and the mask of completion positions."""
+    seqs = [s.prompt_ids + s.completion_ids for s in batch.samples]
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width - 1)
+    behaviour = torch.zeros(len(seqs), width - 1)
+    for i, (s, seq) in enumerate(zip(batch.samples, seqs, strict=True)):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+        start = len(s.prompt_ids) - 1  # logits at position t predict token t + 1
+        mask[i, start : start + len(s.completion_ids)] = 1
+        behaviour[i, start : start + len(s.completion_ids)] = torch.tensor(s.behaviour_logprobs)
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp, behaviour, mask
+
+
+def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainReport:
+    if not batch.samples:  # the controller skips a step on every rank at once
+        return TrainReport(rank, batch.step, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0)
+    start = time.perf_counter()
+    logp, behaviour, mask = completion_logprobs(model, batch)
+    fresh = torch.tensor([s.fresh for s in batch.samples], dtype=torch.bool)
+    mismatch = None
+    if fresh.any():
+        gap = ((logp.detach() - behaviour).abs() * mask)[fresh]
+        mismatch = float(gap.max())
+    advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
+    loss, stats = policy_loss(logp, behaviour, advantages, mask)
+    grad_norm, push_seconds = 0.0, 0.0
+    if batch.update:
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        optimizer.step()
+        pushed = time.perf_counter()
+        sender.push(version=batch.version)
+        push_seconds = time.perf_counter() - pushed
+    return TrainReport(
+        rank, batch.step, loss.item(), mismatch, push_seconds,
+        time.perf_counter() - start - push_seconds, grad_norm, stats["ratio_max"],
+        stats["clip_fraction"],
+    )  # fmt: skip
+
+
+def main() -> int:
+    args = TrainerArgs(**json.loads(os.environ[ENV]))
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from tandem.exchange import WeightSender
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{args.dist_port}", rank=args.rank,
+        world_size=args.world_size,
+    )  # fmt: skip
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    sender = WeightSender(model, args.exchange_address, transport=args.transport)
+    sock = socket.create_connection(tuple(args.controller), timeout=60)
+    sock.settimeout(None)
+    send_frame(sock, encode(TrainerHello(args.rank, args.token, os.getpid())))
+    while True:
+        msg = decode(recv_frame(sock))
+        if isinstance(msg, Stop):
+            break
+        try:
+            report = train_step(model, optimizer, sender, msg, args.rank)
+        except Exception as exc:
+            traceback.print_exc()
+            report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, f"{exc}")
+            send_frame(sock, encode(report))
+            return 1
+        send_frame(sock, encode(report))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

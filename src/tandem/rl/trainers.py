@@ -1,0 +1,120 @@
+"""The demo's trainer ranks as subprocesses, driven over one authenticated msgpack connection
+each. A trainer that dies is noticed while waiting for its report (its socket closes or its
+process exits): the demo stops with an error instead of hanging."""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import select
+import socket
+import subprocess
+import sys
+import time
+
+from tandem.rl.messages import Sample, Stop, TrainBatch, TrainerHello, TrainReport, decode, encode
+from tandem.rl.trainer import ENV, TrainerArgs
+from tandem.wire import PeerGone, recv_frame, send_frame
+
+
+class TrainerError(RuntimeError):
+    """A trainer rank failed or exited."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TrainerGroup:
+    def __init__(self, world_size: int, model_dir: str, exchange_address: str, transport: str,
+                 lr: float, seed: int, start_timeout_s: float = 300.0):  # fmt: skip
+        self._token = secrets.token_hex(16)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        host, port = self._listener.getsockname()[:2]
+        dist_port = _free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        self.procs = []
+        for rank in range(world_size):
+            args = TrainerArgs(rank, world_size, dist_port, model_dir, [host, port], self._token,
+                               exchange_address, transport, lr, seed)  # fmt: skip
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tandem.rl.trainer"], env={**env, ENV: args.to_env()}
+            ))  # fmt: skip
+        self.socks: dict[int, socket.socket] = {}
+        try:
+            self._accept(world_size, time.monotonic() + start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept(self, world_size: int, deadline: float) -> None:
+        self._listener.settimeout(0.5)
+        while len(self.socks) < world_size:
+            self._check_alive()
+            if time.monotonic() > deadline:
+                raise TrainerError("trainer ranks did not connect in time")
+            try:
+                sock, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            sock.settimeout(30)
+            hello = decode(recv_frame(sock))
+            if not isinstance(hello, TrainerHello) or not hmac.compare_digest(
+                hello.token, self._token
+            ):
+                sock.close()
+                continue
+            sock.settimeout(120)
+            self.socks[hello.rank] = sock
+
+    def _check_alive(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            if proc.poll() is not None:
+                raise TrainerError(f"trainer rank {rank} exited with code {proc.returncode}")
+
+    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool = True
+             ) -> list[TrainReport]:  # fmt: skip
+        """Send every rank its share, wait for all reports (each rank pushes after updating)."""
+        for rank, sock in self.socks.items():
+            send_frame(sock, encode(TrainBatch(step, version, update, shares[rank])))
+        reports = [self._report(rank) for rank in sorted(self.socks)]
+        errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
+        if errors:
+            raise TrainerError("; ".join(errors))
+        return reports
+
+    def _report(self, rank: int) -> TrainReport:
+        sock = self.socks[rank]
+        while not select.select([sock], [], [], 0.5)[0]:  # a whole frame is read at once below
+            self._check_alive()
+        try:
+            return decode(recv_frame(sock))
+        except (PeerGone, OSError) as exc:
+            raise TrainerError(f"trainer rank {rank} is gone ({exc})") from None
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            try:
+                send_frame(sock, encode(Stop()))
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for sock in self.socks.values():
+            sock.close()
+        self._listener.close()
+
+    def __enter__(self) -> TrainerGroup:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
