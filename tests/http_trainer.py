@@ -1,23 +1,59 @@
 """A one-process trainer that pushes its weights into a `tandem serve` over HTTP discovery.
 
     python tests/http_trainer.py MODEL_DIR SERVER_URL TRANSPORT [ADMIN_KEY]
+                                 [--mode staged|in_place] [--fault die|corrupt]
 
-The admin key comes from the argument or $TANDEM_ADMIN_KEY.
+The admin key comes from the argument or $TANDEM_ADMIN_KEY. Faults, for the fault-injection
+tests: ``die`` exits (code 17) mid-push — with shm after staging and before telling the engine,
+with dist after sending the first engine rank its boxes; ``corrupt`` flips one staged byte
+after its checksum was taken (shm). Exit codes: 0 pushed, 3 the engine refused the push.
 """
 
+import argparse
+import os
 import sys
 
 import torch
 import transformers
 
-from tandem.exchange import WeightSender
+from tandem.exchange import WeightSender, WeightSyncError
+
+
+class _Faulty(WeightSender):
+    fault: str | None = None
+
+    def _before_ready(self, staged):
+        if self.fault == "die":
+            os._exit(17)
+        if self.fault == "corrupt" and staged is not None:
+            staged[:1] ^= 0xFF
+
+    def _send(self, plan):
+        if self.fault == "die":  # only the first engine rank gets its boxes
+            first = min(item[6] for item in plan.items)
+            plan.items = [item for item in plan.items if item[6] == first]
+        return super()._send(plan)
 
 
 def main() -> int:
-    model_dir, url, transport = sys.argv[1:4]
-    key = sys.argv[4] if len(sys.argv) > 4 else None
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    stats = WeightSender(model, url, transport=transport, admin_key=key).push()
+    p = argparse.ArgumentParser()
+    p.add_argument("model_dir")
+    p.add_argument("url")
+    p.add_argument("transport")
+    p.add_argument("key", nargs="?")
+    p.add_argument("--mode", default="staged")
+    p.add_argument("--fault", choices=["die", "corrupt"])
+    args = p.parse_args()
+    transformers.utils.logging.disable_progress_bar()
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
+    sender = _Faulty(model, args.url, transport=args.transport, mode=args.mode,
+                     admin_key=args.key)  # fmt: skip
+    sender.fault = args.fault
+    try:
+        stats = sender.push()
+    except WeightSyncError as exc:
+        print(f"push refused: {exc}", flush=True)
+        return 3
     print(f"pushed version {stats.version}: {stats.bytes_sent} bytes by {stats.transport}")
     return 0
 

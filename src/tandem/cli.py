@@ -88,12 +88,13 @@ def _serve(args) -> int:
         print(f"node {args.node_rank}/{ec.nnodes}: joining the engine at "
               f"{ec.master_addr}:{ec.master_port}", flush=True)  # fmt: skip
         return run_node(ec, args.node_rank)
+    from tandem.engine.executor import EngineDeadError
     from tandem.server.launch import serve
 
     try:
         return serve(config)
-    except (ModelLoadError, UnsupportedModelError, OSError) as exc:
-        print(f"tandem serve: {exc}", file=sys.stderr)
+    except (ModelLoadError, UnsupportedModelError, EngineDeadError, ValueError, OSError) as exc:
+        print(f"tandem serve: cannot start: {exc}", file=sys.stderr)  # before serving anything
         return 2
 
 

@@ -62,7 +62,8 @@ class LLMEngine:
         self.torn: str | None = None  # a push failed mid-write: refuse to generate
         self.sleeping = False  # KV cache released (`sleep`) until `wake`
         self.lock = threading.RLock()  # one step or one weight update at a time
-        # Called after every push with (version, seconds, error or None): metrics, logs.
+        # The exchange server calls these after every push attempt with (version, seconds,
+        # error or None): metrics, logs.
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
         self._exchange = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
@@ -98,18 +99,9 @@ class LLMEngine:
         then, as after a failure while writing, the engine refuses requests until a complete
         push lands. Steps already in flight (pipeline) finish first; waiting and running
         requests go on with the new weights, and each records the versions it used."""
-        start = time.perf_counter()
-        error = None
-        try:
-            with self.lock:
-                self._drain_in_flight()
-                self._update_weights(update, records_by_rank, checksums)
-        except Exception as exc:
-            error = str(exc)
-            raise
-        finally:
-            for listener in self.update_listeners:
-                listener(update["version"], time.perf_counter() - start, error)
+        with self.lock:
+            self._drain_in_flight()
+            self._update_weights(update, records_by_rank, checksums)
 
     def _update_weights(self, update: dict, records_by_rank: dict[int, list], checksums) -> None:
         if self.dead is not None:

@@ -12,6 +12,7 @@ import hmac
 import secrets
 import socket
 import threading
+import time
 from collections import defaultdict
 from datetime import timedelta
 
@@ -89,6 +90,7 @@ class ExchangeServer:
         hellos = [h for _, h in conns]
         staged: list[str] = []
         version = None
+        start = time.perf_counter()
         try:
             version, plans, records, needed = self._plan(hellos)
             update = {"version": version, "transport": hellos[0].transport,
@@ -145,6 +147,8 @@ class ExchangeServer:
         finally:
             for path in staged:
                 shm.unlink(path)
+        for listener in self.engine.update_listeners:
+            listener(done.version, time.perf_counter() - start, done.error)
         for sock in socks:
             try:
                 send_frame(sock, encode(done))

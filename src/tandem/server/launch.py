@@ -25,11 +25,14 @@ def serve(config: ServeConfig) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
-    sock = socket.create_server((config.host, config.port), reuse_port=False)
+    sock = socket.create_server((config.host, config.port))
     host, port = sock.getsockname()[:2]
-    engine_config = config.engine_config()
     log.info("loading %s (tp=%d, pp=%d)", config.model, config.tp, config.pp)
-    engine = LLMEngine(engine_config)
+    try:
+        engine = LLMEngine(config.engine_config())
+    except BaseException:
+        sock.close()
+        raise
     async_engine = AsyncEngine(engine, config.max_waiting_requests)
     try:
         state = ServerState(config, async_engine, Metrics(async_engine), ChatTemplate(config.model))
