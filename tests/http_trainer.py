@@ -1,7 +1,9 @@
 """A one-process trainer that pushes its weights into a `tandem serve` over HTTP discovery.
 
-    python tests/http_trainer.py MODEL_DIR SERVER_URL TRANSPORT [ADMIN_KEY]
+    python tests/http_trainer.py MODEL_DIR SERVER TRANSPORT [ADMIN_KEY]
                                  [--mode staged|in_place] [--fault die|corrupt]
+
+SERVER is ``http://host:port`` or ``host:port``.
 
 The admin key comes from the argument or $TANDEM_ADMIN_KEY. Faults, for the fault-injection
 tests: ``die`` exits (code 17) mid-push — with shm after staging and before telling the engine,

@@ -1,8 +1,9 @@
 """Where to push: an engine's exchange address, given directly or asked of a `tandem serve`.
 
 A `WeightSender` target may be ``host:port/token`` (an `LLM`'s ``exchange_address``) or a
-server's URL (``http://host:port``): then ``GET /admin/weights`` with the admin key returns
-the exchange endpoint. HTTP only negotiates; the tensor bytes go through the transports.
+server's address (``http://host:port`` or ``host:port``): then ``GET /admin/weights`` with the
+admin key returns the exchange endpoint. HTTP only negotiates; the tensor bytes go through
+the transports.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ class DiscoveryError(RuntimeError):
 
 
 def exchange_address(target: str, admin_key: str | None = None, timeout_s: float = 30.0) -> str:
+    if "/" in target and not target.startswith(("http://", "https://")):
+        return target  # host:port/token
     if not target.startswith(("http://", "https://")):
-        return target
+        target = "http://" + target  # host:port of a server
     url = target.rstrip("/") + "/admin/weights"
     key = admin_key or os.environ.get(ADMIN_KEY_ENV)
     if not key:

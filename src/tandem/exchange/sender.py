@@ -44,7 +44,8 @@ class WeightSender:
 
     ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
     FSDP2/DTensor-sharded. ``target``: an `LLM`, its ``llm.exchange_address``, or the URL of a
-    `tandem serve` (``http://host:port``, with ``admin_key`` or ``$TANDEM_ADMIN_KEY``). With a
+    `tandem serve` (``http://host:port`` or ``host:port``, with ``admin_key`` or
+    ``$TANDEM_ADMIN_KEY``). With a
     multi-rank trainer every rank calls `push` (rank and world default to the torch.distributed
     default group's). ``verify`` sends a CRC32 of every box; the engine rejects the update on
     any mismatch. ``ignore`` names trainer tensors the engine does not have (a value head).
