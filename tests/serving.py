@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -110,3 +111,34 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+TRAINER = str(Path(__file__).with_name("http_trainer.py"))
+# Token-id prompts: tiny models made with different seeds have different tokenizers.
+ID_PROMPTS = [[5, 17, 99, 3], [40, 41, 42]]
+
+
+def greedy(server: Server, max_tokens: int = 6) -> tuple[list[list[int]], dict]:
+    """Greedy token ids for ID_PROMPTS, and the response body."""
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": ID_PROMPTS,
+                                             "max_tokens": max_tokens, "temperature": 0,
+                                             "ignore_eos": True})  # fmt: skip
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])], body
+
+
+def push(server: Server, model_dir: str, transport: str = "shm", *extra: str, key=ADMIN_KEY,
+         url: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run tests/http_trainer.py: a separate trainer process pushing into ``server``."""
+    return subprocess.run([sys.executable, TRAINER, model_dir, url or server.url, transport, key,
+                           *extra], capture_output=True, text=True, timeout=180)  # fmt: skip
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

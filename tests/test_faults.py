@@ -15,17 +15,14 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from serving import ADMIN_KEY, Server, children, wait_for
+from serving import ADMIN_KEY, ID_PROMPTS, Server, alive, children, greedy, push, wait_for
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
-TRAINER = str(Path(__file__).with_name("http_trainer.py"))
-PROMPTS = [[5, 17, 99, 3], [40, 41, 42]]  # token ids: engine and trainer tokenizers differ
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
@@ -57,7 +54,7 @@ def expected(models):
     out = {}
     for name in ("engine", "trainer"):
         with LLM(models[name], kv_cache_memory=8 << 20) as llm:
-            out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+            out[name] = [o.outputs[0].token_ids for o in llm.generate(ID_PROMPTS, GREEDY)]
     return out
 
 
@@ -69,19 +66,8 @@ def server(models):
 
 
 def _greedy(server) -> tuple[list[list[int]], int]:
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": PROMPTS,
-                                             "max_tokens": 6, "temperature": 0,
-                                             "ignore_eos": True})  # fmt: skip
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])], body[
-        "weight_version"
-    ]
-
-
-def _push(server, model_dir, transport="shm", *extra) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TRAINER, model_dir, server.url, transport, ADMIN_KEY,
-                           *extra], capture_output=True, text=True, timeout=180)  # fmt: skip
+    tokens, body = greedy(server)
+    return tokens, body["weight_version"]
 
 
 def _version(server) -> int:
@@ -95,7 +81,7 @@ def _healthy(server) -> bool:
 def _restore(server, models, expected) -> None:
     """A complete push of the trainer's weights: the recovery every scenario must allow."""
     before = _version(server)
-    done = _push(server, models["trainer"])
+    done = push(server, models["trainer"])
     assert done.returncode == 0, done.stdout + done.stderr
     assert wait_for(lambda: _healthy(server), timeout=5)
     tokens, version = _greedy(server)
@@ -116,7 +102,7 @@ def test_trainer_killed_mid_push_keeps_the_old_version(server, models, expected,
 
     t = threading.Thread(target=stream)
     t.start()
-    died = _push(server, models["trainer"], transport, "--fault", "die")
+    died = push(server, models["trainer"], transport, "--fault", "die")
     t.join(timeout=60)
     assert died.returncode == 17, died.stdout + died.stderr
     assert streamed["events"][-1] == "data: [DONE]" and '"finish_reason": "length"' in "".join(
@@ -132,11 +118,11 @@ def test_trainer_killed_mid_push_keeps_the_old_version(server, models, expected,
 def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
     server, models, expected
 ):
-    died = _push(server, models["trainer"], "dist", "--mode", "in_place", "--fault", "die")
+    died = push(server, models["trainer"], "dist", "--mode", "in_place", "--fault", "die")
     assert died.returncode == 17, died.stdout + died.stderr
     assert wait_for(lambda: server.get("/health").status_code == 503, timeout=5)
     assert "incomplete" in server.get("/health").json()["reason"]
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": PROMPTS})
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": ID_PROMPTS})
     assert r.status_code == 503 and "choices" not in r.json()  # no tokens from torn weights
     assert r.json()["error"]["type"] == "service_unavailable"
     _restore(server, models, expected)
@@ -145,7 +131,7 @@ def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
 def test_layout_disagreement_is_refused_before_any_byte_moves(server, models):
     tokens, version = _greedy(server)
     segments = _segments()
-    refused = _push(server, models["other"])  # hidden 96 instead of 64
+    refused = push(server, models["other"])  # hidden 96 instead of 64
     assert refused.returncode == 3, refused.stdout + refused.stderr
     assert "shape" in refused.stdout and "model.embed_tokens.weight" in refused.stdout
     assert _healthy(server) and _greedy(server) == (tokens, version)
@@ -154,7 +140,7 @@ def test_layout_disagreement_is_refused_before_any_byte_moves(server, models):
 
 def test_corrupted_byte_in_transit_is_rejected(server, models, expected):
     tokens, version = _greedy(server)
-    refused = _push(server, models["engine"], "shm", "--fault", "corrupt")
+    refused = push(server, models["engine"], "shm", "--fault", "corrupt")
     assert refused.returncode == 3 and "checksum" in refused.stdout, refused.stdout
     assert _healthy(server) and _greedy(server) == (tokens, version)
     _restore(server, models, expected)
@@ -208,19 +194,11 @@ def test_worker_killed_mid_generation(models):
                                                     "prompt": "x"}).status_code == 503  # fmt: skip
     finally:
         assert server.stop() == 0
-    assert not any(os.path.exists(f"/proc/{w}/status") and _running(w) for w in workers)
+    assert not any(os.path.exists(f"/proc/{w}/status") and alive(w) for w in workers)
     assert wait_for(lambda: _port_free(port), timeout=5)
     with Server(models["engine"], "--tp", "2", "--kv-cache-memory", str(16 << 20)) as again:
         assert again.post("/v1/completions", json={"model": again.model,
                                                    "prompt": "x"}).status_code == 200  # fmt: skip
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("damage", ["truncated weights (disk full)", "missing tokenizer"])

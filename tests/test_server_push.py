@@ -2,34 +2,15 @@
 
 import os
 import signal
-import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import httpx
 import pytest
 
-from serving import ADMIN_KEY, Server, children, wait_for
+from serving import ADMIN_KEY, ID_PROMPTS, Server, alive, children, greedy, push, wait_for
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
-TRAINER = str(Path(__file__).with_name("http_trainer.py"))
-PROMPTS = [[5, 17, 99, 3], [40, 41, 42]]  # token ids: the two models have different tokenizers
-
-
-def _greedy(server) -> tuple[list[list[int]], dict]:
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": PROMPTS,
-                                             "max_tokens": 8, "temperature": 0,
-                                             "ignore_eos": True})  # fmt: skip
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])], body
-
-
-def _push(server, model_dir, transport, key=ADMIN_KEY, url=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, TRAINER, model_dir, url or server.url, transport, key],
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
 def test_push_into_server_then_worker_death_then_sigterm(model_factory):
@@ -37,25 +18,25 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
     trainer_dir = model_factory("llama", seed=1)  # same shapes, other weights
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLM(trainer_dir, kv_cache_memory=16 << 20) as ref:
-        expected = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params)]
+        expected = [o.outputs[0].token_ids for o in ref.generate(ID_PROMPTS, params)]
 
     server = Server(engine_dir, "--tp", "2", "--admin-key", ADMIN_KEY,
                     "--kv-cache-memory", str(16 << 20))  # fmt: skip
     try:
-        before, body = _greedy(server)
+        before, body = greedy(server, 8)
         assert body["weight_version"] == 0 and before != expected
         workers = children(server.proc.pid)
         assert len(workers) == 2
 
-        refused = _push(server, trainer_dir, "shm", key="wrong-key-wrong-key")
+        refused = push(server, trainer_dir, "shm", key="wrong-key-wrong-key")
         assert refused.returncode != 0 and "401" in refused.stderr
 
         for version, transport in ((1, "shm"), (2, "dist")):
-            done = _push(server, trainer_dir, transport, url=server.url.removeprefix("http://")
+            done = push(server, trainer_dir, transport, url=server.url.removeprefix("http://")
                          if transport == "dist" else server.url)  # both spellings  # fmt: skip
             assert done.returncode == 0, done.stdout + done.stderr
             assert f"pushed version {version}" in done.stdout
-            after, body = _greedy(server)
+            after, body = greedy(server, 8)
             assert after == expected  # the trainer's weights are being served
             assert body["weight_version"] == version and body["weight_versions"] == [version]
         assert server.metric("tandem_weight_version") == 2
@@ -73,15 +54,7 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
     assert code == 0, server.output
     assert "tandem serve: stopped" in server.output
     assert wait_for(lambda: not children(server.proc.pid) and not any(
-        os.path.exists(f"/proc/{w}") and _alive(w) for w in workers), timeout=10)  # fmt: skip
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+        os.path.exists(f"/proc/{w}") and alive(w) for w in workers), timeout=10)  # fmt: skip
 
 
 def test_sigterm_cancels_in_flight_requests_with_a_clear_status(model_factory, tmp_path):
@@ -114,4 +87,4 @@ def test_sigterm_cancels_in_flight_requests_with_a_clear_status(model_factory, t
     assert events[-1] == "data: [DONE]"
     # the grace period (1 s) ends before the 500 tokens: a clear status, not a dropped connection
     assert "the server is shutting down" in events[-2], events[-2]
-    assert not any(_alive(w) for w in workers)
+    assert not any(alive(w) for w in workers)
