@@ -3,22 +3,33 @@ payloads smuggled to every port of a running server), shared-memory segments are
 unguessable names, everything binds loopback by default, and /admin needs the admin key."""
 
 import ast
+import fcntl
+import hmac
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgpack
 import pytest
+from starlette.requests import Request
 
 from serving import ADMIN_KEY, Server, children
+from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, connect
 from tandem.engine.messages import Hello
 from tandem.exchange.protocol import PushDone, decode
+from tandem.exchange.transports import shm
+from tandem.server import state as server_state
+from tandem.server.admin import _admin_key
+from tandem.server.config import ServeConfig
+from tandem.server.errors import APIError
 from tandem.wire import frame
 
 pytestmark = pytest.mark.timeout(300)
@@ -242,3 +253,108 @@ def test_control_server_drops_strangers_and_accepts_its_worker():
         for sock in worker:
             sock.close()
         server.close()
+
+
+# -- (c) shared-memory segments: owner-only, unguessable, never an existing file ---------------
+
+
+def test_shm_segments_are_owner_only_with_unguessable_names():
+    names = {shm.new_name() for _ in range(1000)}
+    assert len(names) == 1000
+    for name in names:
+        secret = name.removeprefix("tandem-")
+        assert len(secret) >= 32 and int(secret, 16) >= 0  # >= 128 random bits, hex
+    old = os.umask(0)  # the mode must not depend on the umask
+    try:
+        segment = shm.ShmSegment.create(4096)
+    finally:
+        os.umask(old)
+    try:
+        assert segment.path.parent == shm.SHM_DIR
+        assert segment.path.stat().st_mode & 0o777 == 0o600
+        assert segment.path.stat().st_uid == os.getuid()
+        with pytest.raises(FileExistsError):  # a planted file is never adopted
+            shm.ShmSegment.create(4096, name=segment.path.name)
+    finally:
+        segment.close()
+        segment.unlink()
+    for path in ("/etc/passwd", "/dev/shm/not-ours", "/dev/shm/tandem-x/../../etc/passwd"):
+        with pytest.raises(ValueError):  # a peer-supplied path cannot reach other files
+            shm.unlink(path)
+        with pytest.raises(ValueError):
+            shm.ShmSegment.open(path, 1)
+
+
+# -- (d) loopback by default ----------------------------------------------------------------
+
+
+def non_loopback_ipv4() -> str | None:
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
+def test_everything_binds_loopback_by_default(server):
+    assert ServeConfig.model_fields["host"].default == "127.0.0.1"
+    assert EngineConfig.model_fields["exchange_host"].default == "127.0.0.1"
+    assert EngineConfig.model_fields["master_addr"].default == "127.0.0.1"
+    server.admin("GET", "/admin/weights")  # the exchange server is listening now
+    bound = listening([server.proc.pid, *children(server.proc.pid)])
+    assert len(bound) == 2 and all(addr == "127.0.0.1" for addr, _ in bound), bound
+    addr = non_loopback_ipv4()
+    if addr is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    for _, port in bound:
+        with pytest.raises(OSError):
+            socket.create_connection((addr, port), timeout=5).close()
+
+
+# -- (e) admin routes ---------------------------------------------------------------------------
+
+
+def test_admin_routes_need_the_admin_key(server):
+    wrong = [
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": ADMIN_KEY},
+        {"Authorization": f"Bearer {ADMIN_KEY[:-1]}"},
+        {"Authorization": f"Basic {ADMIN_KEY}"},
+    ]
+    for method, path in (("GET", "/admin/weights"), ("POST", "/admin/sleep"),
+                         ("POST", "/admin/wake")):  # fmt: skip
+        for headers in wrong:
+            r = server.client.request(method, path, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert server.get("/health").json()["sleeping"] is False
+
+
+def _request(admin_key: str | None, authorization: str | None = None) -> Request:
+    config = ServeConfig(model="m", admin_key=admin_key)
+    app = SimpleNamespace(state=SimpleNamespace(tandem=SimpleNamespace(config=config)))
+    headers = [(b"authorization", authorization.encode())] if authorization else []
+    return Request({"type": "http", "app": app, "headers": headers})
+
+
+def test_admin_disabled_is_403_and_the_key_is_compared_in_constant_time(monkeypatch):
+    with pytest.raises(APIError) as denied:
+        _admin_key(_request(None, f"Bearer {ADMIN_KEY}"))
+    assert denied.value.status == 403
+    compared = []
+
+    def spy(a, b):
+        compared.append((a, b))
+        return hmac.compare_digest(a, b)
+
+    monkeypatch.setattr(server_state, "hmac", SimpleNamespace(compare_digest=spy))
+    _admin_key(_request(ADMIN_KEY, f"Bearer {ADMIN_KEY}"))
+    with pytest.raises(APIError) as wrong:
+        _admin_key(_request(ADMIN_KEY, "Bearer x" + ADMIN_KEY))
+    assert wrong.value.status == 401 and len(compared) == 2
