@@ -3,6 +3,7 @@ payloads, never pickle). A closed connection surfaces as `PeerGone` at once."""
 
 from __future__ import annotations
 
+import hmac
 import socket
 import struct
 
@@ -12,6 +13,12 @@ MAX_FRAME = 1 << 30
 
 class PeerGone(ConnectionError):
     """The other end closed the connection (its process exited or crashed)."""
+
+
+def same_token(given, expected: str) -> bool:
+    """Whether a peer's first frame carried our secret: constant time, and never raises (the
+    peer may be anyone, ``given`` any msgpack value)."""
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
 def frame(data: bytes) -> bytes:

@@ -4,13 +4,12 @@ means the worker is gone, which the engine notices at once."""
 
 from __future__ import annotations
 
-import hmac
 import selectors
 import socket
 import time
 
 from tandem.engine.messages import Failure, Hello, Message, decode, encode
-from tandem.wire import PeerGone, frame, recv_frame, send_frame
+from tandem.wire import PeerGone, frame, recv_frame, same_token, send_frame
 
 __all__ = ["ControlServer", "PeerGone", "connect", "recv", "send"]
 
@@ -58,10 +57,10 @@ class ControlServer:
             sock.settimeout(10.0)
             try:
                 hello = recv(sock)
-            except (OSError, ValueError, PeerGone):
+            except (OSError, ValueError, TypeError, KeyError, PeerGone):  # not a worker's frame
                 sock.close()
                 continue
-            if not isinstance(hello, Hello) or not hmac.compare_digest(hello.token, self.token):
+            if not (isinstance(hello, Hello) and same_token(hello.token, self.token)):
                 sock.close()  # not one of ours
                 continue
             sock.settimeout(None)

@@ -8,7 +8,6 @@ push; the old weights keep serving.
 
 from __future__ import annotations
 
-import hmac
 import secrets
 import socket
 import threading
@@ -26,7 +25,7 @@ from tandem.exchange.receiver import Record, WeightSyncError
 from tandem.exchange.transports import shm
 from tandem.exchange.transports.dist import DEFAULT_BUCKET_BYTES, GroupInfo
 from tandem.exchange.transports.shm import SHM_DIR
-from tandem.wire import PeerGone, recv_frame, send_frame
+from tandem.wire import PeerGone, recv_frame, same_token, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
 
@@ -80,8 +79,12 @@ class ExchangeServer:
         except (OSError, ValueError, PeerGone):
             sock.close()
             return None
-        if not isinstance(hello, PushHello) or not hmac.compare_digest(hello.token, self.token):
+        if not (isinstance(hello, PushHello) and same_token(hello.token, self.token)):
             sock.close()  # not a trainer of ours
+            return None
+        if not (isinstance(hello.rank, int) and isinstance(hello.world, int)
+                and 0 <= hello.rank < hello.world):  # fmt: skip
+            sock.close()
             return None
         return hello
 

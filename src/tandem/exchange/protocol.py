@@ -62,7 +62,13 @@ def encode(msg) -> bytes:
 
 
 def decode(data: bytes):
-    kind, *body = msgpack.unpackb(data)
-    if kind not in _KINDS:
-        raise ValueError(f"unknown exchange message {kind!r}")
-    return _KINDS[kind](*body)
+    """The message in ``data``; ValueError for anything else (the peer may be anyone)."""
+    try:
+        kind, *body = msgpack.unpackb(data)
+        cls = _KINDS[kind]
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException):
+        raise ValueError(f"not an exchange message: {data[:40]!r}") from None
+    try:
+        return cls(*body)
+    except TypeError as exc:
+        raise ValueError(f"malformed {kind} message: {exc}") from None

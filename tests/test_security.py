@@ -1,0 +1,360 @@
+"""Security: nothing in tandem unpickles what another process can write (a code scan, and pickle
+payloads smuggled to every port of a running server), shared-memory segments are owner-only with
+unguessable names, everything binds loopback by default, and /admin needs the admin key."""
+
+import ast
+import fcntl
+import hmac
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+from starlette.requests import Request
+
+from serving import ADMIN_KEY, Server, children
+from tandem.config import EngineConfig
+from tandem.engine.control import ControlServer, connect
+from tandem.engine.messages import Hello
+from tandem.exchange.protocol import PushDone, decode
+from tandem.exchange.transports import shm
+from tandem.server import state as server_state
+from tandem.server.admin import _admin_key
+from tandem.server.config import ServeConfig
+from tandem.server.errors import APIError
+from tandem.wire import frame
+
+pytestmark = pytest.mark.timeout(300)
+SRC = Path(__file__).resolve().parents[1] / "src" / "tandem"
+TESTS = Path(__file__).resolve().parent
+
+# -- (a) no unsafe deserialisation or code execution in the package ----------------------------
+
+PICKLERS = {"pickle", "cPickle", "_pickle", "cloudpickle", "dill", "marshal", "shelve"}
+
+
+def unsafe_code(source: str, filename: str = "<src>") -> list[str]:
+    """Every pickle-family import, `torch.load` without ``weights_only=True``, `numpy.load`
+    with ``allow_pickle``, eval/exec, and shell command lines in ``source``."""
+    tree = ast.parse(source, filename)
+    names: dict[str, str] = {}  # local name -> what it was imported as
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                names[a.asname or a.name.split(".")[0]] = (
+                    a.name if a.asname else a.name.split(".")[0]
+                )
+                if a.name.split(".")[0] in PICKLERS:
+                    found.append(f"{filename}:{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom):
+            for a in node.names:
+                names[a.asname or a.name] = f"{node.module}.{a.name}"
+            if (node.module or "").split(".")[0] in PICKLERS or PICKLERS & {
+                a.name for a in node.names
+            }:
+                found.append(f"{filename}:{node.lineno}: from {node.module} import ...")
+
+    def dotted(node) -> str | None:
+        if isinstance(node, ast.Name):
+            return names.get(node.id, node.id)
+        if isinstance(node, ast.Attribute) and (base := dotted(node.value)):
+            return f"{base}.{node.attr}"
+        return None
+
+    def keyword(call: ast.Call, name: str):
+        kw = next((k for k in call.keywords if k.arg == name), None)
+        return None if kw is None else kw.value.value if isinstance(kw.value, ast.Constant) else ...
+
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or (func := dotted(node.func)) is None:
+            continue
+        bad = (
+            (func == "torch.load" and keyword(node, "weights_only") is not True)
+            or (func in ("numpy.load", "numpy.lib.npyio.load") and keyword(node, "allow_pickle"))
+            or func in ("eval", "exec", "builtins.eval", "builtins.exec", "os.system", "os.popen")
+            or (func.startswith("subprocess.") and keyword(node, "shell") not in (None, False))
+        )
+        if bad:
+            found.append(f"{filename}:{node.lineno}: {func}(...)")
+    return found
+
+
+def test_package_never_unpickles_or_evaluates():
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) > 20
+    found = [f for path in files for f in unsafe_code(path.read_text(), str(path.relative_to(SRC)))]
+    assert not found, "unsafe code:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import pickle", "import dill as d", "from marshal import loads", "from shelve import open",
+    "import torch\ntorch.load(f)", "import torch\ntorch.load(f, weights_only=False)",
+    "from torch import load\nload(f)", "import torch as t\nt.load(f, **kw)",
+    "import numpy as np\nnp.load(f, allow_pickle=True)", "eval('1')", "exec(code)",
+    "import subprocess\nsubprocess.run('ls', shell=True)", "import os\nos.system('ls')",
+])  # fmt: skip
+def test_scan_catches(snippet):
+    assert unsafe_code(snippet)
+
+
+@pytest.mark.parametrize("snippet", [
+    "model.eval()", "import torch\ntorch.load(f, weights_only=True)",
+    "import numpy as np\nnp.load(f)", "import subprocess\nsubprocess.run(['ls'], shell=False)",
+])  # fmt: skip
+def test_scan_allows(snippet):
+    assert not unsafe_code(snippet)
+
+
+# -- (b) pickle payloads smuggled to every port of a running server ----------------------------
+
+
+class _CreatesFile:
+    """Unpickling this creates ``path``: the proof that someone unpickled it."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.fixture(scope="module")
+def server(model_factory):
+    model = model_factory("llama", max_position_embeddings=128)
+    with Server(model, "--admin-key", ADMIN_KEY) as s:
+        s.model_dir = model  # what a trainer pushes back
+        yield s
+
+
+def listening(pids: list[int]) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in these processes (from /proc)."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                hexaddr, hexport = fields[1].split(":")
+                raw = bytes.fromhex(hexaddr)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(hexport, 16)))
+    return found
+
+
+def send_raw(host: str, port: int, data: bytes) -> bytes:
+    """Send ``data``, close our side, return whatever comes back before the peer closes."""
+    reply = b""
+    with socket.create_connection((host, port), timeout=30) as sock:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except (ConnectionResetError, BrokenPipeError, OSError) as exc:
+            if isinstance(exc, TimeoutError):
+                raise
+    return reply  # the peer closed: it read no further
+
+
+def test_pickle_payloads_are_never_unpickled(server, tmp_path):
+    marker = tmp_path / "unpickled"
+    payloads = [pickle.dumps(_CreatesFile(str(marker)), protocol=p) for p in (0, 2, 5)]
+    pickle.loads(payloads[0])  # the payload is live: unpickling it does create the file
+    assert marker.exists()
+    marker.unlink()
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for payload in payloads:
+        for ctype in ("application/octet-stream", "application/python-pickle", "application/json"):
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                r = server.post(path, content=payload, headers={"content-type": ctype})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
+        for method, path in (("GET", "/admin/weights"), ("POST", "/admin/sleep"),
+                             ("POST", "/admin/wake")):  # fmt: skip
+            r = server.client.request(method, path, content=payload, headers=admin)
+            assert r.status_code < 500, r.text
+    ex = server.admin("GET", "/admin/weights").json()["exchange"]
+    pids = [server.proc.pid, *children(server.proc.pid)]
+    ports = {port for _, port in listening(pids)} - {int(server.url.rsplit(":", 1)[1])}
+    assert ex["port"] in ports  # worker control listeners close once every rank has connected
+    for port in ports:
+        for payload in payloads:
+            send_raw("127.0.0.1", port, payload)
+            send_raw("127.0.0.1", port, frame(payload))
+    # A hello with the right token but a pickle for a layout: the push fails, nothing unpickled
+    hello = ["hello", ex["token"], 0, 1, None, payloads[2], [], "shm", "staged", False]
+    reply = send_raw(ex["host"], ex["port"], frame(msgpack.packb(hello)))
+    done = decode(reply[4:])
+    assert isinstance(done, PushDone) and done.error, done
+    assert not marker.exists()
+    assert server.get("/health").json()["status"] == "ok"
+    legitimate_push_still_works(server, version=1)
+
+
+MALFORMED = [  # each used to kill the exchange server's thread: later pushes hung
+    msgpack.packb(1), msgpack.packb([]), msgpack.packb(["hello"]), msgpack.packb([[1], 2]),
+    msgpack.packb(["hello", 5, 0, 1, None, [], [], "shm", "staged", False]),  # int token
+    msgpack.packb(["hello", "ключ", 0, 1, None, [], [], "shm", "staged", False]),
+    msgpack.packb({"hello": 1}), b"\xc1", b"",
+]  # fmt: skip
+
+
+def test_malformed_frames_do_not_stop_the_exchange_server(server):
+    ex = server.admin("GET", "/admin/weights").json()["exchange"]
+    for data in MALFORMED:
+        assert send_raw(ex["host"], ex["port"], frame(data)) == b""  # dropped, no reply
+    bad_rank = ["hello", ex["token"], [0], 1, None, [], [], "shm", "staged", False]
+    assert send_raw(ex["host"], ex["port"], frame(msgpack.packb(bad_rank))) == b""
+    version = server.admin("GET", "/admin/weights").json()["version"]
+    legitimate_push_still_works(server, version=version + 1)
+
+
+def legitimate_push_still_works(server, version: int) -> None:
+    cmd = [sys.executable, str(TESTS / "http_trainer.py"), server.model_dir, server.url, "shm",
+           ADMIN_KEY]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert server.admin("GET", "/admin/weights").json()["version"] == version
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["weight_version"] == version, r.text
+
+
+def test_control_server_drops_strangers_and_accepts_its_worker():
+    server = ControlServer("127.0.0.1", "control-token", world_size=1)
+    host, port = server.address
+    worker = []
+
+    def strangers_then_worker():
+        for data in [*MALFORMED, pickle.dumps(_CreatesFile("/nonexistent/x"))]:
+            send_raw(host, port, frame(data))
+        worker.append(connect(host, port, Hello(0, "control-token", os.getpid())))
+
+    thread = threading.Thread(target=strangers_then_worker, daemon=True)
+    thread.start()
+    try:
+        server.accept_all(time.monotonic() + 60, check_alive=lambda: None)
+        assert list(server.peers) == [0]
+    finally:
+        thread.join(60)
+        for sock in worker:
+            sock.close()
+        server.close()
+
+
+# -- (c) shared-memory segments: owner-only, unguessable, never an existing file ---------------
+
+
+def test_shm_segments_are_owner_only_with_unguessable_names():
+    names = {shm.new_name() for _ in range(1000)}
+    assert len(names) == 1000
+    for name in names:
+        secret = name.removeprefix("tandem-")
+        assert len(secret) >= 32 and int(secret, 16) >= 0  # >= 128 random bits, hex
+    old = os.umask(0)  # the mode must not depend on the umask
+    try:
+        segment = shm.ShmSegment.create(4096)
+    finally:
+        os.umask(old)
+    try:
+        assert segment.path.parent == shm.SHM_DIR
+        assert segment.path.stat().st_mode & 0o777 == 0o600
+        assert segment.path.stat().st_uid == os.getuid()
+        with pytest.raises(FileExistsError):  # a planted file is never adopted
+            shm.ShmSegment.create(4096, name=segment.path.name)
+    finally:
+        segment.close()
+        segment.unlink()
+    for path in ("/etc/passwd", "/dev/shm/not-ours", "/dev/shm/tandem-x/../../etc/passwd"):
+        with pytest.raises(ValueError):  # a peer-supplied path cannot reach other files
+            shm.unlink(path)
+        with pytest.raises(ValueError):
+            shm.ShmSegment.open(path, 1)
+
+
+# -- (d) loopback by default ----------------------------------------------------------------
+
+
+def non_loopback_ipv4() -> str | None:
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                req = struct.pack("256s", name.encode()[:15])
+                addr = socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])  # SIOCGIFADDR
+            except OSError:
+                continue
+        if not addr.startswith("127."):
+            return addr
+    return None
+
+
+def test_everything_binds_loopback_by_default(server):
+    assert ServeConfig.model_fields["host"].default == "127.0.0.1"
+    assert EngineConfig.model_fields["exchange_host"].default == "127.0.0.1"
+    assert EngineConfig.model_fields["master_addr"].default == "127.0.0.1"
+    server.admin("GET", "/admin/weights")  # the exchange server is listening now
+    bound = listening([server.proc.pid, *children(server.proc.pid)])
+    assert len(bound) == 2 and all(addr == "127.0.0.1" for addr, _ in bound), bound
+    addr = non_loopback_ipv4()
+    if addr is None:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    for _, port in bound:
+        with pytest.raises(OSError):
+            socket.create_connection((addr, port), timeout=5).close()
+
+
+# -- (e) admin routes ---------------------------------------------------------------------------
+
+
+def test_admin_routes_need_the_admin_key(server):
+    wrong = [
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": ADMIN_KEY},
+        {"Authorization": f"Bearer {ADMIN_KEY[:-1]}"},
+        {"Authorization": f"Basic {ADMIN_KEY}"},
+    ]
+    for method, path in (("GET", "/admin/weights"), ("POST", "/admin/sleep"),
+                         ("POST", "/admin/wake")):  # fmt: skip
+        for headers in wrong:
+            r = server.client.request(method, path, headers=headers)
+            assert r.status_code == 401, (path, headers, r.text)
+            assert r.json()["error"]["type"] == "authentication_error"
+    assert server.get("/health").json()["sleeping"] is False
+
+
+def _request(admin_key: str | None, authorization: str | None = None) -> Request:
+    config = ServeConfig(model="m", admin_key=admin_key)
+    app = SimpleNamespace(state=SimpleNamespace(tandem=SimpleNamespace(config=config)))
+    headers = [(b"authorization", authorization.encode())] if authorization else []
+    return Request({"type": "http", "app": app, "headers": headers})
+
+
+def test_admin_disabled_is_403_and_the_key_is_compared_in_constant_time(monkeypatch):
+    with pytest.raises(APIError) as denied:
+        _admin_key(_request(None, f"Bearer {ADMIN_KEY}"))
+    assert denied.value.status == 403
+    compared = []
+
+    def spy(a, b):
+        compared.append((a, b))
+        return hmac.compare_digest(a, b)
+
+    monkeypatch.setattr(server_state, "hmac", SimpleNamespace(compare_digest=spy))
+    _admin_key(_request(ADMIN_KEY, f"Bearer {ADMIN_KEY}"))
+    with pytest.raises(APIError) as wrong:
+        _admin_key(_request(ADMIN_KEY, "Bearer x" + ADMIN_KEY))
+    assert wrong.value.status == 401 and len(compared) == 2
