@@ -109,8 +109,8 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         result["sweep"].append(_step(servers, requests, None, setup.burst_runs))
         result["peak_rss_bytes"] = {mode: s.peak_rss_bytes() for mode, s in servers.items()}
     finally:
-        for server in servers.values():
-            server.stop()
+        exit_codes = {mode: server.stop() for mode, server in servers.items()}
+    result["exit_codes"] = exit_codes  # 0: stopped cleanly on SIGTERM
     result["seconds"] = round(time.perf_counter() - started, 2)
     result["ratios"] = {"continuous_vs_fifo": result["sweep"][-1]["continuous_vs_fifo"]}
     return result

@@ -58,8 +58,8 @@ class ServerProcess:
         match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
         return int(match.group(1)) * 1024 if match else None
 
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM, wait up to ``grace_s``, then SIGKILL."""
+    def stop(self, grace_s: float = 20.0) -> int:
+        """SIGTERM, wait up to ``grace_s``, then SIGKILL; returns the exit code (0: clean)."""
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
             try:
@@ -67,6 +67,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
+        return self._proc.returncode
 
     def __enter__(self) -> ServerProcess:
         return self
