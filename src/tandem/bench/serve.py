@@ -83,7 +83,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "cpus": os.cpu_count(),
-        },  # fmt: skip
+        },
         "workload": {
             "requests": setup.requests,
             "prompt_tokens_range": list(setup.prompt_tokens),
@@ -102,8 +102,9 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         for mode in MODES:
             servers[mode] = ServerProcess(path, [*flags, "--batching", mode])
         warmup = [LoadRequest(r.prompt, min(r.max_tokens, 4)) for r in requests]
-        for server in servers.values():
-            _load(server, warmup[: setup.max_num_seqs], None)
+        for mode, server in servers.items():
+            if (warm := _load(server, warmup[: setup.max_num_seqs], None))["failed"]:
+                raise RuntimeError(f"the {mode} server failed its warm-up: {warm['errors']}")
         result["start_seconds"] = round(time.perf_counter() - started, 2)
         result["sweep"] = [_step(servers, requests, rate, 1) for rate in setup.rates_rps]
         result["sweep"].append(_step(servers, requests, None, setup.burst_runs))
@@ -130,9 +131,8 @@ def _step(
     for mode, found in figures.items():
         entry[mode] = max(found, key=lambda m: m["tokens_per_s"])
         entry[mode]["tokens_per_s_runs"] = [m["tokens_per_s"] for m in found]
-    entry["continuous_vs_fifo"] = round(
-        entry["continuous"]["tokens_per_s"] / entry["static"]["tokens_per_s"], 3
-    )
+    continuous, static = entry["continuous"]["tokens_per_s"], entry["static"]["tokens_per_s"]
+    entry["continuous_vs_fifo"] = round(continuous / static, 3) if static else None  # all failed
     return entry
 
 
@@ -189,7 +189,8 @@ def summary(result: dict[str, Any]) -> str:
                 f"{m['requests_per_s']:>6.2f} {_pair(m, 'ttft'):>15} "
                 f"{_pair(m, 'latency'):>18} {m['completed']:>5}/{m['failed']}"
             )
-    lines.append(f"continuous_vs_fifo (burst): {result['ratios']['continuous_vs_fifo']:.2f}x")
+    ratio = result["ratios"]["continuous_vs_fifo"]
+    lines.append(f"continuous_vs_fifo (burst): {'-' if ratio is None else f'{ratio:.2f}x'}")
     return "\n".join(lines)
 
 
