@@ -117,8 +117,12 @@ def _bench(args) -> int:
             print(summary(result))
             return 0
     else:
-        print(f"tandem bench {args.what}: not available yet", file=sys.stderr)
-        return 2
+        from tandem.bench.serve import run, summary
+
+        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+        if not args.json:
+            print(summary(result))
+            return 0
     print(json.dumps(result, indent=2) if args.json else _summary(result))
     return 0
 

@@ -1,0 +1,199 @@
+"""`tandem bench serve`: a real `tandem serve` under Poisson load, continuous vs static batching.
+
+Two servers run the same random-init Llama (the generate benchmark's model, float32, CPU) with
+the same ``max_num_seqs``: one with continuous (iteration-level) batching, one with
+``--batching static`` (a batch runs until all its requests finish, then the next is admitted:
+Energon-AI's FIFO baseline). Both are started once and warmed up; then for each arrival rate the
+same requests go to one server, then the other (so a noisy moment on the machine hits both
+alike). Requests are streamed completions with random token-id prompts (never EOS),
+``ignore_eos`` and temperature 0, so each yields exactly its ``max_tokens``; their prompt and
+output lengths come from a fixed seed and are the same at every rate. The last step of the
+sweep is a burst (all requests sent at once), run ``burst_runs`` times per mode, the modes
+alternating, the best run of each counting: that is what ``ratios.continuous_vs_fifo`` calls
+saturation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from tandem.bench.generate import FULL_MODEL, QUICK_MODEL
+from tandem.bench.serve_load import LoadRequest, poisson_offsets, run_load, summarize
+from tandem.bench.serve_process import ServerProcess
+from tandem.models.tiny import make_tiny_model
+
+MODES = ("continuous", "static")
+SERVED_NAME = "tandem-bench"
+WORKLOAD_SEED = 0
+ARRIVAL_SEED = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Setup:
+    model_dir: str
+    overrides: dict[str, Any]
+    vocab: int
+    requests: int
+    prompt_tokens: tuple[int, int]  # uniform, inclusive
+    max_tokens: tuple[int, int]
+    rates_rps: tuple[float, ...]  # Poisson rates swept before the burst, one run each
+    burst_runs: int  # per mode; the best counts
+    max_num_seqs: int
+
+
+SETUPS = {
+    False: Setup(".tandem/bench-llama-30m", FULL_MODEL, 8192, 64, (8, 256), (16, 128),
+                 (1.0, 2.0, 4.0), 3, 16),
+    True: Setup(".tandem/bench-llama-quick", QUICK_MODEL, 1024, 16, (8, 64), (4, 32),
+                (8.0,), 2, 4),
+}  # fmt: skip
+
+
+def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    """Build (or reuse) the model, start both servers, sweep the rates, return the figures."""
+    setup = SETUPS[quick]
+    path = Path(setup.model_dir)
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
+    config = json.loads((path / "config.json").read_text())
+    requests = _workload(setup, path, config["vocab_size"])
+    kv_bytes = _kv_bytes(config, setup)
+    flags = ["--served-model-name", SERVED_NAME, "--max-num-seqs", str(setup.max_num_seqs),
+             "--kv-cache-memory", str(kv_bytes), "--max-waiting-requests",
+             str(2 * setup.requests), "--tp", str(tp), "--pp", str(pp),
+             "--log-level", "warning"]  # fmt: skip
+    result: dict[str, Any] = {
+        "benchmark": "serve",
+        "quick": quick,
+        "model": _model_card(path, config),
+        "server": {
+            "max_num_seqs": setup.max_num_seqs,
+            "kv_cache_memory": kv_bytes,
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "cpus": os.cpu_count(),
+        },
+        "workload": {
+            "requests": setup.requests,
+            "prompt_tokens_range": list(setup.prompt_tokens),
+            "max_tokens_range": list(setup.max_tokens),
+            "prompt_tokens": sum(len(r.prompt) for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests),
+            "seed": WORKLOAD_SEED,
+            "arrival_seed": ARRIVAL_SEED,
+        },
+        "rates_rps": list(setup.rates_rps),
+        "saturation": f"burst: all requests sent at once, best of {setup.burst_runs} per mode",
+    }
+    started = time.perf_counter()
+    servers: dict[str, ServerProcess] = {}
+    try:
+        for mode in MODES:
+            servers[mode] = ServerProcess(path, [*flags, "--batching", mode])
+        warmup = [LoadRequest(r.prompt, min(r.max_tokens, 4)) for r in requests]
+        for mode, server in servers.items():
+            if (warm := _load(server, warmup[: setup.max_num_seqs], None))["failed"]:
+                raise RuntimeError(f"the {mode} server failed its warm-up: {warm['errors']}")
+        result["start_seconds"] = round(time.perf_counter() - started, 2)
+        result["sweep"] = [_step(servers, requests, rate, 1) for rate in setup.rates_rps]
+        result["sweep"].append(_step(servers, requests, None, setup.burst_runs))
+        result["peak_rss_bytes"] = {mode: s.peak_rss_bytes() for mode, s in servers.items()}
+    finally:
+        exit_codes = {mode: server.stop() for mode, server in servers.items()}
+    result["exit_codes"] = exit_codes  # 0: stopped cleanly on SIGTERM
+    result["seconds"] = round(time.perf_counter() - started, 2)
+    result["ratios"] = {"continuous_vs_fifo": result["sweep"][-1]["continuous_vs_fifo"]}
+    return result
+
+
+def _step(
+    servers: dict[str, ServerProcess], requests: list[LoadRequest], rate: float | None, runs: int
+) -> dict[str, Any]:
+    """``runs`` runs per mode, the modes alternating; the best run (tokens/s) of each counts."""
+    entry: dict[str, Any] = {"arrivals": "burst" if rate is None else "poisson", "rate_rps": rate}
+    figures: dict[str, list[dict[str, Any]]] = {mode: [] for mode in servers}
+    for _ in range(runs):
+        for mode, server in servers.items():
+            figures[mode].append(_load(server, requests, rate))
+            print(f"bench serve: {_label(rate)} {mode}: {figures[mode][-1]['tokens_per_s']} tok/s",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    for mode, found in figures.items():
+        entry[mode] = max(found, key=lambda m: m["tokens_per_s"])
+        entry[mode]["tokens_per_s_runs"] = [m["tokens_per_s"] for m in found]
+    continuous, static = entry["continuous"]["tokens_per_s"], entry["static"]["tokens_per_s"]
+    entry["continuous_vs_fifo"] = round(continuous / static, 3) if static else None  # all failed
+    return entry
+
+
+def _load(server: ServerProcess, requests: list[LoadRequest], rate: float | None) -> dict:
+    offsets = poisson_offsets(len(requests), rate, ARRIVAL_SEED)
+    results, seconds = asyncio.run(run_load(server.url, SERVED_NAME, requests, offsets))
+    return summarize(results, seconds)
+
+
+def _workload(setup: Setup, path: Path, vocab: int) -> list[LoadRequest]:
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    eos_ids = {eos} if isinstance(eos, int) else set(eos)
+    allowed = [t for t in range(vocab) if t not in eos_ids]
+    rng = random.Random(WORKLOAD_SEED)
+    out = []
+    for _ in range(setup.requests):
+        prompt = rng.choices(allowed, k=rng.randint(*setup.prompt_tokens))
+        out.append(LoadRequest(prompt, rng.randint(*setup.max_tokens)))
+    return out
+
+
+def _kv_bytes(config: dict[str, Any], setup: Setup) -> int:
+    """Room for max_num_seqs of the longest requests (no preemption in either mode)."""
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    tokens = setup.max_num_seqs * (setup.prompt_tokens[1] + setup.max_tokens[1] + 32)
+    return per_token * tokens
+
+
+def _model_card(path: Path, config: dict[str, Any]) -> dict[str, Any]:
+    params = 0
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return {"params": params, "hidden": config["hidden_size"],
+            "layers": config["num_hidden_layers"], "heads": config["num_attention_heads"],
+            "kv_heads": config["num_key_value_heads"], "vocab": config["vocab_size"],
+            "dtype": "float32"}  # fmt: skip
+
+
+def _label(rate: float | None) -> str:
+    return "burst" if rate is None else f"{rate:g} req/s"
+
+
+def summary(result: dict[str, Any]) -> str:
+    """One line per rate and mode, then the ratio."""
+    lines = [f"{'arrivals':>10} {'mode':>10} {'tok/s':>8} {'req/s':>6} {'ttft p50/p99 s':>15} "
+             f"{'latency p50/p99 s':>18} {'ok/failed':>9}"]  # fmt: skip
+    for entry in result["sweep"]:
+        for mode in MODES:
+            m = entry[mode]
+            lines.append(
+                f"{_label(entry['rate_rps']):>10} {mode:>10} {m['tokens_per_s']:>8.1f} "
+                f"{m['requests_per_s']:>6.2f} {_pair(m, 'ttft'):>15} "
+                f"{_pair(m, 'latency'):>18} {m['completed']:>5}/{m['failed']}"
+            )
+    ratio = result["ratios"]["continuous_vs_fifo"]
+    lines.append(f"continuous_vs_fifo (burst): {'-' if ratio is None else f'{ratio:.2f}x'}")
+    return "\n".join(lines)
+
+
+def _pair(m: dict[str, Any], key: str) -> str:
+    lo, hi = m[f"{key}_p50_s"], m[f"{key}_p99_s"]
+    return "-" if lo is None else f"{lo:.2f}/{hi:.2f}"
