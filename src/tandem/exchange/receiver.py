@@ -7,13 +7,13 @@ leaves the old weights serving.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tandem.dtypes import DTYPES
+from tandem.exchange.checksum import crc32, tensor_crc32
 from tandem.exchange.transports.shm import ShmSegment
 
 
@@ -34,7 +34,7 @@ class Record:
     slices: tuple[tuple[int, int], ...]
     box_shape: tuple[int, ...]
     transposed: bool
-    crc: int | None  # zlib.crc32 of the bytes as sent; None: not verified
+    crc: int | None  # CRC32 of the bytes as sent (`tandem.exchange.checksum`); None: unverified
 
     def to_wire(self) -> list:
         return [self.segment, self.offset, self.nbytes, self.key, self.slices, self.box_shape,
@@ -90,7 +90,7 @@ def verify_records(model: nn.Module, segments: list, dtype: str, records: list[R
 
 
 def _crc(segment, r: Record) -> int:
-    return zlib.crc32(segment.view(r.offset, r.nbytes))
+    return crc32(segment.view(r.offset, r.nbytes))
 
 
 def write_records(model: nn.Module, segments: list, dtype: str, records: list[Record]) -> int:
@@ -128,12 +128,29 @@ class RankReceiver:
     def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
         records = [Record.from_wire(w) for w in wire_records]
         try:
+            if update["transport"] == "shm" and update["mode"] == "in_place":
+                return self._written_in_place(phase, update, records)
             if update["transport"] in ("shm", "cuda_ipc"):
                 return self._from_staged(phase, update, records)
             return self._dist(phase, update, records)
         except Exception as exc:  # answered to the engine, which decides; never kills the rank
             self._received.pop(update["version"], None)
             return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
+
+    def _written_in_place(self, phase: str, update: dict, records: list[Record]):
+        """shm in_place: the trainer ranks wrote straight into this rank's parameters (its
+        `ParamArena`) while the engine was paused; check what is there now."""
+        if phase != "verify":
+            return None, 0  # nothing to commit: the boxes are already in place
+        problems = verify_records(self.model, [None] * update["trainers"], update["dtype"], records)
+        if not problems:
+            params = dict(self.model.named_parameters())
+            for r in records:
+                region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
+                region = region.t() if r.transposed else region
+                if r.crc is not None and tensor_crc32(region) != r.crc:
+                    problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
+        return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, 0
 
     def _from_staged(self, phase: str, update: dict, records: list[Record]):
         """shm / cuda_ipc: the trainer ranks staged everything; map what this rank reads."""

@@ -10,12 +10,13 @@ can never wait in a cycle.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tandem.exchange.checksum import crc32
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -118,8 +119,3 @@ def recv_boxes(group, src: int, sizes: list[int], limit: int, device, *, staging
             offset += sizes[i]
         start += total
     return crcs
-
-
-def crc32(data: torch.Tensor) -> int:
-    """CRC32 of a uint8 tensor's bytes (what the engine checks a box against)."""
-    return zlib.crc32(data.cpu().numpy().data) if data.numel() else 0
