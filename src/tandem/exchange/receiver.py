@@ -124,6 +124,7 @@ class RankReceiver:
         self.rank = rank
         self.device = device
         self._received: dict[int, tuple[list, list[list[int]]]] = {}  # version -> staging, crcs
+        self._staging: torch.Tensor | None = None  # dist staged: reused by every push
 
     def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
         records = [Record.from_wire(w) for w in wire_records]
@@ -194,33 +195,46 @@ class RankReceiver:
         return self._check_or_write("commit", dtype, staging, records)
 
     def _receive(self, update: dict, records: list[Record]):
+        """Take every source's boxes, sources in rank order: into this rank's staging buffer
+        (kept for later pushes, so they touch no new memory), or straight into the live
+        parameters (in_place). Returns (staged sources, CRC32 per source and record)."""
         from tandem.exchange.transports import dist as transport
 
         info = transport.GroupInfo.from_wire(update["group"])
         group = transport.join(info, update["trainers"] + self.rank)
-        torch_dtype = DTYPES[update["dtype"]]
         params = dict(self.model.named_parameters())
+        by_src = [[r for r in records if r.segment == src] for src in range(update["trainers"])]
+        staged = update["mode"] == "staged"
+        if staged:
+            total = sum(r.nbytes for r in records)
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = None
+                self._staging = torch.zeros(total, dtype=torch.uint8, device=self.device)
         staging: list = [None] * update["trainers"]
-        crcs: list[list[int]] = [[] for _ in range(update["trainers"])]
-        for src in range(update["trainers"]):  # sources in rank order: no cyclic waits
-            mine = [r for r in records if r.segment == src]
+        crcs: list[list[int | None]] = [[] for _ in by_src]
+        start = 0
+        for src, mine in enumerate(by_src):  # sources in rank order: no cyclic waits
             if not mine:
                 continue
             sizes = [r.nbytes for r in mine]
-            buf = None
-            if update["mode"] == "staged":
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            rows = [r.box_shape[0] if r.box_shape else 1 for r in mine]
+            if staged:
+                buf = self._staging[start : start + sum(sizes)]
+                start += sum(sizes)
+                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"], staging=buf)
                 staging[src] = TensorStaging(buf)
-
-            def place(i, part, mine=mine):
-                box = part.view(torch_dtype).view(mine[i].box_shape)
-                with torch.no_grad():
-                    _place(params[mine[i].key], mine[i], box)
-
-            crcs[src] = transport.recv_boxes(
-                group, src, sizes, update["bucket_bytes"], self.device,
-                staging=buf, place=None if buf is not None else place, checksum=update["verify"],
-            )  # fmt: skip
+                if update["verify"]:
+                    crcs[src] = [_crc(staging[src], r) for r in mine]
+                continue
+            targets = []
+            for r in mine:
+                region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
+                targets.append(region.t() if r.transposed else region)
+            with torch.no_grad():
+                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
+                                     targets=targets)  # fmt: skip
+            if update["verify"]:
+                crcs[src] = [tensor_crc32(t) for t in targets]
         return staging, crcs
 
     def _check_or_write(self, phase: str, dtype: str, segments: list, records: list[Record]):
