@@ -56,14 +56,18 @@ def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int |
         src, dst = src.view(1), dst.view(1)
     rows = max(1, CHUNK_BYTES // max(1, src[0].numel() * dst.element_size()))
     direct = src.dtype == dst.dtype and src.device.type == "cpu"
+    scratch = None
     value = 0
     for start in range(0, src.shape[0], rows):
         part, out = src[start : start + rows], dst[start : start + rows]
         if direct and part.is_contiguous():
             value = crc32(part.reshape(-1).view(torch.uint8), value)
             out.copy_(part)
-        else:
-            staged = part.to(device="cpu", dtype=dst.dtype, copy=True).contiguous()
-            value = crc32(staged.reshape(-1).view(torch.uint8), value)
-            out.copy_(staged)
+            continue
+        if scratch is None:
+            scratch = torch.empty(min(rows, src.shape[0]) * src[0].numel(), dtype=dst.dtype)
+        staged = scratch[: part.numel()].view(part.shape)
+        staged.copy_(part)
+        value = crc32(staged.view(-1).view(torch.uint8), value)
+        out.copy_(staged)
     return value
