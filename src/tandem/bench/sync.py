@@ -4,13 +4,14 @@ Measured in one run, on this host, on the same bytes:
 
 - ``shm``: 2 FSDP2 trainer processes (gloo, ``torch.distributed`` on CPU) each call
   ``WeightSender(model, llm.exchange_address).push(version)`` into an
-  ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans and caches), then
+  ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans, caches, maps), then
   ``REPEATS`` timed ones. A push's time is its wall time on the slowest trainer rank (staging,
-  CRC32s, the engine's verify and in-place commit on both of its ranks); the best push counts.
-  ``unverified_seconds``: the same pushes with ``verify=False`` (no CRC32 on either side).
-- ``gloo``: the same trainer processes push with ``transport="dist"`` (trainer and engine ranks
-  in one gloo group, point to point), default ``staged`` mode, timed the same way;
-  ``in_place_seconds``: ``mode="in_place"``.
+  CRC32s, the engine's verify and commit on both of its ranks); the best push counts. ``shm``
+  is the default ``staged`` mode, ``shm_in_place`` is ``mode="in_place"`` (the trainer ranks
+  write straight into the engine's shared parameters); ``unverified_seconds``: the same pushes
+  with ``verify=False`` (no CRC32 on either side).
+- ``gloo`` / ``gloo_in_place``: the same trainer processes push with ``transport="dist"``
+  (trainer and engine ranks in one gloo group, point to point), ``staged`` / ``in_place``.
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
 - ``raw_gloo``: ``dist.send`` of one uint8 tensor of ``bytes_needed`` bytes from one process to
