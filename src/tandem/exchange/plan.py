@@ -146,21 +146,25 @@ def plan_transfers(
 
 class _Balance:
     """Elements assigned per sender, and the least-loaded holder of a replica group in
-    O(log holders): one lazy heap per group, re-keyed when a rank's load moved elsewhere."""
+    O(log holders): one lazy heap per set of holder ranks (groups of the same ranks, listed in
+    the same rank order, share it), re-keyed when a rank's load moved elsewhere. Groups must
+    stay alive while it is used (their ids key a cache)."""
 
     def __init__(self):
         self.load: dict[int, int] = defaultdict(int)
-        self._heaps: dict[int, list[tuple[int, int, int]]] = {}
+        self._heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+        self._ranks: dict[int, tuple[int, ...]] = {}  # id(group) -> its holder ranks
 
     def take(self, group: list[tuple[int, Region]], numel: int) -> tuple[int, Region]:
         if len(group) == 1:
             rank, region = group[0]
         else:
-            heap = self._heaps.get(id(group))
+            ranks = self._ranks.get(id(group))
+            if ranks is None:
+                ranks = self._ranks[id(group)] = tuple(r for r, _ in group)
+            heap = self._heaps.get(ranks)
             if heap is None:
-                heap = self._heaps[id(group)] = [
-                    (self.load[r], r, i) for i, (r, _) in enumerate(group)
-                ]
+                heap = self._heaps[ranks] = [(self.load[r], r, i) for i, r in enumerate(ranks)]
                 heapq.heapify(heap)
             while True:
                 load, rank, i = heap[0]
