@@ -93,13 +93,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class Slots:
-    """Two reusable message buffers (allocated and touched once per process and device), so
-    packing the next message overlaps sending this one and no push page-faults new memory."""
+    """Two reusable message buffers (allocated and touched once per process, side and device),
+    so packing the next message overlaps sending this one and no push page-faults new memory.
+    The sending and the receiving side have their own (an engine in the trainer's process)."""
 
-    _cache: dict[tuple[str, int], list[torch.Tensor]] = {}
+    _cache: dict[tuple[str, str, int], list[torch.Tensor]] = {}
 
-    def __init__(self, device, limit: int):
-        key = (str(device), limit)
+    def __init__(self, side: str, device, limit: int):
+        key = (side, str(device), limit)
         if key not in self._cache:
             self._cache[key] = [torch.zeros(limit, dtype=torch.uint8, device=device)
                                 for _ in range(2)]  # fmt: skip
@@ -125,7 +126,7 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
     boxes = [_rows(b) for b in boxes]
     sizes = [b.numel() * dtype.itemsize for b in boxes]
     crcs: list[int | None] = [0 if checksum else None for _ in boxes]
-    slots = Slots(boxes[0].device, limit) if boxes else None
+    slots = Slots("send", boxes[0].device, limit) if boxes else None
     direct_works = []
     for frame in frames(sizes, [b.shape[0] for b in boxes], limit):
         parts = [boxes[i][a:b] for i, a, b in frame]
@@ -166,7 +167,7 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
             work.wait()
         return
     targets = [_rows(t) for t in targets]
-    slots = Slots(targets[0].device, limit) if targets else None
+    slots = Slots("recv", targets[0].device, limit) if targets else None
     works, pending = [], [None, None]  # pending[k]: the parts waiting in buffer k
 
     def land(k: int) -> None:
