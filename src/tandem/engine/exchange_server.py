@@ -3,7 +3,9 @@
 A background thread accepts trainer ranks, plans (cached while layouts are unchanged), collects
 the staged segments, then applies the update between engine steps (the engine lock): every rank
 verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
-push; the old weights keep serving.
+push; the old weights keep serving. In shm ``in_place`` mode the trainers get their plans only
+once the engine is paused, and write straight into its shared parameters; a push that breaks
+then leaves the engine refusing requests until a complete push lands.
 """
 
 from __future__ import annotations
