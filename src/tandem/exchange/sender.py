@@ -163,12 +163,12 @@ class WeightSender:
         """shm in_place: write every planned box straight into its engine rank's live
         parameter (the engine is paused meanwhile); one copy, CRC32s taken on the way."""
         dtype = DTYPES[plan.dtype]
-        arenas = []
+        mapped = {}  # mapped once, kept for later pushes; an engine that is gone is dropped
         for wire in plan.arenas:
             key = tuple(wire[:3])
-            if key not in self._arenas:
-                self._arenas[key] = MappedArena(wire)  # mapped once, kept for later pushes
-            arenas.append(self._arenas[key])
+            mapped[key] = self._arenas.get(key) or MappedArena(wire)
+        self._arenas = mapped
+        arenas = [mapped[tuple(wire[:3])] for wire in plan.arenas]
         local = {name: local_tensor(t) for name, t in named_tensors(self.model)}
         crcs = []
         with torch.no_grad():
