@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.exchange.checksum import crc32, tensor_crc32
+from tandem.exchange.checksum import crc32
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -151,59 +151,46 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
 
 
 def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
-               staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
-               checksum: bool = False) -> list[int | None]:  # fmt: skip
+               staging: torch.Tensor | None = None,
+               targets: list[torch.Tensor] | None = None) -> None:  # fmt: skip
     """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
-    into ``staging`` (a uint8 tensor of the boxes' bytes, in order; returns no CRC32s), or into
-    ``targets`` (each box's destination, in the box's orientation): straight into it where
-    that is contiguous, else through two alternating buffers, copied into place as each
-    message completes. With ``checksum``, returns each target's CRC32 as received, taken
-    message by message while later messages are still arriving."""
-    plan = frames(sizes, rows, limit)
+    into ``staging`` (a uint8 tensor of the boxes' bytes, in order), or into ``targets`` (each
+    box's destination, in the box's orientation): straight into it where that is contiguous,
+    else through two alternating buffers, copied into place as each message completes."""
     if staging is not None:
         works, start = [], 0
-        for frame in plan:
+        for frame in frames(sizes, rows, limit):
             n = sum(sizes[i] // rows[i] * (b - a) for i, a, b in frame)
             works.append(group.recv([staging[start : start + n]], src, 0))
             start += n
         for work in works:
             work.wait()
-        return []
+        return
     targets = [_rows(t) for t in targets]
-    crcs: list[int | None] = [0 if checksum else None for _ in targets]
     slots = Slots("recv", targets[0].device, limit) if targets else None
-    posted: list[list] = []  # per message: [work or None once landed, parts, buffer or None]
-    in_slot = [-1, -1]  # the message each buffer holds
-    done = 0  # messages landed (and checksummed) so far, in order
+    works, pending = [], [None, None]  # pending[k]: the parts waiting in buffer k
 
-    def land_through(last: int) -> None:
-        nonlocal done
-        while done <= last:
-            work, parts, k = posted[done]
-            if work is not None:
-                work.wait()
-                offset = 0
-                for part in parts if k is not None else ():
-                    n = part.numel() * part.element_size()
-                    part.copy_(slots.buffers[k][offset : offset + n].view(part.dtype)
-                               .view(part.shape))  # fmt: skip
-                    offset += n
-                posted[done][0] = None
-            if checksum:
-                for (i, _, _), part in zip(plan[done], parts, strict=True):
-                    crcs[i] = tensor_crc32(part, crcs[i])
-            done += 1
+    def land(k: int) -> None:
+        if pending[k] is not None:
+            slots.works[k].wait()
+            offset = 0
+            for part in pending[k]:
+                n = part.numel() * part.element_size()
+                part.copy_(slots.buffers[k][offset : offset + n].view(part.dtype).view(part.shape))
+                offset += n
+            slots.works[k], pending[k] = None, None
 
-    for frame in plan:
+    for frame in frames(sizes, rows, limit):
         parts = [targets[i][a:b] for i, a, b in frame]
         if len(parts) == 1 and parts[0].is_contiguous():
-            posted.append([group.recv([_bytes(parts[0])], src, 0), parts, None])
+            works.append(group.recv([_bytes(parts[0])], src, 0))
             continue
         k = slots.turn
-        slots.turn ^= 1
-        land_through(in_slot[k])  # the buffer's previous message is in place first
+        land(k)
+        k, buf = slots.take()
         n = sum(p.numel() * p.element_size() for p in parts)
-        posted.append([group.recv([slots.buffers[k][:n]], src, 0), parts, k])
-        in_slot[k] = len(posted) - 1
-    land_through(len(posted) - 1)
-    return crcs
+        slots.works[k], pending[k] = group.recv([buf[:n]], src, 0), parts
+    for k in (0, 1):
+        land(k)
+    for work in works:
+        work.wait()
