@@ -34,16 +34,21 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert model["bytes"] == 4 * model["params"]  # float32
 
     shm, gloo = result["shm"], result["gloo"]
-    assert shm["transport"] == "shm" and gloo["transport"] == "dist"
-    assert gloo["bytes_moved"] == gloo["bytes_needed"] == shm["bytes_needed"]
-    assert _positive(gloo["in_place_seconds"])
+    shm_direct, gloo_direct = result["shm_in_place"], result["gloo_in_place"]
+    assert shm["transport"] == shm_direct["transport"] == "shm"
+    assert gloo["transport"] == gloo_direct["transport"] == "dist"
+    assert [shm["mode"], shm_direct["mode"], gloo["mode"], gloo_direct["mode"]] == [
+        "staged", "in_place", "staged", "in_place"
+    ]  # fmt: skip
+    for push in (gloo, shm_direct, gloo_direct):
+        assert push["bytes_moved"] == push["bytes_needed"] == shm["bytes_needed"]
     assert shm["bytes_moved"] == shm["bytes_needed"] >= model["bytes"]
     assert sum(shm["bytes_sent_per_rank"]) == shm["bytes_needed"]
     assert len(shm["seconds_per_push"]) == REPEATS
     assert shm["seconds"] == min(shm["seconds_per_push"])
     assert result["bytes_moved_over_needed"] == 1.0
-    assert _positive(shm["unverified_seconds"])
-    for name in ("shm", "gloo", "memcpy", "raw_gloo", "naive"):
+    assert _positive(shm["unverified_seconds"]) and _positive(shm_direct["unverified_seconds"])
+    for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "memcpy", "raw_gloo", "naive"):
         assert _positive(result[name]["seconds"]), name
         assert _positive(result[name]["gib_per_s"]), name
     for name in ("memcpy", "raw_gloo"):
@@ -61,10 +66,15 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert 1.0 <= planner["sender_max_over_mean"] < 2.0
 
     ratios = result["ratios"]
-    assert set(ratios) == {"shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive"}
+    assert set(ratios) == {
+        "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "shm_staged_vs_memcpy",
+        "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy",
+    }  # fmt: skip
     assert all(_positive(v) for v in ratios.values())
-    expected = result["memcpy"]["seconds"] / shm["seconds"]
+    expected = result["memcpy"]["seconds"] / shm_direct["seconds"]
     assert ratios["shm_vs_memcpy"] == pytest.approx(expected, abs=1e-3)  # 3 decimals
+    expected = result["raw_gloo"]["seconds"] / gloo_direct["seconds"]
+    assert ratios["gloo_vs_raw_gloo"] == pytest.approx(expected, abs=1e-3)
 
 
 def test_moe_layouts_cover_every_canonical_tensor_once():

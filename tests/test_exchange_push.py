@@ -25,17 +25,19 @@ def _logits(model, ids):
 
 
 @pytest.mark.parametrize(
-    ("family", "transport"),
-    [("llama", "shm"), ("qwen2", "shm"), ("gpt2", "shm"), ("llama", "dist"), ("gpt2", "dist")],
-)
-def test_push_into_single_process_engine_in_place(model_factory, family, transport):
+    ("family", "transport", "mode"),
+    [("llama", "shm", "staged"), ("qwen2", "shm", "staged"), ("gpt2", "shm", "staged"),
+     ("llama", "shm", "in_place"), ("gpt2", "shm", "in_place"), ("llama", "dist", "staged"),
+     ("gpt2", "dist", "staged")],
+)  # fmt: skip
+def test_push_into_single_process_engine_in_place(model_factory, family, transport, mode):
     engine_dir, trainer_dir = model_factory(family), model_factory(family, seed=1)
     trainer = _trainer(trainer_dir)
     with LLM(engine_dir) as llm:
         runner = llm.engine.runner
         before = {n: p.data_ptr() for n, p in runner.model.named_parameters()}
         assert (runner.score([PROMPTS[0]])[0] - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
-        stats = WeightSender(trainer, llm, transport=transport).push(version=7)
+        stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=7)
         assert llm.weight_version == 7 and stats.version == 7 and stats.transport == transport
         assert stats.bytes_sent == stats.bytes_moved == stats.bytes_needed > 0
         assert {n: p.data_ptr() for n, p in runner.model.named_parameters()} == before
@@ -45,15 +47,16 @@ def test_push_into_single_process_engine_in_place(model_factory, family, transpo
         assert out[0].weight_version == 7
 
 
-@pytest.mark.parametrize("transport", ["shm", "dist"])
-def test_push_into_tensor_parallel_engine(model_factory, transport):
+@pytest.mark.parametrize(("transport", "mode"), [("shm", "staged"), ("shm", "in_place"),
+                                                 ("dist", "staged")])  # fmt: skip
+def test_push_into_tensor_parallel_engine(model_factory, transport, mode):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     trainer = _trainer(trainer_dir)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
     with LLM(trainer_dir) as reference:
         expected = reference.generate(PROMPTS, params)
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
-        stats = WeightSender(trainer, llm, transport=transport).push(version=3)
+        stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=3)
         assert stats.bytes_sent == stats.bytes_needed
         got = llm.generate(PROMPTS, params)
     for e, g in zip(expected, got, strict=True):
@@ -88,6 +91,24 @@ def test_checksum_mismatch_rejects_the_update(model_factory):
         assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in before]
         WeightSender(trainer, llm).push(version=2)  # the next push succeeds
         assert llm.weight_version == 2
+
+
+class _MiscountingSender(WeightSender):
+    def _write_in_place(self, plan):
+        crcs = super()._write_in_place(plan)
+        return [crcs[0] ^ 1, *crcs[1:]]  # what arrived differs from what was sent
+
+
+def test_in_place_shm_checksum_mismatch_refuses_requests_until_a_complete_push(model_factory):
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    trainer = _trainer(trainer_dir)
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
+        with pytest.raises(WeightSyncError, match="checksum mismatch.*|refused until"):
+            _MiscountingSender(trainer, llm, mode="in_place").push(version=1)
+        with pytest.raises(WeightSyncError, match="refused until a complete push"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=2))
+        WeightSender(trainer, llm, mode="in_place").push(version=2)
+        _check_matches_transformers(llm, trainer_dir, 2)
 
 
 def _free_port() -> int:
@@ -151,13 +172,16 @@ def _check_matches_transformers(llm, trainer_dir: str, version: int) -> None:
         assert out.weight_version == version
 
 
-@pytest.mark.parametrize("transport", ["shm", "dist"])
-def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport):
-    """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, each transport."""
+@pytest.mark.parametrize(
+    ("transport", "mode"),
+    [("shm", "staged"), ("shm", "in_place"), ("dist", "staged"), ("dist", "in_place")],
+)
+def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport, mode):
+    """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, each transport and mode."""
     engine_dir = model_factory("llama", vocab_size=509)
     trainer_dir = model_factory("llama", seed=1, vocab_size=509)
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
-        assert _run_trainer(trainer_dir, llm.exchange_address, 5, transport) == [0, 0]
+        assert _run_trainer(trainer_dir, llm.exchange_address, 5, transport, mode) == [0, 0]
         assert llm.weight_version == 5
         _check_matches_transformers(llm, trainer_dir, 5)
 
@@ -204,13 +228,17 @@ def test_push_during_generation_lands_between_steps(model_factory):
     assert any(s.output_token_ids[5:] != old[5:] for s, old in zip(seqs, unchanged, strict=True))
 
 
-def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(model_factory):
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
+    model_factory, transport
+):
     engine_dir = model_factory("llama", vocab_size=509)
     trainer_dir = model_factory("llama", seed=1, vocab_size=509)
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
-        codes = _run_trainer(trainer_dir, llm.exchange_address, 1, "dist", "in_place", die=True)
+        address = llm.exchange_address
+        codes = _run_trainer(trainer_dir, address, 1, transport, "in_place", die=True)
         assert codes == [3, 17]
         with pytest.raises(WeightSyncError, match="refused until a complete push"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=2))
-        assert _run_trainer(trainer_dir, llm.exchange_address, 2, "dist", "in_place") == [0, 0]
+        assert _run_trainer(trainer_dir, address, 2, transport, "in_place") == [0, 0]
         _check_matches_transformers(llm, trainer_dir, 2)

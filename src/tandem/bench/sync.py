@@ -4,13 +4,14 @@ Measured in one run, on this host, on the same bytes:
 
 - ``shm``: 2 FSDP2 trainer processes (gloo, ``torch.distributed`` on CPU) each call
   ``WeightSender(model, llm.exchange_address).push(version)`` into an
-  ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans and caches), then
+  ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans, caches, maps), then
   ``REPEATS`` timed ones. A push's time is its wall time on the slowest trainer rank (staging,
-  CRC32s, the engine's verify and in-place commit on both of its ranks); the best push counts.
-  ``unverified_seconds``: the same pushes with ``verify=False`` (no CRC32 on either side).
-- ``gloo``: the same trainer processes push with ``transport="dist"`` (trainer and engine ranks
-  in one gloo group, point to point), default ``staged`` mode, timed the same way;
-  ``in_place_seconds``: ``mode="in_place"``.
+  CRC32s, the engine's verify and commit on both of its ranks); the best push counts. ``shm``
+  is the default ``staged`` mode, ``shm_in_place`` is ``mode="in_place"`` (the trainer ranks
+  write straight into the engine's shared parameters); ``unverified_seconds``: the same pushes
+  with ``verify=False`` (no CRC32 on either side).
+- ``gloo`` / ``gloo_in_place``: the same trainer processes push with ``transport="dist"``
+  (trainer and engine ranks in one gloo group, point to point), ``staged`` / ``in_place``.
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
 - ``raw_gloo``: ``dist.send`` of one uint8 tensor of ``bytes_needed`` bytes from one process to
@@ -134,15 +135,19 @@ def run(quick: bool = False) -> dict[str, Any]:
         lap("engine_start")
         pushes = _pushes(llm, path, timeout)
     lap("pushes")
-    shm, gloo = pushes["shm"], pushes["dist"]
+    shm, shm_direct = pushes["shm"], pushes["shm-in_place"]
+    shm["mode"], shm_direct["mode"] = "staged", "in_place"
     shm["unverified_seconds"] = pushes["shm-unverified"]["seconds"]  # verify=False: no CRC32s
-    gloo["mode"] = "staged"
-    gloo["in_place_seconds"] = pushes["dist-in_place"]["seconds"]
+    shm_direct["unverified_seconds"] = pushes["shm-in_place-unverified"]["seconds"]
+    gloo, gloo_direct = pushes["dist"], pushes["dist-in_place"]
+    gloo["mode"], gloo_direct["mode"] = "staged", "in_place"
     needed = shm["bytes_needed"]
     if any(p["bytes_needed"] != needed for p in pushes.values()):
         raise RuntimeError(f"push modes disagree on bytes_needed: {pushes}")
     result["shm"] = shm
+    result["shm_in_place"] = shm_direct
     result["gloo"] = gloo
+    result["gloo_in_place"] = gloo_direct
     result["memcpy"] = _memcpy(needed)
     lap("memcpy")
     result["raw_gloo"] = _raw_gloo(needed, timeout)
@@ -154,14 +159,20 @@ def run(quick: bool = False) -> dict[str, Any]:
     lap("planner")
     result["phase_seconds"] = phases  # wall time of each part of this run, processes included
     planner_s = result["planner"]["seconds"]
+    memcpy, raw = result["memcpy"]["seconds"], result["raw_gloo"]["seconds"]
     result["ratios"] = {
-        "shm_vs_memcpy": round(result["memcpy"]["seconds"] / shm["seconds"], 3),
-        "gloo_vs_raw_gloo": round(result["raw_gloo"]["seconds"] / gloo["seconds"], 3),
+        "shm_vs_memcpy": round(memcpy / shm_direct["seconds"], 3),
+        "gloo_vs_raw_gloo": round(raw / gloo_direct["seconds"], 3),
         "vs_naive": round(result["naive"]["seconds"] / shm["seconds"], 3),
+        "shm_staged_vs_memcpy": round(memcpy / shm["seconds"], 3),
+        "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
+        "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
     }
     result["notes"] = [
-        "gloo: WeightSender(transport='dist') in its default staged mode (gloo on CPU, between "
-        "the 2 trainer and the 2 engine ranks); in_place_seconds: mode='in_place'.",
+        "shm_vs_memcpy and gloo_vs_raw_gloo time mode='in_place' (the one-copy paths: trainer "
+        "ranks write into the engine's shared parameters / the engine receives into them), with "
+        "CRC32 verification on; *_staged_* time the default mode='staged'; vs_naive uses shm "
+        "staged. shm_unverified_vs_memcpy: in_place with verify=False.",
         "naive's load+copy fills preallocated tensors of the full shapes; a tensor-parallel "
         "engine would also split every tensor, so naive is a lower bound.",
     ]
@@ -195,7 +206,9 @@ def _gib_per_s(nbytes: int, seconds: float) -> float:
     return round(nbytes / seconds / (1 << 30), 3)
 
 
-PUSH_MODES = ("shm", "shm-unverified", "dist", "dist-in_place")  # see sync_worker.MODES
+# see sync_worker.MODES
+PUSH_MODES = ("shm", "shm-unverified", "shm-in_place", "shm-in_place-unverified", "dist",
+              "dist-in_place")  # fmt: skip
 
 
 def _pushes(llm, path: Path, timeout: float) -> dict[str, dict[str, Any]]:

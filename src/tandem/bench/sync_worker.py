@@ -46,6 +46,8 @@ def _trainer(rank: int, port: str, model_dir: str) -> torch.nn.Module:
 MODES = {
     "shm": {"transport": "shm"},
     "shm-unverified": {"transport": "shm", "verify": False},  # no CRC32 on either side
+    "shm-in_place": {"transport": "shm", "mode": "in_place"},
+    "shm-in_place-unverified": {"transport": "shm", "mode": "in_place", "verify": False},
     "dist": {"transport": "dist", "mode": "staged"},
     "dist-in_place": {"transport": "dist", "mode": "in_place"},
 }

@@ -3,7 +3,9 @@
 A background thread accepts trainer ranks, plans (cached while layouts are unchanged), collects
 the staged segments, then applies the update between engine steps (the engine lock): every rank
 verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
-push; the old weights keep serving.
+push; the old weights keep serving. In shm ``in_place`` mode the trainers get their plans only
+once the engine is paused, and write straight into its shared parameters; a push that breaks
+then leaves the engine refusing requests until a complete push lands.
 """
 
 from __future__ import annotations
@@ -98,23 +100,30 @@ class ExchangeServer:
             version, plans, records, needed = self._plan(hellos)
             update = {"version": version, "transport": hellos[0].transport,
                       "dtype": self.engine.config.dtype, "mode": hellos[0].mode,
-                      "verify": hellos[0].verify}  # fmt: skip
-            if update["transport"] == "shm":
+                      "verify": hellos[0].verify, "trainers": len(hellos)}  # fmt: skip
+            # shm in_place: trainers write into the live parameters, so they get their plans
+            # only once the engine is paused (inside update_weights, via checksums())
+            direct = update["transport"] == "shm" and update["mode"] == "in_place"
+            if update["transport"] == "shm" and not direct:
                 staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
                 update["segments"] = [[path, p.size] for path, p in zip(staged, plans, strict=True)]
             elif update["transport"] == "cuda_ipc":
                 update["segments"] = [None] * len(plans)  # handles arrive with PushReady
-            else:
-                update.update(group=self._group(len(hellos)).to_wire(), trainers=len(hellos),
+            elif update["transport"] == "dist":
+                update.update(group=self._group(len(hellos)).to_wire(),
                               bucket_bytes=self.bucket_bytes)  # fmt: skip
                 for plan in plans:
                     plan.group, plan.trainers = update["group"], len(hellos)
                     plan.bucket_bytes = self.bucket_bytes
-            for sock, plan in zip(socks, plans, strict=True):
-                sock.settimeout(self.stage_timeout_s)
-                send_frame(sock, encode(plan))
+
+            def send_plans() -> None:
+                for sock, plan in zip(socks, plans, strict=True):
+                    sock.settimeout(self.stage_timeout_s)
+                    send_frame(sock, encode(plan))
 
             def checksums() -> dict[int, list]:
+                if direct:
+                    send_plans()
                 by_receiver: dict[int, list] = defaultdict(list)
                 for rank, sock in enumerate(socks):
                     ready = decode(recv_frame(sock))
@@ -127,7 +136,9 @@ class ExchangeServer:
                         by_receiver[dst].append(wire)
                 return by_receiver
 
-            if update["transport"] in ("shm", "cuda_ipc"):
+            if not direct:
+                send_plans()
+            if update["transport"] in ("shm", "cuda_ipc") and not direct:
                 self.engine.update_weights(update, checksums())
             else:
                 by_receiver: dict[int, list] = defaultdict(list)
@@ -218,4 +229,19 @@ class ExchangeServer:
         plans = [
             PushPlan(dtype, offsets[(i, -1)], shm.new_name(), items[i]) for i in range(len(hellos))
         ]
+        if hellos[0].transport == "shm" and hellos[0].mode == "in_place":
+            self._direct(plans, receivers, records)
         return version, plans, records, needed
+
+    @staticmethod
+    def _direct(plans: list[PushPlan], receivers: list[RankLayout], records: list) -> None:
+        """shm in_place: where each item goes in its engine rank's shared parameters."""
+        missing = [lay.rank for lay in receivers if lay.arena is None]
+        if missing:
+            raise ValueError(
+                "mode='in_place' over shm needs every engine rank's parameters in shared "
+                f"memory (an engine on CPU); ranks {missing} have none"
+            )
+        for plan, per_rank in zip(plans, records, strict=True):
+            plan.arenas = [lay.arena for lay in receivers]
+            plan.dests = [[w[3], [list(s) for s in w[4]], w[6]] for _, w in per_rank]

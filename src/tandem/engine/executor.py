@@ -62,7 +62,7 @@ class InProcessExecutor:
         )
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)
-        self.layouts = [engine_layout(self.runner.model, 0)]
+        self.layouts = [engine_layout(self.runner.model, 0, self.runner.arena)]
         self.receiver = RankReceiver(self.runner.model, 0, config.torch_device)
         self._results: deque[StepResult] = deque()
 

@@ -12,6 +12,7 @@ import torch
 
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import SeqParams, StepMessage, StepResult
+from tandem.exchange.transports.shm_arena import ParamArena
 from tandem.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillSpan
 from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.loader import ModelSpec, build_model, load_weights
@@ -85,6 +86,8 @@ class ModelRunner:
         self.samples = samples and self.stage.is_last
         self.model = build_model(spec, tp, dtype, device, self.stage)
         load_weights(self.model, spec)
+        # on CPU the parameters live in shared memory: a trainer on this host writes into them
+        self.arena = ParamArena(self.model) if device.type == "cpu" else None
         self.layers = list(self.stage.layers(self.model))
         self.hidden_size = spec.hidden_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

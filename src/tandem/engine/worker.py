@@ -138,7 +138,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         spec, dtype=config.torch_dtype, device=device, block_size=config.block_size,
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
     )  # fmt: skip
-    layout = engine_layout(runner.model, args.rank).to_wire()
+    layout = engine_layout(runner.model, args.rank, runner.arena).to_wire()
     control.send(sock, Capacity(args.rank, runner.kv_capacity(config.kv_cache_memory), layout))
     start = control.recv(sock)
     if not isinstance(start, Start):

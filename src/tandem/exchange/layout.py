@@ -30,6 +30,7 @@ class RankLayout:
     regions: list[Region] = field(default_factory=list)
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtype: str = "float32"  # of its local tensors
+    arena: list | None = None  # engine ranks on CPU: `ParamArena.to_wire()` (shm in_place)
 
     def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
         self.local_shapes[key] = tuple(local_shape)
@@ -45,12 +46,12 @@ class RankLayout:
             for r in self.regions
             for p in (r.piece,)
         ]
-        return [self.rank, self.dtype, list(self.local_shapes.items()), regions]
+        return [self.rank, self.dtype, list(self.local_shapes.items()), regions, self.arena]
 
     @classmethod
     def from_wire(cls, wire: list) -> RankLayout:
-        rank, dtype, shapes, regions = wire
-        out = cls(rank, dtype=dtype, local_shapes={k: tuple(v) for k, v in shapes})
+        rank, dtype, shapes, regions, arena = wire
+        out = cls(rank, dtype=dtype, local_shapes={k: tuple(v) for k, v in shapes}, arena=arena)
         for key, name, full, box, offset, transposed in regions:
             piece = Piece(name, tuple(full), tuple(map(tuple, box)), tuple(offset), transposed)
             out.regions.append(Region(key, piece))

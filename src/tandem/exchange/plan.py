@@ -95,8 +95,8 @@ def plan_transfers(
             holders[region.piece.name].setdefault(region.piece.box, []).append(
                 (layout.rank, region)
             )
-    balance = _Balance()
-    transfers: list[Transfer] = []
+    # (group, band, receiver rank, name, region) per transfer, in receiver order
+    wanted: list[tuple[list, Box, int, str, Region]] = []
     for layout in sorted(receivers, key=lambda lay: lay.rank):
         for region in layout.regions:
             name, dst_box = region.piece.name, region.piece.box
@@ -116,11 +116,29 @@ def plan_transfers(
                     continue
                 group = covering[0] if len(covering) == 1 else [m for g in covering for m in g]
                 for band in _bands(cell, len(group), min_band_numel):
-                    rank, src = balance.take(group, numel(band))
-                    transfers.append(Transfer(rank, layout.rank, name, band, src.key, src.piece,
-                                              region.key, region.piece))  # fmt: skip
+                    wanted.append((group, band, layout.rank, name, region))
     if problems:
         raise LayoutMismatch(problems)
+    # Balance: loads that have no choice (one holder) first, then the shared cells largest
+    # first, each to its least-loaded holder (LPT), so the fixed loads are known before any
+    # choice is made. Transfers keep the receivers' order.
+    balance = _Balance()
+    transfers: list[Transfer | None] = [None] * len(wanted)
+    shared = []
+    for i, (group, band, dst, name, region) in enumerate(wanted):
+        if len(group) == 1:
+            rank, src = group[0]
+            balance.load[rank] += numel(band)
+            transfers[i] = Transfer(rank, dst, name, band, src.key, src.piece, region.key,
+                                    region.piece)  # fmt: skip
+        else:
+            shared.append((-numel(band), i))
+    shared.sort()
+    for size, i in shared:
+        group, band, dst, name, region = wanted[i]
+        rank, src = balance.take(group, -size)
+        transfers[i] = Transfer(rank, dst, name, band, src.key, src.piece, region.key,
+                                region.piece)  # fmt: skip
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
     loads = [balance.load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, loads)
@@ -128,21 +146,25 @@ def plan_transfers(
 
 class _Balance:
     """Elements assigned per sender, and the least-loaded holder of a replica group in
-    O(log holders): one lazy heap per group, re-keyed when a rank's load moved elsewhere."""
+    O(log holders): one lazy heap per set of holder ranks (groups of the same ranks, listed in
+    the same rank order, share it), re-keyed when a rank's load moved elsewhere. Groups must
+    stay alive while it is used (their ids key a cache)."""
 
     def __init__(self):
         self.load: dict[int, int] = defaultdict(int)
-        self._heaps: dict[int, list[tuple[int, int, int]]] = {}
+        self._heaps: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
+        self._ranks: dict[int, tuple[int, ...]] = {}  # id(group) -> its holder ranks
 
     def take(self, group: list[tuple[int, Region]], numel: int) -> tuple[int, Region]:
         if len(group) == 1:
             rank, region = group[0]
         else:
-            heap = self._heaps.get(id(group))
+            ranks = self._ranks.get(id(group))
+            if ranks is None:
+                ranks = self._ranks[id(group)] = tuple(r for r, _ in group)
+            heap = self._heaps.get(ranks)
             if heap is None:
-                heap = self._heaps[id(group)] = [
-                    (self.load[r], r, i) for i, (r, _) in enumerate(group)
-                ]
+                heap = self._heaps[ranks] = [(self.load[r], r, i) for i, r in enumerate(ranks)]
                 heapq.heapify(heap)
             while True:
                 load, rank, i = heap[0]

@@ -2,8 +2,10 @@
 
 One push: every trainer rank connects and says what it holds (`PushHello`); the engine plans
 and tells each rank which boxes to stage where (`PushPlan`); each rank stages them in its own
-shared-memory segment (`PushReady`, with CRC32s); the engine verifies on every rank, commits,
-and answers everyone (`PushDone`). msgpack only; tensor bytes never travel in these frames.
+shared-memory segment, or (shm ``in_place``) writes them straight into the engine ranks' shared
+parameters while the engine is paused (`PushReady`, with CRC32s); the engine verifies on every
+rank, commits, and answers everyone (`PushDone`). msgpack only; tensor bytes never travel in
+these frames.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class PushPlan:
     group: list | None = None  # dist: GroupInfo.to_wire(); this rank is its trainer rank
     trainers: int = 1  # dist: engine rank e is group rank trainers + e
     bucket_bytes: int = 0
+    arenas: list | None = None  # shm in_place: `ParamArena.to_wire()` per engine rank
+    dests: list | None = None  # shm in_place, per item: [key, slices, transposed] there
 
 
 @dataclass(slots=True)

@@ -7,13 +7,13 @@ leaves the old weights serving.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from tandem.dtypes import DTYPES
+from tandem.exchange.checksum import crc32, tensor_crc32
 from tandem.exchange.transports.shm import ShmSegment
 
 
@@ -34,7 +34,7 @@ class Record:
     slices: tuple[tuple[int, int], ...]
     box_shape: tuple[int, ...]
     transposed: bool
-    crc: int | None  # zlib.crc32 of the bytes as sent; None: not verified
+    crc: int | None  # CRC32 of the bytes as sent (`tandem.exchange.checksum`); None: unverified
 
     def to_wire(self) -> list:
         return [self.segment, self.offset, self.nbytes, self.key, self.slices, self.box_shape,
@@ -90,7 +90,7 @@ def verify_records(model: nn.Module, segments: list, dtype: str, records: list[R
 
 
 def _crc(segment, r: Record) -> int:
-    return zlib.crc32(segment.view(r.offset, r.nbytes))
+    return crc32(segment.view(r.offset, r.nbytes))
 
 
 def write_records(model: nn.Module, segments: list, dtype: str, records: list[Record]) -> int:
@@ -124,16 +124,34 @@ class RankReceiver:
         self.rank = rank
         self.device = device
         self._received: dict[int, tuple[list, list[list[int]]]] = {}  # version -> staging, crcs
+        self._staging: torch.Tensor | None = None  # dist staged: reused by every push
 
     def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
         records = [Record.from_wire(w) for w in wire_records]
         try:
+            if update["transport"] == "shm" and update["mode"] == "in_place":
+                return self._written_in_place(phase, update, records)
             if update["transport"] in ("shm", "cuda_ipc"):
                 return self._from_staged(phase, update, records)
             return self._dist(phase, update, records)
         except Exception as exc:  # answered to the engine, which decides; never kills the rank
             self._received.pop(update["version"], None)
             return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
+
+    def _written_in_place(self, phase: str, update: dict, records: list[Record]):
+        """shm in_place: the trainer ranks wrote straight into this rank's parameters (its
+        `ParamArena`) while the engine was paused; check what is there now."""
+        if phase != "verify":
+            return None, 0  # nothing to commit: the boxes are already in place
+        problems = verify_records(self.model, [None] * update["trainers"], update["dtype"], records)
+        if not problems:
+            params = dict(self.model.named_parameters())
+            for r in records:
+                region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
+                region = region.t() if r.transposed else region
+                if r.crc is not None and tensor_crc32(region) != r.crc:
+                    problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
+        return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, 0
 
     def _from_staged(self, phase: str, update: dict, records: list[Record]):
         """shm / cuda_ipc: the trainer ranks staged everything; map what this rank reads."""
@@ -177,33 +195,46 @@ class RankReceiver:
         return self._check_or_write("commit", dtype, staging, records)
 
     def _receive(self, update: dict, records: list[Record]):
+        """Take every source's boxes, sources in rank order: into this rank's staging buffer
+        (kept for later pushes, so they touch no new memory), or straight into the live
+        parameters (in_place). Returns (staged sources, CRC32 per source and record)."""
         from tandem.exchange.transports import dist as transport
 
         info = transport.GroupInfo.from_wire(update["group"])
         group = transport.join(info, update["trainers"] + self.rank)
-        torch_dtype = DTYPES[update["dtype"]]
         params = dict(self.model.named_parameters())
+        by_src = [[r for r in records if r.segment == src] for src in range(update["trainers"])]
+        staged = update["mode"] == "staged"
+        if staged:
+            total = sum(r.nbytes for r in records)
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = None
+                self._staging = torch.zeros(total, dtype=torch.uint8, device=self.device)
         staging: list = [None] * update["trainers"]
-        crcs: list[list[int]] = [[] for _ in range(update["trainers"])]
-        for src in range(update["trainers"]):  # sources in rank order: no cyclic waits
-            mine = [r for r in records if r.segment == src]
+        crcs: list[list[int | None]] = [[] for _ in by_src]
+        start = 0
+        for src, mine in enumerate(by_src):  # sources in rank order: no cyclic waits
             if not mine:
                 continue
             sizes = [r.nbytes for r in mine]
-            buf = None
-            if update["mode"] == "staged":
-                buf = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+            rows = [r.box_shape[0] if r.box_shape else 1 for r in mine]
+            if staged:
+                buf = self._staging[start : start + sum(sizes)]
+                start += sum(sizes)
+                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"], staging=buf)
                 staging[src] = TensorStaging(buf)
-
-            def place(i, part, mine=mine):
-                box = part.view(torch_dtype).view(mine[i].box_shape)
-                with torch.no_grad():
-                    _place(params[mine[i].key], mine[i], box)
-
-            crcs[src] = transport.recv_boxes(
-                group, src, sizes, update["bucket_bytes"], self.device,
-                staging=buf, place=None if buf is not None else place, checksum=update["verify"],
-            )  # fmt: skip
+                if update["verify"]:
+                    crcs[src] = [_crc(staging[src], r) for r in mine]
+                continue
+            targets = []
+            for r in mine:
+                region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
+                targets.append(region.t() if r.transposed else region)
+            with torch.no_grad():
+                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
+                                     targets=targets)  # fmt: skip
+            if update["verify"]:
+                crcs[src] = [tensor_crc32(t) for t in targets]
         return staging, crcs
 
     def _check_or_write(self, phase: str, dtype: str, segments: list, records: list[Record]):

@@ -19,11 +19,12 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
+from tandem.exchange.checksum import copy_with_crc32, crc32
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
-from tandem.exchange.transports.dist import crc32
 from tandem.exchange.transports.shm import ShmSegment
+from tandem.exchange.transports.shm_arena import MappedArena
 from tandem.wire import PeerGone, recv_frame, send_frame
 
 
@@ -38,8 +39,6 @@ class PushStats:
 
 
 class WeightSender:
-    TRANSPORTS = ("shm", "dist", "cuda_ipc")
-
     """Push a trainer model's weights into a tandem engine, in place.
 
     ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
@@ -54,10 +53,14 @@ class WeightSender:
     the engine ranks read) or ``dist`` (torch.distributed point-to-point in a group of trainer
     and engine ranks; works across hosts) or ``cuda_ipc`` (same node, CUDA: the engine maps
     each rank's CUDA staging buffer); ``auto`` picks ``cuda_ipc`` for a model on a GPU, else
-    ``shm``. ``mode`` (dist): ``staged``
-    receives into engine memory and commits only a complete, verified push (the old version
-    serves on failure); ``in_place`` receives straight into the live parameters (no extra
-    memory; a broken push makes the engine refuse requests until a complete push lands)."""
+    ``shm``. ``mode`` (shm, dist): ``staged`` stages the push (shm: in the trainer's shared
+    memory; dist: in engine memory) and commits only a complete, verified push (the old version
+    serves on failure); ``in_place`` writes straight into the live parameters (shm: the trainer
+    rank copies each box into the engine's shared parameters, one copy; dist: the engine
+    receives into them), with no extra memory, and a broken push makes the engine refuse
+    requests until a complete push lands."""
+
+    TRANSPORTS = ("shm", "dist", "cuda_ipc")
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class WeightSender:
         self.rank = rank if rank is not None else (dist.get_rank() if default else 0)
         self.world_size = world_size or (dist.get_world_size() if default else 1)
         self.timeout_s = timeout_s
+        self._arenas: dict[tuple, MappedArena] = {}  # engine ranks' parameters (shm in_place)
 
     def push(self, version: int | None = None) -> PushStats:
         """Send this rank's boxes and wait until the engine committed (or rejected) them."""
@@ -135,6 +139,8 @@ class WeightSender:
         """Carry out this rank's part of the plan; (the ready message, what must stay alive)."""
         if self.transport == "dist":
             return PushReady("", 0, self._send(plan)), None
+        if plan.arenas is not None:
+            return PushReady("", 0, self._write_in_place(plan)), None
         if self.transport == "cuda_ipc":
             from tandem.exchange.transports.cuda_ipc import export_handle
 
@@ -158,6 +164,29 @@ class WeightSender:
                 out.copy_(src.t() if transposed else src)
                 crcs.append(crc32(buf[offset : offset + nbytes]) if self.verify else None)
         self._before_ready(buf)
+        return crcs
+
+    def _write_in_place(self, plan: PushPlan) -> list[int | None]:
+        """shm in_place: write every planned box straight into its engine rank's live
+        parameter (the engine is paused meanwhile); one copy, CRC32s taken on the way."""
+        dtype = DTYPES[plan.dtype]
+        mapped = {}  # mapped once, kept for later pushes; an engine that is gone is dropped
+        for wire in plan.arenas:
+            key = tuple(wire[:3])
+            mapped[key] = self._arenas.get(key) or MappedArena(wire)
+        self._arenas = mapped
+        arenas = [mapped[tuple(wire[:3])] for wire in plan.arenas]
+        local = {name: local_tensor(t) for name, t in named_tensors(self.model)}
+        crcs = []
+        with torch.no_grad():
+            for item, (key, slices, transposed) in zip(plan.items, plan.dests, strict=True):
+                src_key, src_slices, src_transposed, _, _, _, dst = item
+                src = local[src_key][tuple(slice(a, b) for a, b in src_slices)]
+                region = arenas[dst].param(key, dtype)[tuple(slice(a, b) for a, b in slices)]
+                box = src.t() if src_transposed else src
+                crcs.append(copy_with_crc32(box, region.t() if transposed else region,
+                                            self.verify))  # fmt: skip
+        self._before_ready(None)
         return crcs
 
     def _send(self, plan: PushPlan) -> list[int | None]:

@@ -2,20 +2,23 @@
 process group of their own (gloo on CPU, NCCL on CUDA), on one host or across hosts.
 
 The group is separate from the trainer's and the engine's own groups: it rendezvouses through
-a c10d store the engine's exchange server hosts. Boxes travel in buckets of bounded size; the
-sender packs bucket k+1 while bucket k is on the wire. Every sender walks its destinations in
-rank order and every receiver its sources in rank order, so blocking point-to-point operations
-can never wait in a cycle.
+a c10d store the engine's exchange server hosts. Boxes travel in messages of bounded size
+(`frames`): a large box straight from the sender's memory into the receiver's where both are
+contiguous, small ones packed into one of two reusable buffers while the other is on the wire.
+Every sender walks its destinations in rank order and every receiver its sources in rank
+order, and within one stream each side waits only for its own earlier messages, so the
+point-to-point operations can never wait in a cycle.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tandem.exchange.checksum import crc32
 
 DEFAULT_BUCKET_BYTES = 64 << 20
 
@@ -57,69 +60,137 @@ def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGr
     return _groups[key]
 
 
-def buckets(nbytes: list[int], limit: int) -> list[list[int]]:
-    """Consecutive items (by index) in buckets of at most ``limit`` bytes (an item larger than
-    the limit travels alone). Both ends compute the same buckets from the same list."""
-    out: list[list[int]] = []
-    size = 0
-    for i, n in enumerate(nbytes):
-        if not out or (size + n > limit and out[-1]):
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += n
+SMALL_BYTES = 1 << 20  # boxes below this are packed together; larger ones travel as they are
+
+
+def frames(sizes: list[int], rows: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
+    """How a stream of boxes travels: messages of at most ``limit`` bytes, each a list of
+    (box index, first row, end row). A box of ``SMALL_BYTES`` or more is cut by whole rows
+    into messages of its own (sent from, and received into, its memory where that is
+    contiguous); smaller boxes are packed together. Both ends compute the same frames."""
+    out: list[list[tuple[int, int, int]]] = []
+    packed = 0  # bytes in the open packed frame (out[-1]); 0: none open
+    for i, (n, r) in enumerate(zip(sizes, rows, strict=True)):
+        if n >= min(SMALL_BYTES, limit):
+            per = max(1, limit // max(1, n // r))
+            out.extend([(i, a, min(a + per, r))] for a in range(0, r, per))
+            packed = 0
+        elif packed and packed + n <= limit:
+            out[-1].append((i, 0, r))
+            packed += n
+        else:
+            out.append([(i, 0, r)])
+            packed = n
     return out
+
+
+def _rows(box: torch.Tensor) -> torch.Tensor:
+    return box.view(1) if box.dim() == 0 else box
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Slots:
+    """Two reusable message buffers (allocated and touched once per process, side and device),
+    so packing the next message overlaps sending this one and no push page-faults new memory.
+    The sending and the receiving side have their own (an engine in the trainer's process)."""
+
+    _cache: dict[tuple[str, str, int], list[torch.Tensor]] = {}
+
+    def __init__(self, side: str, device, limit: int):
+        key = (side, str(device), limit)
+        if key not in self._cache:
+            self._cache[key] = [torch.zeros(limit, dtype=torch.uint8, device=device)
+                                for _ in range(2)]  # fmt: skip
+        self.buffers = self._cache[key]
+        self.works: list[dist.Work | None] = [None, None]
+        self.turn = 0
+
+    def take(self):
+        """(index, buffer) of the next buffer, once its previous message is done."""
+        k = self.turn
+        self.turn ^= 1
+        if self.works[k] is not None:
+            self.works[k].wait()
+            self.works[k] = None
+        return k, self.buffers[k]
 
 
 def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
                limit: int, checksum: bool = True) -> list[int | None]:  # fmt: skip
-    """Send ``boxes`` (packed in ``dtype``) to ``dst`` in buckets; returns each box's CRC32.
-    Two buffers alternate so packing the next bucket overlaps sending this one."""
+    """Send ``boxes`` (converted to ``dtype``) to ``dst`` as `frames`; returns each box's CRC32.
+    A contiguous box already in ``dtype`` is sent from its own memory (no copy); the rest are
+    packed into two alternating buffers, so packing the next message overlaps this one's send."""
+    boxes = [_rows(b) for b in boxes]
     sizes = [b.numel() * dtype.itemsize for b in boxes]
-    crcs: list[int | None] = [None] * len(boxes)
-    in_flight: list[tuple[dist.Work, torch.Tensor]] = []
-    for bucket in buckets(sizes, limit):
-        total = sum(sizes[i] for i in bucket)
-        buf = torch.empty(total, dtype=torch.uint8, device=boxes[bucket[0]].device)
+    crcs: list[int | None] = [0 if checksum else None for _ in boxes]
+    slots = Slots("send", boxes[0].device, limit) if boxes else None
+    direct_works = []
+    for frame in frames(sizes, [b.shape[0] for b in boxes], limit):
+        parts = [boxes[i][a:b] for i, a, b in frame]
+        if len(parts) == 1 and parts[0].dtype == dtype and parts[0].is_contiguous():
+            data = _bytes(parts[0])
+            if checksum:
+                crcs[frame[0][0]] = crc32(data, crcs[frame[0][0]])
+            direct_works.append(group.send([data], dst, 0))
+            continue
+        k, buf = slots.take()
         offset = 0
-        for i in bucket:
-            view = buf[offset : offset + sizes[i]].view(dtype).view(boxes[i].shape)
-            view.copy_(boxes[i])
-            crcs[i] = crc32(buf[offset : offset + sizes[i]]) if checksum else None
-            offset += sizes[i]
-        if len(in_flight) == 2:
-            in_flight.pop(0)[0].wait()
-        in_flight.append((group.send([buf], dst, 0), buf))
-    for work, _ in in_flight:
+        for (i, _, _), part in zip(frame, parts, strict=True):
+            n = part.numel() * dtype.itemsize
+            buf[offset : offset + n].view(dtype).view(part.shape).copy_(part)
+            if checksum:
+                crcs[i] = crc32(buf[offset : offset + n], crcs[i])
+            offset += n
+        slots.works[k] = group.send([buf[:offset]], dst, 0)
+    for work in [*direct_works, *(w for w in (slots.works if slots else []) if w is not None)]:
         work.wait()
     return crcs
 
 
-def recv_boxes(group, src: int, sizes: list[int], limit: int, device, *, staging=None,
-               place=None, checksum: bool = True) -> list[int | None]:  # fmt: skip
-    """Receive the boxes ``src`` sends (same order and bucketing as `send_boxes`) into
-    ``staging`` (a uint8 tensor of all their bytes, in order), or bucket by bucket handing each
-    box to ``place(index, uint8 tensor)``. Returns each box's CRC32 as received."""
-    crcs: list[int | None] = [None] * len(sizes)
-    start = 0
-    for bucket in buckets(sizes, limit):
-        total = sum(sizes[i] for i in bucket)
-        if staging is not None:
-            buf = staging[start : start + total]
-        else:
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
-        group.recv([buf], src, 0).wait()
-        offset = 0
-        for i in bucket:
-            part = buf[offset : offset + sizes[i]]
-            crcs[i] = crc32(part) if checksum else None
-            if place is not None:
-                place(i, part)
-            offset += sizes[i]
-        start += total
-    return crcs
+def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
+               staging: torch.Tensor | None = None,
+               targets: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+    """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
+    into ``staging`` (a uint8 tensor of the boxes' bytes, in order), or into ``targets`` (each
+    box's destination, in the box's orientation): straight into it where that is contiguous,
+    else through two alternating buffers, copied into place as each message completes."""
+    if staging is not None:
+        works, start = [], 0
+        for frame in frames(sizes, rows, limit):
+            n = sum(sizes[i] // rows[i] * (b - a) for i, a, b in frame)
+            works.append(group.recv([staging[start : start + n]], src, 0))
+            start += n
+        for work in works:
+            work.wait()
+        return
+    targets = [_rows(t) for t in targets]
+    slots = Slots("recv", targets[0].device, limit) if targets else None
+    works, pending = [], [None, None]  # pending[k]: the parts waiting in buffer k
 
+    def land(k: int) -> None:
+        if pending[k] is not None:
+            slots.works[k].wait()
+            offset = 0
+            for part in pending[k]:
+                n = part.numel() * part.element_size()
+                part.copy_(slots.buffers[k][offset : offset + n].view(part.dtype).view(part.shape))
+                offset += n
+            slots.works[k], pending[k] = None, None
 
-def crc32(data: torch.Tensor) -> int:
-    """CRC32 of a uint8 tensor's bytes (what the engine checks a box against)."""
-    return zlib.crc32(data.cpu().numpy().data) if data.numel() else 0
+    for frame in frames(sizes, rows, limit):
+        parts = [targets[i][a:b] for i, a, b in frame]
+        if len(parts) == 1 and parts[0].is_contiguous():
+            works.append(group.recv([_bytes(parts[0])], src, 0))
+            continue
+        k = slots.turn
+        land(k)
+        k, buf = slots.take()
+        n = sum(p.numel() * p.element_size() for p in parts)
+        slots.works[k], pending[k] = group.recv([buf[:n]], src, 0), parts
+    for k in (0, 1):
+        land(k)
+    for work in works:
+        work.wait()
