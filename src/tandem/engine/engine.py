@@ -17,6 +17,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
+from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.models.loader import read_model_spec
@@ -90,62 +91,22 @@ class LLMEngine:
         return self.executor.layouts
 
     def update_weights(self, update: dict, records_by_rank: dict[int, list], checksums=None):
-        """Apply a push between steps: (dist transport) every rank receives, then every rank
-        verifies, then every rank writes.
-
-        ``checksums()``, if given, is called after the receive phase and returns the records
-        with the senders' CRC32s filled in. A rejected push (bad checksum, unknown tensor, wrong
-        dtype) changes nothing — except that an ``in_place`` receive has already written, so
-        then, as after a failure while writing, the engine refuses requests until a complete
-        push lands. Steps already in flight (pipeline) finish first; waiting and running
-        requests go on with the new weights, and each records the versions it used."""
+        """Apply a push between steps (`WeightUpdate`: the phases, and what a failure leaves).
+        Steps already in flight (pipeline) finish first; waiting and running requests go on
+        with the new weights, and each records the versions it used."""
         with self.lock:
             self._drain_in_flight()
-            self._update_weights(update, records_by_rank, checksums)
-
-    def _update_weights(self, update: dict, records_by_rank: dict[int, list], checksums) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        in_place = update.get("mode") == "in_place"
-        if update["transport"] == "dist":
-            errors = self._guarded(lambda: self.executor.apply("receive", update, records_by_rank))
-            if errors and in_place:
-                self.torn = "; ".join(errors)
-            if errors:
-                raise WeightSyncError(
-                    f"receiving version {update['version']} failed; "
-                    + ("requests are refused until a complete push lands: " if in_place else
-                       f"version {self.weight_version} keeps serving: ")
-                    + "; ".join(errors)
-                )  # fmt: skip
-        if checksums is not None:
+            if self.dead is not None:
+                raise EngineDeadError(f"the engine is dead: {self.dead}")
+            run = WeightUpdate(update, lambda phase, records: self._guarded(
+                lambda: self.executor.apply(phase, update, records)))  # fmt: skip
             try:
-                records_by_rank = checksums()
-            except Exception as exc:
-                if in_place:  # written but never verified: do not serve it as any version
-                    self.torn = f"the push broke after an in-place receive ({exc})"
-                raise
-        errors = self._guarded(lambda: self.executor.apply("verify", update, records_by_rank))
-        if errors and in_place:  # already written (dist receive, or trainers writing over shm)
-            self.torn = "; ".join(errors)
-            raise WeightSyncError(
-                "in-place update failed verification; requests are refused until a complete "
-                "push lands: " + self.torn
-            )
-        if errors:
-            raise WeightSyncError(
-                f"update to version {update['version']} rejected; version "
-                f"{self.weight_version} keeps serving: " + "; ".join(errors)
-            )
-        errors = self._guarded(lambda: self.executor.apply("commit", update, records_by_rank))
-        if errors:
-            self.torn = "; ".join(errors)
-            raise WeightSyncError(
-                "update failed while writing; requests are refused until a complete push "
-                "lands: " + self.torn
-            )
-        self.torn = None
-        self.weight_version = update["version"]
+                run(records_by_rank, checksums, self.weight_version)
+            finally:
+                if run.torn is not None:
+                    self.torn = run.torn
+            self.torn = None
+            self.weight_version = update["version"]
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
