@@ -9,16 +9,18 @@ so they land between decode steps and every sequence records the versions that p
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import EngineAsleepError, LLMEngine
 from tandem.engine.executor import EngineDeadError
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.exchange.receiver import WeightSyncError
 
+log = logging.getLogger("tandem.serve")
 HEALTH_CHECK_S = 1.0  # how often an idle engine checks its workers
 
 
@@ -202,8 +204,14 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.step()
+            except EngineAsleepError:
+                continue  # put to sleep between the check and the step: requests wait
             except (EngineDeadError, WeightSyncError) as exc:
                 self._fail_all(str(exc))
+                continue
+            except Exception as exc:  # a bug: fail what is running, never hang the clients
+                log.exception("engine step failed")
+                self._fail_all(f"internal error in the engine: {type(exc).__name__}: {exc}")
                 continue
             self._publish()
         self._fail_all(self._closed)
