@@ -242,3 +242,23 @@ def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
             llm.generate(PROMPTS, SamplingParams(max_tokens=2))
         assert _run_trainer(trainer_dir, address, 2, transport, "in_place") == [0, 0]
         _check_matches_transformers(llm, trainer_dir, 2)
+
+
+def test_silent_peers_on_the_exchange_port_do_not_hold_up_a_push(model_factory):
+    """Each connection says hello on its own thread: strangers that connect and say nothing
+    (each could hold a handshake for 30 s) do not delay a trainer."""
+    import socket
+    import time
+
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    with LLM(engine_dir) as llm:
+        host, port = llm.exchange_address.split("/")[0].rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port))) for _ in range(3)]
+        try:
+            start = time.monotonic()
+            WeightSender(_trainer(trainer_dir), llm).push(version=1)
+            assert time.monotonic() - start < 20  # not 3 x 30 s of handshake timeouts
+            assert llm.weight_version == 1
+        finally:
+            for s in silent:
+                s.close()

@@ -10,6 +10,7 @@ then leaves the engine refusing requests until a complete push lands.
 
 from __future__ import annotations
 
+import queue
 import secrets
 import socket
 import threading
@@ -30,6 +31,7 @@ from tandem.exchange.transports.shm import SHM_DIR
 from tandem.wire import PeerGone, recv_frame, same_token, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
+MAX_HANDSHAKES = 64  # connections saying hello at once; more are dropped
 
 
 class ExchangeServer:
@@ -57,15 +59,36 @@ class ExchangeServer:
         self._listener.close()
 
     def _serve(self) -> None:
-        gathering: dict[int, tuple[socket.socket, PushHello]] = {}  # by trainer rank
+        """Accept; each connection says hello on a thread of its own (a silent peer cannot hold
+        up the others), and pushes run one at a time on the session thread."""
+        hellos: queue.Queue = queue.Queue()
+        threading.Thread(target=self._sessions, args=(hellos,), name="tandem-exchange-push",
+                         daemon=True).start()  # fmt: skip
+        greeting = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._closed:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
+                hellos.put(None)
                 return
-            hello = self._handshake(sock)
-            if hello is None:
+            if not greeting.acquire(blocking=False):
+                sock.close()  # a flood of connections: drop the excess
                 continue
+            threading.Thread(target=self._greet, args=(sock, hellos, greeting),
+                             daemon=True).start()  # fmt: skip
+
+    def _greet(self, sock: socket.socket, hellos: queue.Queue, greeting) -> None:
+        try:
+            hello = self._handshake(sock)
+        finally:
+            greeting.release()
+        if hello is not None:
+            hellos.put((sock, hello))
+
+    def _sessions(self, hellos: queue.Queue) -> None:
+        gathering: dict[int, tuple[socket.socket, PushHello]] = {}  # by trainer rank
+        while (item := hellos.get()) is not None:
+            sock, hello = item
             stale = gathering.pop(hello.rank, None)
             if stale is not None:  # that rank gave up on an earlier push and came back
                 stale[0].close()
