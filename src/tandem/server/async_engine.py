@@ -118,7 +118,9 @@ class AsyncEngine:
     # ----- event-loop side -----
     @property
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + len(self._new)
+        """Requests not yet admitted (a request's n samples count once)."""
+        waiting = {seq.request_id for seq in list(self.engine.scheduler.waiting)}
+        return len(waiting) + len(self._new)
 
     @property
     def num_running(self) -> int:
