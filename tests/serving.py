@@ -4,49 +4,28 @@ have stopped, workers included) on exit."""
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from tandem.bench.serve_process import ServerProcess
+
 ADMIN_KEY = "test-admin-key-0123456789"
-_LISTENING = re.compile(r"tandem serve: (\S+) on (http://\S+) ")
 
 
-class Server:
+class Server(ServerProcess):
+    """`ServerProcess` with an httpx client on its URL, quiet logs, and ``--model DIR`` or a
+    TOML ``config``."""
+
     def __init__(self, model_dir: str, *args: str, config: str | None = None, timeout=120.0):
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", "--log-level",
-               "warning", *args]  # fmt: skip
-        cmd += ["--config", config] if config else ["--model", model_dir]
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
-        self.lines: list[str] = []
-        found = threading.Event()
-
-        def pump():
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if not found.is_set() and (m := _LISTENING.search(line)):
-                    self.model, self.url = m.group(1), m.group(2)
-                    found.set()
-            found.set()
-
-        threading.Thread(target=pump, daemon=True).start()
-        if not found.wait(timeout) or not hasattr(self, "url"):
-            self.stop()
-            raise RuntimeError("server did not start:\n" + self.output)
+        where = ["--config", config] if config else ["--model", model_dir]
+        super().__init__([*where, "--log-level", "warning", *args], start_timeout_s=timeout)
+        self.model = self.model_name
         self.client = httpx.Client(base_url=self.url, timeout=60)
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)
 
     def get(self, path: str, **kw) -> httpx.Response:
         return self.client.get(path, **kw)
@@ -70,22 +49,10 @@ class Server:
         return 0.0
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = super().stop(sig, timeout)
         if hasattr(self, "client"):
             self.client.close()
-        return self.proc.returncode
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        return code
 
 
 def children(pid: int) -> list[int]:

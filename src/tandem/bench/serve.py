@@ -100,7 +100,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     servers: dict[str, ServerProcess] = {}
     try:
         for mode in MODES:
-            servers[mode] = ServerProcess(path, [*flags, "--batching", mode])
+            servers[mode] = ServerProcess(["--model", str(path), *flags, "--batching", mode])
         warmup = [LoadRequest(r.prompt, min(r.max_tokens, 4)) for r in requests]
         for mode, server in servers.items():
             if (warm := _load(server, warmup[: setup.max_num_seqs], None))["failed"]:
