@@ -50,6 +50,7 @@ MODES = {
     "shm-in_place-unverified": {"transport": "shm", "mode": "in_place", "verify": False},
     "dist": {"transport": "dist", "mode": "staged"},
     "dist-in_place": {"transport": "dist", "mode": "in_place"},
+    "dist-in_place-unverified": {"transport": "dist", "mode": "in_place", "verify": False},
 }
 
 

@@ -136,6 +136,10 @@ class RankReceiver:
             return self._dist(phase, update, records)
         except Exception as exc:  # answered to the engine, which decides; never kills the rank
             self._received.pop(update["version"], None)
+            if update["transport"] == "dist" and "group" in update:
+                from tandem.exchange.transports import dist as transport
+
+                transport.abandon(transport.GroupInfo.from_wire(update["group"]))
             return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
 
     def _written_in_place(self, phase: str, update: dict, records: list[Record]):
@@ -195,7 +199,7 @@ class RankReceiver:
         return self._check_or_write("commit", dtype, staging, records)
 
     def _receive(self, update: dict, records: list[Record]):
-        """Take every source's boxes, sources in rank order: into this rank's staging buffer
+        """Take every source's boxes, sources in `stream_order`: into this rank's staging buffer
         (kept for later pushes, so they touch no new memory), or straight into the live
         parameters (in_place). Returns (staged sources, CRC32 per source and record)."""
         from tandem.exchange.transports import dist as transport
@@ -213,7 +217,11 @@ class RankReceiver:
         staging: list = [None] * update["trainers"]
         crcs: list[list[int | None]] = [[] for _ in by_src]
         start = 0
-        for src, mine in enumerate(by_src):  # sources in rank order: no cyclic waits
+        engine_ranks = info.world - update["trainers"]
+        order = transport.stream_order(self.rank, range(update["trainers"]), update["trainers"],
+                                       engine_ranks, sending=False)  # fmt: skip
+        for src in order:  # the order every rank agrees on: no cyclic waits
+            mine = by_src[src]
             if not mine:
                 continue
             sizes = [r.nbytes for r in mine]
@@ -221,20 +229,17 @@ class RankReceiver:
             if staged:
                 buf = self._staging[start : start + sum(sizes)]
                 start += sum(sizes)
-                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"], staging=buf)
                 staging[src] = TensorStaging(buf)
-                if update["verify"]:
-                    crcs[src] = [_crc(staging[src], r) for r in mine]
-                continue
-            targets = []
-            for r in mine:
-                region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
-                targets.append(region.t() if r.transposed else region)
+                into = {"staging": buf}
+            else:
+                targets = []
+                for r in mine:
+                    region = params[r.key][tuple(slice(a, b) for a, b in r.slices)]
+                    targets.append(region.t() if r.transposed else region)
+                into = {"targets": targets}
             with torch.no_grad():
-                transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
-                                     targets=targets)  # fmt: skip
-            if update["verify"]:
-                crcs[src] = [tensor_crc32(t) for t in targets]
+                crcs[src] = transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
+                                                 checksum=update["verify"], **into)  # fmt: skip
         return staging, crcs
 
     def _check_or_write(self, phase: str, dtype: str, segments: list, records: list[Record]):

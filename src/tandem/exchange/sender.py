@@ -23,6 +23,7 @@ from tandem.exchange.checksum import copy_with_crc32, crc32
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.transports.dist import GroupBroken
 from tandem.exchange.transports.shm import ShmSegment
 from tandem.exchange.transports.shm_arena import MappedArena
 from tandem.wire import PeerGone, recv_frame, send_frame
@@ -119,7 +120,10 @@ class WeightSender:
                 reply = decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     sent = sum(item[5] for item in reply.items)
-                    ready, staged = self._deliver(reply)
+                    try:
+                        ready, staged = self._deliver(reply)
+                    except GroupBroken as exc:  # a peer died or left the push's group
+                        raise WeightSyncError(self._why_broken(sock, exc)) from None
                     send_frame(sock, encode(ready))
                     reply = decode(recv_frame(sock))
             except (PeerGone, OSError) as exc:
@@ -134,6 +138,17 @@ class WeightSender:
             raise WeightSyncError(reply.error)
         return PushStats(reply.version, sent, reply.bytes_needed, reply.bytes_moved,
                          time.perf_counter() - start, self.transport)  # fmt: skip
+
+    def _why_broken(self, sock: socket.socket, exc: Exception) -> str:
+        """The engine's account of a push whose transport broke under this rank (it answers
+        once every engine rank has stopped receiving), else the transport's error."""
+        try:
+            reply = decode(recv_frame(sock))
+        except (PeerGone, OSError, ValueError):
+            reply = None
+        if isinstance(reply, PushDone) and reply.error is not None:
+            return reply.error
+        return f"the transport broke mid-push ({type(exc).__name__}: {exc})"
 
     def _deliver(self, plan: PushPlan) -> tuple[PushReady, object]:
         """Carry out this rank's part of the plan; (the ready message, what must stay alive)."""
@@ -190,7 +205,7 @@ class WeightSender:
         return crcs
 
     def _send(self, plan: PushPlan) -> list[int | None]:
-        """dist: send each engine rank its boxes, engine ranks in order, in buckets."""
+        """dist: send each engine rank its boxes, engine ranks in `stream_order`, in buckets."""
         from tandem.exchange.transports import dist as transport
 
         group = transport.join(transport.GroupInfo.from_wire(plan.group), self.rank)
@@ -201,14 +216,21 @@ class WeightSender:
             by_dst.setdefault(item[6], []).append(i)
         crcs: list[int | None] = [None] * len(plan.items)
         with torch.no_grad():
-            for dst in sorted(by_dst):
+            info = transport.GroupInfo.from_wire(plan.group)
+            order = transport.stream_order(self.rank, by_dst, plan.trainers,
+                                           info.world - plan.trainers, sending=True)  # fmt: skip
+            for dst in order:
                 boxes = []
                 for i in by_dst[dst]:
                     key, slices, transposed, _, _, _, _ = plan.items[i]
                     src = local[key][tuple(slice(a, b) for a, b in slices)]
                     boxes.append(src.t() if transposed else src)
-                sent = transport.send_boxes(group, plan.trainers + dst, boxes, dtype,
-                                            plan.bucket_bytes, checksum=self.verify)  # fmt: skip
+                try:
+                    sent = transport.send_boxes(group, plan.trainers + dst, boxes, dtype,
+                                                plan.bucket_bytes, self.verify)  # fmt: skip
+                except RuntimeError as exc:  # gloo / NCCL: a peer died or left the group
+                    transport.abandon(info)  # so engine ranks waiting on this one fail too
+                    raise GroupBroken(str(exc)) from None
                 for i, crc in zip(by_dst[dst], sent, strict=True):
                     crcs[i] = crc
         self._before_ready(None)

@@ -5,9 +5,11 @@ The group is separate from the trainer's and the engine's own groups: it rendezv
 a c10d store the engine's exchange server hosts. Boxes travel in messages of bounded size
 (`frames`): a large box straight from the sender's memory into the receiver's where both are
 contiguous, small ones packed into one of two reusable buffers while the other is on the wire.
-Every sender walks its destinations in rank order and every receiver its sources in rank
-order, and within one stream each side waits only for its own earlier messages, so the
-point-to-point operations can never wait in a cycle.
+Messages are a few MiB, so a box's CRC32 is taken while its bytes are in cache on both ends
+(the sender's just before it goes, the receiver's as it lands) rather than in a pass of its
+own over memory. Senders and receivers walk their streams in one agreed order
+(`stream_order`), and within one stream each side waits only for its own earlier messages, so
+the point-to-point operations can never wait in a cycle.
 """
 
 from __future__ import annotations
@@ -18,9 +20,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.exchange.checksum import crc32
+from tandem.exchange.checksum import crc32, tensor_crc32
 
-DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_BUCKET_BYTES = 4 << 20
 
 _groups: dict[tuple, dist.ProcessGroup] = {}
 
@@ -58,6 +60,37 @@ def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGr
             group = dist.ProcessGroupGloo(prefixed, rank, info.world, timedelta(seconds=timeout_s))
         _groups[key] = group
     return _groups[key]
+
+
+class GroupBroken(RuntimeError):
+    """A point-to-point operation failed: a peer died or left the push's group."""
+
+
+def abandon(info: GroupInfo) -> None:
+    """Leave a push's group after a failure: abort this process's handles on it, so a peer
+    blocked sending to (or receiving from) this process fails at once instead of waiting out
+    the timeout. The engine retires the generation; the next push joins a new one."""
+    for key in [k for k in _groups if k[:3] == (info.host, info.port, info.prefix)]:
+        group = _groups.pop(key)
+        try:
+            group.abort()
+        except Exception:  # already broken: nothing left to release
+            pass
+
+
+def stream_order(rank: int, peers, senders: int, receivers: int, sending: bool) -> list[int]:
+    """The order in which ``rank`` (a sender's index among the senders, or a receiver's among
+    the receivers) walks its streams with ``peers``. Round k pairs sender s with receiver
+    (s + k) mod max(senders, receivers), so each round is a matching whose streams run side by
+    side; both ends walk their streams by (round, sender), one total order, so the
+    stream first in it can always progress and no set of ranks can wait in a cycle."""
+    span = max(senders, receivers)
+
+    def key(peer: int) -> tuple[int, int]:
+        s, d = (rank, peer) if sending else (peer, rank)
+        return (d - s) % span, s
+
+    return sorted(peers, key=key)
 
 
 SMALL_BYTES = 1 << 20  # boxes below this are packed together; larger ones travel as they are
@@ -151,46 +184,69 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
 
 
 def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
-               staging: torch.Tensor | None = None,
-               targets: list[torch.Tensor] | None = None) -> None:  # fmt: skip
+               staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
+               checksum: bool = False) -> list[int | None]:  # fmt: skip
     """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
-    into ``staging`` (a uint8 tensor of the boxes' bytes, in order), or into ``targets`` (each
-    box's destination, in the box's orientation): straight into it where that is contiguous,
-    else through two alternating buffers, copied into place as each message completes."""
-    if staging is not None:
-        works, start = [], 0
-        for frame in frames(sizes, rows, limit):
-            n = sum(sizes[i] // rows[i] * (b - a) for i, a, b in frame)
-            works.append(group.recv([staging[start : start + n]], src, 0))
-            start += n
-        for work in works:
+    into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
+    into its place), or into ``targets`` (each box's destination, in the box's orientation):
+    straight into it where that is contiguous, else through two alternating buffers, copied
+    into place as each message completes. Every receive is posted before any is waited for.
+    With ``checksum``, returns each box's CRC32 as received (else Nones), taken message by
+    message as each lands — while its bytes are still in cache and later messages are still
+    arriving — never in a second pass over the whole stream."""
+    plan = frames(sizes, rows, limit)
+    crcs: list[int | None] = [0 if checksum else None for _ in sizes]
+    slots = None
+    if targets is not None:
+        targets = [_rows(t) for t in targets]
+        if targets:
+            slots = Slots("recv", targets[0].device, limit)
+    starts = [0] * len(sizes)
+    for i in range(1, len(sizes)):
+        starts[i] = starts[i - 1] + sizes[i - 1]
+    # per message: [work, [(box, its bytes as they land)], slot or None, parts to copy into]
+    posted: list[list] = []
+    in_slot = [-1, -1]  # the message each buffer holds
+    done = 0  # messages landed (and checksummed) so far, in order
+
+    def land_through(last: int) -> None:
+        nonlocal done
+        while done <= last:
+            work, landed, k, parts = posted[done]
             work.wait()
-        return
-    targets = [_rows(t) for t in targets]
-    slots = Slots("recv", targets[0].device, limit) if targets else None
-    works, pending = [], [None, None]  # pending[k]: the parts waiting in buffer k
+            if checksum:
+                for i, data in landed:
+                    crcs[i] = tensor_crc32(data, crcs[i])
+            for (_, data), part in zip(landed, parts, strict=True) if k is not None else ():
+                part.copy_(data.view(part.dtype).view(part.shape))
+            posted[done] = None
+            done += 1
 
-    def land(k: int) -> None:
-        if pending[k] is not None:
-            slots.works[k].wait()
-            offset = 0
-            for part in pending[k]:
-                n = part.numel() * part.element_size()
-                part.copy_(slots.buffers[k][offset : offset + n].view(part.dtype).view(part.shape))
-                offset += n
-            slots.works[k], pending[k] = None, None
-
-    for frame in frames(sizes, rows, limit):
+    for frame in plan:
+        if staging is not None:  # a message's boxes are consecutive there
+            landed = []
+            for i, a, b in frame:
+                row = sizes[i] // rows[i]
+                landed.append((i, staging[starts[i] + row * a : starts[i] + row * b]))
+            i, a, _ = frame[0]
+            begin = starts[i] + sizes[i] // rows[i] * a
+            data = staging[begin : begin + sum(d.numel() for _, d in landed)]
+            posted.append([group.recv([data], src, 0), landed, None, []])
+            continue
         parts = [targets[i][a:b] for i, a, b in frame]
         if len(parts) == 1 and parts[0].is_contiguous():
-            works.append(group.recv([_bytes(parts[0])], src, 0))
+            data = _bytes(parts[0])
+            posted.append([group.recv([data], src, 0), [(frame[0][0], data)], None, []])
             continue
         k = slots.turn
-        land(k)
-        k, buf = slots.take()
-        n = sum(p.numel() * p.element_size() for p in parts)
-        slots.works[k], pending[k] = group.recv([buf[:n]], src, 0), parts
-    for k in (0, 1):
-        land(k)
-    for work in works:
-        work.wait()
+        slots.turn ^= 1
+        land_through(in_slot[k])  # the buffer's previous message is in place first
+        landed, offset = [], 0
+        for (i, _, _), part in zip(frame, parts, strict=True):
+            n = part.numel() * part.element_size()
+            landed.append((i, slots.buffers[k][offset : offset + n]))
+            offset += n
+        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts])
+        in_slot[k] = len(posted) - 1
+    land_through(len(posted) - 1)
+    return crcs
