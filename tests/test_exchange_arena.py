@@ -32,5 +32,5 @@ def test_tied_parameters_stay_one_tensor():
 def test_a_recycled_descriptor_is_refused():
     arena = ParamArena(nn.Linear(4, 4))
     pid, fd, inode, size, entries = arena.to_wire()
-    with pytest.raises(RuntimeError, match="not the engine's parameter arena"):
+    with pytest.raises(RuntimeError, match="not the peer's parameter arena"):
         MappedArena([pid, fd, inode + 1, size, entries])

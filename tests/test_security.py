@@ -255,34 +255,26 @@ def test_control_server_drops_strangers_and_accepts_its_worker():
         server.close()
 
 
-# -- (c) shared-memory segments: owner-only, unguessable, never an existing file ---------------
+# -- (c) shared memory: nameless, checked when mapped ------------------------------------------
 
 
-def test_shm_segments_are_owner_only_with_unguessable_names():
-    names = {shm.new_name() for _ in range(1000)}
-    assert len(names) == 1000
-    for name in names:
-        secret = name.removeprefix("tandem-")
-        assert len(secret) >= 32 and int(secret, 16) >= 0  # >= 128 random bits, hex
-    old = os.umask(0)  # the mode must not depend on the umask
-    try:
-        segment = shm.ShmSegment.create(4096)
-    finally:
-        os.umask(old)
-    try:
-        assert segment.path.parent == shm.SHM_DIR
-        assert segment.path.stat().st_mode & 0o777 == 0o600
-        assert segment.path.stat().st_uid == os.getuid()
-        with pytest.raises(FileExistsError):  # a planted file is never adopted
-            shm.ShmSegment.create(4096, name=segment.path.name)
-    finally:
-        segment.close()
-        segment.unlink()
-    for path in ("/etc/passwd", "/dev/shm/not-ours", "/dev/shm/tandem-x/../../etc/passwd"):
-        with pytest.raises(ValueError):  # a peer-supplied path cannot reach other files
-            shm.unlink(path)
+def test_shared_memory_is_nameless_and_a_mapping_checks_what_it_opens():
+    before = set(os.listdir("/dev/shm"))
+    memory = shm.SharedMemory(4096)
+    assert set(os.listdir("/dev/shm")) == before  # no name: nothing to plant, guess or leave
+    assert os.readlink(f"/proc/self/fd/{memory.fd}").startswith("/memfd:")
+    pid, fd, inode, size = memory.to_wire()
+    memory.data[:4].copy_(memory.data.new_tensor([1, 2, 3, 4]))
+    mapped = shm.MappedMemory([pid, fd, inode, size])
+    assert mapped.data[:4].tolist() == [1, 2, 3, 4]
+    bad = [[pid, fd, inode + 1, size], [pid, fd, inode, size + 1], [pid, 0, inode, size],
+           [2**22 + 7, fd, inode, size]]  # fmt: skip
+    for wire in bad:  # a recycled descriptor or pid, a wrong size: refused before mapping
+        with pytest.raises(RuntimeError):
+            shm.MappedMemory(wire)
+    for offset, nbytes in ((size - 1, 2), (-1, 1)):  # records never reach past the buffer
         with pytest.raises(ValueError):
-            shm.ShmSegment.open(path, 1)
+            mapped.view(offset, nbytes)
 
 
 # -- (d) loopback by default ----------------------------------------------------------------

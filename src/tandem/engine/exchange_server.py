@@ -1,11 +1,11 @@
 """The engine's door for weight pushes from trainer processes (`llm.exchange_address`).
 
-A background thread accepts trainer ranks, plans (cached while layouts are unchanged), collects
-the staged segments, then applies the update between engine steps (the engine lock): every rank
-verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
-push; the old weights keep serving. In shm ``in_place`` mode the trainers get their plans only
-once the engine is paused, and write straight into its shared parameters; a push that breaks
-then leaves the engine refusing requests until a complete push lands.
+A background thread accepts trainer ranks, plans (cached while layouts are unchanged), learns where
+each rank staged its boxes, then applies the update between engine steps (the engine lock): every
+rank verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
+push; the old weights keep serving. In shm ``in_place`` mode the trainers get their plans only once
+the engine is paused, and write straight into its shared parameters; a push that breaks then leaves
+the engine refusing requests until a complete push lands.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, local_slices, numel
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import Record, WeightSyncError
-from tandem.exchange.transports import shm
 from tandem.exchange.transports.dist import DEFAULT_BUCKET_BYTES, GroupInfo
-from tandem.exchange.transports.shm import SHM_DIR
 from tandem.wire import PeerGone, recv_frame, same_token, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
@@ -116,7 +114,6 @@ class ExchangeServer:
     def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
         socks = [s for s, _ in conns]
         hellos = [h for _, h in conns]
-        staged: list[str] = []
         version = None
         start = time.perf_counter()
         try:
@@ -127,11 +124,8 @@ class ExchangeServer:
             # shm in_place: trainers write into the live parameters, so they get their plans
             # only once the engine is paused (inside update_weights, via checksums())
             direct = update["transport"] == "shm" and update["mode"] == "in_place"
-            if update["transport"] == "shm" and not direct:
-                staged = [str(SHM_DIR / p.segment) for p in plans]  # removed whatever happens
-                update["segments"] = [[path, p.size] for path, p in zip(staged, plans, strict=True)]
-            elif update["transport"] == "cuda_ipc":
-                update["segments"] = [None] * len(plans)  # handles arrive with PushReady
+            if update["transport"] in ("shm", "cuda_ipc") and not direct:
+                update["segments"] = [None] * len(plans)  # each arrives with its PushReady
             elif update["transport"] == "dist":
                 update.update(group=self._group(len(hellos)).to_wire(),
                               bucket_bytes=self.bucket_bytes)  # fmt: skip
@@ -152,8 +146,8 @@ class ExchangeServer:
                     ready = decode(recv_frame(sock))
                     if not isinstance(ready, PushReady):
                         raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
-                    if update["transport"] == "cuda_ipc":
-                        update["segments"][rank] = ready.handle
+                    if "segments" in update:
+                        update["segments"][rank] = ready.staging
                     for (dst, wire), crc in zip(records[rank], ready.crcs, strict=True):
                         wire[-1] = crc
                         by_receiver[dst].append(wire)
@@ -181,9 +175,6 @@ class ExchangeServer:
         except Exception as exc:  # report any other failure to the trainers, never hang them
             self._retire_group()
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
-        finally:
-            for path in staged:
-                shm.unlink(path)
         for listener in self.engine.update_listeners:
             listener(done.version, time.perf_counter() - start, done.error)
         for sock in socks:
@@ -249,9 +240,7 @@ class ExchangeServer:
             records[t.src].append((t.dst, rec.to_wire()))
             offsets[stream] += nbytes
         needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
-        plans = [
-            PushPlan(dtype, offsets[(i, -1)], shm.new_name(), items[i]) for i in range(len(hellos))
-        ]
+        plans = [PushPlan(dtype, offsets[(i, -1)], items[i]) for i in range(len(hellos))]
         if hellos[0].transport == "shm" and hellos[0].mode == "in_place":
             self._direct(plans, receivers, records)
         return version, plans, records, needed

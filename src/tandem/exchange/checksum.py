@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from isal.isal_zlib import crc32 as _crc32
 
-CHUNK_BYTES = 1 << 20  # a scratch chunk that stays in cache between its copy and its CRC
+CHUNK_BYTES = 2 << 20  # a scratch chunk that stays in cache between its copy and its CRC
 
 
 def crc32(data, value: int = 0) -> int:
@@ -45,8 +45,8 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
 
 def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int | None:
     """``dst.copy_(src)`` (same shape; converts dtype), and, with ``verify``, the CRC32 of the
-    bytes as written (``src`` in ``dst``'s dtype, C order), each chunk checksummed while it is
-    still in cache rather than in a second pass over memory."""
+    bytes as they landed in ``dst`` (C order): each chunk is checksummed right after it is
+    written, from cache, rather than in a second pass over memory."""
     if not verify:
         dst.copy_(src)
         return None
@@ -55,14 +55,13 @@ def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int |
     if src.dim() == 0:
         src, dst = src.view(1), dst.view(1)
     rows = max(1, CHUNK_BYTES // max(1, src[0].numel() * dst.element_size()))
-    direct = src.dtype == dst.dtype and src.device.type == "cpu"
     scratch = None
     value = 0
     for start in range(0, src.shape[0], rows):
         part, out = src[start : start + rows], dst[start : start + rows]
-        if direct and part.is_contiguous():
-            value = crc32(part.reshape(-1).view(torch.uint8), value)
+        if out.is_contiguous() and out.device.type == "cpu":
             out.copy_(part)
+            value = crc32(out.reshape(-1).view(torch.uint8), value)
             continue
         if scratch is None:
             scratch = torch.empty(min(rows, src.shape[0]) * src[0].numel(), dtype=dst.dtype)

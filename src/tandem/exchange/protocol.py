@@ -1,11 +1,11 @@
 """Messages between trainer ranks (`WeightSender`) and an engine's exchange server.
 
-One push: every trainer rank connects and says what it holds (`PushHello`); the engine plans
-and tells each rank which boxes to stage where (`PushPlan`); each rank stages them in its own
-shared-memory segment, or (shm ``in_place``) writes them straight into the engine ranks' shared
-parameters while the engine is paused (`PushReady`, with CRC32s); the engine verifies on every
-rank, commits, and answers everyone (`PushDone`). msgpack only; tensor bytes never travel in
-these frames.
+One push: every trainer rank connects and says what it holds (`PushHello`); the engine plans and
+tells each rank which boxes to stage where (`PushPlan`); each rank stages them in its own shared
+memory (kept for its later pushes), or (shm ``in_place``) writes them straight into the engine
+ranks' shared parameters while the engine is paused, or sends them (dist) (`PushReady`, with
+CRC32s); the engine verifies on every rank, commits, and answers everyone (`PushDone`). msgpack
+only; tensor bytes never travel in these frames.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ class PushHello:
 @dataclass(slots=True)
 class PushPlan:
     dtype: str  # stage boxes in this dtype (the engine's)
-    size: int  # bytes of this rank's segment (shm)
-    segment: str  # the name to create it under (unguessable; the engine removes it after)
+    size: int  # bytes of this rank's staging buffer (shm, cuda_ipc staged)
     items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes, dst]
     group: list | None = None  # dist: GroupInfo.to_wire(); this rank is its trainer rank
     trainers: int = 1  # dist: engine rank e is group rank trainers + e
@@ -43,10 +42,8 @@ class PushPlan:
 
 @dataclass(slots=True)
 class PushReady:
-    segment: str  # shm: the segment's path
-    size: int
     crcs: list[int | None]  # per item, in PushPlan order
-    handle: list | None = None  # cuda_ipc: the staging buffer's IPC handle
+    staging: list | None = None  # shm: `SharedMemory.to_wire()`; cuda_ipc: the IPC handle
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import crc32, tensor_crc32
-from tandem.exchange.transports.shm import ShmSegment
+from tandem.exchange.transports.shm import MappedMemory
 
 
 class WeightSyncError(RuntimeError):
@@ -49,7 +49,7 @@ class Record:
 
 class TensorStaging:
     """Received bytes held in engine memory (the dist transport's staged mode), read like a
-    shared-memory segment."""
+    trainer's shared staging memory."""
 
     def __init__(self, data: torch.Tensor):
         self.data = data  # uint8
@@ -125,6 +125,7 @@ class RankReceiver:
         self.device = device
         self._received: dict[int, tuple[list, list[list[int]]]] = {}  # version -> staging, crcs
         self._staging: torch.Tensor | None = None  # dist staged: reused by every push
+        self._shared: dict[tuple, MappedMemory] = {}  # shm staged: trainers' staging, mapped
 
     def handle(self, phase: str, update: dict, wire_records: list) -> tuple[str | None, int]:
         records = [Record.from_wire(w) for w in wire_records]
@@ -136,6 +137,7 @@ class RankReceiver:
             return self._dist(phase, update, records)
         except Exception as exc:  # answered to the engine, which decides; never kills the rank
             self._received.pop(update["version"], None)
+            self._shared = {}
             if update["transport"] == "dist" and "group" in update:
                 from tandem.exchange.transports import dist as transport
 
@@ -158,23 +160,31 @@ class RankReceiver:
         return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, 0
 
     def _from_staged(self, phase: str, update: dict, records: list[Record]):
-        """shm / cuda_ipc: the trainer ranks staged everything; map what this rank reads."""
+        """shm / cuda_ipc: the trainer ranks staged everything; map what this rank reads.
+        A trainer rank's shared staging memory is mapped once and kept while its pushes keep
+        naming it (a mapping of another push's buffer is dropped, freeing it once its trainer
+        is gone)."""
         needed = sorted({r.segment for r in records})
-        mapped: dict[int, object] = {}
+        segments: list = [None] * len(update["segments"])
+        if update["transport"] == "shm":
+            shared = {}
+            for i in needed:
+                key = tuple(update["segments"][i][:3])
+                shared[key] = self._shared.get(key) or MappedMemory(update["segments"][i],
+                                                                    "staging memory")  # fmt: skip
+                segments[i] = shared[key]
+            self._shared = shared
+            return self._check_or_write(phase, update["dtype"], segments, records)
+        from tandem.exchange.transports.cuda_ipc import CudaStaging
+
         try:
             for i in needed:
-                if update["transport"] == "shm":
-                    path, size = update["segments"][i]
-                    mapped[i] = ShmSegment.open(path, size)
-                else:
-                    from tandem.exchange.transports.cuda_ipc import CudaStaging
-
-                    mapped[i] = CudaStaging(update["segments"][i])
-            segments = [mapped.get(i) for i in range(len(update["segments"]))]
+                segments[i] = CudaStaging(update["segments"][i])
             return self._check_or_write(phase, update["dtype"], segments, records)
         finally:
-            for seg in mapped.values():
-                seg.close()
+            for seg in segments:
+                if seg is not None:
+                    seg.close()
 
     def _dist(self, phase: str, update: dict, records: list[Record]):
         version, dtype = update["version"], update["dtype"]

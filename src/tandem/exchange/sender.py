@@ -2,8 +2,9 @@
 
 Each rank tells the engine which canonical boxes it holds; the engine plans (once, cached) and
 answers with the boxes this rank must stage; the rank packs exactly those — converted to the
-engine's dtype, so fewer bytes travel — into its own shared-memory segment with a CRC32 each,
-and the engine verifies everything on every rank before writing anything in place.
+engine's dtype, so fewer bytes travel — with a CRC32 each: into its own shared staging memory
+(kept for its later pushes), straight into the engine's shared parameters (shm ``in_place``),
+or over torch.distributed; the engine verifies everything on every rank before committing.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.transports.dist import GroupBroken
-from tandem.exchange.transports.shm import ShmSegment
+from tandem.exchange.transports.shm import SharedMemory
 from tandem.exchange.transports.shm_arena import MappedArena
 from tandem.wire import PeerGone, recv_frame, send_frame
 
@@ -50,16 +51,16 @@ class WeightSender:
     default group's). ``verify`` sends a CRC32 of every box; the engine rejects the update on
     any mismatch. ``ignore`` names trainer tensors the engine does not have (a value head).
 
-    ``transport``: ``shm`` (same host: each rank stages its boxes in a shared-memory segment
-    the engine ranks read) or ``dist`` (torch.distributed point-to-point in a group of trainer
-    and engine ranks; works across hosts) or ``cuda_ipc`` (same node, CUDA: the engine maps
-    each rank's CUDA staging buffer); ``auto`` picks ``cuda_ipc`` for a model on a GPU, else
-    ``shm``. ``mode`` (shm, dist): ``staged`` stages the push (shm: in the trainer's shared
-    memory; dist: in engine memory) and commits only a complete, verified push (the old version
-    serves on failure); ``in_place`` writes straight into the live parameters (shm: the trainer
-    rank copies each box into the engine's shared parameters, one copy; dist: the engine
-    receives into them), with no extra memory, and a broken push makes the engine refuse
-    requests until a complete push lands."""
+    ``transport``: ``shm`` (same host: each rank stages its boxes in shared memory the engine ranks
+    map — a memfd, kept for later pushes until `close`) or ``dist`` (torch.distributed
+    point-to-point in a group of trainer and engine ranks; works across hosts) or ``cuda_ipc`` (same
+    node, CUDA: the engine maps each rank's CUDA staging buffer); ``auto`` picks ``cuda_ipc`` for a
+    model on a GPU, else ``shm``. ``mode`` (shm, dist): ``staged`` stages the push (shm: in the
+    trainer's shared memory; dist: in engine memory) and commits only a complete, verified push (the
+    old version serves on failure); ``in_place`` writes straight into the live parameters (shm: the
+    trainer rank copies each box into the engine's shared parameters, one copy; dist: the engine
+    receives into them), with no extra memory, and a broken push makes the engine refuse requests
+    until a complete push lands."""
 
     TRANSPORTS = ("shm", "dist", "cuda_ipc")
 
@@ -105,6 +106,7 @@ class WeightSender:
         self.world_size = world_size or (dist.get_world_size() if default else 1)
         self.timeout_s = timeout_s
         self._arenas: dict[tuple, MappedArena] = {}  # engine ranks' parameters (shm in_place)
+        self._staging: SharedMemory | None = None  # shm staged: kept for the next push
 
     def push(self, version: int | None = None) -> PushStats:
         """Send this rank's boxes and wait until the engine committed (or rejected) them."""
@@ -112,7 +114,7 @@ class WeightSender:
         layout = dtensor_layout(self.model, self.rank)
         hello = PushHello(self._token, self.rank, self.world_size, version, layout.to_wire(),
                           self.ignore, self.transport, self.mode, self.verify)  # fmt: skip
-        staged = None  # what the engine reads until it answers: a segment or a CUDA buffer
+        staged = None  # cuda_ipc: the staging buffer, alive until the engine has answered
         sent = 0
         with socket.create_connection(self._endpoint, timeout=self.timeout_s) as sock:
             try:
@@ -128,16 +130,18 @@ class WeightSender:
                     reply = decode(recv_frame(sock))
             except (PeerGone, OSError) as exc:
                 raise WeightSyncError(f"lost the engine during the push ({exc})") from None
-            finally:
-                if isinstance(staged, ShmSegment):
-                    staged.close()
-                    staged.unlink()
         if not isinstance(reply, PushDone):
             raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
         if reply.error is not None:
             raise WeightSyncError(reply.error)
         return PushStats(reply.version, sent, reply.bytes_needed, reply.bytes_moved,
                          time.perf_counter() - start, self.transport)  # fmt: skip
+
+    def close(self) -> None:
+        """Release this sender's shared staging memory and its mappings of engine memory
+        (also released when the sender is garbage-collected)."""
+        self._staging = None
+        self._arenas = {}
 
     def _why_broken(self, sock: socket.socket, exc: Exception) -> str:
         """The engine's account of a push whose transport broke under this rank (it answers
@@ -153,9 +157,9 @@ class WeightSender:
     def _deliver(self, plan: PushPlan) -> tuple[PushReady, object]:
         """Carry out this rank's part of the plan; (the ready message, what must stay alive)."""
         if self.transport == "dist":
-            return PushReady("", 0, self._send(plan)), None
+            return PushReady(self._send(plan)), None
         if plan.arenas is not None:
-            return PushReady("", 0, self._write_in_place(plan)), None
+            return PushReady(self._write_in_place(plan)), None
         if self.transport == "cuda_ipc":
             from tandem.exchange.transports.cuda_ipc import export_handle
 
@@ -163,9 +167,11 @@ class WeightSender:
             buf = torch.empty(plan.size, dtype=torch.uint8, device=device)
             crcs = self._stage(buf, plan)
             torch.cuda.synchronize(device)
-            return PushReady("", plan.size, crcs, export_handle(buf)), buf
-        segment = ShmSegment.create(plan.size, plan.segment)
-        return PushReady(str(segment.path), plan.size, self._stage(segment.data, plan)), segment
+            return PushReady(crcs, export_handle(buf)), buf
+        if self._staging is None or self._staging.size != plan.size:
+            self._staging = None  # the old buffer goes before the new one is made
+            self._staging = SharedMemory(plan.size, "tandem-staging")
+        return PushReady(self._stage(self._staging.data, plan), self._staging.to_wire()), None
 
     def _stage(self, buf: torch.Tensor, plan: PushPlan) -> list[int | None]:
         """Pack every planned box at its offset of ``buf`` (uint8), in the engine's dtype."""

@@ -1,87 +1,84 @@
-"""Same-host transport through an OS shared-memory segment (``/dev/shm``).
+"""Same-host shared memory with no name: what the shm transport stages in and writes through.
 
-The sender creates one segment per push with owner-only permissions and an unguessable name,
-packs every transfer's box into it (converted to the engine's dtype), and the receivers map it
-read-only and copy each box into place. The segment belongs to the sender: the engine allocates
-nothing the size of the model.
+A process makes `SharedMemory` with ``memfd_create``: an anonymous file that appears nowhere
+in the filesystem, so nothing can be planted under its name or left behind — the kernel frees
+it when the last process holding it (descriptor or mapping) exits, SIGKILL included. Another
+process on the host maps it (`MappedMemory`) by opening ``/proc/PID/fd/FD``, which the kernel
+allows only to a process of the same user (the ptrace read check), after checking its inode
+and size, so a recycled pid or descriptor is refused. Both sides map it once and keep the
+mapping for later pushes, so a push touches no fresh pages.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import secrets
-from pathlib import Path
+import weakref
 
 import torch
 
-SHM_DIR = Path("/dev/shm")
 
+class SharedMemory:
+    """``size`` bytes of nameless shared memory made by this process."""
 
-def new_name() -> str:
-    return f"tandem-{secrets.token_hex(16)}"
-
-
-def unlink(path: str) -> None:
-    """Remove a segment by path (only tandem's own names under /dev/shm)."""
-    _checked(Path(path)).unlink(missing_ok=True)
-
-
-def _checked(path: Path) -> Path:
-    if path.parent != SHM_DIR or not path.name.startswith("tandem-") or "/" in path.name:
-        raise ValueError(f"not a tandem shared-memory segment: {path}")
-    return path
-
-
-class ShmSegment:
-    """A named shared-memory file mapped into this process."""
-
-    def __init__(self, path: Path, size: int, *, create: bool):
-        self.path = path
+    def __init__(self, size: int, name: str = "tandem"):
         self.size = size
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, max(size, 1))
-            self._map = mmap.mmap(fd, max(size, 1))
-        finally:
-            os.close(fd)
-
-    @classmethod
-    def create(cls, size: int, name: str | None = None) -> ShmSegment:
-        """A new segment (owner-only, never an existing file); ``name`` from `new_name`."""
-        if not SHM_DIR.is_dir():
-            raise RuntimeError("the shm transport needs /dev/shm (Linux)")
-        return cls(_checked(SHM_DIR / (name or new_name())), size, create=True)
-
-    @classmethod
-    def open(cls, path: str, size: int) -> ShmSegment:
-        return cls(_checked(Path(path)), size, create=False)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        weakref.finalize(self, os.close, self.fd)  # the mapping outlives it while tensors do
+        os.ftruncate(self.fd, max(size, 1))
+        self.map = mmap.mmap(self.fd, max(size, 1))
 
     @property
     def data(self) -> torch.Tensor:
-        """The whole segment as a uint8 tensor (no copy)."""
-        if self.size == 0:
-            return torch.empty(0, dtype=torch.uint8)
-        return torch.frombuffer(self._map, dtype=torch.uint8, count=self.size)
+        """The whole buffer as a uint8 tensor (no copy)."""
+        return _bytes(self.map, self.size)
+
+    def to_wire(self) -> list:
+        """[pid, fd, inode, size]: what `MappedMemory` needs to map it in another process."""
+        return [os.getpid(), self.fd, os.fstat(self.fd).st_ino, self.size]
+
+
+class MappedMemory:
+    """Another process's `SharedMemory`, mapped into this one (read-write)."""
+
+    def __init__(self, wire: list, what: str = "shared memory"):
+        pid, fd, inode, size = wire
+        self.key = (pid, fd, inode)
+        self.size = size
+        path = f"/proc/{pid}/fd/{fd}"
+        try:
+            handle = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise RuntimeError(f"cannot open the peer's {what} at {path}: {exc}") from None
+        try:
+            st = os.fstat(handle)
+            if (st.st_ino, st.st_size) != (inode, max(size, 1)):
+                raise RuntimeError(f"{path} is not the peer's {what} any more")
+            self.map = mmap.mmap(handle, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+        finally:
+            os.close(handle)
+
+    @property
+    def data(self) -> torch.Tensor:
+        return _bytes(self.map, self.size)
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         """A tensor view of ``nbytes`` at ``offset`` (no copy)."""
-        if offset + nbytes > self.size:
-            raise ValueError(f"record [{offset}, {offset + nbytes}) outside segment of {self.size}")
-        return torch.frombuffer(
-            self._map, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset
-        )
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"record [{offset}, {offset + nbytes}) outside {self.size} bytes")
+        return torch.frombuffer(self.map, dtype=dtype, count=nbytes // dtype.itemsize,
+                                offset=offset)  # fmt: skip
 
     def view(self, offset: int, nbytes: int) -> memoryview:
-        return memoryview(self._map)[offset : offset + nbytes]
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(f"record [{offset}, {offset + nbytes}) outside {self.size} bytes")
+        return memoryview(self.map)[offset : offset + nbytes]
 
     def close(self) -> None:
-        try:
-            self._map.close()
-        except BufferError:  # a tensor view is still alive; the mapping goes with it
-            pass
+        """Nothing to do: the mapping stays for later pushes; it goes with this object."""
 
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+
+def _bytes(buf: mmap.mmap, size: int) -> torch.Tensor:
+    if size == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=size)
