@@ -48,6 +48,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert shm["seconds"] == min(shm["seconds_per_push"])
     assert result["bytes_moved_over_needed"] == 1.0
     assert _positive(shm["unverified_seconds"]) and _positive(shm_direct["unverified_seconds"])
+    assert _positive(gloo_direct["unverified_seconds"])
     for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "memcpy", "raw_gloo", "naive"):
         assert _positive(result[name]["seconds"]), name
         assert _positive(result[name]["gib_per_s"]), name
@@ -68,7 +69,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     ratios = result["ratios"]
     assert set(ratios) == {
         "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "shm_staged_vs_memcpy",
-        "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy",
+        "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy", "gloo_unverified_vs_raw_gloo",
     }  # fmt: skip
     assert all(_positive(v) for v in ratios.values())
     expected = result["memcpy"]["seconds"] / shm_direct["seconds"]

@@ -11,7 +11,8 @@ Measured in one run, on this host, on the same bytes:
   write straight into the engine's shared parameters); ``unverified_seconds``: the same pushes
   with ``verify=False`` (no CRC32 on either side).
 - ``gloo`` / ``gloo_in_place``: the same trainer processes push with ``transport="dist"``
-  (trainer and engine ranks in one gloo group, point to point), ``staged`` / ``in_place``.
+  (trainer and engine ranks in one gloo group, point to point), ``staged`` / ``in_place``;
+  ``gloo_in_place.unverified_seconds``: ``in_place`` with ``verify=False``.
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
 - ``raw_gloo``: ``dist.send`` of one uint8 tensor of ``bytes_needed`` bytes from one process to
@@ -133,6 +134,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     shm_direct["unverified_seconds"] = pushes["shm-in_place-unverified"]["seconds"]
     gloo, gloo_direct = pushes["dist"], pushes["dist-in_place"]
     gloo["mode"], gloo_direct["mode"] = "staged", "in_place"
+    gloo_direct["unverified_seconds"] = pushes["dist-in_place-unverified"]["seconds"]
     needed = shm["bytes_needed"]
     if any(p["bytes_needed"] != needed for p in pushes.values()):
         raise RuntimeError(f"push modes disagree on bytes_needed: {pushes}")
@@ -159,12 +161,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         "shm_staged_vs_memcpy": round(memcpy / shm["seconds"], 3),
         "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
         "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
+        "gloo_unverified_vs_raw_gloo": round(raw / gloo_direct["unverified_seconds"], 3),
     }
     result["notes"] = [
         "shm_vs_memcpy and gloo_vs_raw_gloo time mode='in_place' (the one-copy paths: trainer "
         "ranks write into the engine's shared parameters / the engine receives into them), with "
         "CRC32 verification on; *_staged_* time the default mode='staged'; vs_naive uses shm "
-        "staged. shm_unverified_vs_memcpy: in_place with verify=False.",
+        "staged. *_unverified_*: in_place with verify=False (memcpy and raw gloo checksum "
+        "nothing either).",
         "naive's load+copy fills preallocated tensors of the full shapes; a tensor-parallel "
         "engine would also split every tensor, so naive is a lower bound.",
     ]
@@ -195,7 +199,7 @@ def _weights(path: Path) -> tuple[int, int]:
 
 
 PUSH_MODES = ("shm", "shm-unverified", "shm-in_place", "shm-in_place-unverified", "dist",
-              "dist-in_place")  # fmt: skip
+              "dist-in_place", "dist-in_place-unverified")  # fmt: skip
 
 
 def _pushes(llm, path: Path, timeout: float) -> dict[str, dict[str, Any]]:

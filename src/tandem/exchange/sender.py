@@ -129,6 +129,8 @@ class WeightSender:
                     send_frame(sock, encode(ready))
                     reply = decode(recv_frame(sock))
             except (PeerGone, OSError) as exc:
+                # the engine may still be reading the staging memory: never write it again
+                self._staging = None
                 raise WeightSyncError(f"lost the engine during the push ({exc})") from None
         if not isinstance(reply, PushDone):
             raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
