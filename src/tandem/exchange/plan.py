@@ -101,20 +101,11 @@ def plan_transfers(
         for region in layout.regions:
             name, dst_box = region.piece.name, region.piece.box
             groups = holders.get(name, {})
-            candidates = [(box, g) for box, g in groups.items() if _intersect(box, dst_box)]
-            if len(candidates) == 1 and _contains(candidates[0][0], dst_box):
-                cells = [dst_box]  # the common case: one box (and its replicas) covers it all
+            if len(groups) == 1 and _contains(box := next(iter(groups)), dst_box):
+                covered = [(dst_box, groups[box])]  # the common case: one box (and replicas)
             else:
-                cells = _cells(dst_box, [box for box, _ in candidates])
-            for cell in cells:
-                covering = [g for box, g in candidates if _contains(box, cell)]
-                if not covering:
-                    if groups:
-                        problems.append(
-                            f"no sender holds {name} box {cell} (receiver {layout.rank})"
-                        )
-                    continue
-                group = covering[0] if len(covering) == 1 else [m for g in covering for m in g]
+                covered = _covered(groups, dst_box, name, layout.rank, problems)
+            for cell, group in covered:
                 for band in _bands(cell, len(group), min_band_numel):
                     wanted.append((group, band, layout.rank, name, region))
     if problems:
@@ -142,6 +133,23 @@ def plan_transfers(
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
     loads = [balance.load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, loads)
+
+
+def _covered(groups: dict[Box, list], dst_box: Box, name: str, rank: int, problems: list):
+    """``dst_box`` cut into cells, each with every sender holding it all; a cell nobody
+    holds is added to ``problems`` (unless no sender has the tensor at all: reported once)."""
+    candidates = [(box, g) for box, g in groups.items() if _intersect(box, dst_box)]
+    if len(candidates) == 1 and _contains(candidates[0][0], dst_box):
+        return [(dst_box, candidates[0][1])]
+    out = []
+    for cell in _cells(dst_box, [box for box, _ in candidates]):
+        covering = [g for box, g in candidates if _contains(box, cell)]
+        if not covering:
+            if groups:
+                problems.append(f"no sender holds {name} box {cell} (receiver {rank})")
+            continue
+        out.append((cell, covering[0] if len(covering) == 1 else [m for g in covering for m in g]))
+    return out
 
 
 class _Balance:
@@ -180,6 +188,8 @@ class _Balance:
 def _bands(cell: Box, holders: int, min_band_numel: int) -> list[Box]:
     """A cell cut into bands of its first dimension: one per holder at most, none smaller
     than ``min_band_numel`` elements (one band when a single sender holds it)."""
+    if holders == 1:
+        return [cell]
     (lo, hi), rest = cell[0], cell[1:]
     parts = max(1, min(holders, hi - lo, numel(cell) // max(1, min_band_numel)))
     if parts == 1:
