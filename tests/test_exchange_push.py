@@ -71,6 +71,29 @@ def test_push_into_tensor_parallel_engine(model_factory, transport, mode):
         assert g.weight_version == 3
 
 
+def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(model_factory):
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    trainer = _trainer(trainer_dir)
+    shm_before = set(Path("/dev/shm").iterdir())
+    with LLM(engine_dir) as llm:
+        runner = llm.engine.runner
+        sender = WeightSender(trainer, llm, transport="shm")
+        staging = []
+        for version in (1, 2):
+            if version == 2:
+                with torch.no_grad():  # new weights for the second push, same layout
+                    for p in trainer.parameters():
+                        p.mul_(1.5)
+            sender.push(version=version)
+            staging.append(sender._staging.to_wire())
+            for ids in PROMPTS:
+                assert (runner.score([ids])[0] - _logits(trainer, ids)).abs().max() <= 1e-4
+        assert staging[0] == staging[1]  # the same memfd (pid, fd, inode, size): no new pages
+        sender.close()
+        assert sender._staging is None
+    assert set(Path("/dev/shm").iterdir()) == shm_before  # nameless: nothing created there
+
+
 class _CorruptingSender(WeightSender):
     def _before_ready(self, staged):
         staged[:1] ^= 0xFF  # one flipped byte in transit

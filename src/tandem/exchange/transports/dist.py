@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.exchange.checksum import crc32, tensor_crc32
+from tandem.exchange.checksum import tensor_crc32
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
@@ -166,7 +166,7 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
         if len(parts) == 1 and parts[0].dtype == dtype and parts[0].is_contiguous():
             data = _bytes(parts[0])
             if checksum:
-                crcs[frame[0][0]] = crc32(data, crcs[frame[0][0]])
+                crcs[frame[0][0]] = tensor_crc32(data, crcs[frame[0][0]])
             direct_works.append(group.send([data], dst, 0))
             continue
         k, buf = slots.take()
@@ -175,7 +175,7 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
             n = part.numel() * dtype.itemsize
             buf[offset : offset + n].view(dtype).view(part.shape).copy_(part)
             if checksum:
-                crcs[i] = crc32(buf[offset : offset + n], crcs[i])
+                crcs[i] = tensor_crc32(buf[offset : offset + n], crcs[i])
             offset += n
         slots.works[k] = group.send([buf[:offset]], dst, 0)
     for work in [*direct_works, *(w for w in (slots.works if slots else []) if w is not None)]:
