@@ -221,26 +221,14 @@ class ExchangeServer:
         ignore = frozenset(name for h in hellos for name in h.ignore)
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.engine.config.dtype
-        itemsize = DTYPES[dtype].itemsize
         per_stream = hellos[0].transport == "dist"  # offsets per (sender, receiver) stream
-        items: list[list] = [[] for _ in hellos]
-        records: list[list] = [[] for _ in hellos]  # (receiver rank, Record wire) per sender
-        offsets: dict[tuple[int, int], int] = defaultdict(int)
-        for t in plan.transfers:
-            nbytes = t.numel * itemsize
-            box_shape = [b - a for a, b in t.box]
-            stream = (t.src, t.dst if per_stream else -1)
-            offset = offsets[stream]
-            src = [[s.start, s.stop] for s in local_slices(t.src_piece, t.box)]
-            items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape, offset,
-                                 nbytes, t.dst])  # fmt: skip
-            dst = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
-            rec = Record(t.src, offset, nbytes, t.dst_key, dst, tuple(box_shape),
-                         t.dst_piece.transposed, None)  # fmt: skip
-            records[t.src].append((t.dst, rec.to_wire()))
-            offsets[stream] += nbytes
-        needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
-        plans = [PushPlan(dtype, offsets[(i, -1)], items[i]) for i in range(len(hellos))]
+        key = (dtype, per_stream)  # what follows is the same every push of this plan
+        if key not in plan.derived:
+            plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream)
+        sizes, items, wires, needed = plan.derived[key]
+        # (receiver rank, Record wire) per sender; each push fills in its own CRC32s
+        records = [[(dst, list(wire)) for dst, wire in per] for per in wires]
+        plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
         if hellos[0].transport == "shm" and hellos[0].mode == "in_place":
             self._direct(plans, receivers, records)
         return version, plans, records, needed
@@ -257,3 +245,28 @@ class ExchangeServer:
         for plan, per_rank in zip(plans, records, strict=True):
             plan.arenas = [lay.arena for lay in receivers]
             plan.dests = [[w[3], [list(s) for s in w[4]], w[6]] for _, w in per_rank]
+
+
+def _push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool):
+    """(bytes, items, Record wires, bytes needed) per sender rank: where each of its boxes
+    sits (``per_stream``: offsets count per (sender, receiver) stream, else per sender) and
+    where it lands."""
+    items: list[list] = [[] for _ in range(plan.num_senders)]
+    records: list[list] = [[] for _ in range(plan.num_senders)]
+    offsets: dict[tuple[int, int], int] = defaultdict(int)
+    for t in plan.transfers:
+        nbytes = t.numel * itemsize
+        box_shape = [b - a for a, b in t.box]
+        stream = (t.src, t.dst if per_stream else -1)
+        offset = offsets[stream]
+        src = [[s.start, s.stop] for s in local_slices(t.src_piece, t.box)]
+        items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape, offset, nbytes,
+                             t.dst])  # fmt: skip
+        dst = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
+        rec = Record(t.src, offset, nbytes, t.dst_key, dst, tuple(box_shape),
+                     t.dst_piece.transposed, None)  # fmt: skip
+        records[t.src].append((t.dst, rec.to_wire()))
+        offsets[stream] += nbytes
+    sizes = [offsets[(i, -1)] for i in range(plan.num_senders)]
+    needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
+    return sizes, items, records, needed

@@ -42,6 +42,8 @@ class WeightUpdate:
         errors = self.run_phase("verify", records_by_rank)
         if errors:
             self._fail(errors, f"update to version {version} rejected", serving)
+        if self.update["transport"] == "shm" and self.in_place:
+            return  # nothing to commit: the trainers wrote into the parameters themselves
         errors = self.run_phase("commit", records_by_rank)
         if errors:
             self.torn = "; ".join(errors)

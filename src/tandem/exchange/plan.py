@@ -46,6 +46,9 @@ class Plan:
     num_senders: int
     num_receivers: int
     sender_numel: list[int] = field(default_factory=list)
+    # what users of the plan derive from it once (the exchange server's per-push items),
+    # cached with it
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     def for_receiver(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == rank]
