@@ -26,8 +26,13 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
     """CRC32 of ``t``'s elements in C order (any strides, on any device), continuing ``value``."""
     if t.numel() == 0:
         return value
-    if t.is_contiguous() and t.device.type == "cpu":
-        return crc32(t.reshape(-1).view(torch.uint8), value)
+    if t.is_contiguous():
+        flat = t.reshape(-1).view(torch.uint8)
+        if t.device.type == "cpu":
+            return crc32(flat, value)
+        for start in range(0, flat.numel(), CHUNK_BYTES):  # device memory: copied chunk by chunk
+            value = crc32(flat[start : start + CHUNK_BYTES].cpu(), value)
+        return value
     if t.dim() > 2:
         for sub in t:
             value = tensor_crc32(sub, value)
