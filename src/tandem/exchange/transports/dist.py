@@ -190,10 +190,11 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
     into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
     into its place), or into ``targets`` (each box's destination, in the box's orientation):
     straight into it where that is contiguous, else through two alternating buffers, copied
-    into place as each message completes. Every receive is posted before any is waited for.
-    With ``checksum``, returns each box's CRC32 as received (else Nones), taken message by
-    message as each lands — while its bytes are still in cache and later messages are still
-    arriving — never in a second pass over the whole stream."""
+    into place as each message completes. Receives are posted ahead of the data (a buffer is
+    posted again only once its previous message is in place). With ``checksum``, returns each
+    box's CRC32 as received (else Nones), taken message by message as each lands — while its
+    bytes are still in cache and later messages are still arriving — never in a second pass
+    over the whole stream."""
     plan = frames(sizes, rows, limit)
     crcs: list[int | None] = [0 if checksum else None for _ in sizes]
     slots = None
