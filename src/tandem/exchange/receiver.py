@@ -14,6 +14,7 @@ from torch import nn
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import crc32, tensor_crc32
+from tandem.exchange.transports import dist as p2p
 from tandem.exchange.transports.shm import MappedMemory
 
 
@@ -139,9 +140,7 @@ class RankReceiver:
             self._received.pop(update["version"], None)
             self._shared = {}
             if update["transport"] == "dist" and "group" in update:
-                from tandem.exchange.transports import dist as transport
-
-                transport.abandon(transport.GroupInfo.from_wire(update["group"]))
+                p2p.abandon(p2p.GroupInfo.from_wire(update["group"]))
             return f"rank {self.rank}: {type(exc).__name__}: {exc}", 0
 
     def _written_in_place(self, phase: str, update: dict, records: list[Record]):
@@ -212,10 +211,8 @@ class RankReceiver:
         """Take every source's boxes, sources in `stream_order`: into this rank's staging buffer
         (kept for later pushes, so they touch no new memory), or straight into the live
         parameters (in_place). Returns (staged sources, CRC32 per source and record)."""
-        from tandem.exchange.transports import dist as transport
-
-        info = transport.GroupInfo.from_wire(update["group"])
-        group = transport.join(info, update["trainers"] + self.rank)
+        info = p2p.GroupInfo.from_wire(update["group"])
+        group = p2p.join(info, update["trainers"] + self.rank)
         params = dict(self.model.named_parameters())
         by_src = [[r for r in records if r.segment == src] for src in range(update["trainers"])]
         staged = update["mode"] == "staged"
@@ -228,8 +225,8 @@ class RankReceiver:
         crcs: list[list[int | None]] = [[] for _ in by_src]
         start = 0
         engine_ranks = info.world - update["trainers"]
-        order = transport.stream_order(self.rank, range(update["trainers"]), update["trainers"],
-                                       engine_ranks, sending=False)  # fmt: skip
+        order = p2p.stream_order(self.rank, range(update["trainers"]), update["trainers"],
+                                 engine_ranks, sending=False)  # fmt: skip
         for src in order:  # the order every rank agrees on: no cyclic waits
             mine = by_src[src]
             if not mine:
@@ -248,8 +245,8 @@ class RankReceiver:
                     targets.append(region.t() if r.transposed else region)
                 into = {"targets": targets}
             with torch.no_grad():
-                crcs[src] = transport.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
-                                                 checksum=update["verify"], **into)  # fmt: skip
+                crcs[src] = p2p.recv_boxes(group, src, sizes, rows, update["bucket_bytes"],
+                                           checksum=update["verify"], **into)  # fmt: skip
         return staging, crcs
 
     def _check_or_write(self, phase: str, dtype: str, segments: list, records: list[Record]):

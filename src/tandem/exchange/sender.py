@@ -24,7 +24,7 @@ from tandem.exchange.checksum import copy_with_crc32, tensor_crc32
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
-from tandem.exchange.transports.dist import GroupBroken
+from tandem.exchange.transports import dist as p2p
 from tandem.exchange.transports.shm import SharedMemory
 from tandem.exchange.transports.shm_arena import MappedArena
 from tandem.wire import PeerGone, recv_frame, send_frame
@@ -124,7 +124,7 @@ class WeightSender:
                     sent = sum(item[5] for item in reply.items)
                     try:
                         ready, staged = self._deliver(reply)
-                    except GroupBroken as exc:  # a peer died or left the push's group
+                    except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
                     send_frame(sock, encode(ready))
                     reply = decode(recv_frame(sock))
@@ -214,9 +214,8 @@ class WeightSender:
 
     def _send(self, plan: PushPlan) -> list[int | None]:
         """dist: send each engine rank its boxes, engine ranks in `stream_order`, in buckets."""
-        from tandem.exchange.transports import dist as transport
-
-        group = transport.join(transport.GroupInfo.from_wire(plan.group), self.rank)
+        info = p2p.GroupInfo.from_wire(plan.group)
+        group = p2p.join(info, self.rank)
         dtype = DTYPES[plan.dtype]
         local = {name: local_tensor(t) for name, t in named_tensors(self.model)}
         by_dst: dict[int, list[int]] = {}
@@ -224,9 +223,8 @@ class WeightSender:
             by_dst.setdefault(item[6], []).append(i)
         crcs: list[int | None] = [None] * len(plan.items)
         with torch.no_grad():
-            info = transport.GroupInfo.from_wire(plan.group)
-            order = transport.stream_order(self.rank, by_dst, plan.trainers,
-                                           info.world - plan.trainers, sending=True)  # fmt: skip
+            order = p2p.stream_order(self.rank, by_dst, plan.trainers,
+                                     info.world - plan.trainers, sending=True)  # fmt: skip
             for dst in order:
                 boxes = []
                 for i in by_dst[dst]:
@@ -234,11 +232,11 @@ class WeightSender:
                     src = local[key][tuple(slice(a, b) for a, b in slices)]
                     boxes.append(src.t() if transposed else src)
                 try:
-                    sent = transport.send_boxes(group, plan.trainers + dst, boxes, dtype,
+                    sent = p2p.send_boxes(group, plan.trainers + dst, boxes, dtype,
                                                 plan.bucket_bytes, self.verify)  # fmt: skip
                 except RuntimeError as exc:  # gloo / NCCL: a peer died or left the group
-                    transport.abandon(info)  # so engine ranks waiting on this one fail too
-                    raise GroupBroken(str(exc)) from None
+                    p2p.abandon(info)  # so engine ranks waiting on this one fail too
+                    raise p2p.GroupBroken(str(exc)) from None
                 for i, crc in zip(by_dst[dst], sent, strict=True):
                     crcs[i] = crc
         self._before_ready(None)

@@ -225,13 +225,12 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
 
     for frame in plan:
         if staging is not None:  # a message's boxes are consecutive there
-            landed = []
+            landed, bounds = [], []
             for i, a, b in frame:
                 row = sizes[i] // rows[i]
-                landed.append((i, staging[starts[i] + row * a : starts[i] + row * b]))
-            i, a, _ = frame[0]
-            begin = starts[i] + sizes[i] // rows[i] * a
-            data = staging[begin : begin + sum(d.numel() for _, d in landed)]
+                bounds += [starts[i] + row * a, starts[i] + row * b]
+                landed.append((i, staging[bounds[-2] : bounds[-1]]))
+            data = staging[bounds[0] : bounds[-1]]
             posted.append([group.recv([data], src, 0), landed, None, []])
             continue
         parts = [targets[i][a:b] for i, a, b in frame]
