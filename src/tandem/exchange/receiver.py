@@ -24,11 +24,11 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One box for this rank: ``nbytes`` at ``offset`` of staged segment number ``segment``,
-    written at ``slices`` of the local tensor ``key`` (transposed there when the engine stores
-    it transposed)."""
+    """One box for this rank, from trainer rank ``source``: ``nbytes`` at ``offset`` of what
+    that rank staged (or sends, for dist), written at ``slices`` of the local tensor ``key``
+    (transposed there when the engine stores it transposed)."""
 
-    segment: int
+    source: int
     offset: int
     nbytes: int
     key: str
@@ -38,14 +38,14 @@ class Record:
     crc: int | None  # CRC32 of the bytes as sent (`tandem.exchange.checksum`); None: unverified
 
     def to_wire(self) -> list:
-        return [self.segment, self.offset, self.nbytes, self.key, self.slices, self.box_shape,
+        return [self.source, self.offset, self.nbytes, self.key, self.slices, self.box_shape,
                 self.transposed, self.crc]  # fmt: skip
 
     @classmethod
     def from_wire(cls, w: list) -> Record:
-        segment, offset, nbytes, key, slices, box_shape, transposed, crc = w
+        source, offset, nbytes, key, slices, box_shape, transposed, crc = w
         slices = tuple(map(tuple, slices))
-        return cls(segment, offset, nbytes, key, slices, tuple(box_shape), transposed, crc)
+        return cls(source, offset, nbytes, key, slices, tuple(box_shape), transposed, crc)
 
 
 class TensorStaging:
@@ -82,10 +82,10 @@ def verify_records(model: nn.Module, segments: list, dtype: str, records: list[R
         expected = r.box_shape[::-1] if r.transposed else r.box_shape
         if tuple(region.shape) != tuple(expected):
             problems.append(f"{r.key}{list(r.slices)}: box {r.box_shape} does not fit")
-        if not 0 <= r.segment < len(segments):
-            problems.append(f"{r.key}: no staged source {r.segment}")
-        elif r.crc is not None and segments[r.segment] is not None:
-            if _crc(segments[r.segment], r) != r.crc:
+        if not 0 <= r.source < len(segments):
+            problems.append(f"{r.key}: no staged source {r.source}")
+        elif r.crc is not None and segments[r.source] is not None:
+            if _crc(segments[r.source], r) != r.crc:
                 problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
     return problems
 
@@ -100,7 +100,7 @@ def write_records(model: nn.Module, segments: list, dtype: str, records: list[Re
     torch_dtype = DTYPES[dtype]
     with torch.no_grad():
         for r in records:
-            src = segments[r.segment].tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
+            src = segments[r.source].tensor(r.offset, r.nbytes, torch_dtype).view(r.box_shape)
             _place(params[r.key], r, src)
     return sum(r.nbytes for r in records)
 
@@ -163,7 +163,7 @@ class RankReceiver:
         A trainer rank's shared staging memory is mapped once and kept while its pushes keep
         naming it (a mapping of another push's buffer is dropped, freeing it once its trainer
         is gone)."""
-        needed = sorted({r.segment for r in records})
+        needed = sorted({r.source for r in records})
         segments: list = [None] * len(update["segments"])
         if update["transport"] == "shm":
             shared = {}
@@ -195,7 +195,7 @@ class RankReceiver:
             problems = verify_records(self.model, [None] * len(staging), dtype, records)
             received = {src: iter(c) for src, c in enumerate(crcs)}
             for r in records:  # records from one source come in the order they were sent
-                got = next(received[r.segment], None)
+                got = next(received[r.source], None)
                 if r.crc is not None and got != r.crc:
                     problems.append(f"checksum mismatch for {r.key}{list(r.slices)}")
             if problems:
@@ -214,7 +214,7 @@ class RankReceiver:
         info = p2p.GroupInfo.from_wire(update["group"])
         group = p2p.join(info, update["trainers"] + self.rank)
         params = dict(self.model.named_parameters())
-        by_src = [[r for r in records if r.segment == src] for src in range(update["trainers"])]
+        by_src = [[r for r in records if r.source == src] for src in range(update["trainers"])]
         staged = update["mode"] == "staged"
         if staged:
             total = sum(r.nbytes for r in records)
