@@ -51,7 +51,8 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
 def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int | None:
     """``dst.copy_(src)`` (same shape; converts dtype), and, with ``verify``, the CRC32 of the
     bytes as they landed in ``dst`` (C order): each chunk is checksummed right after it is
-    written, from cache, rather than in a second pass over memory."""
+    written, from cache, rather than in a second pass over memory (on a device: chunk by
+    chunk through host memory, as `tensor_crc32`)."""
     if not verify:
         dst.copy_(src)
         return None
@@ -64,14 +65,15 @@ def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int |
     value = 0
     for start in range(0, src.shape[0], rows):
         part, out = src[start : start + rows], dst[start : start + rows]
-        if out.is_contiguous() and out.device.type == "cpu":
+        if out.is_contiguous():
             out.copy_(part)
-            value = crc32(out.reshape(-1).view(torch.uint8), value)
+            value = tensor_crc32(out, value)
             continue
         if scratch is None:
-            scratch = torch.empty(min(rows, src.shape[0]) * src[0].numel(), dtype=dst.dtype)
+            scratch = torch.empty(min(rows, src.shape[0]) * src[0].numel(), dtype=dst.dtype,
+                                  device=dst.device)  # fmt: skip
         staged = scratch[: part.numel()].view(part.shape)
         staged.copy_(part)
-        value = crc32(staged.view(-1).view(torch.uint8), value)
+        value = tensor_crc32(staged, value)
         out.copy_(staged)
     return value

@@ -20,7 +20,7 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
-from tandem.exchange.checksum import copy_with_crc32, tensor_crc32
+from tandem.exchange.checksum import copy_with_crc32
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
@@ -184,8 +184,7 @@ class WeightSender:
             for key, slices, transposed, box_shape, offset, nbytes, _ in plan.items:
                 src = local[key][tuple(slice(a, b) for a, b in slices)]
                 out = buf[offset : offset + nbytes].view(dtype).view(box_shape)
-                out.copy_(src.t() if transposed else src)
-                crcs.append(tensor_crc32(buf[offset : offset + nbytes]) if self.verify else None)
+                crcs.append(copy_with_crc32(src.t() if transposed else src, out, self.verify))
         self._before_ready(buf)
         return crcs
 
