@@ -1,5 +1,7 @@
 """WeightSender pushes a trainer model into a live engine, in place, over shared memory."""
 
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -270,9 +272,6 @@ def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
 def test_silent_peers_on_the_exchange_port_do_not_hold_up_a_push(model_factory):
     """Each connection says hello on its own thread: strangers that connect and say nothing
     (each could hold a handshake for 30 s) do not delay a trainer."""
-    import socket
-    import time
-
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     with LLM(engine_dir) as llm:
         host, port = llm.exchange_address.split("/")[0].rsplit(":", 1)
