@@ -96,3 +96,26 @@ def test_preempted_sequences_are_readmitted_first():
     sched.add(_seq(2, 1, 0.5))
     _finish(sched, batch, done={0})
     assert _ids(sched.schedule())[0] == 1
+
+
+def test_static_batches_are_length_sorted_split_over_steps_in_flight_and_wait_for_a_burst():
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), 4, 1000, batching="static", clock=clock)
+    lengths = [9, 2, 7, 3, 5, 8]
+    for i, n in enumerate(lengths):
+        sched.add(_seq(i, n, 0.0))
+    first = sched.schedule(max_seqs=2)  # a pipeline's first slot takes half the batch
+    second = sched.schedule(busy=set(_ids(first)), max_seqs=2)  # the batch is still open
+    assert _ids(first) + _ids(second) == [1, 3, 4, 2], "the 4 shortest, shortest first"
+    _finish(sched, first, done=set())
+    assert sched.schedule(busy=set(_ids(second)), max_seqs=2).seqs == first.seqs
+    _finish(sched, second, done={4, 2})
+    assert sched.schedule().seqs == first.seqs, "nothing joins a static batch once it ran"
+    # a server's idle engine lets a burst gather before a batch starts
+    sched = Scheduler(BlockManager(64, 4), 3, 1000, batching="static", clock=clock)
+    sched.add(_seq(10, 3, 0.0))
+    clock.now = 0.03
+    assert abs(sched.static_batch_window_left(0.05) - 0.02) < 1e-9
+    sched.add(_seq(11, 3, 0.03))
+    sched.add(_seq(12, 3, 0.03))
+    assert sched.static_batch_window_left(0.05) == 0.0, "the batch is full"

@@ -27,14 +27,27 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, ge=2)
     max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="tokens per step (decodes first, then prompt chunks); default 2048"
+    )
     block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV blocks of a cached prompt prefix across requests, and prefill "
+        "a request's n samples once (they share the prompt's blocks)",
+    )
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_wait_s: float = Field(
         30.0, gt=0, description="a request waiting longer is admitted before younger ones"
     )
     batching: Literal["continuous", "static"] = Field(
         "continuous", description="static: admit a new batch only when the last one finished"
+    )
+    static_batch_window_s: float = Field(
+        0.05,
+        ge=0,
+        description="static batching in a server: an idle engine lets a burst gather this long "
+        "(or until max_num_seqs are queued) before starting a batch",
     )
     pipeline_layer_split: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (uneven allowed); default: even"

@@ -1,8 +1,25 @@
-"""Paged KV cache: fixed-size blocks, a block table per sequence, a byte budget."""
+"""Paged KV cache bookkeeping: fixed-size blocks, a block table per sequence, shared blocks.
+
+Blocks are reference counted. Two things share them:
+
+- **Forked samples.** The ``n`` samples of one request share the prompt's blocks (`fork`); the
+  last, partly filled block is copied when a sample first writes into it (`grow` returns the
+  copies the model ranks must make before the step runs).
+- **Prefix caching.** A full block whose keys/values are computed is registered under a hash of
+  its tokens and of every token before it (the previous block's hash). A new sequence starts
+  from the longest run of cached blocks matching its tokens (`allocate`). Blocks nobody holds
+  stay cached until their memory is needed: the free list is in eviction order, least recently
+  released first, and a block taken from it loses its hash.
+
+Cached keys/values were computed by some weights: `reset_prefix_cache` (called on every weight
+push) forgets every hash and starts a new epoch, and a sequence admitted in an older epoch never
+registers blocks, so a cached block never serves tokens under newer weights.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 
@@ -13,37 +30,207 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-class BlockManager:
-    """Owns which cache blocks are free; pairs every check with its action."""
+@dataclass(slots=True)
+class _Block:
+    ref_count: int = 0
+    hash: int | None = None  # set while registered in the prefix cache
+    key: tuple | None = None  # (previous block's hash, its tokens): checked on every hit
 
-    def __init__(self, num_blocks: int, block_size: int):
+
+@dataclass(slots=True)
+class CacheStats:
+    """Prompt tokens asked for at admission, and how many came from shared or cached blocks."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    """Owns the KV blocks; pairs every check with its action and asserts reference counts."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
         if num_blocks < 1:
             raise ValueError("kv_cache_memory leaves room for no KV block; raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self.epoch = 0  # bumped by reset_prefix_cache
+        self.stats = CacheStats()
 
     @property
     def num_free(self) -> int:
+        """Blocks no sequence holds (cached ones included: they are evicted on demand)."""
         return len(self._free)
 
-    def _missing(self, seq: Sequence, num_tokens: int) -> int:
-        return max(0, blocks_for(num_tokens, self.block_size) - len(seq.block_table))
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
 
-    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether ``seq`` can hold ``num_tokens`` tokens in total."""
-        return self._missing(seq, num_tokens) <= len(self._free)
+    # ----- admission: a sequence without blocks -----
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._match(seq)
+        taken_from_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        missing = blocks_for(len(seq), self.block_size) - len(hits)
+        return missing + taken_from_free <= len(self._free)
 
-    def grow(self, seq: Sequence, num_tokens: int) -> None:
-        missing = self._missing(seq, num_tokens)
-        assert missing <= len(self._free), "grow() without can_grow()"
-        seq.block_table.extend(self._free.popleft() for _ in range(missing))
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, starting from its longest cached prefix
+        (those tokens count as computed)."""
+        assert not seq.block_table, "allocate() on a sequence that holds blocks"
+        assert self.can_allocate(seq), "allocate() without can_allocate()"
+        hits = self._match(seq)
+        for block_id in hits:
+            self._take(block_id)
+        seq.block_table = hits
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_registered_blocks = len(hits)
+        seq.cache_epoch = self.epoch
+        seq.table_changed = True
+        self.stats.queried_tokens += len(seq)
+        self.stats.hit_tokens += seq.num_cached_tokens
+        self._extend(seq, blocks_for(len(seq), self.block_size) - len(hits))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (another sample of the same prompt) shares all of ``parent``'s blocks and
+        computed tokens."""
+        assert not child.block_table, "fork() into a sequence that holds blocks"
+        for block_id in parent.block_table:
+            self._blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.num_cached_tokens = len(child)
+        child.num_registered_blocks = parent.num_registered_blocks
+        child.cache_epoch = parent.cache_epoch
+        child.table_changed = True
+        self.stats.queried_tokens += len(child)
+        self.stats.hit_tokens += len(child)
+
+    # ----- a running sequence's next tokens -----
+    def can_grow(self, seq: Sequence) -> bool:
+        """Whether ``seq`` can hold all its tokens and write its uncomputed ones."""
+        return self._missing(seq) + len(self._shared_writes(seq)) <= len(self._free)
+
+    def grow(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Take the blocks ``seq`` lacks; a shared block its next tokens write into is copied
+        first. Returns the (source, destination) block copies the ranks make before the step."""
+        assert self.can_grow(seq), "grow() without can_grow()"
+        copies = []
+        for index in self._shared_writes(seq):
+            old = seq.block_table[index]
+            self._blocks[old].ref_count -= 1
+            new = self._pop_free()
+            seq.block_table[index] = new
+            seq.table_changed = True
+            copies.append((old, new))
+        self._extend(seq, self._missing(seq))
+        return copies
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
-        assert len(self._free) <= self.num_blocks, "a block was freed twice"
+        """Release ``seq``'s blocks (last block first, so a prompt's head stays cached longest)."""
+        for block_id in reversed(seq.block_table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} was freed twice"
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.hash is None:  # nothing to reuse: evict it first
+                    self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_registered_blocks = 0
+        seq.table_changed = True
+
+    # ----- prefix cache -----
+    def register(self, seq: Sequence) -> None:
+        """Enter ``seq``'s full, computed blocks into the prefix cache (after a step landed)."""
+        if not self.enable_prefix_caching or seq.cache_epoch != self.epoch:
+            return
+        full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        if full <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, full)
+        for index in range(seq.num_registered_blocks, full):
+            block = self._blocks[seq.block_table[index]]
+            if block.hash is None and hashes[index] not in self._cached:
+                block.hash = hashes[index]
+                block.key = self._key(seq, hashes, index)
+                self._cached[block.hash] = seq.block_table[index]
+        seq.num_registered_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (their keys/values belong to older weights)."""
+        for block_id in self._cached.values():
+            block = self._blocks[block_id]
+            block.hash = block.key = None
+            if block.ref_count == 0:
+                self._free.move_to_end(block_id, last=False)
+        self._cached.clear()
+        self.epoch += 1
+
+    # ----- private helpers -----
+    def _match(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding ``seq``'s longest cached prefix; at least one token is left to
+        compute (its logits sample the next token)."""
+        if not self.enable_prefix_caching:
+            return []
+        limit = (len(seq) - 1) // self.block_size
+        hashes = self._hashes(seq, limit)
+        hits = []
+        for index in range(limit):
+            block_id = self._cached.get(hashes[index])
+            if block_id is None or self._blocks[block_id].key != self._key(seq, hashes, index):
+                break
+            hits.append(block_id)
+        return hits
+
+    def _hashes(self, seq: Sequence, count: int) -> list[int]:
+        """Chained hashes of ``seq``'s first ``count`` full blocks (kept on the sequence)."""
+        hashes, bs = seq.block_hashes, self.block_size
+        while len(hashes) < count:
+            i = len(hashes)
+            hashes.append(
+                hash((hashes[-1] if hashes else None, *seq.token_ids[i * bs : i * bs + bs]))
+            )
+        return hashes
+
+    def _key(self, seq: Sequence, hashes: list[int], index: int) -> tuple:
+        bs = self.block_size
+        return (hashes[index - 1] if index else None, *seq.token_ids[index * bs : index * bs + bs])
+
+    def _missing(self, seq: Sequence) -> int:
+        return max(0, blocks_for(len(seq), self.block_size) - len(seq.block_table))
+
+    def _shared_writes(self, seq: Sequence) -> list[int]:
+        """Indices of held blocks that this step's tokens write into and others hold too."""
+        first = seq.num_cached_tokens // self.block_size
+        last = min(len(seq.block_table), blocks_for(len(seq), self.block_size))
+        return [i for i in range(first, last) if self._blocks[seq.block_table[i]].ref_count > 1]
+
+    def _extend(self, seq: Sequence, count: int) -> None:
+        if count > 0:
+            seq.block_table.extend(self._pop_free() for _ in range(count))
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        assert block.ref_count == 0, f"free block {block_id} is referenced"
+        if block.hash is not None:  # evicted from the prefix cache
+            del self._cached[block.hash]
+            block.hash = block.key = None
+        block.ref_count = 1
+        return block_id
+
+    def _take(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
 
 
 def bytes_per_block(

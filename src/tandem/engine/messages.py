@@ -1,8 +1,9 @@
 """Typed messages between the engine core and model workers, encoded with msgpack (no pickle).
 
 The core sends one `StepMessage` per model step to every rank; the sampling rank answers with a
-`StepResult`. A step carries only what changed: new tokens, newly taken KV blocks, and sampling
-settings the first time a sequence is seen (rule: send the minimum each step).
+`StepResult` (one row per sampled sequence, in step order). A step carries only what changed: new
+tokens, newly taken KV blocks (the whole table only when it changed otherwise), KV block copies,
+and sampling settings the first time a sequence is seen (rule: send the minimum each step).
 """
 
 from __future__ import annotations
@@ -28,9 +29,12 @@ class SeqParams:
 class SeqStep:
     seq_id: int
     start: int  # tokens of this sequence already in the KV cache
-    token_ids: list[int]  # tokens to compute now (positions start, start+1, ...)
-    blocks: list[int]  # start == 0: the whole block table; else blocks appended since last step
+    token_ids: list[int]  # tokens to compute now (positions start, start+1, ...); may be empty
+    blocks: list[int]  # the whole block table if replace_table, else blocks appended since
     params: SeqParams | None = None  # set the first time a rank sees this sequence
+    replace_table: bool = True
+    sample: bool = True  # sample a token from its last row (False: a prompt chunk mid-prefill)
+    logits_from: int = -1  # >= 0: sample from that step's last row (a forked sample, no tokens)
 
 
 @dataclass(slots=True)
@@ -38,6 +42,8 @@ class StepMessage:
     step_id: int
     seqs: list[SeqStep]
     released: list[int] = field(default_factory=list)  # finished sequences: drop their state
+    copies: list[list[int]] = field(default_factory=list)  # [source, destination] KV blocks,
+    # copied before the step runs (a shared block about to be written)
 
 
 @dataclass(slots=True)
@@ -148,10 +154,13 @@ def encode(msg: Message) -> bytes:
                 s.token_ids,
                 s.blocks,
                 None if s.params is None else _params(s.params),
+                s.replace_table,
+                s.sample,
+                s.logits_from,
             ]
             for s in msg.seqs
         ]
-        return msgpack.packb(["step", msg.step_id, seqs, msg.released])
+        return msgpack.packb(["step", msg.step_id, seqs, msg.released, msg.copies])
     if isinstance(msg, StepResult):
         return msgpack.packb(
             ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs]
@@ -164,12 +173,12 @@ def encode(msg: Message) -> bytes:
 def decode(data: bytes) -> Message:
     kind, *body = msgpack.unpackb(data)
     if kind == "step":
-        step_id, seqs, released = body
-        return StepMessage(
-            step_id,
-            [SeqStep(i, s, t, b, None if p is None else SeqParams(*p)) for i, s, t, b, p in seqs],
-            released,
-        )
+        step_id, seqs, released, copies = body
+        steps = [
+            SeqStep(i, s, t, b, None if p is None else SeqParams(*p), r, x, f)
+            for i, s, t, b, p, r, x, f in seqs
+        ]
+        return StepMessage(step_id, steps, released, copies)
     if kind == "result":
         return StepResult(*body)
     if kind in _SIMPLE:

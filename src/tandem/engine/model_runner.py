@@ -123,17 +123,23 @@ class ModelRunner:
         """Run this rank's part of one step; the sampling rank returns the sampled tokens."""
         for seq_id in msg.released:
             self.seqs.pop(seq_id, None)
-        input_ids, positions, slot_mapping, last_rows = [], [], [], []
+        if msg.copies and self.kv_cache is not None:
+            self._copy_blocks(msg.copies)
+        input_ids, positions, slot_mapping, step_rows, sample_rows = [], [], [], [], []
         prefills, decodes, states = [], [], []
         for step in msg.seqs:
             state = self._state(step)
             start, stop = step.start, step.start + len(step.token_ids)
             row = len(input_ids)
+            step_rows.append(row + len(step.token_ids) - 1)  # its last row
+            if step.sample:
+                sample_rows.append(step_rows[step.logits_from if step.logits_from >= 0 else -1])
+                states.append(state)
+            if stop == start:  # a forked sample: its prompt was computed by another step
+                continue
             input_ids.extend(step.token_ids)
             positions.extend(range(start, stop))
             slot_mapping.extend(self._slots(state.block_table, start, stop))
-            last_rows.append(row + len(step.token_ids) - 1)
-            states.append(state)
             if stop - start == 1:
                 decodes.append((row, stop, state.block_table))
             else:
@@ -150,9 +156,13 @@ class ModelRunner:
         hidden = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta)
         if hidden is None:
             return None
-        logits = self.model.compute_logits(hidden[self._tensor(last_rows)])
+        # every rank of the last stage takes part (vocab-parallel head); forked samples share
+        unique, inverse = torch.unique(self._tensor(sample_rows), return_inverse=True)
+        logits = self.model.compute_logits(hidden[unique])[inverse]
         if not self.samples:
             return None
+        if not sample_rows:  # only prompt chunks this step
+            return StepResult(msg.step_id, [], [])
         out = self.sampler(logits, self._sampling_batch(states))
         return StepResult(
             msg.step_id,
@@ -197,11 +207,19 @@ class ModelRunner:
             if step.params is None:
                 raise RuntimeError(f"sequence {step.seq_id} arrived without sampling params")
             state = self.seqs[step.seq_id] = _SeqState(step.params)
-        if step.start == 0:
+        if step.replace_table:
             state.block_table = list(step.blocks)
         else:
             state.block_table.extend(step.blocks)
         return state
+
+    def _copy_blocks(self, copies: list[list[int]]) -> None:
+        """Copy whole KV blocks (every layer of this rank) before a step writes into them."""
+        bs = self.block_size
+        offsets = torch.arange(bs, device=self.device)
+        src = (self._tensor([c[0] for c in copies])[:, None] * bs + offsets).view(-1)
+        dst = (self._tensor([c[1] for c in copies])[:, None] * bs + offsets).view(-1)
+        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     def _slots(self, table: list[int], start: int, stop: int) -> list[int]:
         bs = self.block_size

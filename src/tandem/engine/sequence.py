@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 from tandem.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.output_processor import IncrementalDetokenizer
 
 
 class SequenceStatus(Enum):
@@ -45,9 +49,15 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text: str | None = None  # set when a stop string cut the output
+        self.detok: IncrementalDetokenizer | None = None  # output text so far (OutputProcessor's)
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.num_blocks_sent = 0  # of block_table, already told to the model ranks
+        self.table_changed = False  # block_table changed other than by appending: resend it
+        self.block_hashes: list[int] = []  # prefix-cache hashes of its full blocks so far
+        self.num_registered_blocks = 0  # of block_table, already in the prefix cache
+        self.cache_epoch = -1  # the prefix cache's epoch when its blocks were taken
+        self.unforked: list[Sequence] = []  # samples of its request waiting to share its prompt
         self.params_sent = False
 
     def __len__(self) -> int:
