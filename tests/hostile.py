@@ -226,7 +226,7 @@ def raw_bodies(valid: dict, max_request_bytes: int):
 
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
-ADMIN = ["/admin/weights", "/admin/sleep", "/admin/wake"]
+ADMIN = ["/admin/weights", "/admin/sleep", "/admin/wake", "/admin/reset_prefix_cache"]
 
 
 def odd_requests(admin_key: str):

@@ -3,7 +3,7 @@
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine.engine import EngineAsleepError
+from tandem.engine.state import EngineAsleepError
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
 PROMPTS = ["The quick dog", "12 + 7 ="]

@@ -1,7 +1,5 @@
 """Sampling behaviour of the offline engine on a tiny Llama (no reference model needed)."""
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -97,15 +95,15 @@ def test_stop_token_ids_max_tokens_and_eos(llm):
     assert out.token_ids == ids[: ids.index(stop_id) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     # Declare the 4th greedy token the model's EOS: generation stops there unless ignore_eos.
-    spec = llm.engine.spec
-    llm.engine.spec = dataclasses.replace(spec, eos_token_ids=(ids[3],))
+    outputs = llm.engine.outputs
+    eos, outputs.eos_token_ids = outputs.eos_token_ids, {ids[3]}
     try:
         eos_out = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0))[0].outputs[0]
         assert eos_out.token_ids == ids[: ids.index(ids[3]) + 1]
         assert eos_out.finish_reason == "stop" and eos_out.stop_reason is None
         assert eos_out.text == llm.tokenizer.decode(eos_out.token_ids)
     finally:
-        llm.engine.spec = spec
+        outputs.eos_token_ids = eos
 
 
 def test_n_samples_differ_and_prompt_order_is_kept(llm):

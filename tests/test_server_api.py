@@ -127,6 +127,28 @@ def test_metrics_parse_and_move(server, client):
     assert server.metric("tandem_weight_version") == 0
 
 
+def test_prefix_cache_counts_hits_and_resets_through_admin(server, client):
+    prompt = list(range(1, 41))  # 40 tokens: two full blocks of 16 are cached after one run
+    params = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = client.completions.create(**params)
+    queried = server.metric("tandem_prefix_cache_queried_tokens_total")
+    hits = server.metric("tandem_prefix_cache_hit_tokens_total")
+    steps = server.metric("tandem_engine_steps_total")
+    assert server.metric("tandem_prefix_cache_blocks") >= 2
+    second = client.completions.create(**params)
+    assert second.choices[0].text == first.choices[0].text
+    assert server.metric("tandem_prefix_cache_queried_tokens_total") == queried + 40
+    assert server.metric("tandem_prefix_cache_hit_tokens_total") == hits + 32
+    assert server.metric("tandem_engine_steps_total") == steps + 2
+    assert server.metric("tandem_decode_tokens_total") > 0
+    assert 0 < server.metric("tandem_prefix_cache_hit_rate") < 1
+    assert server.post("/admin/reset_prefix_cache").status_code == 401
+    assert server.admin("POST", "/admin/reset_prefix_cache").json() == {"reset": True}
+    assert server.metric("tandem_prefix_cache_blocks") == 0
+    client.completions.create(**params)
+    assert server.metric("tandem_prefix_cache_hit_tokens_total") == hits + 32, "nothing cached"
+
+
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     body = {"model": "tiny", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True,
             "stream": True}  # fmt: skip

@@ -13,19 +13,21 @@ from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager, blocks_for
 from tandem.engine.messages import SeqParams, SeqStep, StepMessage, StepResult
+from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
 from tandem.engine.sequence import Sequence
+from tandem.engine.state import EngineLifecycle, EngineState
+from tandem.engine.stats import EngineStats
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.receiver import WeightSyncError
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
-
-class EngineAsleepError(RuntimeError):
-    """The engine released its KV cache (`sleep`); `wake` it before generating."""
+# Tokens per step unless configured: decodes first, then prompt chunks. Large enough that a step
+# of prompt work amortises the per-step overhead, small enough that decodes keep flowing.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 class LLMEngine:
@@ -37,15 +39,15 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's {limit}")
         self.max_model_len = config.max_model_len or limit
-        max_batched = config.max_num_batched_tokens or max(8192, self.max_model_len)
-        if max_batched < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_batched}) must be >= max_model_len "
-                f"({self.max_model_len}) so any prompt fits in one step"
-            )
+        max_batched = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.tokenizer = Tokenizer(self.spec.path)
+        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, self.max_model_len)
         self.executor: Executor = _make_executor(self.spec, config)
-        self.blocks = BlockManager(self.executor.num_blocks, config.block_size)
+        self.blocks = BlockManager(
+            self.executor.num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
             self.blocks,
             config.max_num_seqs,
@@ -59,9 +61,7 @@ class LLMEngine:
         self._step_ids = itertools.count()
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget
-        self.dead: str | None = None  # why the executor can no longer run steps
-        self.torn: str | None = None  # a push failed mid-write: refuse to generate
-        self.sleeping = False  # KV cache released (`sleep`) until `wake`
+        self.lifecycle = EngineLifecycle()
         self.lock = threading.RLock()  # one step or one weight update at a time
         # The exchange server calls these after every push attempt with (version, seconds,
         # error or None): metrics, logs.
@@ -96,16 +96,16 @@ class LLMEngine:
         with the new weights, and each records the versions it used."""
         with self.lock:
             self._drain_in_flight()
-            if self.dead is not None:
-                raise EngineDeadError(f"the engine is dead: {self.dead}")
+            self.lifecycle.check_alive()
             run = WeightUpdate(update, lambda phase, records: self._guarded(
                 lambda: self.executor.apply(phase, update, records)))  # fmt: skip
             try:
                 run(records_by_rank, checksums, self.weight_version)
             finally:
+                self.blocks.reset_prefix_cache()  # cached KV came from the old weights
                 if run.torn is not None:
-                    self.torn = run.torn
-            self.torn = None
+                    self.lifecycle.torn(run.torn)
+            self.lifecycle.push_landed()
             self.weight_version = update["version"]
 
     def make_sequences(
@@ -141,9 +141,25 @@ class LLMEngine:
         ]
 
     def add(self, seqs: list[Sequence]) -> None:
+        """Queue sequences from `make_sequences` (a request's samples share its prompt)."""
         with self.lock:
+            requests: dict[str, list[Sequence]] = {}
             for seq in seqs:
-                self.scheduler.add(seq)
+                requests.setdefault(seq.request_id, []).append(seq)
+            for samples in requests.values():
+                self.scheduler.add_request(samples)
+
+    def batch_window_left(self) -> float:
+        """Seconds an idle static-batching engine should still let a burst gather before its
+        next batch starts (0: step now). A server calls it; offline, every request is queued
+        before the first step."""
+        window = self.config.static_batch_window_s
+        return self.scheduler.static_batch_window_left(window) if window else 0.0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix block (blocks in use stay with their sequences)."""
+        with self.lock:
+            self.blocks.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -164,7 +180,7 @@ class LLMEngine:
     def check_health(self) -> None:
         """Notice a dead worker while idle (marks the engine dead). Skipped while a step or a
         weight update holds the engine: those notice it themselves."""
-        if self.dead is None and self.lock.acquire(blocking=False):
+        if self.state is not EngineState.DEAD and self.lock.acquire(blocking=False):
             try:
                 self._guarded(self.executor.check_alive)
             except EngineDeadError:
@@ -172,46 +188,57 @@ class LLMEngine:
             finally:
                 self.lock.release()
 
+    def stats(self) -> EngineStats:
+        blocks, scheduler = self.blocks, self.scheduler
+        return EngineStats(
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.num_blocks - blocks.num_free,
+            prefix_cache_blocks=blocks.num_cached,
+            prefix_cache_queried_tokens=blocks.stats.queried_tokens,
+            prefix_cache_hit_tokens=blocks.stats.hit_tokens,
+            steps=scheduler.counters.steps,
+            prefill_tokens=scheduler.counters.prefill_tokens,
+            decode_tokens=scheduler.counters.decode_tokens,
+            num_waiting=scheduler.num_unfinished - len(scheduler.running),
+            num_running=len(scheduler.running),
+            num_preemptions=scheduler.num_preemptions,
+        )
+
+    @property
+    def state(self) -> EngineState:
+        return self.lifecycle.state
+
     def sleep(self) -> None:
         """Release the KV cache (every rank) so a colocated trainer can use the memory.
         Running sequences are preempted (recomputed after `wake`); nothing is lost."""
         with self.lock:
-            if self.sleeping:
+            if self.lifecycle.kv_released:
                 return
+            self.lifecycle.check_alive()
             self._drain_in_flight()
             self.scheduler.preempt_all()
             self._guarded(lambda: self.executor.set_kv_cache(False))
-            self.sleeping = True
+            self.lifecycle.slept()
 
     def wake(self) -> None:
         """Re-allocate the KV cache released by `sleep`."""
         with self.lock:
-            if not self.sleeping:
+            if not self.lifecycle.kv_released:
                 return
+            self.lifecycle.check_alive()
             self._guarded(lambda: self.executor.set_kv_cache(True))
-            self.sleeping = False
+            self.lifecycle.woke()
 
     def step(self) -> list[Sequence]:
-        """Fill the pipeline with steps, then finish the oldest; returns the sequences that
-        finished in it. With P pipeline stages up to P steps (on disjoint sequences) are in
-        flight, so every stage has work."""
+        """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
+        stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
+        returns the sequences that finished in it."""
         with self.lock:
-            return self._step()
-
-    def _step(self) -> list[Sequence]:
-        if self.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {self.dead}")
-        if self.torn is not None:
-            raise WeightSyncError(
-                "weights are incomplete after a failed push; requests are refused until a "
-                f"complete push lands: {self.torn}"
-            )
-        if self.sleeping:
-            raise EngineAsleepError("the engine is asleep (KV cache released); call wake() first")
-        self._guarded(self._fill_pipeline)
-        if not self._in_flight:
-            raise RuntimeError("scheduler produced an empty batch with requests pending")
-        return self._finish_oldest()
+            self.lifecycle.check_runnable()
+            self._guarded(self._fill_pipeline)
+            if not self._in_flight:
+                raise RuntimeError("scheduler produced an empty batch with requests pending")
+            return self._finish_oldest()
 
     def _finish_oldest(self) -> list[Sequence]:
         result = self._guarded(self.executor.collect)
@@ -231,7 +258,7 @@ class LLMEngine:
         try:
             return call()
         except EngineDeadError as exc:
-            self.dead = str(exc)
+            self.lifecycle.died(str(exc))
             self.executor.shutdown()
             raise
 
@@ -250,23 +277,33 @@ class LLMEngine:
 
     def _message(self, batch: ScheduledBatch) -> StepMessage:
         steps = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            start = seq.num_cached_tokens
-            blocks = seq.block_table if start == 0 else seq.block_table[seq.num_blocks_sent :]
+        for i, seq in enumerate(batch.seqs):
+            start, n = seq.num_cached_tokens, batch.num_new_tokens[i]
+            replace, seq.table_changed = seq.table_changed, False
+            blocks = seq.block_table if replace else seq.block_table[seq.num_blocks_sent :]
             seq.num_blocks_sent = len(seq.block_table)
             params = None
             if not seq.params_sent:
                 params, seq.params_sent = _seq_params(seq), True
+            logits_from = batch.logits_from[i]
             steps.append(
-                SeqStep(seq.seq_id, start, seq.token_ids[start : start + n], list(blocks), params)
-            )
-        msg = StepMessage(next(self._step_ids), steps, self._released)
+                SeqStep(
+                    seq.seq_id, start, seq.token_ids[start : start + n], list(blocks), params,
+                    replace, batch.samples[i], -1 if logits_from is None else logits_from,
+                )
+            )  # fmt: skip
+        copies = [[src, dst] for src, dst in batch.copies]
+        msg = StepMessage(next(self._step_ids), steps, self._released, copies)
         self._released = []
         return msg
 
     def _append(self, batch: ScheduledBatch, out: StepResult) -> None:
         now = time.monotonic()
-        for row, seq in enumerate(batch.seqs):
+        rows = itertools.count()
+        for seq, sampled in zip(batch.seqs, batch.samples, strict=True):
+            if not sampled:  # a prompt chunk: nothing to sample yet
+                continue
+            row = next(rows)
             if seq.finished:  # aborted while its step was in flight
                 continue
             token = out.token_ids[row]
@@ -280,28 +317,7 @@ class LLMEngine:
                 if k > 0:
                     top = zip(out.top_ids[row][:k], out.top_logprobs[row][:k], strict=True)
                     seq.top_logprobs.append(dict(top))
-            self._check_stop(seq, token)
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        if not params.ignore_eos and token in self.spec.eos_token_ids:
-            return seq.finish("stop")
-        if token in params.stop_token_ids:
-            return seq.finish("stop", token)
-        if params.stop:
-            text = self.output_text(seq)
-            found = [(i, s) for s in params.stop if (i := text.find(s)) >= 0]
-            if found:
-                idx, stop = min(found)
-                seq.text = text[: idx + (len(stop) if params.include_stop_str_in_output else 0)]
-                return seq.finish("stop", stop)
-        if seq.num_output_tokens >= seq.max_tokens or len(seq) >= self.max_model_len:
-            seq.finish("length")
-
-    def output_text(self, seq: Sequence) -> str:
-        if seq.text is not None:
-            return seq.text
-        return self.tokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+            self.outputs.process(seq, token)
 
 
 def _seq_params(seq: Sequence) -> SeqParams:

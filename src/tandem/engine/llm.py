@@ -82,7 +82,7 @@ class LLM:
         completions = [
             CompletionOutput(
                 index=s.index,
-                text=self.engine.output_text(s),
+                text=self.engine.outputs.text(s),
                 token_ids=s.output_token_ids,
                 logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason,
@@ -101,6 +101,10 @@ class LLM:
         return RequestOutput(
             request_id, prompt, prompt_ids, completions, True, versions[-1], metrics, versions
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (a weight push does this itself)."""
+        self.engine.reset_prefix_cache()
 
     def sleep(self) -> None:
         """Release the KV cache on every rank (a colocated trainer may use the memory); the

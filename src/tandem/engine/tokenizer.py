@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -24,3 +25,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decoder_config(self) -> dict | None:
+        """The decoder's ``tokenizer.json`` entry (None when the tokenizer has no decoder)."""
+        decoder = self._tok.decoder
+        return None if decoder is None else json.loads(decoder.__getstate__())

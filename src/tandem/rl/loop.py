@@ -28,6 +28,7 @@ from typing import Literal
 
 from tandem import LLM, SamplingParams
 from tandem.engine.outputs import RequestOutput
+from tandem.engine.state import EngineState
 from tandem.models.tiny import make_tiny_model
 from tandem.rl.grpo import group_advantages
 from tandem.rl.messages import Sample
@@ -149,7 +150,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: DigitsTask, rollout: _Rollout,
     try:
         reports = trainers.step(step, version + 1, shares, update=update)
     finally:
-        if llm.engine.sleeping:
+        if llm.engine.state is EngineState.SLEEPING:
             llm.wake()
     mismatches = [r.logprob_mismatch for r in reports if r.logprob_mismatch is not None]
     tokens = sum(len(c.token_ids) for out in rollout.outputs for c in out.outputs)

@@ -1,4 +1,5 @@
-"""``/admin/*``: weight-sync negotiation and sleep / wake, for the holder of ``--admin-key``.
+"""``/admin/*``: weight-sync negotiation, sleep / wake and prefix-cache reset, for the holder
+of ``--admin-key``.
 
 Without an admin key the routes answer 403 (disabled). Weight sync: ``GET /admin/weights``
 returns the version being served and the endpoint of the engine's exchange server, which a
@@ -29,7 +30,7 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(_admin_key)])
 
 @router.get("/weights")
 async def weights(request: Request):
-    engine = state(request).engine.engine
+    engine = state(request).engine
     server = await asyncio.to_thread(engine.exchange_server)
     hostport, _, token = server.address.rpartition("/")
     host, _, port = hostport.rpartition(":")
@@ -37,7 +38,7 @@ async def weights(request: Request):
                                     else [])  # fmt: skip
     return {
         "version": engine.weight_version,
-        "torn": engine.torn,
+        "torn": engine.torn_reason,
         "exchange": {"host": host, "port": int(port), "token": token},
         "transports": transports,
         "modes": ["staged", "in_place"],
@@ -50,11 +51,18 @@ async def sleep(request: Request):
     """Release the KV cache (running requests are preempted and resume after wake)."""
     engine = state(request).engine
     await asyncio.to_thread(engine.sleep)
-    return {"sleeping": True, "kv_blocks": engine.engine.blocks.num_blocks}
+    return {"sleeping": True, "kv_blocks": engine.stats().kv_blocks_total}
 
 
 @router.post("/wake")
 async def wake(request: Request):
     engine = state(request).engine
     await asyncio.to_thread(engine.wake)
-    return {"sleeping": False, "kv_blocks": engine.engine.blocks.num_blocks}
+    return {"sleeping": False, "kv_blocks": engine.stats().kv_blocks_total}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    """Forget every cached prompt prefix (weight pushes do this themselves)."""
+    await asyncio.to_thread(state(request).engine.reset_prefix_cache)
+    return {"reset": True}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from tandem.engine.state import EngineState
 from tandem.server import admin, errors, openai_routes
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
@@ -24,9 +25,9 @@ def build_app(server: ServerState) -> FastAPI:
     async def health(request: Request):
         s = state(request)
         why = s.engine.unavailable()
-        core = s.engine.engine
         body = {"status": "ok" if why is None else "unavailable", "reason": why,
-                "weight_version": core.weight_version, "sleeping": core.sleeping}  # fmt: skip
+                "weight_version": s.engine.weight_version,
+                "sleeping": s.engine.state is EngineState.SLEEPING}  # fmt: skip
         return JSONResponse(body, status_code=200 if why is None else 503)
 
     @app.get("/metrics")

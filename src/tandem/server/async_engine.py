@@ -14,10 +14,14 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from tandem.engine.engine import EngineAsleepError, LLMEngine
+from tandem.config import EngineConfig
+from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
+from tandem.engine.state import EngineAsleepError, EngineState
+from tandem.engine.stats import EngineStats
+from tandem.engine.tokenizer import Tokenizer
 from tandem.exchange.receiver import WeightSyncError
 
 log = logging.getLogger("tandem.serve")
@@ -104,7 +108,7 @@ class _Tracked:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256):
-        self.engine = engine
+        self._core = engine  # reached only through the methods below
         self.max_waiting = max_waiting
         self.generated_tokens = 0  # all requests, for metrics
         self._cond = threading.Condition()
@@ -119,29 +123,73 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests not yet admitted (a request's n samples count once)."""
-        waiting = {seq.request_id for seq in list(self.engine.scheduler.waiting)}
+        waiting = {seq.request_id for seq in list(self._core.scheduler.waiting)}
         return len(waiting) + len(self._new)
 
     @property
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)
+        return len(self._core.scheduler.running)
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._core.config
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self._core.max_model_len
+
+    @property
+    def weight_version(self) -> int:
+        return self._core.weight_version
+
+    @property
+    def state(self) -> EngineState:
+        return self._core.state
+
+    @property
+    def torn_reason(self) -> str | None:
+        lifecycle = self._core.lifecycle
+        return lifecycle.reason if lifecycle.state is EngineState.TORN else None
+
+    def stats(self) -> EngineStats:
+        return self._core.stats()
+
+    def text(self, seq: Sequence) -> str:
+        """A sample's output text so far (final once it finished)."""
+        return self._core.outputs.text(seq)
+
+    def exchange_server(self):
+        """The engine's weight-exchange server (started on first use; blocking)."""
+        return self._core.exchange_server()
+
+    def on_weight_update(self, listener) -> None:
+        """``listener(version, seconds, error or None)`` after every push attempt."""
+        self._core.update_listeners.append(listener)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prompt prefix (blocking: call in a thread)."""
+        self._core.reset_prefix_cache()
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""
-        e = self.engine
+        lifecycle = self._core.lifecycle
         if self._closed is not None:
             return self._closed
-        if e.dead is not None:
-            return f"the engine is dead: {e.dead}"
-        if e.torn is not None:
-            return f"weights are incomplete after a failed push: {e.torn}"
+        if lifecycle.state is EngineState.DEAD:
+            return f"the engine is dead: {lifecycle.reason}"
+        if lifecycle.state is EngineState.TORN:
+            return f"weights are incomplete after a failed push: {lifecycle.reason}"
         return None
 
     def prepare(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:
         """Check one prompt (ValueError names the problem) and make its samples."""
-        return self.engine.make_sequences(request_id, prompt_ids, params, priority)
+        return self._core.make_sequences(request_id, prompt_ids, params, priority)
 
     def submit(self, requests: list[tuple[str, list[Sequence]]]) -> Submission:
         """Queue prepared requests (all or none). Raises QueueFull, EngineUnavailable."""
@@ -164,10 +212,10 @@ class AsyncEngine:
 
     def sleep(self) -> None:
         """Release the KV cache; requests queue up until `wake` (blocking: call in a thread)."""
-        self.engine.sleep()
+        self._core.sleep()
 
     def wake(self) -> None:
-        self.engine.wake()
+        self._core.wake()
         with self._cond:
             self._cond.notify()
 
@@ -179,33 +227,36 @@ class AsyncEngine:
 
     # ----- engine thread -----
     def _runnable(self) -> bool:
-        e = self.engine
-        return e.has_unfinished() and not e.sleeping and e.dead is None and e.torn is None
+        return self._core.has_unfinished() and self._core.state is EngineState.RUNNING
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._new or self._aborts or self._runnable()):
                     if not self._cond.wait(timeout=HEALTH_CHECK_S):
-                        self.engine.check_health()  # idle: is every worker still there?
+                        self._core.check_health()  # idle: is every worker still there?
                 if self._closed:
                     break
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
             for request_id, tracked in new:
                 self._tracked[request_id] = tracked
-                self.engine.add(tracked.seqs)
+                self._core.add(tracked.seqs)
             for request_id in aborts:
                 tracked = self._tracked.pop(request_id, None)
                 if tracked is not None:
-                    self.engine.abort(tracked.seqs)
-            if self.engine.torn is not None or self.engine.dead is not None:
+                    self._core.abort(tracked.seqs)
+            if self._core.state in (EngineState.TORN, EngineState.DEAD):
                 self._fail_all(self.unavailable())
                 continue
             if not self._runnable():
                 continue
+            if (hold := self._core.batch_window_left()) > 0:
+                with self._cond:  # a static batch fills up; an arrival wakes us at once
+                    self._cond.wait(timeout=hold)
+                continue
             try:
-                self.engine.step()
+                self._core.step()
             except EngineAsleepError:
                 continue  # put to sleep between the check and the step: requests wait
             except (EngineDeadError, WeightSyncError) as exc:
@@ -221,8 +272,8 @@ class AsyncEngine:
     def _fail_all(self, reason: str) -> None:
         tracked, self._tracked = self._tracked, {}
         for t in tracked.values():
-            if self.engine.dead is None:
-                self.engine.abort(t.seqs)
+            if self._core.state is not EngineState.DEAD:
+                self._core.abort(t.seqs)
             t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=reason))
 
     def _publish(self) -> None:
@@ -244,12 +295,8 @@ class AsyncEngine:
     def _delta(self, t: _Tracked, i: int, seq: Sequence) -> SeqDelta | None:
         if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):
             return None
-        text = self.engine.output_text(seq)
+        text = self._core.outputs.stable_text(seq)  # what may still change is held back
         cut = len(text)
-        if not seq.finished:  # hold back what may still change: a partial UTF-8 character,
-            cut = len(text.rstrip("\ufffd"))  # or the start of a stop string
-            if seq.params.stop:
-                cut = min(cut, len(text) - max(map(len, seq.params.stop)) + 1)
         start = t.sent_tokens[i]
         chars = t.sent_chars[i]
         delta = SeqDelta(

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tandem.engine.state import EngineState
 from tandem.server.async_engine import AsyncEngine
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
@@ -16,20 +17,25 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class Metrics:
     def __init__(self, engine: AsyncEngine):
         self.registry = r = CollectorRegistry()
-        core = engine.engine
-        g = Gauge("tandem_queue_depth", "requests waiting to be scheduled", registry=r)
-        g.set_function(lambda: engine.num_waiting)
-        g = Gauge("tandem_running_sequences", "sequences holding KV blocks", registry=r)
-        g.set_function(lambda: engine.num_running)
-        g = Gauge("tandem_kv_blocks_used", "KV cache blocks in use", registry=r)
-        g.set_function(lambda: core.blocks.num_blocks - core.blocks.num_free)
-        g = Gauge("tandem_kv_blocks_total", "KV cache blocks", registry=r)
-        g.set_function(lambda: core.blocks.num_blocks)
-        g = Gauge("tandem_weight_version", "version of the weights being served", registry=r)
-        g.set_function(lambda: core.weight_version)
-        g = Gauge("tandem_engine_sleeping", "1 while the KV cache is released", registry=r)
-        g.set_function(lambda: int(core.sleeping))
+        for name, doc, value in (
+            ("queue_depth", "requests waiting to be scheduled", lambda: engine.num_waiting),
+            ("running_sequences", "sequences holding KV blocks", lambda: engine.num_running),
+            ("kv_blocks_used", "KV cache blocks in use",
+             lambda: engine.stats().kv_blocks_used),
+            ("kv_blocks_total", "KV cache blocks", lambda: engine.stats().kv_blocks_total),
+            ("weight_version", "version of the weights being served",
+             lambda: engine.weight_version),
+            ("engine_sleeping", "1 while the KV cache is released",
+             lambda: int(engine.state is EngineState.SLEEPING)),
+            ("prefix_cache_hit_rate",
+             "share of admitted prompt tokens served from shared or cached KV blocks",
+             lambda: engine.stats().prefix_cache_hit_rate),
+            ("prefix_cache_blocks", "KV blocks in the prefix cache",
+             lambda: engine.stats().prefix_cache_blocks),
+        ):  # fmt: skip
+            Gauge(f"tandem_{name}", doc, registry=r).set_function(value)
         r.register(_TokenCounter(engine))
+        r.register(_EngineCounters(engine))
         self.prompt_tokens = Counter(
             "tandem_prompt_tokens", "prompt tokens of admitted requests", registry=r
         )
@@ -49,7 +55,7 @@ class Metrics:
             "tandem_weight_sync_seconds", "weight pushes applied (or failed), by outcome",
             ["outcome"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
-        core.update_listeners.append(self._on_update)
+        engine.on_weight_update(self._on_update)
 
     def _on_update(self, version: int, seconds: float, error: str | None) -> None:
         self.sync.labels(outcome="failed" if error else "ok").observe(seconds)
@@ -69,3 +75,25 @@ class _TokenCounter:
             "tandem_generation_tokens", "tokens generated (all requests)",
             value=self.engine.generated_tokens,
         )  # fmt: skip
+
+
+class _EngineCounters:
+    """The engine core's own counts: prefix-cache tokens, and tokens computed per kind (their
+    ratio to ``tandem_engine_steps_total`` is the mean prefill / decode tokens per step)."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, doc, value in (
+            ("prefix_cache_queried_tokens", "prompt tokens admitted",
+             stats.prefix_cache_queried_tokens),
+            ("prefix_cache_hit_tokens", "of those, served from shared or cached KV blocks",
+             stats.prefix_cache_hit_tokens),
+            ("engine_steps", "model steps scheduled", stats.steps),
+            ("prefill_tokens", "prompt tokens computed (chunks and recomputation included)",
+             stats.prefill_tokens),
+            ("decode_tokens", "tokens computed one per running sequence", stats.decode_tokens),
+        ):  # fmt: skip
+            yield CounterMetricFamily(f"tandem_{name}", doc, value=value)

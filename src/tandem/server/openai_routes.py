@@ -29,7 +29,7 @@ router = APIRouter(dependencies=[Depends(_api_key)])
 async def models(request: Request):
     s = state(request)
     card = {"id": s.config.model_name, "object": "model", "created": s.created,
-            "owned_by": "tandem", "max_model_len": s.engine.engine.max_model_len}  # fmt: skip
+            "owned_by": "tandem", "max_model_len": s.engine.max_model_len}  # fmt: skip
     return {"object": "list", "data": [card]}
 
 
@@ -124,7 +124,7 @@ class _Call:
         usage = {"prompt_tokens": prompt, "completion_tokens": completion,
                  "total_tokens": prompt + completion}  # fmt: skip
         return {"usage": usage, "weight_version": versions[-1] if versions else
-                self.s.engine.engine.weight_version, "weight_versions": versions}  # fmt: skip
+                self.s.engine.weight_version, "weight_versions": versions}  # fmt: skip
 
     def _head(self, chunk: bool = False) -> dict:
         kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
@@ -172,7 +172,7 @@ def _final(s: ServerState, seq: Sequence) -> SeqDelta:
     """A whole sample as one delta (for non-streamed answers)."""
     k = seq.params.logprobs
     return SeqDelta(
-        seq.index, s.engine.engine.output_text(seq), seq.output_token_ids,
+        seq.index, s.engine.text(seq), seq.output_token_ids,
         list(seq.logprobs) if k is not None else None,
         list(seq.top_logprobs) if k else None, seq.finish_reason, seq.stop_reason,
     )  # fmt: skip

@@ -27,7 +27,7 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.engine.tokenizer
+        return self.engine.tokenizer
 
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
