@@ -61,3 +61,36 @@ def test_decode_groups_are_optimal_against_brute_force():
             for cuts in itertools.combinations(range(1, len(ranked)), n_cuts)
         )
         assert _cost(groups, lengths, 50) == best
+
+
+def test_shared_prefix_group_matches_each_sequence_attending_alone():
+    """Three samples share a 3-block prompt (blocks 5, 1, 7) and then hold their own blocks;
+    grouped, each must see the prefix and its own tokens only."""
+    from tandem.engine.model_runner import shared_prefix_groups
+    from tandem.layers.attention import SharedPrefixGroup
+
+    bs, gen = 4, torch.Generator().manual_seed(1)
+    attn = Attention(H, KV, D, D**-0.5)
+    attn.k_cache, attn.v_cache = torch.randn(64, KV, D, generator=gen), torch.randn(64, KV, D)
+    tables = [[5, 1, 7, 2, 9], [5, 1, 7, 3], [5, 1, 7, 11, 12]]
+    lengths = [18, 14, 20]
+    decodes = [(row, n, t) for row, (n, t) in enumerate(zip(lengths, tables, strict=True))]
+    decodes.append((3, 6, [4, 6]))  # an unrelated sequence
+    groups, rest = shared_prefix_groups(decodes, bs)
+    assert groups == [([0, 1, 2], 3)] and rest == [3]
+    q = torch.randn(3, H, D, generator=gen)
+    slot = [[t[p // bs] * bs + p % bs for p in range(n)] for n, t in zip(lengths, tables)]  # noqa: B905
+    shared = slot[0][:12]
+    keys = shared + [s for own in slot for s in own[12:]]
+    mask = torch.zeros(3, len(keys), dtype=torch.bool)
+    mask[:, :12] = True
+    offset = 12
+    for i, own in enumerate(slot):
+        mask[i, offset : offset + len(own) - 12] = True
+        offset += len(own) - 12
+    group = SharedPrefixGroup(torch.arange(3), torch.tensor(keys), mask[None, None])
+    out = attn(q, q[:, :KV], q[:, :KV], AttentionMetadata(None, [], [], [group]))
+    for i in range(3):
+        alone = DecodeGroup(torch.tensor([0]), torch.tensor([slot[i]]), None)
+        expected = attn(q[i : i + 1], q[:1, :KV], q[:1, :KV], AttentionMetadata(None, [], [alone]))
+        assert torch.allclose(out[i : i + 1], expected, atol=1e-5)

@@ -13,7 +13,13 @@ import torch
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import SeqParams, StepMessage, StepResult
 from tandem.exchange.transports.shm_arena import ParamArena
-from tandem.layers.attention import Attention, AttentionMetadata, DecodeGroup, PrefillSpan
+from tandem.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    SharedPrefixGroup,
+)
 from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.loader import ModelSpec, build_model, load_weights
 from tandem.models.stages import Stage
@@ -53,6 +59,45 @@ def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
         groups.append(order[i:j].tolist())
         g, j = g - 1, i
     return groups[::-1]
+
+
+# Cost of gathering one cached key/value slot, in (query, key) attention scores: a gather moves
+# the slot's keys and values through memory, a score is a few cached multiply-adds (measured on
+# CPU, where decode attention is bound by the gather).
+GATHER_COST = 12
+
+
+def shared_prefix_groups(
+    decodes: list[tuple[int, int, list[int]]], block_size: int
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Split decode members (flat row, context length, block table) into groups whose tables
+    start with the same blocks, worth attending together (see `SharedPrefixGroup`), and the
+    rest. Returns ([(member indices, shared blocks)], other indices)."""
+    by_first: dict[int, list[int]] = {}
+    for i, (_, _, table) in enumerate(decodes):
+        by_first.setdefault(table[0], []).append(i)
+    groups, rest = [], []
+    for members in by_first.values():
+        shared = _common_blocks([decodes[i] for i in members], block_size)
+        lengths = [decodes[i][1] for i in members]
+        keys = shared * block_size + sum(n - shared * block_size for n in lengths)
+        together = (GATHER_COST + len(members)) * keys
+        apart = (GATHER_COST + 1) * sum(lengths)
+        if len(members) > 1 and shared and together < apart:
+            groups.append((members, shared))
+        else:
+            rest.extend(members)
+    return groups, rest
+
+
+def _common_blocks(members: list[tuple[int, int, list[int]]], block_size: int) -> int:
+    """Leading blocks every member's table has in common, full in every member's context."""
+    limit = min(length for _, length, _ in members) // block_size
+    first = members[0][2]
+    shared = 0
+    while shared < limit and all(table[shared] == first[shared] for _, _, table in members):
+        shared += 1
+    return shared
 
 
 class _SeqState:
@@ -147,11 +192,14 @@ class ModelRunner:
                 if start > 0:
                     context = self._tensor(self._slots(state.block_table, 0, stop))
                 prefills.append(PrefillSpan(row, row + stop - start, context))
-        groups = group_by_length([length for _, length, _ in decodes], DECODE_GROUP_OVERHEAD)
+        shared, rest = shared_prefix_groups(decodes, self.block_size)
+        rest_decodes = [decodes[i] for i in rest]
+        groups = group_by_length([n for _, n, _ in rest_decodes], DECODE_GROUP_OVERHEAD)
         meta = AttentionMetadata(
             self._tensor(slot_mapping),
             prefills,
-            [self._decode_group([decodes[i] for i in members]) for members in groups],
+            [self._decode_group([rest_decodes[i] for i in members]) for members in groups],
+            [self._shared_group([decodes[i] for i in m], blocks) for m, blocks in shared],
         )
         hidden = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta)
         if hidden is None:
@@ -239,6 +287,23 @@ class ModelRunner:
         if min(lens) != max(lens):
             mask = (pos[None, :] < self._tensor(lens)[:, None])[:, None, None, :]
         return DecodeGroup(self._tensor([row for row, _, _ in members]), slots, mask)
+
+    def _shared_group(
+        self, members: list[tuple[int, int, list[int]]], shared_blocks: int
+    ) -> SharedPrefixGroup:
+        """The shared prefix's slots once, then each member's own; a mask per member."""
+        start = shared_blocks * self.block_size
+        slots = self._slots(members[0][2], 0, start)
+        spans = []
+        for _, length, table in members:
+            spans.append((len(slots), len(slots) + length - start))
+            slots.extend(self._slots(table, start, length))
+        mask = torch.zeros(len(members), len(slots), dtype=torch.bool, device=self.device)
+        mask[:, :start] = True
+        for i, (lo, hi) in enumerate(spans):
+            mask[i, lo:hi] = True
+        rows = self._tensor([row for row, _, _ in members])
+        return SharedPrefixGroup(rows, self._tensor(slots), mask[None, None])
 
     def _generator(self, state: _SeqState) -> torch.Generator | None:
         """The sample's own random stream: same seed, same tokens, whatever else is batched."""

@@ -4,6 +4,8 @@ The batch is one flat run of tokens. Each layer writes the new keys/values into 
 ``slot_mapping``; sequences with several query tokens (prefill) attend one by one, and all
 single-token (decode) sequences attend in a few groups of similar context length, each through
 one gather of their cached keys/values (grouping bounds the padding to the group's longest).
+Decoding sequences whose contexts begin with the same cached blocks (a request's samples share
+their prompt's) attend as one group that gathers the shared prefix once.
 """
 
 from __future__ import annotations
@@ -35,10 +37,23 @@ class DecodeGroup:
 
 
 @dataclass(slots=True)
+class SharedPrefixGroup:
+    """Sequences with one query token each whose contexts start with the same cached blocks
+    (a request's samples, or requests with a cached prefix in common): their keys are gathered
+    once, the shared prefix and then each member's own part, and a mask lets each member see
+    the prefix and its own part only."""
+
+    rows: torch.Tensor  # [B] their rows in the flat batch
+    slots: torch.Tensor  # [L] cache slots: the shared prefix, then each member's own tokens
+    mask: torch.Tensor  # [1, 1, B, L] True where a member attends
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor | None  # [T] cache slot of each flat token; None: cache untouched
     prefills: list[PrefillSpan]
     decodes: list[DecodeGroup] = field(default_factory=list)
+    shared_decodes: list[SharedPrefixGroup] = field(default_factory=list)
 
 
 class Attention(nn.Module):
@@ -76,6 +91,11 @@ class Attention(nn.Module):
             qd = q[group.rows].unsqueeze(2)  # [B, H, 1, D]
             kd, vd = self._gather(self.k_cache, group), self._gather(self.v_cache, group)
             out[group.rows] = self._sdpa(qd, kd, vd, group.mask, False).squeeze(2)
+        for group in meta.shared_decodes:
+            qd = q[group.rows].transpose(0, 1)[None]  # [1, H, B, D]
+            kd = self.k_cache.index_select(0, group.slots).transpose(0, 1)[None]  # [1, KV, L, D]
+            vd = self.v_cache.index_select(0, group.slots).transpose(0, 1)[None]
+            out[group.rows] = self._sdpa(qd, kd, vd, group.mask, False)[0].transpose(0, 1)
         return out
 
     @staticmethod

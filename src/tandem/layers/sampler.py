@@ -9,6 +9,7 @@ Logprobs come in two modes, per request:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,13 +71,24 @@ class Sampler:
         return SamplerOutput(tokens, logprobs, top_ids, top_lp)
 
     def _exponential_noise(self, like, generators, greedy) -> torch.Tensor:
-        """Exp(1) noise per row: argmax(p / noise) is a sample from p (the Gumbel-max trick)."""
-        noise = torch.ones_like(like)
+        """Exp(1) noise per row: argmax(p / noise) is a sample from p (the Gumbel-max trick).
+        Drawn as -log(U) from uniforms (several times faster than ``exponential_`` on CPU): a
+        seeded row from its own stream, the unseeded rows from the shared one in one draw."""
+        uniform = torch.full_like(like, math.exp(-1.0))  # greedy rows: noise 1 (unused)
+        shared = []
         for row, gen in enumerate(generators):
-            if not greedy[row]:
-                noise[row].exponential_(generator=gen if gen is not None else self.shared)
-        return noise
-
+            if greedy[row]:
+                continue
+            if gen is None:
+                shared.append(row)
+            else:
+                uniform[row].uniform_(generator=gen)
+        if shared:
+            rows = torch.tensor(shared, device=like.device)
+            draw = torch.rand(len(shared), like.shape[-1], generator=self.shared,
+                              device=like.device, dtype=like.dtype)  # fmt: skip
+            uniform.index_copy_(0, rows, draw)
+        return -torch.log(uniform)  # U == 0 gives infinite noise: that token is never picked
 
 def _filter_top_k_top_p(scaled, top_k, top_p) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
