@@ -8,6 +8,7 @@ import math
 import pytest
 
 from tandem.bench.generate import SETUPS, run
+from tandem.bench.generate_peers import STATIC_BATCH_SIZES
 
 
 def _positive(x: object) -> bool:
@@ -24,18 +25,31 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
     assert set(result["model"]) >= {"params", "hidden", "layers", "heads", "kv_heads", "vocab"}
     assert all(_positive(result["model"][k]) for k in ("params", "hidden", "layers", "vocab"))
     assert isinstance(result["threads"], int) and result["threads"] >= 1
-    _, _, _, (_, batch1_new), (requests, *_) = SETUPS[True]
-    assert result["batch1"]["tokens"] == batch1_new
-    assert result["mixed"]["requests"] == requests
-    for name in ("batch1", "mixed"):
+    setup = SETUPS[True]
+    prompts, n, _, _, new = setup.grpo
+    assert result["batch1"]["tokens"] == setup.batch1[1]
+    assert result["mixed"]["requests"] == setup.mixed[0]
+    assert result["grpo"]["requests"] == prompts and result["grpo"]["tokens"] == prompts * n * new
+    sides = {
+        "batch1": ("tandem", "transformers"),
+        "mixed": ("tandem", "transformers", "transformers_cb"),
+        "grpo": ("tandem", "tandem_no_prefix_caching", "transformers_cb"),
+    }
+    for name, names in sides.items():
         entry = result[name]
         assert _positive(entry["tokens"])
-        assert entry["tandem_tokens_counted"] == entry["tokens"]  # every request got its count
-        assert entry["transformers_tokens_counted"] == entry["tokens"]
-        for side in ("tandem", "transformers"):
+        for side in names:  # every run of every side was checked request by request
+            assert entry[f"{side}_tokens_counted"] == entry["tokens"], (name, side)
             assert _positive(entry[f"{side}_tokens_per_s"]), (name, side)
+    mixed = result["mixed"]
+    sizes = {str(min(b, mixed["requests"])) for b in STATIC_BATCH_SIZES}
+    assert set(mixed["transformers_batch_seconds"]) == sizes
+    assert str(mixed["transformers_batch_size"]) in sizes
+    for name in ("mixed", "grpo"):
+        assert _positive(result[name]["transformers_cb_config"]["num_blocks"])
     assert set(result["ratios"]) == {
-        "batch1_vs_transformers", "mixed_vs_transformers", "continuous_vs_static",
+        "batch1_vs_transformers", "mixed_vs_transformers", "mixed_vs_transformers_cb",
+        "grpo_vs_transformers_cb", "prefix_sharing", "continuous_vs_static",
     }  # fmt: skip
     batching = result["batching"]
     for mode in ("continuous", "static"):
@@ -43,5 +57,23 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
         assert 0 < batching[mode]["latency_mean_s"] <= batching[mode]["latency_p99_s"]
         assert _positive(batching[mode]["tokens_per_s"])
     assert all(_positive(v) for v in result["ratios"].values())
+    grpo = result["grpo"]
+    ratio = grpo["tandem_tokens_per_s"] / grpo["tandem_no_prefix_caching_tokens_per_s"]
+    assert result["ratios"]["prefix_sharing"] == pytest.approx(ratio, rel=1e-2)
     ratio = result["batch1"]["tandem_tokens_per_s"] / result["batch1"]["transformers_tokens_per_s"]
     assert result["ratios"]["batch1_vs_transformers"] == pytest.approx(ratio, rel=1e-2)
+
+
+def test_transformers_cb_checks_token_counts():
+    """A short or failed request makes the continuous-batching side raise, not count."""
+    from types import SimpleNamespace
+
+    from tandem.bench.generate_peers import _check
+
+    ok = SimpleNamespace(error=None, generated_tokens=[1, 2, 3])
+    assert _check([ok, ok], [3, 3]) == 6
+    short = SimpleNamespace(error=None, generated_tokens=[1, 2])
+    failed = SimpleNamespace(error="boom", generated_tokens=[1, 2, 3])
+    for results in ([ok, short], [ok, failed], [ok, None], [ok]):
+        with pytest.raises(RuntimeError, match="asked"):
+            _check(results, [3, 3])
