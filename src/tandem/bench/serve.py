@@ -2,15 +2,18 @@
 
 Two servers run the same random-init Llama (the generate benchmark's model, float32, CPU) with
 the same ``max_num_seqs``: one with continuous (iteration-level) batching, one with
-``--batching static`` (a batch runs until all its requests finish, then the next is admitted:
-Energon-AI's FIFO baseline). Both are started once and warmed up; then for each arrival rate the
-same requests go to one server, then the other (so a noisy moment on the machine hits both
-alike). Requests are streamed completions with random token-id prompts (never EOS),
+``--batching static``, run as a static system would: length-sorted batches that run until all
+their requests finish before the next is admitted, and an idle server lets a burst gather for
+``static_batch_window_s`` (50 ms) or until a batch is full before starting one (without it the
+first request of a burst ran alone). Both are started once and warmed up; then for each arrival
+rate the same requests go to one server, then the other (so a noisy moment on the machine hits
+both alike). Requests are streamed completions with random token-id prompts (never EOS),
 ``ignore_eos`` and temperature 0, so each yields exactly its ``max_tokens``; their prompt and
-output lengths come from a fixed seed and are the same at every rate. The last step of the
-sweep is a burst (all requests sent at once), run ``burst_runs`` times per mode, the modes
-alternating, the best run of each counting: that is what ``ratios.continuous_vs_fifo`` calls
-saturation.
+output lengths come from a fixed seed and are the same at every rate; their ids are new in every
+run (the same for both modes), so no run reuses prompts cached by an earlier one. The last step
+of the sweep is a burst (all requests sent at once), run ``burst_runs`` times per mode, the
+modes alternating, the best run of each counting: that is what ``ratios.continuous_vs_fifo``
+calls saturation.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     if not (path / "config.json").is_file():
         make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
     config = json.loads((path / "config.json").read_text())
-    requests = _workload(setup, path, config["vocab_size"])
+    requests, allowed = _workload(setup, path, config["vocab_size"])
     kv_bytes = _kv_bytes(config, setup)
     flags = ["--served-model-name", SERVED_NAME, "--max-num-seqs", str(setup.max_num_seqs),
              "--kv-cache-memory", str(kv_bytes), "--max-waiting-requests",
@@ -106,8 +109,9 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
             if (warm := _load(server, warmup[: setup.max_num_seqs], None))["failed"]:
                 raise RuntimeError(f"the {mode} server failed its warm-up: {warm['errors']}")
         result["start_seconds"] = round(time.perf_counter() - started, 2)
-        result["sweep"] = [_step(servers, requests, rate, 1) for rate in setup.rates_rps]
-        result["sweep"].append(_step(servers, requests, None, setup.burst_runs))
+        fresh = _Fresh(requests, allowed)
+        result["sweep"] = [_step(servers, fresh, rate, 1) for rate in setup.rates_rps]
+        result["sweep"].append(_step(servers, fresh, None, setup.burst_runs))
         result["peak_rss_bytes"] = {mode: s.peak_rss_bytes() for mode, s in servers.items()}
     finally:
         exit_codes = {mode: server.stop() for mode, server in servers.items()}
@@ -117,13 +121,29 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     return result
 
 
+class _Fresh:
+    """The workload's requests (lengths, max_tokens) with new prompt ids for every run, so no
+    run is served from prompts an earlier run left in a server's prefix cache; both modes get
+    the same ids in a run."""
+
+    def __init__(self, requests: list[LoadRequest], allowed: list[int]):
+        self.requests, self.allowed, self.runs = requests, allowed, 0
+
+    def next(self) -> list[LoadRequest]:
+        self.runs += 1
+        rng = random.Random(f"{WORKLOAD_SEED}-run-{self.runs}")
+        return [LoadRequest(rng.choices(self.allowed, k=len(r.prompt)), r.max_tokens)
+                for r in self.requests]  # fmt: skip
+
+
 def _step(
-    servers: dict[str, ServerProcess], requests: list[LoadRequest], rate: float | None, runs: int
+    servers: dict[str, ServerProcess], fresh: _Fresh, rate: float | None, runs: int
 ) -> dict[str, Any]:
     """``runs`` runs per mode, the modes alternating; the best run (tokens/s) of each counts."""
     entry: dict[str, Any] = {"arrivals": "burst" if rate is None else "poisson", "rate_rps": rate}
     figures: dict[str, list[dict[str, Any]]] = {mode: [] for mode in servers}
     for _ in range(runs):
+        requests = fresh.next()
         for mode, server in servers.items():
             figures[mode].append(_load(server, requests, rate))
             print(f"bench serve: {_label(rate)} {mode}: {figures[mode][-1]['tokens_per_s']} tok/s",
@@ -142,7 +162,7 @@ def _load(server: ServerProcess, requests: list[LoadRequest], rate: float | None
     return summarize(results, seconds)
 
 
-def _workload(setup: Setup, path: Path, vocab: int) -> list[LoadRequest]:
+def _workload(setup: Setup, path: Path, vocab: int) -> tuple[list[LoadRequest], list[int]]:
     eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
     eos_ids = {eos} if isinstance(eos, int) else set(eos)
     allowed = [t for t in range(vocab) if t not in eos_ids]
@@ -151,7 +171,7 @@ def _workload(setup: Setup, path: Path, vocab: int) -> list[LoadRequest]:
     for _ in range(setup.requests):
         prompt = rng.choices(allowed, k=rng.randint(*setup.prompt_tokens))
         out.append(LoadRequest(prompt, rng.randint(*setup.max_tokens)))
-    return out
+    return out, allowed
 
 
 def _kv_bytes(config: dict[str, Any], setup: Setup) -> int:
