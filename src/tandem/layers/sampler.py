@@ -90,6 +90,7 @@ class Sampler:
             uniform.index_copy_(0, rows, draw)
         return -torch.log(uniform)  # U == 0 gives infinite noise: that token is never picked
 
+
 def _filter_top_k_top_p(scaled, top_k, top_p) -> torch.Tensor:
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(scaled.shape[-1], device=scaled.device)
