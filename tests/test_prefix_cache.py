@@ -263,12 +263,13 @@ def test_long_prompt_and_running_decodes_interleave(llama_dir):
 
 def test_pipeline_with_chunks_in_flight_and_preemption(llama_dir, reference):
     """PP=2 keeps two steps in flight; tiny budgets force chunks and preemption."""
-    kv = _bytes_for_blocks(llama_dir, 40)
+    kv = _bytes_for_blocks(llama_dir, 20)  # per rank: each stage holds half the layers
     with LLM(
         llama_dir, pipeline_parallel_size=2, block_size=BS, max_num_batched_tokens=9,
         kv_cache_memory=kv,
     ) as llm:  # fmt: skip
         runs = _workload(llm)
-        assert llm.engine.peak_in_flight == 2
+        assert llm.engine.peak_in_flight == 2 and llm.engine.blocks.num_blocks == 40
+        assert llm.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)

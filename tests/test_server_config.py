@@ -25,6 +25,18 @@ def test_file_and_flags_merge(tmp_path):
     assert config.admin_key is None  # admin routes off unless a key is given
 
 
+def test_engine_flags_reach_the_engine_config():
+    from tandem.cli import parser, serve_config
+
+    args = parser().parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64",
+                                "--no-enable-prefix-caching", "--batching", "static"])  # fmt: skip
+    engine = serve_config(args).engine_config()
+    assert engine.max_num_batched_tokens == 64 and engine.enable_prefix_caching is False
+    assert engine.batching == "static"
+    default = serve_config(parser().parse_args(["serve", "--model", "m"])).engine_config()
+    assert default.enable_prefix_caching is True and default.max_num_batched_tokens is None
+
+
 @pytest.mark.parametrize(
     "text,named",
     [

@@ -68,16 +68,23 @@ def _demo(args) -> int:
     return 0
 
 
-def _serve(args) -> int:
-    from tandem.errors import ModelLoadError, UnsupportedModelError
-    from tandem.server.config import ConfigError, load_config
+def serve_config(args):
+    """`tandem serve`'s settings: the TOML file (if any) overridden by the flags given."""
+    from tandem.server.config import load_config
 
     flags = {k: getattr(args, k) for k in _SERVE_FLAGS if getattr(args, k) is not None}
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.model_module:
         engine["model_modules"] = args.model_module
+    return load_config(args.config, {**flags, "engine": engine})
+
+
+def _serve(args) -> int:
+    from tandem.errors import ModelLoadError, UnsupportedModelError
+    from tandem.server.config import ConfigError
+
     try:
-        config = load_config(args.config, {**flags, "engine": engine})
+        config = serve_config(args)
     except ConfigError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -101,7 +108,8 @@ def _serve(args) -> int:
 _SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
                 "served_model_name", "max_waiting_requests", "log_level")  # fmt: skip
 _ENGINE_FLAGS = ("dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
-                 "kv_cache_memory", "batching", "max_model_len", "seed")  # fmt: skip
+                 "kv_cache_memory", "batching", "max_model_len", "seed",
+                 "max_num_batched_tokens", "enable_prefix_caching")  # fmt: skip
 
 
 def _bench(args) -> int:
@@ -181,6 +189,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per rank")
     s.add_argument("--batching", choices=["continuous", "static"])
+    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default 2048)")
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   help="share prompts among samples, cache prefixes (default on)")  # fmt: skip
     s.add_argument("--seed", type=int)
     s.add_argument("--nnodes", type=int)
     s.add_argument("--node-rank", type=int, default=0)
