@@ -182,7 +182,8 @@ def _workload(llm: LLM):
 
 @pytest.mark.parametrize("budget", [2048, 7])
 def test_sharing_caching_and_chunking_change_no_tokens_or_logprobs(llama_dir, reference, budget):
-    with LLM(llama_dir, block_size=BS, max_num_batched_tokens=budget) as llm:
+    seqs = min(budget, 256)  # every running sequence must fit a step's budget
+    with LLM(llama_dir, block_size=BS, max_num_batched_tokens=budget, max_num_seqs=seqs) as llm:
         runs = _workload(llm)
         stats = llm.engine.blocks.stats
         counters = llm.engine.scheduler.counters
@@ -241,7 +242,7 @@ def test_a_weight_push_invalidates_the_prefix_cache(model_factory):
 
 
 def test_long_prompt_and_running_decodes_interleave(llama_dir):
-    with LLM(llama_dir, block_size=BS, max_num_batched_tokens=8) as llm:
+    with LLM(llama_dir, block_size=BS, max_num_batched_tokens=8, max_num_seqs=8) as llm:
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
         running = engine.make_sequences("a", [1, 2, 3], params)
@@ -263,13 +264,13 @@ def test_long_prompt_and_running_decodes_interleave(llama_dir):
 
 def test_pipeline_with_chunks_in_flight_and_preemption(llama_dir, reference):
     """PP=2 keeps two steps in flight; tiny budgets force chunks and preemption."""
-    kv = _bytes_for_blocks(llama_dir, 20)  # per rank: each stage holds half the layers
+    kv = _bytes_for_blocks(llama_dir, 10)  # per rank: each stage holds half the layers
     with LLM(
         llama_dir, pipeline_parallel_size=2, block_size=BS, max_num_batched_tokens=9,
-        kv_cache_memory=kv,
+        max_num_seqs=9, kv_cache_memory=kv,
     ) as llm:  # fmt: skip
         runs = _workload(llm)
-        assert llm.engine.peak_in_flight == 2 and llm.engine.blocks.num_blocks == 40
+        assert llm.engine.peak_in_flight == 2 and llm.engine.blocks.num_blocks == 20
         assert llm.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)
@@ -285,7 +286,9 @@ def test_random_aborts_with_shared_blocks_leak_nothing(llama_dir):
     prompts = [SHARED * rng.randint(1, 3) + [rng.randrange(100, 400)] for _ in range(10)]
     params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=12, ignore_eos=True)
     kv = _bytes_for_blocks(llama_dir, 24)
-    with LLM(llama_dir, block_size=BS, max_num_batched_tokens=11, kv_cache_memory=kv) as llm:
+    with LLM(
+        llama_dir, block_size=BS, max_num_batched_tokens=11, max_num_seqs=11, kv_cache_memory=kv
+    ) as llm:
         engine = llm.engine
         requests = [engine.make_sequences(str(i), p, params) for i, p in enumerate(prompts)]
         for seqs in requests:

@@ -75,6 +75,8 @@ def test_engine_options_are_checked(llama_dir):
         LLM(llama_dir, tensor_parallel_size=0)
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(llama_dir, kv_cache_memory=100)
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* max_num_seqs"):
+        LLM(llama_dir, max_num_batched_tokens=8, max_num_seqs=16)
     with pytest.raises(ValueError, match="mismatch|SamplingParams"):
         LLM(llama_dir).generate(["a", "b"], [SamplingParams()])
 

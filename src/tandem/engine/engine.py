@@ -40,6 +40,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's {limit}")
         self.max_model_len = config.max_model_len or limit
         max_batched = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        if max_batched < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
+                f"({config.max_num_seqs}): every running sequence decodes a token each step"
+            )
         self.tokenizer = Tokenizer(self.spec.path)
         self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, self.max_model_len)
         self.executor: Executor = _make_executor(self.spec, config)
