@@ -44,10 +44,6 @@ class CacheStats:
     queried_tokens: int = 0
     hit_tokens: int = 0
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class BlockManager:
     """Owns the KV blocks; pairs every check with its action and asserts reference counts."""
@@ -75,17 +71,14 @@ class BlockManager:
 
     # ----- admission: a sequence without blocks -----
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._match(seq)
-        taken_from_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
-        missing = blocks_for(len(seq), self.block_size) - len(hits)
-        return missing + taken_from_free <= len(self._free)
+        return self._fits(seq, self._match(seq))
 
     def allocate(self, seq: Sequence) -> None:
         """Give ``seq`` blocks for all its tokens, starting from its longest cached prefix
         (those tokens count as computed)."""
         assert not seq.block_table, "allocate() on a sequence that holds blocks"
-        assert self.can_allocate(seq), "allocate() without can_allocate()"
         hits = self._match(seq)
+        assert self._fits(seq, hits), "allocate() without can_allocate()"
         for block_id in hits:
             self._take(block_id)
         seq.block_table = hits
@@ -174,6 +167,13 @@ class BlockManager:
         self.epoch += 1
 
     # ----- private helpers -----
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether free blocks cover ``seq``'s tokens beyond ``hits`` (cached hits nobody
+        holds leave the free list too)."""
+        taken_from_free = sum(1 for b in hits if self._blocks[b].ref_count == 0)
+        missing = blocks_for(len(seq), self.block_size) - len(hits)
+        return missing + taken_from_free <= len(self._free)
+
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s longest cached prefix; at least one token is left to
         compute (its logits sample the next token)."""

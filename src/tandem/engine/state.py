@@ -44,6 +44,14 @@ class EngineLifecycle:
         if self.state is EngineState.SLEEPING:
             raise EngineAsleepError("the engine is asleep (KV cache released); call wake() first")
 
+    def unavailable(self) -> str | None:
+        """Why no request can be served (DEAD or TORN), or None: sleeping requests wait."""
+        if self.state is EngineState.DEAD:
+            return f"the engine is dead: {self.reason}"
+        if self.state is EngineState.TORN:
+            return f"weights are incomplete after a failed push: {self.reason}"
+        return None
+
     def check_alive(self) -> None:
         if self.state is EngineState.DEAD:
             raise EngineDeadError(f"the engine is dead: {self.reason}")

@@ -176,14 +176,9 @@ class AsyncEngine:
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""
-        lifecycle = self._core.lifecycle
         if self._closed is not None:
             return self._closed
-        if lifecycle.state is EngineState.DEAD:
-            return f"the engine is dead: {lifecycle.reason}"
-        if lifecycle.state is EngineState.TORN:
-            return f"weights are incomplete after a failed push: {lifecycle.reason}"
-        return None
+        return self._core.lifecycle.unavailable()
 
     def prepare(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
