@@ -72,7 +72,7 @@ from typing import Any
 import torch
 
 from tandem import LLM
-from tandem.bench.generate_peers import ContinuousBatching, StaticBatches, load
+from tandem.bench.generate_peers import ContinuousBatching, Request, StaticBatches, load
 from tandem.bench.generate_tandem import (
     BATCH_CAPACITY,
     GRPO_SEED,
@@ -121,8 +121,6 @@ SETUPS: dict[bool, Setup] = {
 }  # fmt: skip
 WARMUP_REQUESTS = 16
 REPEATS = 3
-
-Request = tuple[list[int], int]  # prompt ids, requested output tokens
 
 
 def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:

@@ -9,12 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from tandem import LLM, SamplingParams
+from tandem.bench.generate_peers import Request
 from tandem.engine.stats import EngineStats
 
 GRPO_SEED = 0
 BATCH_CAPACITY = 16  # sequences per step in the continuous-vs-static comparison
-
-Request = tuple[list[int], int]  # prompt ids, requested output tokens
 
 
 def engine_figures(before: EngineStats, after: EngineStats) -> dict[str, Any]:
