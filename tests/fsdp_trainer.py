@@ -2,8 +2,9 @@
 
     python tests/fsdp_trainer.py RANK PORT MODEL_DIR EXCHANGE_ADDRESS VERSION TRANSPORT MODE [die]
 
-With ``die``, rank 1 is killed mid-push: with shm after the engine sent its plan and before it
-staged anything; with dist after sending engine rank 0 its boxes and before engine rank 1's.
+With ``die``, rank 1 is killed mid-push: with shm after it staged (or wrote in place) its boxes
+and before it told the engine; with dist after sending engine rank 0 its boxes and before
+engine rank 1's.
 """
 
 import os
@@ -19,13 +20,14 @@ from tandem.exchange import WeightSender, WeightSyncError
 
 
 class _DiesMidPush(WeightSender):
-    def _before_ready(self, staged):
+    def _before_ready(self, delivery):
         os._exit(17)
 
-    def _send(self, plan):
-        first = min(item[6] for item in plan.items)
-        plan.items = [item for item in plan.items if item[6] == first]
-        super()._send(plan)  # reaches _before_ready: dies after the first engine rank
+    def _deliver(self, plan, tensors):
+        if self.transport == "dist":  # only the first engine rank gets its boxes
+            first = min(item.dst for item in plan.items)
+            plan.items = [item for item in plan.items if item.dst == first]
+        return super()._deliver(plan, tensors)
 
 
 def main() -> int:

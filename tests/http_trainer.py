@@ -24,17 +24,17 @@ from tandem.exchange import WeightSender, WeightSyncError
 class _Faulty(WeightSender):
     fault: str | None = None
 
-    def _before_ready(self, staged):
+    def _before_ready(self, delivery):
         if self.fault == "die":
             os._exit(17)
-        if self.fault == "corrupt" and staged is not None:
-            staged[:1] ^= 0xFF
+        if self.fault == "corrupt" and self.transport == "shm" and delivery.staging is not None:
+            self._half.staging.data[:1] ^= 0xFF
 
-    def _send(self, plan):
-        if self.fault == "die":  # only the first engine rank gets its boxes
-            first = min(item[6] for item in plan.items)
-            plan.items = [item for item in plan.items if item[6] == first]
-        return super()._send(plan)
+    def _deliver(self, plan, tensors):
+        if self.fault == "die" and self.transport == "dist":  # only the first engine rank
+            first = min(item.dst for item in plan.items)
+            plan.items = [item for item in plan.items if item.dst == first]
+        return super()._deliver(plan, tensors)
 
 
 def main() -> int:

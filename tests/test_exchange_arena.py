@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from tandem.exchange.transports.shm_arena import MappedArena, ParamArena
+from tandem.exchange.transports.memory import MappedArena, ParamArena
 
 
 def test_parameters_move_into_the_arena_and_a_mapping_writes_the_live_tensors():

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tandem.exchange import checksum
-from tandem.exchange.checksum import copy_with_crc32, tensor_crc32
+from tandem.exchange.checksum import checked_copy, source_crc32, tensor_crc32
 
 
 def _reference(t: torch.Tensor) -> int:
@@ -43,14 +43,25 @@ def test_tensor_crc32_is_zlib_crc32_of_the_elements_in_c_order(name):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(_boxes()))
 @pytest.mark.parametrize("dst_layout", ["contiguous", "transposed"])
-def test_copy_with_crc32_writes_the_box_and_checksums_the_bytes_as_written(name, dtype,
-                                                                           dst_layout):  # fmt: skip
+def test_checked_copy_writes_the_box_and_checksums_the_source(name, dtype, dst_layout):
     box = _boxes()[name]
     if dst_layout == "transposed" and box.dim() == 2:
         dst = torch.zeros(box.shape[::-1], dtype=dtype).t()
     else:
         dst = torch.zeros(box.shape, dtype=dtype)
-    crc = copy_with_crc32(box, dst, verify=True)
+    crc = checked_copy(box, dst, verify=True)
     assert torch.equal(dst, box.to(dtype))
-    assert crc == (_reference(dst) if box.numel() else 0)
-    assert copy_with_crc32(box, torch.zeros_like(dst), verify=False) is None
+    assert crc == (_reference(box.to(dtype)) if box.numel() else 0)
+    assert crc == source_crc32(box, dtype)
+    assert checked_copy(box, torch.zeros_like(dst), verify=False) is None
+
+
+def test_checked_copy_checksum_never_reads_the_destination():
+    """The sender's CRC comes from the source: a destination that does not hold the copy
+    (here: a write that went elsewhere) does not change it, so the receiver's CRC of the
+    destination disagrees."""
+    box = _boxes()["rows"]
+    dst = torch.zeros_like(box)
+    crc = checked_copy(box, dst, verify=True)
+    dst[3, 4] += 1  # what landed differs from what was read
+    assert crc == _reference(box) != tensor_crc32(dst)

@@ -3,7 +3,7 @@ the order in which its ranks walk their streams."""
 
 import pytest
 
-from tandem.exchange.transports.dist import SMALL_BYTES, frames, stream_order
+from tandem.exchange.transports.p2p import SMALL_BYTES, frames, stream_order
 
 
 def test_large_boxes_travel_alone_cut_by_whole_rows_and_small_ones_are_packed():

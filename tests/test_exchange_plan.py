@@ -22,8 +22,7 @@ from tandem.exchange.adapters import (
     module_layout,
     shard_box,
 )
-from tandem.exchange.plan import local_slices
-from tandem.layers.placement import Piece
+from tandem.layers.placement import LocalRegion, Piece
 from tandem.models.gpt2 import GPT2Config, GPT2LMHeadModel
 from tandem.models.llama import LlamaConfig, LlamaForCausalLM
 from tandem.models.stages import prune_to_stage, split_layers
@@ -73,8 +72,8 @@ def canonical_shapes(cfg=CFG) -> dict[str, tuple[int, ...]]:
 def moves(plan, dst: int, dst_key: str, name: str) -> list[tuple]:
     """(src, src key, canonical box, src local slices, dst local slices), sorted."""
     out = [
-        (t.src, t.src_key, t.box, _spans(local_slices(t.src_piece, t.box)),
-         _spans(local_slices(t.dst_piece, t.box)))
+        (t.src, t.src_key, t.box, _spans(_local_slices(t.src_piece, t.box)),
+         _spans(_local_slices(t.dst_piece, t.box)))
         for t in plan.for_receiver(dst)
         if t.dst_key == dst_key and t.name == name
     ]  # fmt: skip
@@ -139,13 +138,13 @@ def execute(plan, src: dict[int, dict[str, torch.Tensor]], receivers: list[RankL
     """Run ``plan`` from the senders' local tensors ``src`` (rank -> key -> tensor)."""
     dst = {lay.rank: {k: torch.zeros(s) for k, s in lay.local_shapes.items()} for lay in receivers}
     for t in plan.transfers:
-        value = src[t.src][t.src_key][local_slices(t.src_piece, t.box)]
-        if t.src_piece.transposed:
-            value = value.t()  # canonical orientation on the wire
-        if t.dst_piece.transposed:
-            value = value.t()
-        dst[t.dst][t.dst_key][local_slices(t.dst_piece, t.box)] = value
+        value = t.src_piece.region(t.box).view(src[t.src][t.src_key])  # canonical orientation
+        t.dst_piece.region(t.box).view(dst[t.dst][t.dst_key]).copy_(value)
     return dst
+
+
+def _local_slices(piece: Piece, box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in piece.region(box).slices)
 
 
 def megatron_shapes(cfg: MegatronLlamaConfig, tp: int) -> dict[str, tuple[int, ...] | None]:
@@ -550,7 +549,7 @@ def test_a_box_no_sender_holds_is_reported():
 # --- the small pieces --------------------------------------------------------------------------
 
 
-def test_local_slices_of_transposed_and_fused_pieces():
+def test_piece_regions_of_transposed_and_fused_pieces():
     full = torch.arange(8 * 24.0).reshape(8, 24)
     # GPT-2 Conv1D c_attn [in 8, out 24], TP2 rank 1's k section: columns 12..16, stored
     # transposed from local row 4
@@ -558,11 +557,12 @@ def test_local_slices_of_transposed_and_fused_pieces():
     local = torch.zeros(12, 8)
     k.write(local, full[k.box_slices()])
     box = ((2, 5), (13, 16))
-    assert local_slices(k, box) == (slice(5, 8), slice(2, 5))
-    assert torch.equal(local[local_slices(k, box)], full[2:5, 13:16].t())
+    assert k.region(box) == LocalRegion(((5, 8), (2, 5)), transposed=True)
+    assert torch.equal(local[5:8, 2:5], full[2:5, 13:16].t())
+    assert torch.equal(k.region(box).view(local), full[2:5, 13:16])  # canonical orientation
     # a fused qkv's k rows 2..4 stored from local row 4
     kk = Piece("k_proj.weight", (4, 8), ((2, 4), (0, 8)), (4, 0))
-    assert local_slices(kk, ((3, 4), (2, 8))) == (slice(5, 6), slice(2, 8))
+    assert kk.region(((3, 4), (2, 8))) == LocalRegion(((5, 6), (2, 8)))
 
 
 def test_module_layout_dedups_tied_tensors():

@@ -195,7 +195,7 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
             send_raw("127.0.0.1", port, payload)
             send_raw("127.0.0.1", port, frame(payload))
     # A hello with the right token but a pickle for a layout: the push fails, nothing unpickled
-    hello = ["hello", ex["token"], 0, 1, None, payloads[2], [], "shm", "staged", False]
+    hello = ["hello", ex["token"], 0, 1, None, payloads[2], [], ["shm", "staged", False]]
     reply = send_raw(ex["host"], ex["port"], frame(msgpack.packb(hello)))
     done = decode(reply[4:])
     assert isinstance(done, PushDone) and done.error, done
@@ -206,8 +206,8 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
 
 MALFORMED = [  # each used to kill the exchange server's thread: later pushes hung
     msgpack.packb(1), msgpack.packb([]), msgpack.packb(["hello"]), msgpack.packb([[1], 2]),
-    msgpack.packb(["hello", 5, 0, 1, None, [], [], "shm", "staged", False]),  # int token
-    msgpack.packb(["hello", "ключ", 0, 1, None, [], [], "shm", "staged", False]),
+    msgpack.packb(["hello", 5, 0, 1, None, [], [], ["shm", "staged", False]]),  # int token
+    msgpack.packb(["hello", "ключ", 0, 1, None, [], [], ["shm", "staged", False]]),
     msgpack.packb({"hello": 1}), b"\xc1", b"",
 ]  # fmt: skip
 
@@ -216,7 +216,7 @@ def test_malformed_frames_do_not_stop_the_exchange_server(server):
     ex = server.admin("GET", "/admin/weights").json()["exchange"]
     for data in MALFORMED:
         assert send_raw(ex["host"], ex["port"], frame(data)) == b""  # dropped, no reply
-    bad_rank = ["hello", ex["token"], [0], 1, None, [], [], "shm", "staged", False]
+    bad_rank = ["hello", ex["token"], [0], 1, None, [], [], ["shm", "staged", False]]
     assert send_raw(ex["host"], ex["port"], frame(msgpack.packb(bad_rank))) == b""
     version = server.admin("GET", "/admin/weights").json()["version"]
     legitimate_push_still_works(server, version=version + 1)

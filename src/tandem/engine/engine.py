@@ -7,7 +7,8 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
@@ -22,6 +23,7 @@ from tandem.engine.stats import EngineStats
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
@@ -67,7 +69,9 @@ class LLMEngine:
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget
         self.lifecycle = EngineLifecycle()
-        self.lock = threading.RLock()  # one step or one weight update at a time
+        self.lock = threading.RLock()  # one step or one weight-update phase at a time
+        self._updating = False  # a push's window is open: no step runs (`weight_update`)
+        self._resumed = threading.Condition(self.lock)
         # The exchange server calls these after every push attempt with (version, seconds,
         # error or None): metrics, logs.
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
@@ -86,7 +90,7 @@ class LLMEngine:
 
     def exchange_server(self):
         if self._exchange is None:
-            from tandem.engine.exchange_server import ExchangeServer
+            from tandem.exchange.server import ExchangeServer
 
             self._exchange = ExchangeServer(self, host=self.config.exchange_host)
         return self._exchange
@@ -95,23 +99,43 @@ class LLMEngine:
         """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
         return self.executor.layouts
 
-    def update_weights(self, update: dict, records_by_rank: dict[int, list], checksums=None):
-        """Apply a push between steps (`WeightUpdate`: the phases, and what a failure leaves).
-        Steps already in flight (pipeline) finish first; waiting and running requests go on
-        with the new weights, and each records the versions it used."""
+    @contextmanager
+    def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:
+        """A window for one push: steps already in flight (pipeline) finish, then no step runs
+        until it closes; the caller runs the push's phases in it (`WeightUpdate.run`).
+        Waiting and running requests go on afterwards with the new weights, each recording
+        the versions it used. The lock is held only while a phase runs, never while the caller
+        waits on trainers."""
         with self.lock:
             self._drain_in_flight()
             self.lifecycle.check_alive()
-            run = WeightUpdate(update, lambda phase, records: self._guarded(
-                lambda: self.executor.apply(phase, update, records)))  # fmt: skip
+            self._updating = True
+            update = WeightUpdate(self, spec, self.weight_version)
+        try:
+            yield update
+        except BaseException as exc:
+            if update.exposed and update.torn is None:  # broke after writing live weights
+                update.torn = f"the push of version {spec.version} broke: {exc}"
             try:
-                run(records_by_rank, checksums, self.weight_version)
-            finally:
+                self.apply_phase("abort", spec, {})  # every rank drops what the push held
+            except Exception:  # a dead rank: the engine is marked dead by apply_phase
+                pass
+            raise
+        finally:
+            with self.lock:
                 self.blocks.reset_prefix_cache()  # cached KV came from the old weights
-                if run.torn is not None:
-                    self.lifecycle.torn(run.torn)
-            self.lifecycle.push_landed()
-            self.weight_version = update["version"]
+                if update.torn is not None:
+                    self.lifecycle.torn(update.torn)
+                elif update.landed:
+                    self.lifecycle.push_landed()
+                    self.weight_version = spec.version
+                self._updating = False
+                self._resumed.notify_all()
+
+    def apply_phase(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list]):
+        """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
+        with self.lock:
+            return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -239,6 +263,8 @@ class LLMEngine:
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
         returns the sequences that finished in it."""
         with self.lock:
+            while self._updating:
+                self._resumed.wait()
             self.lifecycle.check_runnable()
             self._guarded(self._fill_pipeline)
             if not self._in_flight:

@@ -9,8 +9,10 @@ from tandem.config import EngineConfig
 from tandem.engine.messages import StepMessage, StepResult
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
+from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import RankReceiver
+from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import ModelSpec
 
 
@@ -23,8 +25,10 @@ class Executor(Protocol):
     max_in_flight: int  # steps that may be submitted before the oldest is collected
     layouts: list[RankLayout]  # what each rank holds, for weight-exchange plans
 
-    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
-        """Run one phase of a weight push on every rank; returns the ranks' errors."""
+    def apply(
+        self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]
+    ) -> tuple[list[str], int]:
+        """Run one phase of a weight push on every rank: (the ranks' errors, bytes moved)."""
 
     def submit(self, msg: StepMessage) -> None: ...
 
@@ -66,9 +70,10 @@ class InProcessExecutor:
         self.receiver = RankReceiver(self.runner.model, 0, config.torch_device)
         self._results: deque[StepResult] = deque()
 
-    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
-        error, _ = self.receiver.handle(phase, update, records_by_rank.get(0, []))
-        return [] if error is None else [error]
+    def apply(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
+        """One phase of a push on this rank: (errors, bytes moved)."""
+        error, nbytes = self.receiver.handle(phase, spec, records_by_rank.get(0, []))
+        return ([] if error is None else [error]), nbytes
 
     def submit(self, msg: StepMessage) -> None:
         self._results.append(self.runner.execute(msg))

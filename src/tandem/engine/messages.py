@@ -99,8 +99,8 @@ class ApplyWeights:
     """Between steps, one phase of a weight push on this rank (see
     `tandem.exchange.receiver.RankReceiver`): the push's settings and this rank's records."""
 
-    phase: str  # receive | verify | commit
-    update: dict  # version, transport, dtype, mode, segments or group, ...
+    phase: str  # receive | verify | commit | abort
+    update: list  # UpdateSpec.to_wire(): version, settings, dtype, staging or group, ...
     records: list  # Record.to_wire() of this rank's boxes
 
 

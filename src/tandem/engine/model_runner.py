@@ -12,7 +12,7 @@ import torch
 
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import SeqParams, StepMessage, StepResult
-from tandem.exchange.transports.shm_arena import ParamArena
+from tandem.exchange.transports.memory import ParamArena
 from tandem.layers.attention import (
     Attention,
     AttentionMetadata,

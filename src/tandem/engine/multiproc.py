@@ -36,7 +36,9 @@ from tandem.engine.messages import (
     StepResult,
 )
 from tandem.engine.worker import ENV, WorkerArgs
+from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import ModelSpec, read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -91,15 +93,16 @@ class MultiprocExecutor:
         except PeerGone as exc:
             raise EngineDeadError(str(exc)) from None
 
-    def apply(self, phase: str, update: dict, records_by_rank: dict[int, list]) -> list[str]:
+    def apply(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
+        """One phase of a push on every rank: (errors, bytes moved)."""
         try:
             for rank in range(len(self.layouts)):
-                msg = ApplyWeights(phase, update, records_by_rank.get(rank, []))
-                self._server.send_to(rank, msg)
+                records = [r.to_wire() for r in records_by_rank.get(rank, [])]
+                self._server.send_to(rank, ApplyWeights(phase, spec.to_wire(), records))
         except PeerGone as exc:
             raise EngineDeadError(str(exc)) from None
         results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
-        return [r.error for r in results if r.error is not None]
+        return [r.error for r in results if r.error is not None], sum(r.nbytes for r in results)
 
     def set_kv_cache(self, allocate: bool) -> None:
         try:

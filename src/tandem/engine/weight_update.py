@@ -1,62 +1,58 @@
-"""One weight push applied across the engine's ranks: receive (dist), verify, commit.
+"""One weight push as the engine sees it: a window in which the engine takes no step, and the
+phases its ranks run in it (`tandem.exchange.receiver`: receive, verify, commit).
 
-Every rank finishes a phase before any rank starts the next, so a rejected push (bad checksum,
-unknown tensor, wrong dtype) changes nothing — unless bytes were already written into the live
-parameters (``in_place``: a dist receive, or trainers writing over shm), in which case the
-weights are *torn* and the engine must refuse requests until a complete push lands.
+The exchange server (`tandem.exchange.server`) opens the window and drives it; everything it
+does on sockets happens outside the engine lock (the engine is paused, not locked: stats and
+new requests go on). Every rank finishes a phase before any rank starts the next, so a rejected
+push changes nothing — unless bytes went into the live parameters (``in_place``, or a staged
+commit that went wrong), in which case the weights are *torn* and the engine refuses requests
+until a complete push lands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from tandem.exchange.items import Record
 from tandem.exchange.receiver import WeightSyncError
-
-# (phase, records by rank) -> the ranks' errors
-RunPhase = Callable[[str, dict[int, list]], list[str]]
+from tandem.exchange.settings import UpdateSpec
 
 
 class WeightUpdate:
-    def __init__(self, update: dict, run_phase: RunPhase):
-        self.update = update
-        self.run_phase = run_phase
-        self.in_place = update.get("mode") == "in_place"
+    """Drives the phases of one push on every engine rank (``engine.apply_phase``); what a
+    failure means depends on whether the live weights were already touched."""
+
+    def __init__(self, engine, spec: UpdateSpec, serving: int):
+        self.engine = engine
+        self.spec = spec
+        self.serving = serving  # the version serving when the push began (for messages)
+        self.exposed = False  # bytes may have gone into the live parameters
         self.torn: str | None = None  # set when the live weights were left half-written
+        self.landed = False
 
-    def __call__(self, records_by_rank: dict[int, list], checksums, serving: int) -> None:
-        """Apply the push or raise WeightSyncError (``self.torn`` says whether it tore).
-        ``checksums()``, if given, is called after the receive phase and returns the records
-        with the senders' CRC32s; ``serving`` is the version serving now (for messages)."""
-        version = self.update["version"]
-        if self.update["transport"] == "dist":
-            errors = self.run_phase("receive", records_by_rank)
-            if errors:
-                self._fail(errors, f"receiving version {version} failed", serving)
-        if checksums is not None:
-            try:
-                records_by_rank = checksums()
-            except Exception as exc:
-                if self.in_place:  # written but never verified: do not serve it as any version
-                    self.torn = f"the push broke after an in-place receive ({exc})"
-                raise
-        errors = self.run_phase("verify", records_by_rank)
-        if errors:
-            self._fail(errors, f"update to version {version} rejected", serving)
-        if self.update["transport"] == "shm" and self.in_place:
-            return  # nothing to commit: the trainers wrote into the parameters themselves
-        errors = self.run_phase("commit", records_by_rank)
-        if errors:
-            self.torn = "; ".join(errors)
-            raise WeightSyncError(
-                "update failed while writing; requests are refused until a complete push "
-                "lands: " + self.torn
-            )
+    def expose(self) -> None:
+        """From now on the push writes into the live parameters (in_place delivery begins)."""
+        self.exposed = True
 
-    def _fail(self, errors: list[str], what: str, serving: int) -> None:
-        detail = "; ".join(errors)
-        if self.in_place:  # the live parameters already hold (some of) the new bytes
-            self.torn = detail
+    def run(self, phase: str, records_by_rank: dict[int, list[Record]]) -> int:
+        """Run ``phase`` on every rank; the bytes they moved. Raises WeightSyncError, saying
+        whether the old version still serves, on any rank's error."""
+        if phase == "commit" and not self.spec.settings.in_place:
+            self.exposed = True  # a staged commit writes the live parameters
+        errors, nbytes = self.engine.apply_phase(phase, self.spec, records_by_rank)
+        if errors:
+            self.fail("; ".join(errors), phase)
+        if phase == "commit":
+            self.landed = True
+        return nbytes
+
+    def fail(self, detail: str, phase: str = "delivery") -> None:
+        version = self.spec.version
+        if self.exposed:  # the live parameters already hold (some of) the new bytes
+            self.torn = f"{phase} of version {version} failed: {detail}"
             raise WeightSyncError(
-                f"{what}; requests are refused until a complete push lands: {detail}"
+                f"update to version {version} failed in {phase}; requests are refused until a "
+                f"complete push lands: {detail}"
             )
-        raise WeightSyncError(f"{what}; version {serving} keeps serving: {detail}")
+        raise WeightSyncError(
+            f"update to version {version} rejected in {phase}; version {self.serving} keeps "
+            f"serving: {detail}"
+        )

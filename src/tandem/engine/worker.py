@@ -34,7 +34,9 @@ from tandem.engine.messages import (
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
+from tandem.exchange.items import Record
 from tandem.exchange.receiver import RankReceiver
+from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -151,7 +153,9 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
             pipe.flush()
             return
         if isinstance(msg, ApplyWeights):
-            error, nbytes = receiver.handle(msg.phase, msg.update, msg.records)
+            spec = UpdateSpec.from_wire(msg.update)
+            records = [Record.from_wire(w) for w in msg.records]
+            error, nbytes = receiver.handle(msg.phase, spec, records)
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
             continue
         if isinstance(msg, KVCache):

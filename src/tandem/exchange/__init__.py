@@ -4,11 +4,13 @@ from tandem.exchange.layout import LayoutMismatch, RankLayout, Region
 from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.sender import PushStats, WeightSender
+from tandem.exchange.settings import PushSettings
 
 __all__ = [
     "LayoutMismatch",
     "Plan",
     "PlanCache",
+    "PushSettings",
     "PushStats",
     "RankLayout",
     "Region",

@@ -48,11 +48,30 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
     return value
 
 
-def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int | None:
-    """``dst.copy_(src)`` (same shape; converts dtype), and, with ``verify``, the CRC32 of the
-    bytes as they landed in ``dst`` (C order): each chunk is checksummed right after it is
-    written, from cache, rather than in a second pass over memory (on a device: chunk by
-    chunk through host memory, as `tensor_crc32`)."""
+def source_crc32(src: torch.Tensor, dtype: torch.dtype, value: int = 0) -> int:
+    """CRC32 of ``src``'s elements in C order as they must land: converted to ``dtype`` (in
+    bounded row chunks through a scratch buffer when it differs; no copy when it does not).
+    This is what a sender computes from the bytes it reads, independently of any writer."""
+    if src.dtype == dtype or src.numel() == 0:
+        return tensor_crc32(src, value)
+    rows = src.view(1) if src.dim() == 0 else src
+    step = max(1, CHUNK_BYTES // max(1, rows[0].numel() * dtype.itemsize))
+    scratch = torch.empty(min(step, rows.shape[0]) * rows[0].numel(), dtype=dtype,
+                          device=src.device)  # fmt: skip
+    for start in range(0, rows.shape[0], step):
+        part = rows[start : start + step]
+        out = scratch[: part.numel()].view(part.shape)
+        out.copy_(part)
+        value = tensor_crc32(out, value)
+    return value
+
+
+def checked_copy(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int | None:
+    """``dst.copy_(src)`` (same shape; converts dtype), and, with ``verify``, the CRC32 of
+    ``src`` as it must land (`source_crc32` in ``dst``'s dtype). Rows are checksummed and
+    copied chunk by chunk, each chunk just before its copy, so the source is read from memory
+    once; the checksum never looks at ``dst``: the receiver's check of what landed there is
+    what catches a wrong copy."""
     if not verify:
         dst.copy_(src)
         return None
@@ -61,19 +80,9 @@ def copy_with_crc32(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int |
     if src.dim() == 0:
         src, dst = src.view(1), dst.view(1)
     rows = max(1, CHUNK_BYTES // max(1, src[0].numel() * dst.element_size()))
-    scratch = None
     value = 0
     for start in range(0, src.shape[0], rows):
-        part, out = src[start : start + rows], dst[start : start + rows]
-        if out.is_contiguous():
-            out.copy_(part)
-            value = tensor_crc32(out, value)
-            continue
-        if scratch is None:
-            scratch = torch.empty(min(rows, src.shape[0]) * src[0].numel(), dtype=dst.dtype,
-                                  device=dst.device)  # fmt: skip
-        staged = scratch[: part.numel()].view(part.shape)
-        staged.copy_(part)
-        value = tensor_crc32(staged, value)
-        out.copy_(staged)
+        part = src[start : start + rows]
+        value = source_crc32(part, dst.dtype, value)
+        dst[start : start + rows].copy_(part)
     return value

@@ -64,17 +64,6 @@ class Plan:
         return max(busy) / mean if mean else 1.0
 
 
-def local_slices(piece: Piece, box: Box) -> tuple[slice, ...]:
-    """Where canonical ``box`` (inside ``piece.box``) lies in the local tensor of the piece."""
-    rel = [b0 - p0 for (b0, _), (p0, _) in zip(box, piece.box, strict=True)]
-    sizes = [b1 - b0 for b0, b1 in box]
-    if piece.transposed:  # the local tensor holds the box transposed
-        rel, sizes = rel[::-1], sizes[::-1]
-    return tuple(
-        slice(off + r, off + r + n) for off, r, n in zip(piece.offset, rel, sizes, strict=True)
-    )
-
-
 MIN_BAND_NUMEL = 1 << 20  # cells smaller than two of these go whole to one holder
 
 

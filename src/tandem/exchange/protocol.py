@@ -1,18 +1,21 @@
 """Messages between trainer ranks (`WeightSender`) and an engine's exchange server.
 
-One push: every trainer rank connects and says what it holds (`PushHello`); the engine plans and
-tells each rank which boxes to stage where (`PushPlan`); each rank stages them in its own shared
-memory (kept for its later pushes), or (shm ``in_place``) writes them straight into the engine
-ranks' shared parameters while the engine is paused, or sends them (dist) (`PushReady`, with
-CRC32s); the engine verifies on every rank, commits, and answers everyone (`PushDone`). msgpack
-only; tensor bytes never travel in these frames.
+One push: every trainer rank connects and says what it holds and how it wants to push
+(`PushHello`); the engine plans and tells each rank which boxes to send where (`PushPlan`, one
+`SendItem` each); each rank delivers them through its transport's sender half and reports the
+CRC32 it read from its tensors and the bytes it moved (`PushReady`); the engine's ranks verify
+what landed, commit, and the engine answers everyone (`PushDone`). msgpack only, every field
+named here; tensor bytes never travel in these frames.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import msgpack
+
+from tandem.exchange.items import SendItem
+from tandem.exchange.settings import PushSettings
 
 
 @dataclass(slots=True)
@@ -23,27 +26,25 @@ class PushHello:
     version: int | None  # None: the engine's current version + 1
     layout: list  # RankLayout.to_wire()
     ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
-    transport: str  # shm | dist | cuda_ipc
-    mode: str  # staged | in_place (dist): where the engine receives
-    verify: bool  # CRC32 per box
+    settings: PushSettings
 
 
 @dataclass(slots=True)
 class PushPlan:
-    dtype: str  # stage boxes in this dtype (the engine's)
-    size: int  # bytes of this rank's staging buffer (shm, cuda_ipc staged)
-    items: list  # [src_key, src_slices, src_transposed, box_shape, offset, nbytes, dst]
+    dtype: str  # send boxes in this dtype (the engine's)
+    size: int  # bytes of this rank's staging memory (staged shm, cuda_ipc)
+    items: list[SendItem]
     group: list | None = None  # dist: GroupInfo.to_wire(); this rank is its trainer rank
     trainers: int = 1  # dist: engine rank e is group rank trainers + e
     bucket_bytes: int = 0
     arenas: list | None = None  # shm in_place: `ParamArena.to_wire()` per engine rank
-    dests: list | None = None  # shm in_place, per item: [key, slices, transposed] there
 
 
 @dataclass(slots=True)
 class PushReady:
-    crcs: list[int | None]  # per item, in PushPlan order
-    staging: list | None = None  # shm: `SharedMemory.to_wire()`; cuda_ipc: the IPC handle
+    crcs: list[int | None]  # per item, in PushPlan order: CRC32 of the box as read
+    bytes_moved: list[int]  # per engine rank, as this rank's transport counted them
+    staging: list | None = None  # staged shm / cuda_ipc: the handle of this rank's staging
 
 
 @dataclass(slots=True)
@@ -51,15 +52,24 @@ class PushDone:
     version: int
     error: str | None  # None: committed
     bytes_needed: int = 0
-    bytes_moved: int = 0
+    bytes_moved: int = 0  # by all trainer ranks, as their transports counted
 
 
 _KINDS = {"hello": PushHello, "plan": PushPlan, "ready": PushReady, "done": PushDone}
 _NAMES = {cls: kind for kind, cls in _KINDS.items()}
 
 
+def _to_wire(value):
+    if isinstance(value, PushSettings | SendItem):
+        return value.to_wire()
+    if isinstance(value, list) and value and isinstance(value[0], SendItem):
+        return [item.to_wire() for item in value]
+    return value
+
+
 def encode(msg) -> bytes:
-    return msgpack.packb([_NAMES[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
+    return msgpack.packb([_NAMES[type(msg)], *(_to_wire(getattr(msg, f.name))
+                                               for f in fields(msg))])  # fmt: skip
 
 
 def decode(data: bytes):
@@ -70,6 +80,11 @@ def decode(data: bytes):
     except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         raise ValueError(f"not an exchange message: {data[:40]!r}") from None
     try:
-        return cls(*body)
-    except TypeError as exc:
+        msg = cls(*body)
+        if cls is PushHello:
+            msg.settings = PushSettings.from_wire(msg.settings)
+        elif cls is PushPlan:
+            msg.items = [SendItem.from_wire(w) for w in msg.items]
+    except (TypeError, ValueError) as exc:
         raise ValueError(f"malformed {kind} message: {exc}") from None
+    return msg

@@ -1,8 +1,10 @@
 """Where each local parameter's elements come from: boxes of canonical (Hugging Face) tensors.
 
 Every parameter of a tandem layer carries ``param.pieces``: a list of :class:`Piece`, each saying
-"this region of me is that box of canonical tensor X". The disk loader and the weight-exchange
-receiver both fill parameters through these pieces only, so placement lives with the parameter.
+"this region of me is that box of canonical tensor X". `Piece.region` is the one place a
+canonical box is mapped to a region of a local tensor (`LocalRegion`): the disk loader, the
+exchange planner, every transport's writer and every receiver go through it, so placement lives
+with the parameter.
 """
 
 from __future__ import annotations
@@ -11,6 +13,31 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LocalRegion:
+    """Where a canonical box lies in a local tensor: ``slices`` of it (one ``(start, stop)`` per
+    local dimension), holding the box transposed when ``transposed``."""
+
+    slices: tuple[tuple[int, int], ...]
+    transposed: bool = False
+
+    def view(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The box inside ``tensor``, in the box's own (canonical) orientation: a view, so
+        writes land in ``tensor``."""
+        view = tensor[tuple(slice(a, b) for a, b in self.slices)]
+        return view.t() if self.transposed else view
+
+    def to_wire(self) -> list:
+        return [[list(s) for s in self.slices], self.transposed]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> LocalRegion:
+        slices, transposed = wire
+        return cls(tuple((int(a), int(b)) for a, b in slices), bool(transposed))
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,20 +58,21 @@ class Piece:
     def box_shape(self) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.box)
 
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        shape = self.box_shape
-        return shape[::-1] if self.transposed else shape
-
     def box_slices(self) -> tuple[slice, ...]:
         return tuple(slice(start, stop) for start, stop in self.box)
 
-    def local_view(self, param: torch.Tensor) -> torch.Tensor:
-        """The region of ``param`` this piece fills (a view: writes land in the parameter)."""
-        view = param
-        for dim, (start, size) in enumerate(zip(self.offset, self.local_shape, strict=True)):
-            view = view.narrow(dim, start, size)
-        return view
+    def region(self, box: Box | None = None) -> LocalRegion:
+        """Where canonical ``box`` (inside this piece's box; default: all of it) lies in the
+        local tensor."""
+        box = self.box if box is None else box
+        rel = [b0 - p0 for (b0, _), (p0, _) in zip(box, self.box, strict=True)]
+        sizes = [b1 - b0 for b0, b1 in box]
+        if self.transposed:  # the local tensor holds the box transposed
+            rel, sizes = rel[::-1], sizes[::-1]
+        slices = tuple(
+            (off + r, off + r + n) for off, r, n in zip(self.offset, rel, sizes, strict=True)
+        )
+        return LocalRegion(slices, self.transposed)
 
     def write(self, param: torch.Tensor, box_value: torch.Tensor) -> None:
         """Copy the canonical box ``box_value`` into its place in ``param``."""
@@ -53,7 +81,7 @@ class Piece:
                 f"{self.name}: box of shape {tuple(box_value.shape)} given, "
                 f"expected {self.box_shape}"
             )
-        self.local_view(param).copy_(box_value.t() if self.transposed else box_value)
+        self.region().view(param).copy_(box_value)
 
 
 def whole(name: str, shape: tuple[int, ...], *, transposed: bool = False) -> Piece:

@@ -6,7 +6,7 @@ from torch import nn
 
 from tandem.exchange.adapters.hf import dtype_name
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.transports.shm_arena import ParamArena
+from tandem.exchange.transports.memory import ParamArena
 
 
 def engine_layout(model: nn.Module, rank: int, arena: ParamArena | None = None) -> RankLayout:

@@ -1,9 +1,17 @@
-"""Transports carry out plans; they never decide what goes where.
+"""Transports carry out plans; they never decide what goes where (`base` for the interface).
+`TRANSPORTS` is the registry: a new transport is one module with a sender and a receiver half,
+and one entry here."""
 
-Slot for an RDMA engine (NIXL, Mooncake): a transport needs (1) a sender side that, given the
-plan's transfers for its rank, exposes each box's bytes (`pack`), and (2) a receiver side that
-hands each record's bytes to `tandem.exchange.receiver.apply_records`. An RDMA transport would
-register the sender's staging memory with the engine library and let receivers read records by
-(address, length) instead of mapping its shared memory; the plan, records, checksums and commit
-protocol stay the same.
-"""
+from tandem.exchange.transports.base import Transport
+from tandem.exchange.transports.cuda_ipc import CudaIpcReceiver, CudaIpcSender
+from tandem.exchange.transports.dist import DistReceiver, DistSender
+from tandem.exchange.transports.shm import ShmReceiver, ShmSender
+
+TRANSPORTS: dict[str, Transport] = {
+    t.name: t
+    for t in (
+        Transport("shm", ("staged", "in_place"), ShmSender, ShmReceiver),
+        Transport("dist", ("staged", "in_place"), DistSender, DistReceiver, engine_receives=True),
+        Transport("cuda_ipc", ("staged",), CudaIpcSender, CudaIpcReceiver),
+    )
+}

@@ -1,13 +1,63 @@
-"""Same-node transport between CUDA processes: each trainer rank stages its boxes in a CUDA
-buffer and hands the engine ranks an IPC handle to it (plain bytes and ints, sent as msgpack);
-engine ranks map it and copy device to device into their parameters. Written to the CUDA IPC
-API torch itself uses between processes; exercised by the `gpu` tests when a GPU is present.
+"""Same-node transport between CUDA processes (``staged``): each trainer rank stages its boxes
+in a CUDA buffer and hands the engine ranks an IPC handle to it (plain bytes and ints, sent as
+msgpack); engine ranks map it, check every box there and copy device to device into their
+parameters on commit. Written to the CUDA IPC API torch itself uses between processes;
+exercised by the `gpu` tests when a GPU is present.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from tandem.exchange.items import Record
+from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
+
+
+class CudaIpcSender(SenderHalf):
+    def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
+        dtype = self.dtype(plan)
+        buf = torch.empty(plan.size, dtype=torch.uint8, device=self.device)
+        crcs, moved = [], []
+        with torch.no_grad():
+            for item in plan.items:
+                dst = buf[item.offset : item.offset + item.nbytes].view(dtype).view(item.box_shape)
+                crcs.append(self.write_box(self.source(tensors, item), dst))
+                moved.append(dst.numel() * dst.element_size())
+        torch.cuda.synchronize(buf.device)
+        # the buffer stays alive (``keep``) until the engine has answered
+        return Delivery(crcs, self.counted(plan, moved), export_handle(buf), keep=buf)
+
+
+class CudaIpcReceiver(ReceiverHalf):
+    def __init__(self, model, rank, device):
+        super().__init__(model, rank, device)
+        self._mapped: dict[int, CudaStaging] = {}  # this push's trainer buffers, by rank
+        self._version: int | None = None
+
+    def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
+        if self._version != spec.version:
+            self.abort(spec)
+            self._version = spec.version
+        for i in sorted({r.source for r in records}):
+            if i not in self._mapped:
+                self._mapped[i] = CudaStaging(spec.staging[i])
+        dtype = self.dtype(spec)
+        return [self._mapped[r.source].tensor(r.offset, r.nbytes, dtype).view(r.box_shape)
+                for r in records]  # fmt: skip
+
+    def commit(self, spec: UpdateSpec, records: list[Record]) -> int:
+        try:
+            return super().commit(spec, records)
+        finally:
+            self.abort(spec)  # the trainers free their buffers once the engine answers
+
+    def abort(self, spec: UpdateSpec) -> None:
+        for staging in self._mapped.values():
+            staging.close()
+        self._mapped = {}
+        self._version = None
 
 
 def export_handle(buf: torch.Tensor) -> list:
@@ -31,11 +81,9 @@ class CudaStaging:
         )  # fmt: skip
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        if offset < 0 or offset + nbytes > self.data.numel():
+            raise ValueError(f"record [{offset}, {offset + nbytes}) outside the staging buffer")
         return self.data[offset : offset + nbytes].view(dtype)
-
-    def view(self, offset: int, nbytes: int):
-        """Host bytes, for CRC32 (a device-to-host copy: verification costs on this path)."""
-        return self.data[offset : offset + nbytes].cpu().numpy().data
 
     def close(self) -> None:
         torch.cuda.synchronize(self.data.device)  # our copies finish before the trainer frees it

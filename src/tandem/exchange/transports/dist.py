@@ -1,252 +1,126 @@
-"""Transport over torch.distributed point-to-point: trainer ranks and engine ranks in one
-process group of their own (gloo on CPU, NCCL on CUDA), on one host or across hosts.
-
-The group is separate from the trainer's and the engine's own groups: it rendezvouses through
-a c10d store the engine's exchange server hosts. Boxes travel in messages of bounded size
-(`frames`): a large box straight from the sender's memory into the receiver's where both are
-contiguous, small ones packed into one of two reusable buffers while the other is on the wire.
-Messages are a few MiB, so a box's CRC32 is taken while its bytes are in cache on both ends
-(the sender's just before it goes, the receiver's as it lands) rather than in a pass of its
-own over memory. Senders and receivers walk their streams in one agreed order
-(`stream_order`), and within one stream each side waits only for its own earlier messages, so
-the point-to-point operations can never wait in a cycle.
+"""Transport over torch.distributed point-to-point (`p2p`): trainer ranks send each engine rank
+its boxes in bounded messages; the engine ranks receive them into a staging buffer of their
+own (``staged``: committed only once complete and verified) or straight into their live
+parameters (``in_place``). Works across hosts; gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
-from tandem.exchange.checksum import tensor_crc32
-
-DEFAULT_BUCKET_BYTES = 4 << 20
-
-_groups: dict[tuple, dist.ProcessGroup] = {}
+from tandem.exchange.items import Record
+from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.transports import p2p
+from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
 
 
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """Where and how to join a push's process group (sent in the plan, as a list)."""
+class DistSender(SenderHalf):
+    def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
+        """Send each engine rank its boxes, engine ranks in `p2p.stream_order`."""
+        info = p2p.GroupInfo.from_wire(plan.group)
+        rank = self.rank
+        group = p2p.join(info, rank)
+        dtype = self.dtype(plan)
+        by_dst: dict[int, list[int]] = {}
+        for i, item in enumerate(plan.items):
+            by_dst.setdefault(item.dst, []).append(i)
+        crcs: list[int | None] = [None] * len(plan.items)
+        moved = [0] * (info.world - plan.trainers)
+        order = p2p.stream_order(rank, by_dst, plan.trainers, info.world - plan.trainers,
+                                 sending=True)  # fmt: skip
+        with torch.no_grad():
+            for dst in order:
+                boxes = [self.source(tensors, plan.items[i]) for i in by_dst[dst]]
+                try:
+                    sent, moved[dst] = p2p.send_boxes(
+                        group, plan.trainers + dst, boxes, dtype, plan.bucket_bytes,
+                        self.settings.verify,
+                    )  # fmt: skip
+                except RuntimeError as exc:  # gloo / NCCL: a peer died or left the group
+                    p2p.abandon(info)  # so engine ranks waiting on this one fail too
+                    raise p2p.GroupBroken(str(exc)) from None
+                for i, crc in zip(by_dst[dst], sent, strict=True):
+                    crcs[i] = crc
+        return Delivery(crcs, moved)
 
-    host: str
-    port: int
-    prefix: str  # one per group generation: a failed push retires its group
-    world: int  # trainer ranks + engine ranks
-    backend: str
 
-    def to_wire(self) -> list:
-        return [self.host, self.port, self.prefix, self.world, self.backend]
+class DistReceiver(ReceiverHalf):
+    def __init__(self, model, rank, device):
+        super().__init__(model, rank, device)
+        self._staging: torch.Tensor | None = None  # staged: reused by every push
+        self._received: dict[int, tuple[list, list]] = {}  # version -> boxes, CRC32s
 
-    @classmethod
-    def from_wire(cls, w: list) -> GroupInfo:
-        return cls(*w)
-
-
-def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:
-    """This process's handle on the group (created once per generation, then reused)."""
-    key = (info.host, info.port, info.prefix, rank)
-    if key not in _groups:
-        for old in [k for k in _groups if k[:2] == key[:2] and k[2] != info.prefix]:
-            del _groups[old]  # an older generation, retired after a failure
-        store = dist.TCPStore(info.host, info.port, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))  # fmt: skip
-        prefixed = dist.PrefixStore(info.prefix, store)
-        if info.backend == "nccl":
-            group = dist.ProcessGroupNCCL(prefixed, rank, info.world)
+    def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
+        """Take every source's boxes, sources in `p2p.stream_order`: into this rank's staging
+        buffer (kept for later pushes, so they touch no new memory), checksumming each box as
+        it lands there, or straight into the live parameters (in_place: `verify` then reads
+        them back through each record's own region, so a misplaced write cannot pass)."""
+        info = p2p.GroupInfo.from_wire(list(spec.group))
+        group = p2p.join(info, spec.trainers + self.rank)
+        dtype = self.dtype(spec)
+        by_src = [[i for i, r in enumerate(records) if r.source == s] for s in range(spec.trainers)]
+        if spec.settings.in_place:
+            boxes = self.targets(records)
         else:
-            group = dist.ProcessGroupGloo(prefixed, rank, info.world, timedelta(seconds=timeout_s))
-        _groups[key] = group
-    return _groups[key]
+            total = sum(r.nbytes for r in records)
+            if self._staging is None or self._staging.numel() < total:
+                self._staging = None
+                self._staging = torch.zeros(total, dtype=torch.uint8, device=self.device)
+            boxes, start = [None] * len(records), 0
+            starts = []  # each source's boxes back to back, in its stream's order
+            for mine in by_src:
+                starts.append(start)
+                for i in mine:
+                    r = records[i]
+                    boxes[i] = self._staging[start : start + r.nbytes].view(dtype).view(r.box_shape)
+                    start += r.nbytes
+        crcs: list = [None] * len(records)
+        order = p2p.stream_order(self.rank, range(spec.trainers), spec.trainers,
+                                 info.world - spec.trainers, sending=False)  # fmt: skip
+        moved = 0
+        for src in order:  # the order every rank agrees on: no cyclic waits
+            mine = by_src[src]
+            if not mine:
+                continue
+            sizes = [records[i].nbytes for i in mine]
+            rows = [records[i].box_shape[0] if records[i].box_shape else 1 for i in mine]
+            if spec.settings.in_place:
+                into = {"targets": [boxes[i] for i in mine]}
+            else:
+                into = {"staging": self._staging[starts[src] : starts[src] + sum(sizes)]}
+            checksum = spec.settings.verify and not spec.settings.in_place
+            with torch.no_grad():
+                got = p2p.recv_boxes(group, src, sizes, rows, spec.bucket_bytes,
+                                     checksum=checksum, **into)  # fmt: skip
+            for i, crc in zip(mine, got, strict=True):
+                crcs[i] = crc
+            moved += sum(sizes)
+        self._received = {spec.version: (boxes, crcs)}
+        return moved
 
+    def targets(self, records: list[Record]) -> list[torch.Tensor]:
+        """in_place: where the receive writes each box (its live region)."""
+        return self.live(records)
 
-class GroupBroken(RuntimeError):
-    """A point-to-point operation failed: a peer died or left the push's group."""
+    def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
+        if spec.settings.in_place:
+            return self.live(records)
+        return self._received[spec.version][0]
 
+    def landed_crcs(self, spec: UpdateSpec, records: list[Record]) -> list[int]:
+        """Staged: what was taken as each box landed in staging (no second pass); in place:
+        read back from the live parameters."""
+        if spec.settings.in_place:
+            return super().landed_crcs(spec, records)
+        return self._received[spec.version][1]
 
-def abandon(info: GroupInfo) -> None:
-    """Leave a push's group after a failure: abort this process's handles on it, so a peer
-    blocked sending to (or receiving from) this process fails at once instead of waiting out
-    the timeout. The engine retires the generation; the next push joins a new one."""
-    for key in [k for k in _groups if k[:3] == (info.host, info.port, info.prefix)]:
-        group = _groups.pop(key)
+    def commit(self, spec: UpdateSpec, records: list[Record]) -> int:
         try:
-            group.abort()
-        except Exception:  # already broken: nothing left to release
-            pass
+            return super().commit(spec, records)
+        finally:
+            self._received = {}
 
-
-def stream_order(rank: int, peers, senders: int, receivers: int, sending: bool) -> list[int]:
-    """The order in which ``rank`` (a sender's index among the senders, or a receiver's among
-    the receivers) walks its streams with ``peers``. Round k pairs sender s with receiver
-    (s + k) mod max(senders, receivers), so each round is a matching whose streams run side by
-    side; both ends walk their streams by (round, sender), one total order, so the
-    stream first in it can always progress and no set of ranks can wait in a cycle."""
-    span = max(senders, receivers)
-
-    def key(peer: int) -> tuple[int, int]:
-        s, d = (rank, peer) if sending else (peer, rank)
-        return (d - s) % span, s
-
-    return sorted(peers, key=key)
-
-
-SMALL_BYTES = 1 << 20  # boxes below this are packed together; larger ones travel as they are
-
-
-def frames(sizes: list[int], rows: list[int], limit: int) -> list[list[tuple[int, int, int]]]:
-    """How a stream of boxes travels: messages of at most ``limit`` bytes, each a list of
-    (box index, first row, end row). A box of ``SMALL_BYTES`` or more is cut by whole rows
-    into messages of its own (sent from, and received into, its memory where that is
-    contiguous); smaller boxes are packed together. Both ends compute the same frames."""
-    out: list[list[tuple[int, int, int]]] = []
-    packed = 0  # bytes in the open packed frame (out[-1]); 0: none open
-    for i, (n, r) in enumerate(zip(sizes, rows, strict=True)):
-        if n >= min(SMALL_BYTES, limit):
-            per = max(1, limit // max(1, n // r))
-            out.extend([(i, a, min(a + per, r))] for a in range(0, r, per))
-            packed = 0
-        elif packed and packed + n <= limit:
-            out[-1].append((i, 0, r))
-            packed += n
-        else:
-            out.append([(i, 0, r)])
-            packed = n
-    return out
-
-
-def _rows(box: torch.Tensor) -> torch.Tensor:
-    return box.view(1) if box.dim() == 0 else box
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
-class Slots:
-    """Two reusable message buffers (allocated and touched once per process, side and device),
-    so packing the next message overlaps sending this one and no push page-faults new memory.
-    The sending and the receiving side have their own (an engine in the trainer's process)."""
-
-    _cache: dict[tuple[str, str, int], list[torch.Tensor]] = {}
-
-    def __init__(self, side: str, device, limit: int):
-        key = (side, str(device), limit)
-        if key not in self._cache:
-            self._cache[key] = [torch.zeros(limit, dtype=torch.uint8, device=device)
-                                for _ in range(2)]  # fmt: skip
-        self.buffers = self._cache[key]
-        self.works: list[dist.Work | None] = [None, None]
-        self.turn = 0
-
-    def take(self):
-        """(index, buffer) of the next buffer, once its previous message is done."""
-        k = self.turn
-        self.turn ^= 1
-        if self.works[k] is not None:
-            self.works[k].wait()
-            self.works[k] = None
-        return k, self.buffers[k]
-
-
-def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
-               limit: int, checksum: bool = True) -> list[int | None]:  # fmt: skip
-    """Send ``boxes`` (converted to ``dtype``) to ``dst`` as `frames`; returns each box's CRC32.
-    A contiguous box already in ``dtype`` is sent from its own memory (no copy); the rest are
-    packed into two alternating buffers, so packing the next message overlaps this one's send."""
-    boxes = [_rows(b) for b in boxes]
-    sizes = [b.numel() * dtype.itemsize for b in boxes]
-    crcs: list[int | None] = [0 if checksum else None for _ in boxes]
-    slots = Slots("send", boxes[0].device, limit) if boxes else None
-    direct_works = []
-    for frame in frames(sizes, [b.shape[0] for b in boxes], limit):
-        parts = [boxes[i][a:b] for i, a, b in frame]
-        if len(parts) == 1 and parts[0].dtype == dtype and parts[0].is_contiguous():
-            data = _bytes(parts[0])
-            if checksum:
-                crcs[frame[0][0]] = tensor_crc32(data, crcs[frame[0][0]])
-            direct_works.append(group.send([data], dst, 0))
-            continue
-        k, buf = slots.take()
-        offset = 0
-        for (i, _, _), part in zip(frame, parts, strict=True):
-            n = part.numel() * dtype.itemsize
-            buf[offset : offset + n].view(dtype).view(part.shape).copy_(part)
-            if checksum:
-                crcs[i] = tensor_crc32(buf[offset : offset + n], crcs[i])
-            offset += n
-        slots.works[k] = group.send([buf[:offset]], dst, 0)
-    for work in [*direct_works, *(w for w in (slots.works if slots else []) if w is not None)]:
-        work.wait()
-    return crcs
-
-
-def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
-               staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
-               checksum: bool = False) -> list[int | None]:  # fmt: skip
-    """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
-    into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
-    into its place), or into ``targets`` (each box's destination, in the box's orientation):
-    straight into it where that is contiguous, else through two alternating buffers, copied
-    into place as each message completes. Receives are posted ahead of the data (a buffer is
-    posted again only once its previous message is in place). With ``checksum``, returns each
-    box's CRC32 as received (else Nones), taken message by message as each lands — while its
-    bytes are still in cache and later messages are still arriving — never in a second pass
-    over the whole stream."""
-    plan = frames(sizes, rows, limit)
-    crcs: list[int | None] = [0 if checksum else None for _ in sizes]
-    slots = None
-    if targets is not None:
-        targets = [_rows(t) for t in targets]
-        if targets:
-            slots = Slots("recv", targets[0].device, limit)
-    starts = [0] * len(sizes)
-    for i in range(1, len(sizes)):
-        starts[i] = starts[i - 1] + sizes[i - 1]
-    # per message: [work, [(box, its bytes as they land)], slot or None, parts to copy into]
-    posted: list[list] = []
-    in_slot = [-1, -1]  # the message each buffer holds
-    done = 0  # messages landed (and checksummed) so far, in order
-
-    def land_through(last: int) -> None:
-        nonlocal done
-        while done <= last:
-            work, landed, k, parts = posted[done]
-            work.wait()
-            if checksum:
-                for i, data in landed:
-                    crcs[i] = tensor_crc32(data, crcs[i])
-            for (_, data), part in zip(landed, parts, strict=True) if k is not None else ():
-                part.copy_(data.view(part.dtype).view(part.shape))
-            posted[done] = None
-            done += 1
-
-    for frame in plan:
-        if staging is not None:  # a message's boxes are consecutive there
-            landed, bounds = [], []
-            for i, a, b in frame:
-                row = sizes[i] // rows[i]
-                bounds += [starts[i] + row * a, starts[i] + row * b]
-                landed.append((i, staging[bounds[-2] : bounds[-1]]))
-            data = staging[bounds[0] : bounds[-1]]
-            posted.append([group.recv([data], src, 0), landed, None, []])
-            continue
-        parts = [targets[i][a:b] for i, a, b in frame]
-        if len(parts) == 1 and parts[0].is_contiguous():
-            data = _bytes(parts[0])
-            posted.append([group.recv([data], src, 0), [(frame[0][0], data)], None, []])
-            continue
-        k = slots.turn
-        slots.turn ^= 1
-        land_through(in_slot[k])  # the buffer's previous message is in place first
-        landed, offset = [], 0
-        for (i, _, _), part in zip(frame, parts, strict=True):
-            n = part.numel() * part.element_size()
-            landed.append((i, slots.buffers[k][offset : offset + n]))
-            offset += n
-        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts])
-        in_slot[k] = len(posted) - 1
-    land_through(len(posted) - 1)
-    return crcs
+    def abort(self, spec: UpdateSpec) -> None:
+        self._received = {}
+        if spec.group is not None:
+            p2p.abandon(p2p.GroupInfo.from_wire(list(spec.group)))

@@ -1,84 +1,90 @@
-"""Same-host shared memory with no name: what the shm transport stages in and writes through.
+"""Same-host transport through shared memory (`tandem.exchange.transports.memory`).
 
-A process makes `SharedMemory` with ``memfd_create``: an anonymous file that appears nowhere
-in the filesystem, so nothing can be planted under its name or left behind — the kernel frees
-it when the last process holding it (descriptor or mapping) exits, SIGKILL included. Another
-process on the host maps it (`MappedMemory`) by opening ``/proc/PID/fd/FD``, which the kernel
-allows only to a process of the same user (the ptrace read check), after checking its inode
-and size, so a recycled pid or descriptor is refused. Both sides map it once and keep the
-mapping for later pushes, so a push touches no fresh pages.
+``staged``: each trainer rank packs its boxes into its own nameless shared staging memory
+(kept for its later pushes); the engine ranks map it, check every box there, and copy it into
+their parameters on commit. ``in_place``: the engine's parameters live in shared memory
+(`ParamArena`, engines on CPU); while the engine is paused each trainer rank maps them and
+writes every box straight into its live parameter, one copy, and the engine ranks check the
+parameters.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import weakref
-
 import torch
 
-
-class SharedMemory:
-    """``size`` bytes of nameless shared memory made by this process."""
-
-    def __init__(self, size: int, name: str = "tandem"):
-        self.size = size
-        self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        weakref.finalize(self, os.close, self.fd)  # the mapping outlives it while tensors do
-        os.ftruncate(self.fd, max(size, 1))
-        self.map = mmap.mmap(self.fd, max(size, 1))
-
-    @property
-    def data(self) -> torch.Tensor:
-        """The whole buffer as a uint8 tensor (no copy)."""
-        return _bytes(self.map, self.size)
-
-    def to_wire(self) -> list:
-        """[pid, fd, inode, size]: what `MappedMemory` needs to map it in another process."""
-        return [os.getpid(), self.fd, os.fstat(self.fd).st_ino, self.size]
+from tandem.exchange.items import Record
+from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
+from tandem.exchange.transports.memory import MappedArena, MappedMemory, SharedMemory
 
 
-class MappedMemory:
-    """Another process's `SharedMemory`, mapped into this one (read-write)."""
+class ShmSender(SenderHalf):
+    def __init__(self, settings, device, rank):
+        super().__init__(settings, device, rank)
+        self.staging: SharedMemory | None = None  # staged: kept for the next push
+        self._arenas: dict[tuple, MappedArena] = {}  # in_place: engine ranks' parameters
 
-    def __init__(self, wire: list, what: str = "shared memory"):
-        pid, fd, inode, size = wire
-        self.key = (pid, fd, inode)
-        self.size = size
-        path = f"/proc/{pid}/fd/{fd}"
-        try:
-            handle = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise RuntimeError(f"cannot open the peer's {what} at {path}: {exc}") from None
-        try:
-            st = os.fstat(handle)
-            if (st.st_ino, st.st_size) != (inode, max(size, 1)):
-                raise RuntimeError(f"{path} is not the peer's {what} any more")
-            self.map = mmap.mmap(handle, max(size, 1), flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        finally:
-            os.close(handle)
+    def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
+        dtype = self.dtype(plan)
+        if self.settings.in_place:
+            arenas = self._map_arenas(plan.arenas)
+            targets = [item.dst_region.view(arenas[item.dst].param(item.dst_key, dtype))
+                       for item in plan.items]  # fmt: skip
+        else:
+            if self.staging is None or self.staging.size != plan.size:
+                self.staging = None  # the old memory goes before the new one is made
+                self.staging = SharedMemory(plan.size, "tandem-staging")
+            data = self.staging.data
+            targets = [data[item.offset : item.offset + item.nbytes].view(dtype)
+                       .view(item.box_shape) for item in plan.items]  # fmt: skip
+        crcs, moved = [], []
+        with torch.no_grad():
+            for item, dst in zip(plan.items, targets, strict=True):
+                crcs.append(self.write_box(self.source(tensors, item), dst))
+                moved.append(dst.numel() * dst.element_size())
+        staging = None if self.settings.in_place else self.staging.to_wire()
+        return Delivery(crcs, self.counted(plan, moved), staging)
 
-    @property
-    def data(self) -> torch.Tensor:
-        return _bytes(self.map, self.size)
-
-    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
-        """A tensor view of ``nbytes`` at ``offset`` (no copy)."""
-        if offset < 0 or offset + nbytes > self.size:
-            raise ValueError(f"record [{offset}, {offset + nbytes}) outside {self.size} bytes")
-        return torch.frombuffer(self.map, dtype=dtype, count=nbytes // dtype.itemsize,
-                                offset=offset)  # fmt: skip
-
-    def view(self, offset: int, nbytes: int) -> memoryview:
-        if offset < 0 or offset + nbytes > self.size:
-            raise ValueError(f"record [{offset}, {offset + nbytes}) outside {self.size} bytes")
-        return memoryview(self.map)[offset : offset + nbytes]
+    def _map_arenas(self, wires: list) -> list[MappedArena]:
+        """Each engine rank's arena, mapped once and kept for later pushes (a mapping of an
+        engine that is gone is dropped)."""
+        mapped = {}
+        for wire in wires:
+            key = tuple(wire[:3])
+            mapped[key] = self._arenas.get(key) or MappedArena(wire)
+        self._arenas = mapped
+        return [mapped[tuple(wire[:3])] for wire in wires]
 
     def close(self) -> None:
-        """Nothing to do: the mapping stays for later pushes; it goes with this object."""
+        self.staging = None
+        self._arenas = {}
 
 
-def _bytes(buf: mmap.mmap, size: int) -> torch.Tensor:
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(buf, dtype=torch.uint8, count=size)
+class ShmReceiver(ReceiverHalf):
+    def __init__(self, model, rank, device):
+        super().__init__(model, rank, device)
+        self._shared: dict[tuple, MappedMemory] = {}  # trainers' staging memory, mapped
+
+    def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
+        if spec.settings.in_place:
+            return self.live(records)
+        segments = self._map(spec, {r.source for r in records})
+        dtype = self.dtype(spec)
+        return [segments[r.source].tensor(r.offset, r.nbytes, dtype).view(r.box_shape)
+                for r in records]  # fmt: skip
+
+    def _map(self, spec: UpdateSpec, sources: set[int]) -> dict[int, MappedMemory]:
+        """The staging memory of each trainer rank in ``sources``: mapped once, kept while
+        pushes keep naming it (the mapping of an older push's memory is dropped, which frees
+        it once its trainer is gone)."""
+        shared, out = {}, {}
+        for i in sorted(sources):
+            wire = spec.staging[i]
+            key = tuple(wire[:3])
+            shared[key] = self._shared.get(key) or MappedMemory(wire, "staging memory")
+            out[i] = shared[key]
+        self._shared = shared
+        return out
+
+    def abort(self, spec: UpdateSpec) -> None:
+        self._shared = {}

@@ -1,15 +1,18 @@
-"""The engine's door for weight pushes from trainer processes (`llm.exchange_address`).
+"""An engine's door for weight pushes from trainer processes (`llm.exchange_address`).
 
-A background thread accepts trainer ranks, plans (cached while layouts are unchanged), learns where
-each rank staged its boxes, then applies the update between engine steps (the engine lock): every
-rank verifies, then every rank commits. A trainer rank that disconnects before the commit aborts the
-push; the old weights keep serving. In shm ``in_place`` mode the trainers get their plans only once
-the engine is paused, and write straight into its shared parameters; a push that breaks then leaves
-the engine refusing requests until a complete push lands.
+A background thread accepts trainer ranks, plans (cached while layouts are unchanged), and runs
+each push as a session: staged transports whose senders deliver on their own (shm, cuda_ipc)
+are delivered while the engine keeps serving, and only verify and commit pause it; pushes that
+write into the live parameters (``in_place``) or need the engine's ranks to receive (dist) pause
+the engine first (`LLMEngine.weight_update`). All socket I/O happens on this thread, never under
+the engine lock. A trainer rank that disconnects before the commit aborts the push: the old
+weights keep serving, unless it was writing them in place, in which case the engine refuses
+requests until a complete push lands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import secrets
 import socket
@@ -21,11 +24,14 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tandem.dtypes import DTYPES
+from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import LayoutMismatch, RankLayout
-from tandem.exchange.plan import PlanCache, local_slices, numel
+from tandem.exchange.plan import PlanCache, numel
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
-from tandem.exchange.receiver import Record, WeightSyncError
-from tandem.exchange.transports.dist import DEFAULT_BUCKET_BYTES, GroupInfo
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.transports import TRANSPORTS
+from tandem.exchange.transports.p2p import DEFAULT_BUCKET_BYTES, GroupInfo
 from tandem.wire import PeerGone, recv_frame, same_token, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
@@ -117,58 +123,14 @@ class ExchangeServer:
         version = None
         start = time.perf_counter()
         try:
-            version, plans, records, needed = self._plan(hellos)
-            update = {"version": version, "transport": hellos[0].transport,
-                      "dtype": self.engine.config.dtype, "mode": hellos[0].mode,
-                      "verify": hellos[0].verify, "trainers": len(hellos)}  # fmt: skip
-            # shm in_place: trainers write into the live parameters, so they get their plans
-            # only once the engine is paused (inside update_weights, via checksums())
-            direct = update["transport"] == "shm" and update["mode"] == "in_place"
-            if update["transport"] in ("shm", "cuda_ipc") and not direct:
-                update["segments"] = [None] * len(plans)  # each arrives with its PushReady
-            elif update["transport"] == "dist":
-                update.update(group=self._group(len(hellos)).to_wire(),
-                              bucket_bytes=self.bucket_bytes)  # fmt: skip
-                for plan in plans:
-                    plan.group, plan.trainers = update["group"], len(hellos)
-                    plan.bucket_bytes = self.bucket_bytes
-
-            def send_plans() -> None:
-                for sock, plan in zip(socks, plans, strict=True):
-                    sock.settimeout(self.stage_timeout_s)
-                    send_frame(sock, encode(plan))
-
-            def checksums() -> dict[int, list]:
-                if direct:
-                    send_plans()
-                by_receiver: dict[int, list] = defaultdict(list)
-                for rank, sock in enumerate(socks):
-                    ready = decode(recv_frame(sock))
-                    if not isinstance(ready, PushReady):
-                        raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
-                    if "segments" in update:
-                        update["segments"][rank] = ready.staging
-                    for (dst, wire), crc in zip(records[rank], ready.crcs, strict=True):
-                        wire[-1] = crc
-                        by_receiver[dst].append(wire)
-                return by_receiver
-
-            if not direct:
-                send_plans()
-            if update["transport"] in ("shm", "cuda_ipc") and not direct:
-                self.engine.update_weights(update, checksums())
-            else:
-                by_receiver: dict[int, list] = defaultdict(list)
-                for rank in range(len(socks)):
-                    for dst, wire in records[rank]:
-                        by_receiver[dst].append(wire)
-                self.engine.update_weights(update, by_receiver, checksums)
-            moved = sum(wire[2] for per_rank in records for _, wire in per_rank)
+            spec, plans, records, needed = self._plan(hellos)
+            version = spec.version
+            moved = self._push(spec, socks, plans, records)
             done = PushDone(version, None, needed, moved)
         except (PeerGone, OSError) as exc:
             self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
-                            f"version {self.engine.weight_version} keeps serving")  # fmt: skip
+                            f"{self._serving()}")  # fmt: skip
         except (WeightSyncError, LayoutMismatch, ValueError) as exc:
             self._retire_group()
             done = PushDone(version or -1, str(exc))
@@ -183,6 +145,67 @@ class ExchangeServer:
             except OSError:
                 pass
             sock.close()
+
+    def _serving(self) -> str:
+        reason = self.engine.lifecycle.unavailable()
+        if reason is not None:
+            return f"requests are refused until a complete push lands ({reason})"
+        return f"version {self.engine.weight_version} keeps serving"
+
+    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: list) -> int:
+        """Deliver, verify and commit one push; the bytes the trainers moved (as counted)."""
+        moves_itself = TRANSPORTS[spec.settings.transport].engine_receives
+        if not (spec.settings.in_place or moves_itself):
+            self._send_plans(socks, plans)  # trainers stage while the engine serves
+            spec, by_receiver, moved = self._readies(spec, socks, records)
+            with self.engine.weight_update(spec) as update:
+                update.run("verify", by_receiver)
+                update.run("commit", by_receiver)
+            return moved
+        with self.engine.weight_update(spec) as update:
+            if spec.settings.in_place:
+                update.expose()  # from here trainers (or the engine's ranks) write live weights
+            self._send_plans(socks, plans)
+            if moves_itself:
+                update.run("receive", self._by_receiver(records))
+            spec, by_receiver, moved = self._readies(spec, socks, records)
+            update.spec = spec
+            update.run("verify", by_receiver)
+            update.run("commit", by_receiver)
+        return moved
+
+    def _send_plans(self, socks: list, plans: list[PushPlan]) -> None:
+        for sock, plan in zip(socks, plans, strict=True):
+            sock.settimeout(self.stage_timeout_s)
+            send_frame(sock, encode(plan))
+
+    def _readies(self, spec: UpdateSpec, socks: list, records: list):
+        """Every trainer rank's `PushReady`: (the spec with their staging handles, records by
+        engine rank with the senders' CRC32s, bytes moved as the senders counted them)."""
+        staging, moved = [], 0
+        with_crcs: list[list] = []
+        for rank, sock in enumerate(socks):
+            ready = decode(recv_frame(sock))
+            if not isinstance(ready, PushReady):
+                raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
+            if len(ready.crcs) != len(records[rank]):
+                raise WeightSyncError(f"trainer rank {rank} sent {len(ready.crcs)} checksums "
+                                      f"for {len(records[rank])} boxes")  # fmt: skip
+            staging.append(ready.staging)
+            moved += sum(ready.bytes_moved)
+            pairs = zip(records[rank], ready.crcs, strict=True)
+            with_crcs.append([(dst, r.with_crc(crc)) for (dst, r), crc in pairs])
+        if any(s is not None for s in staging):
+            spec = dataclasses.replace(spec, staging=tuple(staging))
+        return spec, self._by_receiver(with_crcs), moved
+
+    @staticmethod
+    def _by_receiver(records: list) -> dict[int, list[Record]]:
+        by_receiver: dict[int, list[Record]] = defaultdict(list)
+        for per_rank in records:
+            for dst, record in per_rank:
+                by_receiver[dst].append(record)
+        return by_receiver
 
     def _group(self, trainers: int) -> GroupInfo:
         """The process group of trainer ranks and engine ranks (made once per generation)."""
@@ -204,13 +227,16 @@ class ExchangeServer:
         self._generation += 1
 
     def _plan(self, hellos: list[PushHello]):
+        """(the spec every engine rank gets, each trainer rank's plan, its (engine rank,
+        Record)s, bytes the engine needs)."""
         world = {h.world for h in hellos}
         if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
             raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
-        for field in ("version", "transport", "mode", "verify"):
-            values = {getattr(h, field) for h in hellos}
+        for field in ("version", "settings"):
+            values = {repr(getattr(h, field)) for h in hellos}
             if len(values) != 1:
-                raise ValueError(f"trainer ranks disagree on {field}: {sorted(values, key=str)}")
+                raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
+        settings = hellos[0].settings
         version = hellos[0].version
         if version is None:
             version = self.engine.weight_version + 1
@@ -221,51 +247,51 @@ class ExchangeServer:
         ignore = frozenset(name for h in hellos for name in h.ignore)
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.engine.config.dtype
-        per_stream = hellos[0].transport == "dist"  # offsets per (sender, receiver) stream
+        per_stream = settings.transport == "dist"  # offsets per (sender, receiver) stream
         key = (dtype, per_stream)  # what follows is the same every push of this plan
         if key not in plan.derived:
             plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream)
-        sizes, items, wires, needed = plan.derived[key]
-        # (receiver rank, Record wire) per sender; each push fills in its own CRC32s
-        records = [[(dst, list(wire)) for dst, wire in per] for per in wires]
+        sizes, items, records, needed = plan.derived[key]
         plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
-        if hellos[0].transport == "shm" and hellos[0].mode == "in_place":
-            self._direct(plans, receivers, records)
-        return version, plans, records, needed
-
-    @staticmethod
-    def _direct(plans: list[PushPlan], receivers: list[RankLayout], records: list) -> None:
-        """shm in_place: where each item goes in its engine rank's shared parameters."""
-        missing = [lay.rank for lay in receivers if lay.arena is None]
-        if missing:
-            raise ValueError(
-                "mode='in_place' over shm needs every engine rank's parameters in shared "
-                f"memory (an engine on CPU); ranks {missing} have none"
-            )
-        for plan, per_rank in zip(plans, records, strict=True):
-            plan.arenas = [lay.arena for lay in receivers]
-            plan.dests = [[w[3], [list(s) for s in w[4]], w[6]] for _, w in per_rank]
+        spec = UpdateSpec(version, settings, dtype, len(hellos))
+        if settings.transport == "dist":
+            spec = dataclasses.replace(spec, group=tuple(self._group(len(hellos)).to_wire()),
+                                       bucket_bytes=self.bucket_bytes)  # fmt: skip
+            for p in plans:
+                p.group, p.trainers, p.bucket_bytes = (
+                    list(spec.group),
+                    len(hellos),
+                    spec.bucket_bytes,
+                )
+        if settings.transport == "shm" and settings.in_place:
+            missing = [lay.rank for lay in receivers if lay.arena is None]
+            if missing:
+                raise ValueError(
+                    "mode='in_place' over shm needs every engine rank's parameters in shared "
+                    f"memory (an engine on CPU); ranks {missing} have none"
+                )
+            for p in plans:
+                p.arenas = [lay.arena for lay in receivers]
+        return spec, plans, records, needed
 
 
 def _push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool):
-    """(bytes, items, Record wires, bytes needed) per sender rank: where each of its boxes
-    sits (``per_stream``: offsets count per (sender, receiver) stream, else per sender) and
-    where it lands."""
-    items: list[list] = [[] for _ in range(plan.num_senders)]
-    records: list[list] = [[] for _ in range(plan.num_senders)]
+    """(bytes, `SendItem`s, (engine rank, `Record`)s, bytes needed) per sender rank: where
+    each of its boxes sits (``per_stream``: offsets count per (sender, receiver) stream, else
+    per sender) and where it lands, both regions mapped by their `Piece`."""
+    items: list[list[SendItem]] = [[] for _ in range(plan.num_senders)]
+    records: list[list[tuple[int, Record]]] = [[] for _ in range(plan.num_senders)]
     offsets: dict[tuple[int, int], int] = defaultdict(int)
     for t in plan.transfers:
         nbytes = t.numel * itemsize
-        box_shape = [b - a for a, b in t.box]
+        box_shape = tuple(b - a for a, b in t.box)
         stream = (t.src, t.dst if per_stream else -1)
         offset = offsets[stream]
-        src = [[s.start, s.stop] for s in local_slices(t.src_piece, t.box)]
-        items[t.src].append([t.src_key, src, t.src_piece.transposed, box_shape, offset, nbytes,
-                             t.dst])  # fmt: skip
-        dst = tuple((s.start, s.stop) for s in local_slices(t.dst_piece, t.box))
-        rec = Record(t.src, offset, nbytes, t.dst_key, dst, tuple(box_shape),
-                     t.dst_piece.transposed, None)  # fmt: skip
-        records[t.src].append((t.dst, rec.to_wire()))
+        dst_region = t.dst_piece.region(t.box)
+        items[t.src].append(SendItem(t.src_key, t.src_piece.region(t.box), box_shape, offset,
+                                     nbytes, t.dst, t.dst_key, dst_region))  # fmt: skip
+        records[t.src].append((t.dst, Record(t.src, offset, nbytes, t.dst_key, dst_region,
+                                             box_shape)))  # fmt: skip
         offsets[stream] += nbytes
     sizes = [offsets[(i, -1)] for i in range(plan.num_senders)]
     needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize

@@ -1,0 +1,74 @@
+"""Typed settings of one push: what the trainer asks for (`PushSettings`) and what every engine
+rank is told when it takes part (`UpdateSpec`). Both cross processes as msgpack lists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("staged", "in_place")
+
+
+@dataclass(frozen=True, slots=True)
+class PushSettings:
+    """How a push travels. ``transport``: a name in `tandem.exchange.transports.TRANSPORTS`;
+    ``mode``: ``staged`` (the push lands beside the live weights and is committed only when
+    complete and verified: a failure leaves the old version serving) or ``in_place`` (bytes
+    land straight in the live parameters: no extra memory, but a failed push leaves the engine
+    refusing requests until a complete push lands); ``verify``: CRC32 every box on both ends."""
+
+    transport: str
+    mode: str = "staged"
+    verify: bool = True
+
+    def __post_init__(self):
+        from tandem.exchange.transports import TRANSPORTS  # the registry imports this module
+
+        if self.transport not in TRANSPORTS:
+            raise ValueError(
+                f"transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}"
+            )
+        if self.mode not in TRANSPORTS[self.transport].modes:
+            raise ValueError(
+                f"mode must be one of {TRANSPORTS[self.transport].modes} for transport "
+                f"{self.transport!r}, got {self.mode!r}"
+            )
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be a bool, got {self.verify!r}")
+
+    @property
+    def in_place(self) -> bool:
+        return self.mode == "in_place"
+
+    def to_wire(self) -> list:
+        return [self.transport, self.mode, self.verify]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> PushSettings:
+        transport, mode, verify = wire
+        return cls(transport, mode, verify)
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateSpec:
+    """One push as every engine rank sees it: its settings, the engine's dtype, how many trainer
+    ranks send, and where to find their bytes (``staging``: per trainer rank, the handle of its
+    staged memory; ``group``: the dist transport's `GroupInfo` wire)."""
+
+    version: int
+    settings: PushSettings
+    dtype: str
+    trainers: int
+    staging: tuple | None = None
+    group: tuple | None = None
+    bucket_bytes: int = 0
+
+    def to_wire(self) -> list:
+        return [self.version, self.settings.to_wire(), self.dtype, self.trainers,
+                self.staging, self.group, self.bucket_bytes]  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, wire: list) -> UpdateSpec:
+        version, settings, dtype, trainers, staging, group, bucket_bytes = wire
+        return cls(version, PushSettings.from_wire(settings), dtype, trainers,
+                   None if staging is None else tuple(staging),
+                   None if group is None else tuple(group), bucket_bytes)  # fmt: skip

@@ -1,0 +1,145 @@
+"""The interface every transport implements: a sender half (in each trainer rank) and a
+receiver half (in each engine rank). Transports carry out plans; they never decide what goes
+where, and they never judge a push: the receiver checks what landed against the CRC32s the
+senders read from their tensors (`tandem.exchange.receiver`).
+
+A push, per transport (`UpdateSpec` tells every engine rank which):
+
+- sender ``deliver``: stage or write or send this rank's `SendItem`s, returning the CRC32 of
+  each box as read from the trainer's tensor and the bytes moved per engine rank, counted;
+- receiver ``receive`` (transports that move bytes into the engine themselves: dist);
+- receiver ``landed``: every record's bytes where they are now (staging, or the live
+  parameter), which the receiver checksums;
+- receiver ``commit``: staged transports copy staging into the live parameters (then the
+  parameters are checksummed again); ``abort`` drops whatever the push held.
+
+A new transport (RDMA, say) is one module with the two halves and an entry in `TRANSPORTS`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tandem.dtypes import DTYPES
+from tandem.exchange.checksum import checked_copy, tensor_crc32
+from tandem.exchange.items import Record, SendItem
+from tandem.exchange.settings import PushSettings, UpdateSpec
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What a sender half did: per item the CRC32 read from the trainer's tensor (None when
+    unverified), bytes moved per engine rank (counted as they were written or sent), the
+    handle of its staging memory (staged transports), and what must stay alive until the
+    engine has answered."""
+
+    crcs: list[int | None]
+    bytes_moved: list[int]
+    staging: list | None = None
+    keep: object = field(default=None, repr=False)
+
+
+class SenderHalf:
+    """A trainer rank's end of a transport. One per `WeightSender` and transport; it may keep
+    memory (staging, mappings) between pushes until `close`."""
+
+    def __init__(self, settings: PushSettings, device: torch.device, rank: int):
+        self.settings = settings
+        self.device = device
+        self.rank = rank  # this trainer rank
+
+    def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
+        """Carry out this rank's part of ``plan`` (a `PushPlan`) from its local ``tensors``."""
+        raise NotImplementedError
+
+    def write_box(self, src: torch.Tensor, dst: torch.Tensor) -> int | None:
+        """The writer: copy one box (canonical orientation) to where it goes; returns the CRC32
+        of ``src`` as it must land (never of ``dst``: the receiver checks that)."""
+        return checked_copy(src, dst, self.settings.verify)
+
+    def close(self) -> None:
+        """Release what this half keeps between pushes."""
+
+    @staticmethod
+    def counted(plan, nbytes: list[int]) -> list[int]:
+        """Bytes per engine rank, from what each item moved (``nbytes``, counted)."""
+        out = [0] * (1 + max((item.dst for item in plan.items), default=-1))
+        for item, n in zip(plan.items, nbytes, strict=True):
+            out[item.dst] += n
+        return out
+
+    @staticmethod
+    def source(tensors: dict[str, torch.Tensor], item: SendItem) -> torch.Tensor:
+        """The box ``item`` reads, in canonical orientation (a view of the trainer's tensor)."""
+        return item.src.view(tensors[item.key])
+
+    @staticmethod
+    def dtype(plan) -> torch.dtype:
+        return DTYPES[plan.dtype]
+
+
+class ReceiverHalf:
+    """An engine rank's end of a transport; kept by the rank across pushes (its mappings and
+    buffers with it)."""
+
+    def __init__(self, model: nn.Module, rank: int, device: torch.device):
+        self.model = model
+        self.rank = rank
+        self.device = device
+
+    @staticmethod
+    def dtype(spec: UpdateSpec) -> torch.dtype:
+        return DTYPES[spec.dtype]
+
+    def live(self, records: list[Record]) -> list[torch.Tensor]:
+        """Each record's box in its live parameter (a view, canonical orientation)."""
+        params = dict(self.model.named_parameters())
+        return [r.region.view(params[r.key]) for r in records]
+
+    def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
+        """Move this rank's boxes into the engine (transports whose senders cannot write into
+        it themselves); the bytes received. Others: nothing to do."""
+        return 0
+
+    def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
+        """Each record's box where its bytes are now, in canonical orientation and the
+        engine's dtype: the staging memory (staged), or the live parameter (in place)."""
+        raise NotImplementedError
+
+    def landed_crcs(self, spec: UpdateSpec, records: list[Record]) -> list[int]:
+        """The CRC32 of each landed box (transports that checksum as bytes arrive override
+        this to report what they took then)."""
+        return [tensor_crc32(box) for box in self.landed(spec, records)]
+
+    def commit(self, spec: UpdateSpec, records: list[Record]) -> int:
+        """Staged transports: copy every landed box into its live parameter; the bytes
+        written. In place: nothing left to do."""
+        if spec.settings.in_place:
+            return 0
+        with torch.no_grad():
+            for box, dst in zip(self.landed(spec, records), self.live(records), strict=True):
+                self.write_box(box, dst)
+        return sum(r.nbytes for r in records)
+
+    def write_box(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """The commit's writer: one staged box into its place in a live parameter."""
+        dst.copy_(src)
+
+    def abort(self, spec: UpdateSpec) -> None:
+        """The push failed: forget whatever it holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transport:
+    """A registry entry: the transport's name, the modes it supports and its two halves."""
+
+    name: str
+    modes: tuple[str, ...]
+    sender: type[SenderHalf]
+    receiver: type[ReceiverHalf]
+    # the engine's ranks take part in moving the bytes (`ReceiverHalf.receive`): the engine
+    # pauses before the senders deliver
+    engine_receives: bool = False
