@@ -52,15 +52,17 @@ class DistReceiver(ReceiverHalf):
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
         """Take every source's boxes, sources in `p2p.stream_order`: into this rank's staging
-        buffer (kept for later pushes, so they touch no new memory), checksumming each box as
-        it lands there, or straight into the live parameters (in_place: `verify` then reads
-        them back through each record's own region, so a misplaced write cannot pass)."""
+        buffer (kept for later pushes, so they touch no new memory), or straight into the live
+        parameters (in_place), checksumming each box as it lands: in place, read back through
+        each record's own region (`live`), not the receive's target, so a misplaced write
+        cannot pass."""
         info = p2p.GroupInfo.from_wire(list(spec.group))
         group = p2p.join(info, spec.trainers + self.rank)
         dtype = self.dtype(spec)
         by_src = [[i for i, r in enumerate(records) if r.source == s] for s in range(spec.trainers)]
+        readback = None
         if spec.settings.in_place:
-            boxes = self.targets(records)
+            boxes, readback = self.targets(records), self.live(records)
         else:
             total = sum(r.nbytes for r in records)
             if self._staging is None or self._staging.numel() < total:
@@ -85,17 +87,17 @@ class DistReceiver(ReceiverHalf):
             sizes = [records[i].nbytes for i in mine]
             rows = [records[i].box_shape[0] if records[i].box_shape else 1 for i in mine]
             if spec.settings.in_place:
-                into = {"targets": [boxes[i] for i in mine]}
+                into = {"targets": [boxes[i] for i in mine],
+                        "readback": [readback[i] for i in mine]}  # fmt: skip
             else:
                 into = {"staging": self._staging[starts[src] : starts[src] + sum(sizes)]}
-            checksum = spec.settings.verify and not spec.settings.in_place
             with torch.no_grad():
                 got = p2p.recv_boxes(group, src, sizes, rows, spec.bucket_bytes,
-                                     checksum=checksum, **into)  # fmt: skip
+                                     checksum=spec.settings.verify, **into)  # fmt: skip
             for i, crc in zip(mine, got, strict=True):
                 crcs[i] = crc
             moved += sum(sizes)
-        self._received = {spec.version: (boxes, crcs)}
+        self._received = {spec.version: (readback or boxes, crcs)}
         return moved
 
     def targets(self, records: list[Record]) -> list[torch.Tensor]:
@@ -108,10 +110,7 @@ class DistReceiver(ReceiverHalf):
         return self._received[spec.version][0]
 
     def landed_crcs(self, spec: UpdateSpec, records: list[Record]) -> list[int]:
-        """Staged: what was taken as each box landed in staging (no second pass); in place:
-        read back from the live parameters."""
-        if spec.settings.in_place:
-            return super().landed_crcs(spec, records)
+        """What was taken as each box landed (no second pass)."""
         return self._received[spec.version][1]
 
     def commit(self, spec: UpdateSpec, records: list[Record]) -> int:

@@ -188,17 +188,19 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
 
 def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
                staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
-               checksum: bool = False) -> list[int | None]:  # fmt: skip
+               checksum: bool = False,
+               readback: list[torch.Tensor] | None = None) -> list[int | None]:  # fmt: skip
     """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
     into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
     into its place), or into ``targets`` (each box's destination, in the box's orientation):
     straight into it where that is contiguous, else through two alternating buffers, copied
     into place as each message completes. Receives are posted ahead of the data (a buffer is
     posted again only once its previous message is in place). With ``checksum``, returns each
-    box's CRC32 as it stands in its final place (``staging`` or the target: after the copy out
-    of a message buffer, never of the buffer), taken message by message as each lands — while
-    its bytes are still in cache and later messages are still arriving — never in a second
-    pass over the whole stream."""
+    box's CRC32 as it stands in its final place, taken message by message as each lands —
+    while its bytes are still in cache and later messages are still arriving — never in a
+    second pass over the whole stream: read from ``readback`` (each box's final place, found
+    independently of ``targets``, so a receive into the wrong place cannot pass), else from
+    ``staging`` or the target after the copy out of a message buffer (never the buffer)."""
     plan = frames(sizes, rows, limit)
     crcs: list[int | None] = [0 if checksum else None for _ in sizes]
     slots = None
@@ -209,7 +211,10 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
     starts = [0] * len(sizes)
     for i in range(1, len(sizes)):
         starts[i] = starts[i - 1] + sizes[i - 1]
-    # per message: [work, [(box, its bytes as they land)], slot or None, parts to copy into]
+    if readback is not None:
+        readback = [_rows(t) for t in readback]
+    # per message: [work, [(box, its bytes as they land)], slot or None, parts to copy into,
+    # its frame]
     posted: list[list] = []
     in_slot = [-1, -1]  # the message each buffer holds
     done = 0  # messages landed (and checksummed) so far, in order
@@ -217,12 +222,15 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
     def land_through(last: int) -> None:
         nonlocal done
         while done <= last:
-            work, landed, k, parts = posted[done]
+            work, landed, k, parts, frame = posted[done]
             work.wait()
             for (_, data), part in zip(landed, parts, strict=True) if k is not None else ():
                 part.copy_(data.view(part.dtype).view(part.shape))
-            if checksum:  # where the bytes now are: the parts copied into, else as they landed
-                final = parts if k is not None else [data for _, data in landed]
+            if checksum:  # where the bytes now are
+                if readback is not None:
+                    final = [readback[i][a:b] for i, a, b in frame]
+                else:
+                    final = parts if k is not None else [data for _, data in landed]
                 for (i, _), data in zip(landed, final, strict=True):
                     crcs[i] = tensor_crc32(data, crcs[i])
             posted[done] = None
@@ -236,12 +244,12 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
                 bounds += [starts[i] + row * a, starts[i] + row * b]
                 landed.append((i, staging[bounds[-2] : bounds[-1]]))
             data = staging[bounds[0] : bounds[-1]]
-            posted.append([group.recv([data], src, 0), landed, None, []])
+            posted.append([group.recv([data], src, 0), landed, None, [], frame])
             continue
         parts = [targets[i][a:b] for i, a, b in frame]
         if len(parts) == 1 and parts[0].is_contiguous():
             data = _bytes(parts[0])
-            posted.append([group.recv([data], src, 0), [(frame[0][0], data)], None, []])
+            posted.append([group.recv([data], src, 0), [(frame[0][0], data)], None, [], frame])
             continue
         k = slots.turn
         slots.turn ^= 1
@@ -251,7 +259,8 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
             n = part.numel() * part.element_size()
             landed.append((i, slots.buffers[k][offset : offset + n]))
             offset += n
-        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts])
+        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts,
+                       frame])  # fmt: skip
         in_slot[k] = len(posted) - 1
     land_through(len(posted) - 1)
     return crcs
