@@ -47,3 +47,21 @@ def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
     n = len(out.prompt_token_ids)
     expected = logp[n - 1 : -1].gather(1, torch.tensor(out.outputs[0].token_ids)[:, None])
     assert (torch.tensor(out.outputs[0].logprobs) - expected.squeeze(1)).abs().max() <= 1e-3
+
+
+def test_gpu_cuda_ipc_wrong_copy_is_rejected_and_the_old_weights_keep_serving(model_factory):
+    """The trainer's writer shifts every box by a row (honest CRC32s): the engine's check of
+    the CUDA staging buffer rejects the push before commit."""
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    script = Path(__file__).with_name("gpu_trainer.py")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(engine_dir, device="cuda") as llm:
+        before = llm.generate([[5, 9, 33, 2, 17]], params)[0].outputs[0].token_ids
+        done = subprocess.run(
+            [sys.executable, str(script), trainer_dir, llm.exchange_address, "1", "cuda_ipc",
+             "shifted"],
+            timeout=240,
+        )  # fmt: skip
+        assert done.returncode == 3 and llm.weight_version == 0
+        after = llm.generate([[5, 9, 33, 2, 17]], params)[0].outputs[0].token_ids
+        assert after == before
