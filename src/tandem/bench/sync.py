@@ -15,18 +15,24 @@ Measured in one run, on this host, on the same bytes:
   ``gloo_in_place.unverified_seconds``: ``in_place`` with ``verify=False``.
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
-- ``raw_gloo``: ``dist.send`` of one uint8 tensor of ``bytes_needed`` bytes from one process to
-  another over gloo (TCP on loopback), best of ``REPEATS`` after a warm-up: the floor for a
-  torch.distributed transport on CPU.
-- ``naive``: what RL stacks do today: the FSDP2 trainers gather the full state dict on rank 0
-  (``p.full_tensor()`` per parameter) and ``torch.save`` it to a file in ``/dev/shm``; this
-  process ``torch.load``s it (``weights_only=True``) and copies every tensor into preallocated
-  tensors of the same shapes (a stand-in for the engine's ``load_state_dict``; a tensor-parallel
-  engine would also have to split each tensor, so this is a lower bound). Best gather+save plus
-  best load+copy, ``REPEATS`` each after a warm-up.
+- ``raw_gloo``: the dist push's traffic without tandem: 2 sender and 2 receiver processes in one
+  gloo group (TCP on loopback), 4 streams (`_streams`: ``bytes_needed`` split as the push
+  splits it) of preallocated uint8 tensors, walked in the push's rounds (2 streams at a time);
+  best of ``REPEATS`` after a warm-up, a run timed to the slowest receiver's last message: the
+  floor for a torch.distributed transport on CPU moving those bytes that way.
+- ``naive``: what RL stacks do in memory: 2 FSDP2 trainer ranks and the 2 ranks of a
+  tensor-parallel tandem model (built, not started: no engine, no KV cache) in one gloo group.
+  Per push, trainer rank 0 gathers each parameter (``p.full_tensor()``, rank 1 joins) and sends
+  the full tensor to both engine ranks, tensor by tensor; each receives it into a preallocated
+  buffer and copies its shard into its parameters through ``param.pieces`` (load_weights-style,
+  TP split included). Best of ``REPEATS`` after a warm-up, a push timed to the slowest engine
+  rank's last copy; ``gather_seconds``: rank 0's gathering part.
 - ``planner``: `tandem.exchange.plan.plan_transfers` on metadata-only layouts (no tensors) of a
   1T-parameter MoE, 1024 trainer ranks -> 512 engine ranks (see `tandem.bench.moe_layout`),
-  timed once in a subprocess (one core: the planner is pure Python).
+  timed once in a subprocess (one core: the planner is pure Python). ``bound_max_over_mean``:
+  the best sender balance any plan can reach for the layouts (a stage's load stays on its own
+  ranks; what only one sender holds, it sends); ``max_over_bound``: the plan's
+  ``sender_max_over_mean`` over it.
 
 ``--quick`` uses a model of a few MiB and a small MoE layout, so the run takes seconds.
 """
@@ -144,7 +150,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     result["gloo_in_place"] = gloo_direct
     result["memcpy"] = base.memcpy(needed)
     lap("memcpy")
-    result["raw_gloo"] = base.raw_gloo(needed, timeout)
+    result["raw_gloo"] = base.raw_gloo(_streams(needed), timeout)
     lap("raw_gloo")
     result["naive"] = base.naive(path, timeout)
     lap("naive")
@@ -169,8 +175,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "CRC32 verification on; *_staged_* time the default mode='staged'; vs_naive uses shm "
         "staged. *_unverified_*: in_place with verify=False (memcpy and raw gloo checksum "
         "nothing either).",
-        "naive's load+copy fills preallocated tensors of the full shapes; a tensor-parallel "
-        "engine would also split every tensor, so naive is a lower bound.",
+        f"raw_gloo: {base.RAW_GLOO_NOTE}.",
+        f"naive: {base.NAIVE_NOTE}.",
     ]
     if planner_s is None:
         result["notes"].append(
@@ -181,6 +187,14 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 PLANNER_TIMEOUT_S = 450.0
+
+
+def _streams(needed: int) -> list[list[int]]:
+    """Bytes per (trainer rank, engine rank) stream for `raw_gloo`: it mirrors the push's 2x2
+    layout (each of 2 trainer ranks sends each of 2 engine ranks its boxes), as an even split
+    of ``needed``, the remainder on the last stream."""
+    share, extra = divmod(needed, 4)
+    return [[share, share], [share, share + extra]]
 
 
 def _weights(path: Path) -> tuple[int, int]:

@@ -1,12 +1,12 @@
-"""The baselines `tandem bench sync` measures next to tandem's pushes (memcpy, one raw gloo
-send, the naive gather/save/load path, the planner at scale), and the worker processes that run
-them (`tandem.bench.sync_worker`). See `tandem.bench.sync` for what each one times."""
+"""The baselines `tandem bench sync` measures next to tandem's pushes (memcpy, raw gloo streams
+shaped like the dist push, the naive in-memory gather/send/load path, the planner at scale),
+and the worker processes that run them (`tandem.bench.sync_worker`). See `tandem.bench.sync`
+for what each one times."""
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import subprocess
 import sys
@@ -21,7 +21,6 @@ import torch
 from tandem.bench.moe_layout import FULL_MOE, QUICK_MOE
 
 REPEATS = 3
-SHM_DIR = Path("/dev/shm")
 
 
 def gib_per_s(nbytes: int, seconds: float) -> float:
@@ -46,46 +45,73 @@ def memcpy(nbytes: int) -> dict[str, Any]:
             "threads": torch.get_num_threads(), "timing": f"best of {REPEATS}"}  # fmt: skip
 
 
-def raw_gloo(nbytes: int, timeout: float) -> dict[str, Any]:
-    port = str(free_port())
-    argv = [["raw-gloo", str(r), port, str(nbytes), str(REPEATS)] for r in (0, 1)]
-    ranks = workers(argv, timeout)
-    best = min(ranks[1]["seconds"])
-    return {"seconds": round(best, 6), "gib_per_s": gib_per_s(nbytes, best), "bytes": nbytes,
-            "timing": f"best of {REPEATS} after a warm-up, timed on the receiver"}  # fmt: skip
+# raw_gloo sends each stream as one message (0) rather than in the push's 4 MiB messages: on
+# the 2-core bench VM the two were within noise of each other (best of 3 runs of 570.5 MB each:
+# 0.084 / 0.107 / 0.109 s whole, 0.131 / 0.101 / 0.107 s in 4 MiB messages)
+RAW_GLOO_MESSAGE_BYTES = 0
+RAW_GLOO_NOTE = (
+    "each stream is sent as one message: 4 MiB messages (the push's) measured the same within noise"
+)
 
 
-def naive(path: Path, timeout: float) -> dict[str, Any]:
-    file = SHM_DIR / f"tandem-bench-naive-{secrets.token_hex(8)}.pt"
-    try:
-        port = str(free_port())
-        argv = [["naive", str(r), port, str(path), str(file), str(REPEATS)] for r in (0, 1)]
-        rank0 = workers(argv, timeout)[0]
-        state = torch.load(file, weights_only=True)  # warm-up, and the shapes to preallocate
-        dst = {name: torch.empty_like(t) for name, t in state.items()}
-        for name, t in state.items():
-            dst[name].copy_(t)  # every page touched before timing
-        del state
-        seconds = []
-        for _ in range(REPEATS):
-            start = time.perf_counter()
-            state = torch.load(file, weights_only=True)
-            for name, t in state.items():
-                dst[name].copy_(t)
-            seconds.append(time.perf_counter() - start)
-            del state
-    finally:
-        file.unlink(missing_ok=True)
-    gather_save, load_copy = min(rank0["seconds"]), min(seconds)
-    total = gather_save + load_copy
+def raw_gloo(streams: list[list[int]], timeout: float,
+             message_bytes: int = RAW_GLOO_MESSAGE_BYTES) -> dict[str, Any]:  # fmt: skip
+    """Point-to-point gloo shaped like the dist push: ``streams[s][d]`` bytes from sender s to
+    receiver d, senders and receivers in their own processes (see `sync_worker.raw_gloo`). A
+    run is the slowest receiver's time; the best run counts."""
+    port, spec = str(free_port()), json.dumps(streams)
+    world = len(streams) + len(streams[0])
+    argv = [["raw-gloo", str(r), port, spec, str(REPEATS), str(message_bytes)]
+            for r in range(world)]  # fmt: skip
+    receivers = workers(argv, timeout)[len(streams) :]
+    per_run = [max(r["seconds"][i] for r in receivers) for i in range(REPEATS)]
+    best, nbytes = min(per_run), sum(map(sum, streams))
+    if sum(r["nbytes"] for r in receivers) != nbytes:
+        raise RuntimeError(f"raw gloo receivers got {[r['nbytes'] for r in receivers]} bytes")
+    messages = f"{message_bytes >> 20} MiB messages" if message_bytes else "one message a stream"
     return {
-        "seconds": round(total, 6),
-        "gib_per_s": gib_per_s(rank0["state_dict_bytes"], total),
-        "gather_save_seconds": round(gather_save, 6),
-        "load_copy_seconds": round(load_copy, 6),
-        "state_dict_bytes": rank0["state_dict_bytes"],
-        "file_bytes": rank0["file_bytes"],
-        "timing": f"best gather+save (rank 0) + best load+copy, {REPEATS} each after a warm-up",
+        "seconds": round(best, 6),
+        "gib_per_s": gib_per_s(nbytes, best),
+        "bytes": nbytes,
+        "streams": streams,
+        "seconds_per_run": [round(s, 6) for s in per_run],
+        "timing": f"best of {REPEATS} after a warm-up; a run is the barrier to the slowest "
+        f"receiver's last message; streams in the push's rounds, {messages}",
+    }
+
+
+# naive: rank 0 sends each full tensor with one gloo broadcast to the engine ranks (as verl,
+# OpenRLHF and vLLM's update_weights broadcast over NCCL), or "isend": an isend to each. On the
+# 2-core bench VM the two were within noise (3 runs of 544 MiB each: broadcast 1.148 / 1.105 /
+# 1.001 s, isend 1.088 / 1.154 / 1.084 s), so naive keeps what RL stacks do.
+NAIVE_SEND = "broadcast"
+NAIVE_NOTE = (
+    "rank 0 sends each tensor with one gloo broadcast, as RL stacks do (over NCCL); an isend "
+    "to each engine rank measured the same within noise"
+)
+
+
+def naive(path: Path, timeout: float, send: str = NAIVE_SEND) -> dict[str, Any]:
+    """The in-memory path RL stacks take, trainer and engine ranks in one gloo group (see
+    `sync_worker.naive`): a push is the barrier to the slowest engine rank's last copy."""
+    port = str(free_port())
+    argv = [["naive", str(r), port, str(path), str(REPEATS), send] for r in range(4)]
+    rank0, _, *engine = workers(argv, timeout)
+    per_push = [max(r["seconds"][i] for r in engine) for i in range(REPEATS)]
+    best, nbytes = min(per_push), rank0["state_dict_bytes"]
+    how = "one gloo broadcast to" if send == "broadcast" else "an isend to each of"
+    return {
+        "seconds": round(best, 6),
+        "gib_per_s": gib_per_s(nbytes, best),
+        "gather_seconds": round(min(rank0["gather_seconds"]), 6),
+        "state_dict_bytes": nbytes,
+        "seconds_per_push": [round(s, 6) for s in per_push],
+        "checked_pieces": [r["checked_pieces"] for r in engine],
+        "method": f"trainer rank 0 gathers each parameter (full_tensor) and sends it by {how} "
+        "the 2 engine ranks (TP 2), which copy their shards into their parameters "
+        "(param.pieces)",
+        "timing": f"best of {REPEATS} pushes after a warm-up; a push is the barrier to the "
+        "slowest engine rank's last copy; gather_seconds: rank 0's full_tensor calls, best push",
     }
 
 
@@ -104,12 +130,15 @@ def planner(quick: bool, timeout: float) -> dict[str, Any]:
         (got,) = workers([["planner", "quick" if quick else "full"]], timeout)
     except TimeoutError:
         return {"seconds": None, "transfers": None, "sender_max_over_mean": None,
-                "timeout_s": timeout, **out}  # fmt: skip
+                "bound_max_over_mean": None, "max_over_bound": None, "timeout_s": timeout,
+                **out}  # fmt: skip
     return {
         "seconds": round(got["seconds"], 3),
         "sender_max_over_mean": round(got["sender_max_over_mean"], 4),
-        # the least max/mean any plan reaches: a stage's load can only go to its own EP ranks
-        "stage_bound_max_over_mean": round(got["stage_bound_max_over_mean"], 4),
+        # no plan does better: a stage's load stays on its own EP ranks, and what only one
+        # sender holds is sent by it
+        "bound_max_over_mean": round(got["bound_max_over_mean"], 4),
+        "max_over_bound": round(got["sender_max_over_mean"] / got["bound_max_over_mean"], 4),
         "transfers": got["transfers"],
         "build_seconds": round(got["build_seconds"], 3),
         "sender_regions": got["sender_regions"],
