@@ -56,6 +56,11 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     raw = result["raw_gloo"]
     assert [len(row) for row in raw["streams"]] == [2, 2]  # 2 trainer ranks x 2 engine ranks
     assert raw["bytes"] == sum(map(sum, raw["streams"])) == shm["bytes_needed"]
+    # the streams the dist push's transports counted, per trainer rank and engine rank
+    assert raw["streams"] == gloo_direct["bytes_by_receiver_per_rank"]
+    checks = result["checks"]  # every push carried new weights and was checked
+    assert checks["pushes_checked"] == 7 * (1 + REPEATS)
+    assert 0 <= checks["max_abs_logprob_error"] <= checks["tolerance"]
     naive = result["naive"]
     assert naive["state_dict_bytes"] == model["bytes"]
     assert 0 < naive["gather_seconds"] < naive["seconds"]
@@ -73,7 +78,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
 
     ratios = result["ratios"]
     assert set(ratios) == {
-        "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "shm_staged_vs_memcpy",
+        "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "vs_naive_gloo", "shm_staged_vs_memcpy",
         "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy", "gloo_unverified_vs_raw_gloo",
     }  # fmt: skip
     assert all(_positive(v) for v in ratios.values())

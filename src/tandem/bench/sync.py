@@ -5,8 +5,12 @@ Measured in one run, on this host, on the same bytes:
 - ``shm``: 2 FSDP2 trainer processes (gloo, ``torch.distributed`` on CPU) each call
   ``WeightSender(model, llm.exchange_address).push(version)`` into an
   ``LLM(tensor_parallel_size=2)`` in this process: one untimed push (plans, caches, maps), then
-  ``REPEATS`` timed ones. A push's time is its wall time on the slowest trainer rank (staging,
-  CRC32s, the engine's verify and commit on both of its ranks); the best push counts. ``shm``
+  ``REPEATS`` timed ones (`tandem.bench.sync_pushes`). Every push carries changed weights (the
+  trainers scale theirs before each, untimed) and after each, untimed, the engine's greedy
+  output is checked against a reference of the trainer's weights (``checks``). A push's time
+  is its wall time on the slowest trainer rank (staging, CRC32s, the engine's verify and commit
+  on both of its ranks); the best push counts. ``bytes_moved`` is what the transports counted
+  as they wrote or sent. ``shm``
   is the default ``staged`` mode, ``shm_in_place`` is ``mode="in_place"`` (the trainer ranks
   write straight into the engine's shared parameters); ``unverified_seconds``: the same pushes
   with ``verify=False`` (no CRC32 on either side).
@@ -16,8 +20,9 @@ Measured in one run, on this host, on the same bytes:
 - ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
   this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
 - ``raw_gloo``: the dist push's traffic without tandem: 2 sender and 2 receiver processes in one
-  gloo group (TCP on loopback), 4 streams (`_streams`: ``bytes_needed`` split as the push
-  splits it) of preallocated uint8 tensors, walked in the push's rounds (2 streams at a time);
+  gloo group (TCP on loopback), 4 streams of exactly the bytes the dist push's transports
+  counted per (trainer rank, engine rank) stream, of preallocated uint8 tensors, walked in the
+  push's rounds (2 streams at a time);
   best of ``REPEATS`` after a warm-up, a run timed to the slowest receiver's last message: the
   floor for a torch.distributed transport on CPU moving those bytes that way.
 - ``naive``: what RL stacks do in memory: 2 FSDP2 trainer ranks and the 2 ranks of a
@@ -49,6 +54,7 @@ import torch
 
 from tandem.bench import sync_baselines as base
 from tandem.bench.sync_baselines import REPEATS
+from tandem.bench.sync_pushes import run_pushes
 from tandem.models.tiny import make_tiny_model
 
 # ~544 MiB of float32 weights (142.6M parameters); the exact bytes are reported.
@@ -132,7 +138,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY) as llm:
         lap("engine_start")
-        pushes = _pushes(llm, path, timeout)
+        ranks, result["checks"] = run_pushes(llm, path, REPEATS, timeout)
+        if llm.weight_version != ranks["dist-in_place-unverified"][0]["version"]:
+            raise RuntimeError(f"engine at version {llm.weight_version} after the pushes")
+    pushes = {mode: _push_figures(per_rank) for mode, per_rank in ranks.items()}
     lap("pushes")
     shm, shm_direct = pushes["shm"], pushes["shm-in_place"]
     shm["mode"], shm_direct["mode"] = "staged", "in_place"
@@ -150,7 +159,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     result["gloo_in_place"] = gloo_direct
     result["memcpy"] = base.memcpy(needed)
     lap("memcpy")
-    result["raw_gloo"] = base.raw_gloo(_streams(needed), timeout)
+    streams = pushes["dist-in_place"]["bytes_by_receiver_per_rank"]
+    if streams != pushes["dist"]["bytes_by_receiver_per_rank"] or sum(map(sum, streams)) != needed:
+        raise RuntimeError(f"dist pushes disagree on their streams: {streams}")
+    result["raw_gloo"] = base.raw_gloo(streams, timeout)
     lap("raw_gloo")
     result["naive"] = base.naive(path, timeout)
     lap("naive")
@@ -164,6 +176,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "shm_vs_memcpy": round(memcpy / shm_direct["seconds"], 3),
         "gloo_vs_raw_gloo": round(raw / gloo_direct["seconds"], 3),
         "vs_naive": round(result["naive"]["seconds"] / shm["seconds"], 3),
+        "vs_naive_gloo": round(result["naive"]["seconds"] / gloo["seconds"], 3),
         "shm_staged_vs_memcpy": round(memcpy / shm["seconds"], 3),
         "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
         "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
@@ -173,8 +186,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "shm_vs_memcpy and gloo_vs_raw_gloo time mode='in_place' (the one-copy paths: trainer "
         "ranks write into the engine's shared parameters / the engine receives into them), with "
         "CRC32 verification on; *_staged_* time the default mode='staged'; vs_naive uses shm "
-        "staged. *_unverified_*: in_place with verify=False (memcpy and raw gloo checksum "
-        "nothing either).",
+        "staged, vs_naive_gloo dist staged (naive's backend). *_unverified_*: in_place with "
+        "verify=False (memcpy and raw gloo checksum nothing either).",
         f"raw_gloo: {base.RAW_GLOO_NOTE}.",
         f"naive: {base.NAIVE_NOTE}.",
     ]
@@ -187,14 +200,6 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 PLANNER_TIMEOUT_S = 450.0
-
-
-def _streams(needed: int) -> list[list[int]]:
-    """Bytes per (trainer rank, engine rank) stream for `raw_gloo`: it mirrors the push's 2x2
-    layout (each of 2 trainer ranks sends each of 2 engine ranks its boxes), as an even split
-    of ``needed``, the remainder on the last stream."""
-    share, extra = divmod(needed, 4)
-    return [[share, share], [share, share + extra]]
 
 
 def _weights(path: Path) -> tuple[int, int]:
@@ -212,22 +217,6 @@ def _weights(path: Path) -> tuple[int, int]:
     return params, nbytes
 
 
-PUSH_MODES = ("shm", "shm-unverified", "shm-in_place", "shm-in_place-unverified", "dist",
-              "dist-in_place", "dist-in_place-unverified")  # fmt: skip
-
-
-def _pushes(llm, path: Path, timeout: float) -> dict[str, dict[str, Any]]:
-    """Every push mode in turn by the same 2 trainer processes: figures per mode."""
-    port = str(base.free_port())
-    modes = ",".join(PUSH_MODES)
-    argv = [["push", str(r), port, str(path), llm.exchange_address, str(REPEATS), modes]
-            for r in (0, 1)]  # fmt: skip
-    ranks = base.workers(argv, timeout)
-    if llm.weight_version != ranks[0]["pushes"]:
-        raise RuntimeError(f"engine at version {llm.weight_version}, pushed {ranks[0]['pushes']}")
-    return {mode: _push_figures([r["modes"][mode] for r in ranks]) for mode in PUSH_MODES}
-
-
 def _push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_push = [max(r["seconds"][i] for r in ranks) for i in range(REPEATS)]  # slowest rank
     best = min(per_push)
@@ -241,6 +230,7 @@ def _push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_needed": first["bytes_needed"],
         "bytes_moved": first["bytes_moved"],
         "bytes_sent_per_rank": [r["bytes_sent"] for r in ranks],
+        "bytes_by_receiver_per_rank": [r["bytes_by_receiver"] for r in ranks],
         "seconds_per_push": [round(s, 6) for s in per_push],
         "warmup_seconds": round(max(r["warmup_seconds"] for r in ranks), 4),
         "transport": first["transport"],

@@ -1,97 +1,24 @@
 """Subprocesses of `tandem bench sync`; each prints one JSON line with its figures.
 
-    python -m tandem.bench.sync_worker push RANK PORT DIR ADDRESS REPEATS [MODE,...]
     python -m tandem.bench.sync_worker raw-gloo RANK PORT STREAMS REPEATS MESSAGE_BYTES
     python -m tandem.bench.sync_worker naive RANK PORT DIR REPEATS broadcast|isend
     python -m tandem.bench.sync_worker planner quick|full
 
-``push`` is a 2-rank FSDP2 trainer over gloo (world size 2, rendezvous on 127.0.0.1:PORT);
 ``raw-gloo`` (STREAMS: a JSON matrix of bytes per sender and receiver, world size senders +
-receivers) and ``naive`` (world size 4: 2 trainer ranks, 2 engine ranks) rendezvous the same
-way; every rank uses one torch thread. ``push`` runs each MODE (see `MODES`;
-default ``shm``) in turn: one untimed push, then REPEATS timed ones, versions counting up from 1.
-With ``TANDEM_BENCH_SYNC_PROFILE=DIR`` the timed pushes of each mode and rank are profiled
-(cProfile) into DIR/push-MODE-rankRANK.prof.
+receivers) and ``naive`` (world size 4: 2 trainer ranks, 2 engine ranks) rendezvous on
+127.0.0.1:PORT over gloo; every rank uses one torch thread. tandem's own pushes run in
+`tandem.bench.sync_pushes`.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-
-
-def _trainer(rank: int, port: str, model_dir: str) -> torch.nn.Module:
-    """The model, FSDP2-sharded over both ranks (every layer, then the root)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-# mode -> WeightSender options; each mode gets one untimed push, then REPEATS timed ones
-MODES = {
-    "shm": {"transport": "shm"},
-    "shm-unverified": {"transport": "shm", "verify": False},  # no CRC32 on either side
-    "shm-in_place": {"transport": "shm", "mode": "in_place"},
-    "shm-in_place-unverified": {"transport": "shm", "mode": "in_place", "verify": False},
-    "dist": {"transport": "dist", "mode": "staged"},
-    "dist-in_place": {"transport": "dist", "mode": "in_place"},
-    "dist-in_place-unverified": {"transport": "dist", "mode": "in_place", "verify": False},
-}
-
-
-def push(rank: int, port: str, model_dir: str, address: str, repeats: int, modes: str = "shm"):
-    from tandem.exchange import WeightSender
-
-    model = _trainer(rank, port, model_dir)
-    profile_dir = os.environ.get("TANDEM_BENCH_SYNC_PROFILE")
-    version, out = 0, {}
-    for name in modes.split(","):
-        sender = WeightSender(model, address, **MODES[name])
-        dist.barrier()
-        version += 1
-        warm = sender.push(version=version)  # plans, caches, joins groups
-        profiler = None
-        if profile_dir:
-            import cProfile
-
-            profiler = cProfile.Profile()
-        seconds = []
-        for _ in range(repeats):
-            dist.barrier()
-            version += 1
-            if profiler is not None:
-                profiler.enable()
-            start = time.perf_counter()
-            stats = sender.push(version=version)
-            seconds.append(time.perf_counter() - start)
-            if profiler is not None:
-                profiler.disable()
-        if profiler is not None:
-            profiler.dump_stats(os.path.join(profile_dir, f"push-{name}-rank{rank}.prof"))
-        out[name] = {"seconds": seconds, "warmup_seconds": warm.seconds, "version": stats.version,
-                     "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
-                     "bytes_moved": stats.bytes_moved, "transport": stats.transport}  # fmt: skip
-    dist.barrier()
-    _emit(rank=rank, pushes=version, modes=out)
-    dist.destroy_process_group()
 
 
 def _rounds(senders: int, receivers: int) -> list[tuple[int, int]]:
@@ -368,10 +295,7 @@ def _emit(**fields) -> None:
 
 def main(argv: list[str]) -> int:
     what, *args = argv
-    if what == "push":
-        rank, port, model_dir, address, repeats, *modes = args
-        push(int(rank), port, model_dir, address, int(repeats), *modes)
-    elif what == "raw-gloo":
+    if what == "raw-gloo":
         rank, port, streams, repeats, message_bytes = args
         raw_gloo(int(rank), port, json.loads(streams), int(repeats), int(message_bytes))
     elif what == "naive":

@@ -1,0 +1,190 @@
+"""tandem's own pushes in `tandem bench sync`, each one carrying new weights and checked.
+
+Two FSDP2 trainer processes (gloo, one torch thread each) push into the engine of the
+benchmark process in every mode of `MODES`: per mode one untimed push (plans, caches,
+mappings), then ``repeats`` timed ones. Before every push each trainer rank scales its shard of
+every parameter by the next factor of `SCALES` (untimed), so every push moves weights the
+engine does not hold yet. After every push, untimed, trainer rank 0 reports the version and
+waits; this process checks the engine's greedy output against a reference model whose weights
+went through the same scalings (`Reference`), then lets the trainers go on.
+
+    python -m tandem.bench.sync_pushes RANK PORT DIR ADDRESS REPEATS MODE[,MODE...]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# mode -> WeightSender options; each mode gets one untimed push, then the timed ones
+MODES: dict[str, dict[str, Any]] = {
+    "shm": {"transport": "shm"},
+    "shm-unverified": {"transport": "shm", "verify": False},  # no CRC32 on either side
+    "shm-in_place": {"transport": "shm", "mode": "in_place"},
+    "shm-in_place-unverified": {"transport": "shm", "mode": "in_place", "verify": False},
+    "dist": {"transport": "dist", "mode": "staged"},
+    "dist-in_place": {"transport": "dist", "mode": "in_place"},
+    "dist-in_place-unverified": {"transport": "dist", "mode": "in_place", "verify": False},
+}
+# The trainers multiply every weight by these in turn before each push: large changes (a push
+# that did not land fails the check by far), and bounded (the product of a pair is ~1).
+SCALES = (1.25, 0.8)
+PROMPT = [3, 17, 101, 42, 7, 250, 11, 64]
+TOLERANCE = 1e-3  # on a generated token's log-prob (float32, TP=2 against transformers)
+
+
+class Reference:
+    """The trainer's model as it stands after ``n`` scalings (transformers, this process)."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.scalings = 0
+
+    def advance_to(self, scalings: int) -> None:
+        with torch.no_grad():
+            while self.scalings < scalings:
+                factor = SCALES[self.scalings % len(SCALES)]
+                for p in self.model.parameters():
+                    p.mul_(factor)  # the same float32 op the trainers apply to their shards
+                self.scalings += 1
+
+    def logprobs(self, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = self.model(torch.tensor([prompt + tokens])).logits[0]
+        logp = torch.log_softmax(logits.float(), dim=-1)[len(prompt) - 1 : -1]
+        return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def check(llm, reference: Reference, version: int) -> float:
+    """The engine's greedy tokens scored by the reference: the largest log-prob error; raises
+    if the engine serves another version or other weights."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+    out = llm.generate([PROMPT], params)[0]
+    if out.weight_version != version:
+        raise RuntimeError(f"engine served version {out.weight_version} after push {version}")
+    got = torch.tensor(out.outputs[0].logprobs)
+    error = float((got - reference.logprobs(PROMPT, out.outputs[0].token_ids)).abs().max())
+    if error > TOLERANCE:
+        raise RuntimeError(
+            f"after push {version} the engine's log-probs differ from the trainer's by {error:.3g}"
+        )
+    return error
+
+
+def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict, dict]:
+    """Every mode of `MODES` by the same 2 trainer processes: (per mode the figures of both
+    ranks, the checks made)."""
+    port = str(_free_port())
+    modes = ",".join(MODES)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "tandem.bench.sync_pushes"]
+    args = [port, str(model_dir), llm.exchange_address, str(repeats), modes]
+    reference = Reference(model_dir)
+    errors: list[float] = []
+    logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    out1 = tempfile.TemporaryFile()
+    procs = [
+        subprocess.Popen([*argv, "0", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=logs[0], env=env),
+        subprocess.Popen([*argv, "1", *args], stdout=out1, stderr=logs[1], env=env),
+    ]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    try:
+        rank0 = None
+        for line in procs[0].stdout:  # rank 0 reports every push and waits for our answer
+            event = json.loads(line)
+            if "pushed" not in event:
+                rank0 = event
+                break
+            reference.advance_to(event["scalings"])
+            errors.append(check(llm, reference, event["pushed"]))
+            procs[0].stdin.write(b"ok\n")
+            procs[0].stdin.flush()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench pushes ran past {timeout} s")
+        for i, p in enumerate(procs):
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                logs[i].seek(0)
+                tail = logs[i].read().decode(errors="replace")[-4000:]
+                raise RuntimeError(f"push trainer rank {i} exited with {p.returncode}:\n{tail}")
+        out1.seek(0)
+        rank1 = json.loads(out1.read().decode().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in (*logs, out1):
+            f.close()
+    if rank0 is None:
+        raise RuntimeError("push trainer rank 0 reported no figures")
+    checks = {"pushes_checked": len(errors), "max_abs_logprob_error": max(errors),
+              "tolerance": TOLERANCE, "prompt_tokens": len(PROMPT), "generated_tokens": 4,
+              "scales": list(SCALES)}  # fmt: skip
+    return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in MODES}, checks
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: int, modes: str):
+    from tandem.bench.sync_worker import _fsdp_model
+    from tandem.exchange import WeightSender
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = _fsdp_model(model_dir, dist.group.WORLD)
+    version, scalings, out = 0, 0, {}
+    for name in modes.split(","):
+        sender = WeightSender(model, address, **MODES[name])
+        seconds, warmup = [], None
+        for i in range(1 + repeats):
+            with torch.no_grad():  # new weights for every push (each rank scales its shard)
+                for p in model.parameters():
+                    p.mul_(SCALES[scalings % len(SCALES)])
+            scalings += 1
+            version += 1
+            dist.barrier()
+            start = time.perf_counter()
+            stats = sender.push(version=version)
+            elapsed = time.perf_counter() - start
+            if i:
+                seconds.append(elapsed)
+            else:
+                warmup = stats.seconds
+            if rank == 0:  # the benchmark checks the engine before anyone goes on
+                print(json.dumps({"pushed": version, "scalings": scalings}), flush=True)
+                if sys.stdin.readline().strip() != "ok":
+                    raise RuntimeError("the benchmark did not confirm the push")
+            dist.barrier()
+        sender.close()
+        out[name] = {"seconds": seconds, "warmup_seconds": warmup, "version": stats.version,
+                     "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
+                     "bytes_moved": stats.bytes_moved, "transport": stats.transport,
+                     "bytes_by_receiver": list(stats.bytes_by_receiver)}  # fmt: skip
+    dist.barrier()
+    print(json.dumps({"rank": rank, "pushes": version, "modes": out}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    rank_, port_, dir_, address_, repeats_, modes_ = sys.argv[1:7]
+    trainer_main(int(rank_), port_, dir_, address_, int(repeats_), modes_)
