@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import tempfile
@@ -103,9 +104,8 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
     ]  # fmt: skip
     deadline = time.monotonic() + timeout
     try:
-        rank0 = None
-        for line in procs[0].stdout:  # rank 0 reports every push and waits for our answer
-            event = json.loads(line)
+        while True:  # rank 0 reports every push and waits for our answer
+            event = json.loads(_line(procs[0], deadline, timeout))
             if "pushed" not in event:
                 rank0 = event
                 break
@@ -113,8 +113,6 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
             errors.append(check(llm, reference, event["pushed"]))
             procs[0].stdin.write(b"ok\n")
             procs[0].stdin.flush()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench pushes ran past {timeout} s")
         for i, p in enumerate(procs):
             if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
                 logs[i].seek(0)
@@ -129,12 +127,24 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
                 p.wait()
         for f in (*logs, out1):
             f.close()
-    if rank0 is None:
-        raise RuntimeError("push trainer rank 0 reported no figures")
     checks = {"pushes_checked": len(errors), "max_abs_logprob_error": max(errors),
               "tolerance": TOLERANCE, "prompt_tokens": len(PROMPT), "generated_tokens": 4,
               "scales": list(SCALES)}  # fmt: skip
     return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in MODES}, checks
+
+
+def _line(proc: subprocess.Popen, deadline: float, timeout: float) -> bytes:
+    """The next line ``proc`` prints; TimeoutError past ``deadline``, RuntimeError if it exits
+    first (a hung or dead trainer never hangs the benchmark)."""
+    while not select.select([proc.stdout], [], [], 1.0)[0]:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"bench pushes ran past {timeout} s")
+        if proc.poll() is not None:
+            break
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError(f"push trainer rank 0 exited with {proc.wait()} before reporting")
+    return line
 
 
 def _free_port() -> int:
