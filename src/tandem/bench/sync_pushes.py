@@ -105,7 +105,11 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
     deadline = time.monotonic() + timeout
     try:
         while True:  # rank 0 reports every push and waits for our answer
-            event = json.loads(_line(procs[0], deadline, timeout))
+            line = _line(procs[0], deadline, timeout)
+            if not line:
+                raise RuntimeError(f"push trainer rank 0 exited with {procs[0].wait()} before "
+                                   f"reporting:\n{_tail(logs[0])}")  # fmt: skip
+            event = json.loads(line)
             if "pushed" not in event:
                 rank0 = event
                 break
@@ -115,9 +119,8 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
             procs[0].stdin.flush()
         for i, p in enumerate(procs):
             if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                logs[i].seek(0)
-                tail = logs[i].read().decode(errors="replace")[-4000:]
-                raise RuntimeError(f"push trainer rank {i} exited with {p.returncode}:\n{tail}")
+                raise RuntimeError(f"push trainer rank {i} exited with {p.returncode}:\n"
+                                   f"{_tail(logs[i])}")  # fmt: skip
         out1.seek(0)
         rank1 = json.loads(out1.read().decode().splitlines()[-1])
     finally:
@@ -134,17 +137,19 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
 
 
 def _line(proc: subprocess.Popen, deadline: float, timeout: float) -> bytes:
-    """The next line ``proc`` prints; TimeoutError past ``deadline``, RuntimeError if it exits
-    first (a hung or dead trainer never hangs the benchmark)."""
+    """The next line ``proc`` prints (empty once it exited); TimeoutError past ``deadline``:
+    a hung trainer never hangs the benchmark."""
     while not select.select([proc.stdout], [], [], 1.0)[0]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"bench pushes ran past {timeout} s")
         if proc.poll() is not None:
             break
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"push trainer rank 0 exited with {proc.wait()} before reporting")
-    return line
+    return proc.stdout.readline()
+
+
+def _tail(f, limit: int = 4000) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")[-limit:]
 
 
 def _free_port() -> int:
