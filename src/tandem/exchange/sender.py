@@ -19,13 +19,17 @@ from torch import nn
 
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
+from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
 from tandem.exchange.discovery import exchange_address
+from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import TRANSPORTS, p2p
 from tandem.exchange.transports.base import Delivery
 from tandem.wire import PeerGone, recv_frame, send_frame
+
+LAYOUTS = ("auto", "megatron", "hf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,12 @@ class WeightSender:
     live parameter after a staged commit, or the live parameter in place); any mismatch
     rejects the push. ``ignore`` names trainer tensors the engine does not have (a value head).
 
+    ``layout``: how to read the model's boxes. ``megatron``: a megatron-core ``GPTModel``
+    (wrapped in DDP / Float16Module or not; TP and PP from ``megatron.core.parallel_state``,
+    names mapped by the declarative table `GPT_TO_LLAMA`; ``vocab_size`` is the real vocabulary
+    when the model's is padded). ``hf``: Hugging Face names, plain or FSDP2/DTensor-sharded.
+    ``auto`` (default): ``megatron`` for a megatron-core module, else ``hf``.
+
     ``transport`` (`tandem.exchange.transports.TRANSPORTS`): ``shm`` (same host: each rank
     stages its boxes in shared memory the engine ranks map — a memfd, kept for later pushes
     until `close`) or ``dist`` (torch.distributed point-to-point in a group of trainer and
@@ -77,7 +87,15 @@ class WeightSender:
         world_size: int | None = None,
         timeout_s: float = 600.0,
         admin_key: str | None = None,
+        layout: str = "auto",
+        vocab_size: int | None = None,
     ):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "auto":
+            layout = "megatron" if is_megatron_module(model) else "hf"
+        self.layout = layout
+        self.vocab_size = vocab_size
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, "
                              f"got {transport!r}")  # fmt: skip
@@ -113,7 +131,7 @@ class WeightSender:
     def push(self, version: int | None = None) -> PushStats:
         """Send this rank's boxes and wait until the engine committed (or rejected) them."""
         start = time.perf_counter()
-        layout = dtensor_layout(self.model, self.rank)
+        layout, tensors = self._local()
         hello = PushHello(self._token, self.rank, self.world_size, version, layout.to_wire(),
                           self.ignore, self.settings)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
@@ -122,7 +140,6 @@ class WeightSender:
                 send_frame(sock, encode(hello))
                 reply = decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
-                    tensors = {name: local_tensor(t) for name, t in named_tensors(self.model)}
                     try:
                         delivery = self._deliver(reply, tensors)
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
@@ -158,6 +175,15 @@ class WeightSender:
         if isinstance(reply, PushDone) and reply.error is not None:
             return reply.error
         return f"the transport broke mid-push ({type(exc).__name__}: {exc})"
+
+    def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
+        """This rank's layout and its local tensors by layout key."""
+        if self.layout == "megatron":
+            layout, tensors = megatron_module_layout(self.model, self.rank,
+                                                     vocab_size=self.vocab_size)  # fmt: skip
+            return layout, {k: t.detach() for k, t in tensors.items()}
+        tensors = {name: local_tensor(t) for name, t in named_tensors(self.model)}
+        return dtensor_layout(self.model, self.rank), tensors
 
     def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
         """This rank's part of the plan, through its transport's sender half."""

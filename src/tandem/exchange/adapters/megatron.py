@@ -268,3 +268,60 @@ def _template(key: str) -> tuple[str, int | None]:
         return key, None
     (at,) = numbers
     return ".".join(parts[:at] + ["{i}"] + parts[at + 1 :]), int(parts[at])
+
+
+def is_megatron_module(model) -> bool:
+    """A megatron-core model, possibly wrapped (DDP, Float16Module: ``.module``)."""
+    return type(unwrap_megatron(model)).__module__.startswith("megatron.core")
+
+
+def unwrap_megatron(model):
+    """The model inside DDP / Float16Module-style wrappers (each keeps it as ``.module``)."""
+    while not type(model).__module__.startswith("megatron.core.models") and hasattr(
+        model, "module"
+    ):
+        model = model.module
+    return model
+
+
+def megatron_module_layout(
+    model, rank: int, *, vocab_size: int | None = None, table: Mapping[str, Kind] = GPT_TO_LLAMA
+) -> tuple[RankLayout, dict]:
+    """(this rank's layout, its local tensors by layout key) for a live megatron-core
+    ``GPTModel`` (wrapped or not): its TP rank and size come from
+    ``megatron.core.parallel_state``, its pipeline stage's first global layer from its layers'
+    ``layer_number``, the sizes from its ``TransformerConfig``. ``vocab_size`` is the real
+    vocabulary (default: the model's, i.e. unpadded); rows past it are never sent. A tied output
+    layer is not sent (it is the embedding)."""
+    from megatron.core import parallel_state
+
+    module = unwrap_megatron(model)
+    c = module.config
+    padded = module.vocab_size
+    cfg = MegatronLlamaConfig(
+        hidden=c.hidden_size,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_query_groups or c.num_attention_heads,
+        head_dim=c.kv_channels or c.hidden_size // c.num_attention_heads,
+        intermediate=c.ffn_hidden_size,
+        vocab=padded if vocab_size is None else vocab_size,
+        padded_vocab=padded,
+        layers=c.num_layers,
+    )
+    layers = module.decoder.layers
+    offset = layers[0].layer_number - 1 if len(layers) else 0
+    tensors = dict(module.named_parameters())
+    if getattr(module, "share_embeddings_and_output_weights", False):
+        tensors.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
+    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+    layout = megatron_layout(
+        {k: tuple(t.shape) for k, t in tensors.items()},
+        cfg,
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_world_size(),
+        rank,
+        layer_offset=offset,
+        dtype=dtype,
+        table=table,
+    )
+    return layout, tensors
