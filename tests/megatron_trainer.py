@@ -3,8 +3,9 @@ then decodes greedily with Megatron's own forward; run by the tests, one process
 
     python tests/megatron_trainer.py RANK WORLD PORT TP PP MODEL_DIR ADDRESS VERSION OUT PROMPT
 
-MODEL_DIR is the engine's Hugging Face model: the GPTModel is built with its sizes (random
-init of its own, vocab padded to a multiple of 64 x TP). With PP = 1 the trainer first takes one
+MODEL_DIR is the engine's Hugging Face model (llama, qwen2 or qwen3): the GPTModel is built
+with its sizes and features (QKV bias, QK-norm, tied output; random init of its own, vocab
+padded to a multiple of 64 x TP). With PP = 1 the trainer first takes one
 SGD step on a language-modelling loss. After the push, the last pipeline stage's TP rank 0
 writes OUT: JSON {"tokens": [...], "logprobs": [...]} of 6 greedy tokens after PROMPT
 (comma-separated ids), from log_softmax of Megatron's TP-gathered logits.
@@ -31,11 +32,13 @@ def build(model_dir: str, tp: int, pp: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
+    family = hf["model_type"]  # llama, qwen2 (qkv bias, tied), qwen3 (QK-norm, head_dim, tied)
     cfg = TransformerConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
         num_attention_heads=hf["num_attention_heads"],
         num_query_groups=hf["num_key_value_heads"], ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf["hidden_size"] // hf["num_attention_heads"], normalization="RMSNorm",
+        kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+        add_qkv_bias=family == "qwen2", qk_layernorm=family == "qwen3", normalization="RMSNorm",
         layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
         pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
@@ -46,7 +49,7 @@ def build(model_dir: str, tp: int, pp: int):
     multiple = 64 * tp
     padded = -(-hf["vocab_size"] // multiple) * multiple
     model = GPTModel(
-        cfg, get_gpt_layer_local_spec(), vocab_size=padded,
+        cfg, get_gpt_layer_local_spec(qk_layernorm=family == "qwen3"), vocab_size=padded,
         max_sequence_length=hf["max_position_embeddings"], position_embedding_type="rope",
         rotary_base=int(hf["rope_theta"]),
         share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
@@ -103,7 +106,7 @@ def main() -> int:
     torch.manual_seed(1234 + ps.get_pipeline_model_parallel_rank())
     model, vocab = build(model_dir, tp, pp)
     if pp == 1:  # one optimizer step: the pushed weights are a trained model's
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(7)
         ids = torch.randint(0, vocab, (1, 16), generator=g)
         loss = forward(model, ids, labels=torch.roll(ids, -1, 1)).mean()

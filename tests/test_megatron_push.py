@@ -46,13 +46,17 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize(("tp", "pp", "engine"), [(2, 1, {"tensor_parallel_size": 2}),
-                                                  (2, 1, {"pipeline_parallel_size": 2}),
-                                                  (2, 2, {"tensor_parallel_size": 2})])  # fmt: skip
+@pytest.mark.parametrize(
+    ("family", "tp", "pp", "engine"),
+    [("llama", 2, 1, {"tensor_parallel_size": 2}), ("llama", 2, 1, {"pipeline_parallel_size": 2}),
+     ("llama", 2, 2, {"tensor_parallel_size": 2}),
+     ("qwen2", 2, 1, {"tensor_parallel_size": 2}),  # QKV bias, tied output
+     ("qwen3", 2, 1, {"tensor_parallel_size": 2})],  # QK-norm, head_dim != hidden / heads, tied
+)  # fmt: skip
 def test_megatron_trainer_pushes_and_the_engine_decodes_what_megatron_does(
-    model_factory, tmp_path, tp, pp, engine
+    model_factory, tmp_path, family, tp, pp, engine
 ):
-    model_dir = model_factory("llama", vocab_size=500)  # padded to 512 / 640 on the Megatron side
+    model_dir = model_factory(family, vocab_size=500)  # Megatron pads its vocab to 512
     with LLM(model_dir, **engine) as llm:
         expected = _train_and_push(model_dir, llm, tp, pp, 3, tmp_path / "megatron.json")
         assert llm.weight_version == 3
