@@ -3,12 +3,13 @@ then decodes greedily with Megatron's own forward; run by the tests, one process
 
     python tests/megatron_trainer.py RANK WORLD PORT TP PP MODEL_DIR ADDRESS VERSION OUT PROMPT
 
-MODEL_DIR is the engine's Hugging Face model (llama, qwen2 or qwen3): the GPTModel is built
-with its sizes and features (QKV bias, QK-norm, tied output; random init of its own, vocab
-padded to a multiple of 64 x TP). With PP = 1 the trainer first takes one
-SGD step on a language-modelling loss. After the push, the last pipeline stage's TP rank 0
-writes OUT: JSON {"tokens": [...], "logprobs": [...]} of 6 greedy tokens after PROMPT
-(comma-separated ids), from log_softmax of Megatron's TP-gathered logits.
+MODEL_DIR is the engine's Hugging Face model (llama, qwen2, qwen3 or gpt2): the GPTModel is
+built with its sizes and features (QKV bias, QK-norm, tied output, learned positions with
+LayerNorm and GELU; random init of its own, vocab padded to a multiple of 64 x TP). With
+PP = 1 the trainer first takes one SGD step on a language-modelling loss. After the push,
+the last pipeline stage's TP rank 0 writes OUT: JSON {"tokens": [...], "logprobs": [...]}
+of 6 greedy tokens after PROMPT (comma-separated ids), from log_softmax of Megatron's
+TP-gathered logits.
 """
 
 import json
@@ -32,26 +33,43 @@ def build(model_dir: str, tp: int, pp: int):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     hf = json.loads((Path(model_dir) / "config.json").read_text())
-    family = hf["model_type"]  # llama, qwen2 (qkv bias, tied), qwen3 (QK-norm, head_dim, tied)
-    cfg = TransformerConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"],
-        num_query_groups=hf["num_key_value_heads"], ffn_hidden_size=hf["intermediate_size"],
-        kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
-        add_qkv_bias=family == "qwen2", qk_layernorm=family == "qwen3", normalization="RMSNorm",
-        layernorm_epsilon=hf["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, use_cpu_initialization=True, params_dtype=torch.float32,
-        pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+    # llama; qwen2 (QKV bias, tied); qwen3 (QK-norm, head_dim, tied); gpt2 (learned positions,
+    # LayerNorm, GELU, biases, tied)
+    family = hf["model_type"]
+    common = dict(
+        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
     )  # fmt: skip
+    if family == "gpt2":
+        cfg = TransformerConfig(
+            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
+            ffn_hidden_size=4 * hf["n_embd"], normalization="LayerNorm",
+            layernorm_epsilon=hf["layer_norm_epsilon"], gated_linear_unit=False,
+            activation_func=lambda x: F.gelu(x, approximate="tanh"), add_bias_linear=True,
+            **common,
+        )  # fmt: skip
+        positions = dict(position_embedding_type="learned_absolute")
+        max_len = hf["n_positions"]
+    else:
+        cfg = TransformerConfig(
+            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_query_groups=hf["num_key_value_heads"], ffn_hidden_size=hf["intermediate_size"],
+            kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
+            add_qkv_bias=family == "qwen2", qk_layernorm=family == "qwen3",
+            normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"],
+            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, **common,
+        )  # fmt: skip
+        positions = dict(position_embedding_type="rope", rotary_base=int(hf["rope_theta"]))
+        max_len = hf["max_position_embeddings"]
     multiple = 64 * tp
     padded = -(-hf["vocab_size"] // multiple) * multiple
     model = GPTModel(
         cfg, get_gpt_layer_local_spec(qk_layernorm=family == "qwen3"), vocab_size=padded,
-        max_sequence_length=hf["max_position_embeddings"], position_embedding_type="rope",
-        rotary_base=int(hf["rope_theta"]),
+        max_sequence_length=max_len, **positions,
         share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     )  # fmt: skip

@@ -51,7 +51,8 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
     [("llama", 2, 1, {"tensor_parallel_size": 2}), ("llama", 2, 1, {"pipeline_parallel_size": 2}),
      ("llama", 2, 2, {"tensor_parallel_size": 2}),
      ("qwen2", 2, 1, {"tensor_parallel_size": 2}),  # QKV bias, tied output
-     ("qwen3", 2, 1, {"tensor_parallel_size": 2})],  # QK-norm, head_dim != hidden / heads, tied
+     ("qwen3", 2, 1, {"tensor_parallel_size": 2}),  # QK-norm, head_dim != hidden / heads, tied
+     ("gpt2", 2, 1, {"tensor_parallel_size": 2})],  # learned positions, LayerNorm, GELU, biases
 )  # fmt: skip
 def test_megatron_trainer_pushes_and_the_engine_decodes_what_megatron_does(
     model_factory, tmp_path, family, tp, pp, engine

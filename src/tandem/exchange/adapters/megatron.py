@@ -26,6 +26,7 @@ class MegatronLlamaConfig:
     vocab: int
     padded_vocab: int  # rows of the embedding and output layer (vocab rounded up)
     layers: int
+    positions: int = 0  # learned absolute position embeddings (GPT-2 style), else 0
 
     @property
     def attention(self) -> int:
@@ -170,6 +171,86 @@ class Skip:
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class WholeMatrix:
+    """A 2-D tensor replicated on every TP rank (learned position embeddings); its shape is
+    two config fields."""
+
+    name: str
+    rows: str
+    cols: str
+
+    def layout(self, s: TPRank, layer: int | None) -> Layout:
+        shape = (getattr(s.cfg, self.rows), getattr(s.cfg, self.cols))
+        return shape, [whole(_fmt(self.name, layer), shape)]
+
+
+@dataclass(frozen=True, slots=True)
+class FusedQKVColumns:
+    """Megatron's fused qkv (rows [q_h; k_h; v_h] per local head, MHA) against a canonical
+    GPT-2 ``c_attn`` that holds q | k | v as column blocks of one [hidden, 3 * hidden] Conv1D
+    weight (the local rows are that box transposed), or of one bias vector."""
+
+    name: str
+    bias: bool = False
+
+    def layout(self, s: TPRank, layer: int | None) -> Layout:
+        c = s.cfg
+        if c.kv_heads != c.heads:
+            raise ValueError(f"fused c_attn needs one kv head per head, got {c.kv_heads}")
+        heads = s.split(c.heads, "heads")
+        name, width = _fmt(self.name, layer), c.attention
+        full = (3 * width,) if self.bias else (c.hidden, 3 * width)
+        pieces, at = [], 0
+        for g in range(heads):
+            head = s.rank * heads + g
+            for block in range(3):  # q, k, v of this head
+                c0 = block * width + head * c.head_dim
+                if self.bias:
+                    pieces.append(rows(name, full, c0, c0 + c.head_dim, at))
+                else:
+                    box = ((0, c.hidden), (c0, c0 + c.head_dim))
+                    pieces.append(Piece(name, full, box, (at, 0), transposed=True))
+                at += c.head_dim
+        return ((at,) if self.bias else (at, c.hidden)), pieces
+
+
+@dataclass(frozen=True, slots=True)
+class Conv1DShard:
+    """A GPT-2 ``Conv1D`` weight, stored [in, out] in the canonical tensor and [out, in] in
+    Megatron: the local tensor is this rank's box, transposed. ``split``: ``out`` (column
+    parallel) or ``in`` (row parallel); ``inp`` / ``out`` name the config fields."""
+
+    name: str
+    inp: str
+    out: str
+    split: str
+
+    def layout(self, s: TPRank, layer: int | None) -> Layout:
+        n_in, n_out = getattr(s.cfg, self.inp), getattr(s.cfg, self.out)
+        if self.split == "out":
+            local = s.split(n_out, self.out)
+            box, shape = ((0, n_in), (s.rank * local, (s.rank + 1) * local)), (local, n_in)
+        else:
+            local = s.split(n_in, self.inp)
+            box, shape = ((s.rank * local, (s.rank + 1) * local), (0, n_out)), (n_out, local)
+        return shape, [Piece(_fmt(self.name, layer), (n_in, n_out), box, (0, 0), True)]
+
+
+@dataclass(frozen=True, slots=True)
+class SplitVector:
+    """A column-parallel bias: this rank's rows of a ``size`` vector."""
+
+    name: str
+    size: str
+
+    def layout(self, s: TPRank, layer: int | None) -> Layout:
+        total = getattr(s.cfg, self.size)
+        local = s.split(total, self.size)
+        piece = rows(_fmt(self.name, layer), (total,), s.rank * local, (s.rank + 1) * local)
+        return (local,), [piece]
+
+
 def _fmt(name: str, layer: int | None) -> str:
     return name if layer is None else name.format(i=layer)
 
@@ -212,6 +293,39 @@ GPT_TO_LLAMA: dict[str, Kind] = {
     f"{_L}.mlp.linear_fc2._extra_state": Skip(),
     "decoder.final_layernorm.weight": Whole("model.norm.weight"),
     "output_layer.weight": VocabRows("lm_head.weight"),
+}  # fmt: skip
+
+
+_G = "transformer.h.{i}"
+
+# GPT-2 style: learned absolute positions, LayerNorm with bias, plain GELU MLP, biases
+# everywhere, HF Conv1D weights ([in, out]), output tied to the embedding.
+GPT_TO_GPT2: dict[str, Kind] = {
+    "embedding.word_embeddings.weight": VocabRows("transformer.wte.weight"),
+    "embedding.position_embeddings.weight": WholeMatrix("transformer.wpe.weight", "positions",
+                                                        "hidden"),
+    f"{_L}.input_layernorm.weight": Whole(f"{_G}.ln_1.weight"),
+    f"{_L}.input_layernorm.bias": Whole(f"{_G}.ln_1.bias"),
+    f"{_L}.self_attention.linear_qkv.layer_norm_weight": Whole(f"{_G}.ln_1.weight"),
+    f"{_L}.self_attention.linear_qkv.layer_norm_bias": Whole(f"{_G}.ln_1.bias"),
+    f"{_L}.self_attention.linear_qkv.weight": FusedQKVColumns(f"{_G}.attn.c_attn.weight"),
+    f"{_L}.self_attention.linear_qkv.bias": FusedQKVColumns(f"{_G}.attn.c_attn.bias", bias=True),
+    f"{_L}.self_attention.linear_proj.weight": Conv1DShard(f"{_G}.attn.c_proj.weight",
+                                                           "attention", "hidden", "in"),
+    f"{_L}.self_attention.linear_proj.bias": Whole(f"{_G}.attn.c_proj.bias"),
+    f"{_L}.pre_mlp_layernorm.weight": Whole(f"{_G}.ln_2.weight"),
+    f"{_L}.pre_mlp_layernorm.bias": Whole(f"{_G}.ln_2.bias"),
+    f"{_L}.mlp.linear_fc1.layer_norm_weight": Whole(f"{_G}.ln_2.weight"),
+    f"{_L}.mlp.linear_fc1.layer_norm_bias": Whole(f"{_G}.ln_2.bias"),
+    f"{_L}.mlp.linear_fc1.weight": Conv1DShard(f"{_G}.mlp.c_fc.weight", "hidden",
+                                               "intermediate", "out"),
+    f"{_L}.mlp.linear_fc1.bias": SplitVector(f"{_G}.mlp.c_fc.bias", "intermediate"),
+    f"{_L}.mlp.linear_fc2.weight": Conv1DShard(f"{_G}.mlp.c_proj.weight", "intermediate",
+                                               "hidden", "in"),
+    f"{_L}.mlp.linear_fc2.bias": Whole(f"{_G}.mlp.c_proj.bias"),
+    **{k: v for k, v in GPT_TO_LLAMA.items() if isinstance(v, Skip)},
+    "decoder.final_layernorm.weight": Whole("transformer.ln_f.weight"),
+    "decoder.final_layernorm.bias": Whole("transformer.ln_f.bias"),
 }  # fmt: skip
 
 
@@ -285,14 +399,15 @@ def unwrap_megatron(model):
 
 
 def megatron_module_layout(
-    model, rank: int, *, vocab_size: int | None = None, table: Mapping[str, Kind] = GPT_TO_LLAMA
+    model, rank: int, *, vocab_size: int | None = None, table: Mapping[str, Kind] | None = None
 ) -> tuple[RankLayout, dict]:
     """(this rank's layout, its local tensors by layout key) for a live megatron-core
     ``GPTModel`` (wrapped or not): its TP rank and size come from
     ``megatron.core.parallel_state``, its pipeline stage's first global layer from its layers'
     ``layer_number``, the sizes from its ``TransformerConfig``. ``vocab_size`` is the real
     vocabulary (default: the model's, i.e. unpadded); rows past it are never sent. A tied output
-    layer is not sent (it is the embedding)."""
+    layer is not sent (it is the embedding). ``table`` defaults by architecture: `GPT_TO_GPT2`
+    for learned absolute positions, else `GPT_TO_LLAMA`."""
     from megatron.core import parallel_state
 
     module = unwrap_megatron(model)
@@ -307,7 +422,11 @@ def megatron_module_layout(
         vocab=padded if vocab_size is None else vocab_size,
         padded_vocab=padded,
         layers=c.num_layers,
+        positions=module.max_sequence_length,
     )
+    if table is None:
+        learned = getattr(module, "position_embedding_type", None) == "learned_absolute"
+        table = GPT_TO_GPT2 if learned else GPT_TO_LLAMA
     layers = module.decoder.layers
     offset = layers[0].layer_number - 1 if len(layers) else 0
     tensors = dict(module.named_parameters())
