@@ -109,6 +109,14 @@ def gathered_logits(model, ids: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts, dim=-1)[0]
 
 
+class _Wrapper(torch.nn.Module):
+    """Holds the model as ``.module``, like Megatron's DDP and Float16Module."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+
 def main() -> int:
     rank, world, port, tp, pp = (int(a) for a in sys.argv[1:6])
     assert world == tp * pp, "one model replica: WORLD = TP x PP"
@@ -133,7 +141,9 @@ def main() -> int:
         optimizer.step()
         changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)]
         assert all(changed), "the optimizer step left a parameter unchanged"
-    WeightSender(model, address, vocab_size=vocab).push(version=int(version))
+    # with PP, push through a wrapper as Megatron's DDP / Float16Module hold the model
+    pushed = _Wrapper(model) if pp > 1 else model
+    WeightSender(pushed, address, vocab_size=vocab).push(version=int(version))
     tokens = [int(t) for t in prompt.split(",")]
     last = (pp - 1) * tp  # the last stage's TP rank 0 (Megatron orders ranks TP fastest, PP last)
     generated, logprobs = [], []
