@@ -48,3 +48,14 @@ def test_a_hello_with_untyped_settings_is_malformed():
     bad = bad.replace(b"\xa3shm", b"\xa3xyz")  # an unknown transport on the wire
     with pytest.raises(ValueError, match="malformed hello"):
         decode(bad)
+
+
+def test_weight_sender_layout_is_checked_and_auto_reads_plain_modules_by_hf_names():
+    import torch
+
+    from tandem.exchange import WeightSender
+
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="^layout must be one of"):
+        WeightSender(model, "127.0.0.1:1/token", layout="deepspeed")
+    assert WeightSender(model, "127.0.0.1:1/token").layout == "hf"
