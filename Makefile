@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,megatron]'
+	$(BIN)/pip install --quiet -e '.[test,megatron,trl]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,0 +1,1 @@
+"""Adapters that let RL frameworks drive tandem (`trl`: TRL's GRPOTrainer)."""

@@ -1,0 +1,170 @@
+"""TRL's ``GRPOTrainer`` with tandem generating: ``rollout_func=TandemRollout(llm)``.
+
+TRL (1.16) calls ``rollout_func(prompts, trainer)`` with the process's generation batch, each
+prompt already repeated ``num_generations`` times in a row, and wants one completion per entry:
+``{"prompt_ids", "completion_ids", "logprobs"}`` plus extra fields merged per completion. Before
+generating, `TandemRollout` pushes the trainer's weights whenever ``trainer.state.global_step``
+moved since its last push (version = global_step), so every rollout comes from the policy being
+trained; repeated prompts go to the engine as one request with ``n`` samples, which share the
+prompt's KV blocks.
+
+Log-probs: TRL's importance ratio uses ``log_softmax(logits / args.temperature)``. The rollout
+samples at the trainer's temperature by default and asks tandem for processed log-probs (after
+temperature), which are exactly that when top-p is 1 and top-k is off; otherwise it warns.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from tandem.engine.sampling_params import SamplingParams
+from tandem.exchange import WeightSender
+
+
+class TandemRollout:
+    """A TRL ``rollout_func`` backed by a tandem engine.
+
+    ``llm``: a `tandem.LLM` in the trainer process, or the URL of a `tandem serve`
+    (``http://host:port``; ``admin_key`` or ``$TANDEM_ADMIN_KEY`` for its weight pushes).
+    ``temperature`` defaults to the trainer's ``args.temperature``; ``model_name`` (URL form)
+    to the server's one model. ``push=False`` never pushes
+    (weights synced some other way); `sync` pushes explicitly. ``sender_options`` go to
+    `WeightSender` (transport, mode, ...).
+    """
+
+    def __init__(
+        self,
+        llm,
+        *,
+        max_tokens: int = 64,
+        temperature: float | None = None,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        push: bool = True,
+        admin_key: str | None = None,
+        model_name: str | None = None,
+        **sender_options: Any,
+    ):
+        self.llm = llm
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.seed = seed
+        self.push = push
+        self.admin_key = admin_key
+        self.model_name = model_name
+        self.sender_options = sender_options
+        self.version: int | None = None  # the global_step last pushed
+        self.pushes = 0
+        self._sender: WeightSender | None = None
+        self._client = None
+        if top_p < 1.0 or top_k > 0:
+            warnings.warn(
+                "TandemRollout: with top_p < 1 or top_k > 0 the engine's log-probs (after "
+                "top-p/top-k) differ from TRL's log_softmax(logits / temperature)",
+                stacklevel=2,
+            )
+
+    def __call__(self, prompts: list, trainer) -> dict[str, list]:
+        step = trainer.state.global_step
+        if self.push and step != self.version:
+            self.sync(trainer.model, step, trainer)
+        temperature = self.temperature
+        if temperature is None:
+            temperature = float(getattr(trainer.args, "temperature", 1.0))
+        ids = [_tokenize(trainer.processing_class, p) for p in prompts]
+        groups = _runs(ids)  # (first entry, count): repeated prompts in a row
+        params = [
+            SamplingParams(n=count, max_tokens=self.max_tokens, temperature=temperature,
+                           top_p=self.top_p, top_k=self.top_k, logprobs=0,
+                           logprobs_mode="processed",
+                           seed=None if self.seed is None else self.seed + first)
+            for first, count in groups
+        ]  # fmt: skip
+        completions = self._generate([ids[first] for first, _ in groups], params)
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
+                                "weight_version": []}  # fmt: skip
+        for (first, count), samples in zip(groups, completions, strict=True):
+            if len(samples) != count:
+                raise RuntimeError(f"the engine returned {len(samples)} samples, not {count}")
+            for token_ids, logprobs, version in samples:
+                out["prompt_ids"].append(ids[first])
+                out["completion_ids"].append(token_ids)
+                out["logprobs"].append(logprobs)
+                out["weight_version"].append(version)
+        return out
+
+    def sync(self, model, version: int, trainer=None) -> None:
+        """Push ``model``'s weights (unwrapped from accelerate) as ``version``."""
+        model = _pushable(model, trainer)
+        if self._sender is None or self._sender.model is not model:
+            if self._sender is not None:
+                self._sender.close()
+            options = dict(self.sender_options)
+            if isinstance(self.llm, str):
+                options.setdefault("admin_key", self.admin_key)
+            self._sender = WeightSender(model, self.llm, **options)
+        self._sender.push(version=version)
+        self.version = version
+        self.pushes += 1
+
+    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list:
+        """Per prompt, its samples as (token ids, log-probs, weight version)."""
+        if not isinstance(self.llm, str):
+            outputs = self.llm.generate(prompt_ids, params)
+            return [[(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
+                    for o in outputs]  # fmt: skip
+        return [self._complete(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
+
+    def _complete(self, ids: list[int], p: SamplingParams) -> list:
+        """One `/v1/completions` request with token ids in, token ids and log-probs out."""
+        import httpx
+
+        if self._client is None:
+            url = self.llm if "://" in self.llm else f"http://{self.llm}"
+            self._client = httpx.Client(base_url=url.rstrip("/"), timeout=600.0)
+        if self.model_name is None:  # the one model the server serves
+            self.model_name = self._client.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": self.model_name, "prompt": ids, "n": p.n,
+                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
+                "top_k": p.top_k, "logprobs": 0, "logprobs_mode": "processed"}  # fmt: skip
+        if p.seed is not None:
+            body["seed"] = p.seed
+        reply = self._client.post("/v1/completions", json=body)
+        if reply.status_code != 200:
+            raise RuntimeError(f"tandem serve answered {reply.status_code}: {reply.text[:500]}")
+        data = reply.json()
+        version = data.get("weight_version", 0)
+        choices = sorted(data["choices"], key=lambda c: c["index"])
+        return [(c["token_ids"], c["logprobs"]["token_logprobs"], version) for c in choices]
+
+
+def _tokenize(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, list):  # conversational: a list of messages
+        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False))  # fmt: skip
+    return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+
+def _runs(ids: list[list[int]]) -> list[tuple[int, int]]:
+    """(first index, length) of each run of equal consecutive entries."""
+    runs: list[tuple[int, int]] = []
+    for i, entry in enumerate(ids):
+        if runs and ids[runs[-1][0]] == entry:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs
+
+
+def _pushable(model, trainer):
+    """The plain model to push, unwrapped from accelerate (DDP). PEFT models are refused for
+    now (their adapters would have to be merged into a copy first)."""
+    if trainer is not None and getattr(trainer, "accelerator", None) is not None:
+        model = trainer.accelerator.unwrap_model(model)
+    if hasattr(model, "merge_and_unload"):  # PEFT: push base weights with the adapters merged
+        raise NotImplementedError("TandemRollout: PEFT models are not supported yet")
+    return model
