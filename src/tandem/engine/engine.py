@@ -30,6 +30,7 @@ from tandem.models.registry import import_model_modules
 # Tokens per step unless configured: decodes first, then prompt chunks. Large enough that a step
 # of prompt work amortises the per-step overhead, small enough that decodes keep flowing.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class LLMEngine:
@@ -71,6 +72,7 @@ class LLMEngine:
         self.lifecycle = EngineLifecycle()
         self.lock = threading.RLock()  # one step or one weight-update phase at a time
         self._updating = False  # a push's window is open: no step runs (`weight_update`)
+        self._paused: str | None = None  # a `PAUSE_MODES` entry while paused (`pause`)
         self._resumed = threading.Condition(self.lock)
         # The exchange server calls these after every push attempt with (version, seconds,
         # error or None): metrics, logs.
@@ -193,6 +195,47 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def pause(self, mode: str = "abort") -> list[Sequence]:
+        """Stop generating until `resume` (RL controls, as vLLM's ``/pause``). ``abort``: every
+        unfinished sequence ends now with finish_reason ``abort``, keeping the tokens and
+        log-probs it has (returned: partial rollouts); ``wait``: no new sequence is admitted,
+        running ones finish; ``keep``: no step runs, sequences keep their KV blocks and go on
+        where they were after `resume`. New requests queue meanwhile; weight pushes land."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self.lock:
+            self._paused = mode
+            self.scheduler.admitting = False
+            aborted = self.abort_requests(None) if mode == "abort" else []
+            self._resumed.notify_all()
+        return aborted
+
+    def resume(self) -> None:
+        with self.lock:
+            self._paused = None
+            self.scheduler.admitting = True
+            self._resumed.notify_all()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force, or None."""
+        return self._paused
+
+    def _held(self) -> bool:
+        if self._paused is None:
+            return False
+        return self._paused == "keep" or not (self.scheduler.running or self._in_flight)
+
+    def abort_requests(self, request_ids=None) -> list[Sequence]:
+        """Abort the unfinished sequences of these requests (None: of every request); the
+        ones aborted, with what they generated so far."""
+        with self.lock:
+            wanted = None if request_ids is None else set(request_ids)
+            seqs = [s for s in self.scheduler.unfinished()
+                    if wanted is None or s.request_id in wanted]  # fmt: skip
+            self.abort(seqs)
+            return seqs
+
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop these sequences now (their client went away); their KV blocks return to the
         pool. One inside a step still in flight is released when that step lands."""
@@ -263,8 +306,10 @@ class LLMEngine:
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
         returns the sequences that finished in it."""
         with self.lock:
-            while self._updating:
+            while (self._updating or self._held()) and self.has_unfinished():
                 self._resumed.wait()
+            if not self.has_unfinished():  # aborted (pause, abort) while this call waited
+                return []
             self.lifecycle.check_runnable()
             self._guarded(self._fill_pipeline)
             if not self._in_flight:

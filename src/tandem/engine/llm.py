@@ -74,7 +74,8 @@ class LLM:
             requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
         for *_, seqs in requests:
             self.engine.add(seqs)
-        while self.engine.has_unfinished():
+        mine = [s for *_, seqs in requests for s in seqs]
+        while not all(s.finished for s in mine):  # other threads' requests may still run
             self.engine.step()
         return [self._output(rid, text, ids, seqs) for rid, text, ids, seqs in requests]
 
@@ -101,6 +102,22 @@ class LLM:
         return RequestOutput(
             request_id, prompt, prompt_ids, completions, True, versions[-1], metrics, versions
         )
+
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating until `resume` (from another thread while `generate` runs):
+        ``abort`` ends every request now with finish_reason ``abort`` and what it generated so
+        far (``generate`` returns them); ``wait`` lets running sequences finish and admits none;
+        ``keep`` freezes them with their KV cache in place. A ``generate`` called while paused
+        waits for `resume`. Weight pushes land while paused."""
+        self.engine.pause(mode)
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def abort(self, request_ids: list[str] | None = None) -> None:
+        """End these requests (None: all) now, with what they generated so far; their
+        ``generate`` call returns them with finish_reason ``abort``."""
+        self.engine.abort_requests(request_ids)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (a weight push does this itself)."""

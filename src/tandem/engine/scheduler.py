@@ -86,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.counters = StepCounters()
         self._num_unforked = 0  # samples waiting inside their request's first sequence
+        self.admitting = True  # False while the engine is paused: waiting sequences stay put
         self._static_closed = False  # the static batch running has had a step land
 
     def add(self, seq: Sequence) -> None:
@@ -130,7 +131,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, busy, limit)
         if budget is not None:
-            self._admit_waiting(batch, limit, budget)
+            if self.admitting:
+                self._admit_waiting(batch, limit, budget)
         self.counters.steps += bool(batch)
         return batch
 
@@ -198,6 +200,12 @@ class Scheduler:
             child.status = SequenceStatus.RUNNING
             self.running.append(child)
             batch.add(child, 0, logits_from=parent_index)
+
+    def unfinished(self) -> list[Sequence]:
+        """Every sequence not finished: running, waiting, and samples waiting inside their
+        request's first sequence."""
+        holders = [*self.running, *self.waiting]
+        return [*holders, *(u for h in holders for u in h.unforked)]
 
     def remove(self, seq: Sequence) -> None:
         """Forget an aborted sequence, freeing its blocks."""
