@@ -172,7 +172,7 @@ def workers(argvs: list[list[str]], timeout: float) -> list[dict[str, Any]]:
             if failed:
                 i, p = failed[0]
                 raise RuntimeError(
-                    f"bench worker {argvs[i][:2]} exited with {p.returncode}:\n{_tail(logs[i][1])}"
+                    f"bench worker {argvs[i][:2]} exited with {p.returncode}:\n{tail(logs[i][1])}"
                 )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bench workers {[a[:2] for a in argvs]} ran past {timeout} s")
@@ -180,7 +180,7 @@ def workers(argvs: list[list[str]], timeout: float) -> list[dict[str, Any]]:
         for i, p in enumerate(procs):
             if p.returncode != 0:
                 raise RuntimeError(
-                    f"bench worker {argvs[i][:2]} exited with {p.returncode}:\n{_tail(logs[i][1])}"
+                    f"bench worker {argvs[i][:2]} exited with {p.returncode}:\n{tail(logs[i][1])}"
                 )
         return [_last_json(out) for out, _ in logs]
     finally:
@@ -193,7 +193,7 @@ def workers(argvs: list[list[str]], timeout: float) -> list[dict[str, Any]]:
             err.close()
 
 
-def _tail(f, limit: int = 4000) -> str:
+def tail(f, limit: int = 4000) -> str:
     f.seek(0)
     return f.read().decode(errors="replace")[-limit:]
 

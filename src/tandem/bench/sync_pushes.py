@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.bench.sync_baselines import free_port, tail
+
 # mode -> WeightSender options; each mode gets one untimed push, then the timed ones
 MODES: dict[str, dict[str, Any]] = {
     "shm": {"transport": "shm"},
@@ -88,7 +90,7 @@ def check(llm, reference: Reference, version: int) -> float:
 def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict, dict]:
     """Every mode of `MODES` by the same 2 trainer processes: (per mode the figures of both
     ranks, the checks made)."""
-    port = str(_free_port())
+    port = str(free_port())
     modes = ",".join(MODES)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "tandem.bench.sync_pushes"]
@@ -108,7 +110,7 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
             line = _line(procs[0], deadline, timeout)
             if not line:
                 raise RuntimeError(f"push trainer rank 0 exited with {procs[0].wait()} before "
-                                   f"reporting:\n{_tail(logs[0])}")  # fmt: skip
+                                   f"reporting:\n{tail(logs[0])}")  # fmt: skip
             event = json.loads(line)
             if "pushed" not in event:
                 rank0 = event
@@ -120,7 +122,7 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
         for i, p in enumerate(procs):
             if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
                 raise RuntimeError(f"push trainer rank {i} exited with {p.returncode}:\n"
-                                   f"{_tail(logs[i])}")  # fmt: skip
+                                   f"{tail(logs[i])}")  # fmt: skip
         out1.seek(0)
         rank1 = json.loads(out1.read().decode().splitlines()[-1])
     finally:
@@ -145,19 +147,6 @@ def _line(proc: subprocess.Popen, deadline: float, timeout: float) -> bytes:
         if proc.poll() is not None:
             break
     return proc.stdout.readline()
-
-
-def _tail(f, limit: int = 4000) -> str:
-    f.seek(0)
-    return f.read().decode(errors="replace")[-limit:]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: int, modes: str):

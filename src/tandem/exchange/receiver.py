@@ -26,8 +26,6 @@ from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 
-PHASES = ("receive", "verify", "commit", "abort")
-
 
 class WeightSyncError(RuntimeError):
     """A push was rejected or broke; says whether the old weights are still serving."""

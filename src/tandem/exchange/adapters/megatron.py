@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.exchange.adapters.hf import dtype_name
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.layers.placement import Piece, cols, rows, whole
 
@@ -432,7 +433,7 @@ def megatron_module_layout(
     tensors = dict(module.named_parameters())
     if getattr(module, "share_embeddings_and_output_weights", False):
         tensors.pop("output_layer.weight", None)  # a copy of the embedding on the last stage
-    dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else "float32"
+    dtype = dtype_name(list(tensors.items()))
     layout = megatron_layout(
         {k: tuple(t.shape) for k, t in tensors.items()},
         cfg,

@@ -63,13 +63,23 @@ class SenderHalf:
     def close(self) -> None:
         """Release what this half keeps between pushes."""
 
+    def write_items(self, plan, tensors: dict[str, torch.Tensor], targets: list[torch.Tensor]):
+        """Write every item of ``plan`` into its target (`write_box`): (the CRC32 of each as
+        read, the bytes written per engine rank, counted as they were written)."""
+        crcs = []
+        moved = [0] * (1 + max((item.dst for item in plan.items), default=-1))
+        with torch.no_grad():
+            for item, dst in zip(plan.items, targets, strict=True):
+                crcs.append(self.write_box(self.source(tensors, item), dst))
+                moved[item.dst] += dst.numel() * dst.element_size()
+        return crcs, moved
+
     @staticmethod
-    def counted(plan, nbytes: list[int]) -> list[int]:
-        """Bytes per engine rank, from what each item moved (``nbytes``, counted)."""
-        out = [0] * (1 + max((item.dst for item in plan.items), default=-1))
-        for item, n in zip(plan.items, nbytes, strict=True):
-            out[item.dst] += n
-        return out
+    def staged(plan, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Each item's place in a uint8 staging buffer, in the engine's dtype and box shape."""
+        dtype = DTYPES[plan.dtype]
+        return [buf[item.offset : item.offset + item.nbytes].view(dtype).view(item.box_shape)
+                for item in plan.items]  # fmt: skip
 
     @staticmethod
     def source(tensors: dict[str, torch.Tensor], item: SendItem) -> torch.Tensor:

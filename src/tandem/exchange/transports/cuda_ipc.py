@@ -17,17 +17,11 @@ from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
 
 class CudaIpcSender(SenderHalf):
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
-        dtype = self.dtype(plan)
         buf = torch.empty(plan.size, dtype=torch.uint8, device=self.device)
-        crcs, moved = [], []
-        with torch.no_grad():
-            for item in plan.items:
-                dst = buf[item.offset : item.offset + item.nbytes].view(dtype).view(item.box_shape)
-                crcs.append(self.write_box(self.source(tensors, item), dst))
-                moved.append(dst.numel() * dst.element_size())
+        crcs, moved = self.write_items(plan, tensors, self.staged(plan, buf))
         torch.cuda.synchronize(buf.device)
         # the buffer stays alive (``keep``) until the engine has answered
-        return Delivery(crcs, self.counted(plan, moved), export_handle(buf), keep=buf)
+        return Delivery(crcs, moved, export_handle(buf), keep=buf)
 
 
 class CudaIpcReceiver(ReceiverHalf):

@@ -18,15 +18,14 @@ class DistSender(SenderHalf):
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send each engine rank its boxes, engine ranks in `p2p.stream_order`."""
         info = p2p.GroupInfo.from_wire(plan.group)
-        rank = self.rank
-        group = p2p.join(info, rank)
+        group = p2p.join(info, self.rank)
         dtype = self.dtype(plan)
         by_dst: dict[int, list[int]] = {}
         for i, item in enumerate(plan.items):
             by_dst.setdefault(item.dst, []).append(i)
         crcs: list[int | None] = [None] * len(plan.items)
         moved = [0] * (info.world - plan.trainers)
-        order = p2p.stream_order(rank, by_dst, plan.trainers, info.world - plan.trainers,
+        order = p2p.stream_order(self.rank, by_dst, plan.trainers, info.world - plan.trainers,
                                  sending=True)  # fmt: skip
         with torch.no_grad():
             for dst in order:

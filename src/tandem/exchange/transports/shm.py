@@ -25,8 +25,8 @@ class ShmSender(SenderHalf):
         self._arenas: dict[tuple, MappedArena] = {}  # in_place: engine ranks' parameters
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
-        dtype = self.dtype(plan)
         if self.settings.in_place:
+            dtype = self.dtype(plan)
             arenas = self._map_arenas(plan.arenas)
             targets = [item.dst_region.view(arenas[item.dst].param(item.dst_key, dtype))
                        for item in plan.items]  # fmt: skip
@@ -34,16 +34,10 @@ class ShmSender(SenderHalf):
             if self.staging is None or self.staging.size != plan.size:
                 self.staging = None  # the old memory goes before the new one is made
                 self.staging = SharedMemory(plan.size, "tandem-staging")
-            data = self.staging.data
-            targets = [data[item.offset : item.offset + item.nbytes].view(dtype)
-                       .view(item.box_shape) for item in plan.items]  # fmt: skip
-        crcs, moved = [], []
-        with torch.no_grad():
-            for item, dst in zip(plan.items, targets, strict=True):
-                crcs.append(self.write_box(self.source(tensors, item), dst))
-                moved.append(dst.numel() * dst.element_size())
+            targets = self.staged(plan, self.staging.data)
+        crcs, moved = self.write_items(plan, tensors, targets)
         staging = None if self.settings.in_place else self.staging.to_wire()
-        return Delivery(crcs, self.counted(plan, moved), staging)
+        return Delivery(crcs, moved, staging)
 
     def _map_arenas(self, wires: list) -> list[MappedArena]:
         """Each engine rank's arena, mapped once and kept for later pushes (a mapping of an
