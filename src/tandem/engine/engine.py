@@ -151,13 +151,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"request {request_id}: token ids outside [0, {vocab}): {bad[:8]}")
         room = self.max_model_len - len(prompt_ids)
-        if room < 1:
+        if room < 1 and not (params.max_tokens == 0 and room == 0):
             raise ValueError(
                 f"request {request_id}: prompt has {len(prompt_ids)} tokens; max_model_len is "
                 f"{self.max_model_len} and at least one token must be generated"
             )
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        need = blocks_for(len(prompt_ids) + max_tokens, self.blocks.block_size)
+        need = blocks_for(len(prompt_ids) + max(max_tokens, 1), self.blocks.block_size)
         if need > self.blocks.num_blocks:
             raise ValueError(
                 f"request {request_id}: needs {need} KV blocks but the cache has "
@@ -241,6 +241,7 @@ class LLMEngine:
         pool. One inside a step still in flight is released when that step lands."""
         with self.lock:
             busy = {s.seq_id for b in self._in_flight for s in b.seqs}
+            self._resumed.notify_all()  # `step` callers waiting on these
             for seq in seqs:
                 if seq.finished:
                     continue
@@ -301,12 +302,15 @@ class LLMEngine:
             self._guarded(lambda: self.executor.set_kv_cache(True))
             self.lifecycle.woke()
 
-    def step(self) -> list[Sequence]:
+    def step(self, for_seqs: list[Sequence] | None = None) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
-        returns the sequences that finished in it."""
+        returns the sequences that finished in it. While paused or updating it waits; with
+        ``for_seqs`` it returns as soon as those are finished (by another thread's step)."""
         with self.lock:
             while (self._updating or self._held()) and self.has_unfinished():
+                if for_seqs is not None and all(seq.finished for seq in for_seqs):
+                    return []  # another thread's step or an abort finished them
                 self._resumed.wait()
             if not self.has_unfinished():  # aborted (pause, abort) while this call waited
                 return []
@@ -323,6 +327,8 @@ class LLMEngine:
         self.scheduler.finish_step(batch)
         finished = [s for s in batch.seqs if s.finished]
         self._released.extend(s.seq_id for s in finished)
+        if finished:
+            self._resumed.notify_all()  # `step` callers waiting on these
         return finished
 
     def _drain_in_flight(self) -> None:
@@ -375,6 +381,12 @@ class LLMEngine:
 
     def _append(self, batch: ScheduledBatch, out: StepResult) -> None:
         now = time.monotonic()
+        if out.prompt_logprobs:
+            by_id = {seq.seq_id: seq for seq in batch.seqs}
+            for p in out.prompt_logprobs:
+                by_id[p.seq_id].record_prompt_logprobs(
+                    p.first, p.logprobs, p.top_ids, p.top_logprobs
+                )
         rows = itertools.count()
         for seq, sampled in zip(batch.seqs, batch.samples, strict=True):
             if not sampled:  # a prompt chunk: nothing to sample yet
@@ -382,9 +394,12 @@ class LLMEngine:
             row = next(rows)
             if seq.finished:  # aborted while its step was in flight
                 continue
+            if seq.max_tokens == 0:  # the prompt was only scored
+                seq.finish("length")
+                continue
             token = out.token_ids[row]
             seq.token_ids.append(token)
-            seq.weight_versions.add(self.weight_version)
+            seq.record_version(self.weight_version)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             k = seq.params.logprobs
@@ -405,6 +420,8 @@ def _seq_params(seq: Sequence) -> SeqParams:
         seed=None if p.seed is None else p.seed + seq.index,
         logprobs=p.logprobs,
         processed_logprobs=p.logprobs_mode == "processed",
+        prompt_logprobs=p.prompt_logprobs,
+        num_prompt_tokens=seq.num_prompt_tokens,
     )
 
 

@@ -176,8 +176,9 @@ class BlockManager:
 
     def _match(self, seq: Sequence) -> list[int]:
         """Cached blocks holding ``seq``'s longest cached prefix; at least one token is left to
-        compute (its logits sample the next token)."""
-        if not self.enable_prefix_caching:
+        compute (its logits sample the next token). None for a prompt being scored: every
+        position's logits are needed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         limit = (len(seq) - 1) // self.block_size
         hashes = self._hashes(seq, limit)

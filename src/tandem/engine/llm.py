@@ -6,7 +6,7 @@ from collections.abc import Sequence as Seq
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, VersionSpan
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
@@ -76,7 +76,7 @@ class LLM:
             self.engine.add(seqs)
         mine = [s for *_, seqs in requests for s in seqs]
         while not all(s.finished for s in mine):  # other threads' requests may still run
-            self.engine.step()
+            self.engine.step(for_seqs=mine)
         return [self._output(rid, text, ids, seqs) for rid, text, ids, seqs in requests]
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
@@ -89,6 +89,7 @@ class LLM:
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
                 top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,
+                weight_versions=[VersionSpan(*span) for span in s.version_spans],
             )
             for s in seqs
         ]
@@ -99,9 +100,16 @@ class LLM:
             finished_time=max(s.finished_time for s in seqs),
         )
         versions = sorted(set().union(*(s.weight_versions for s in seqs)))
-        return RequestOutput(
-            request_id, prompt, prompt_ids, completions, True, versions[-1], metrics, versions
-        )
+        out = RequestOutput(
+            request_id, prompt, prompt_ids, completions, True,
+            versions[-1] if versions else self.engine.weight_version, metrics, versions,
+        )  # fmt: skip
+        k = seqs[0].params.prompt_logprobs
+        if k is not None:  # the sample that computed the prompt holds its scores
+            scored = max(seqs, key=lambda s: len(s.prompt_logprobs))
+            out.prompt_logprobs = list(scored.prompt_logprobs)
+            out.prompt_top_logprobs = list(scored.prompt_top_logprobs) if k else None
+        return out
 
     def pause(self, mode: str = "abort") -> None:
         """Stop generating until `resume` (from another thread while `generate` runs):

@@ -23,6 +23,8 @@ class SeqParams:
     seed: int | None  # the sample's own stream (seed + sample index); None: engine's stream
     logprobs: int | None
     processed_logprobs: bool
+    prompt_logprobs: int | None = None  # score the prompt: top-k alternatives per position
+    num_prompt_tokens: int = 0  # positions below this are prompt (targets of prompt scoring)
 
 
 @dataclass(slots=True)
@@ -92,6 +94,22 @@ class StepResult:
     logprobs: list[float]
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """Scores of one sequence's prompt tokens computed in a step: ``logprobs[i]`` is the
+    log-prob of the prompt token at position ``first + i`` given the tokens before it."""
+
+    seq_id: int
+    first: int
+    logprobs: list[float]
+    top_ids: list[list[int]]  # empty lists without alternatives
+    top_logprobs: list[list[float]]
+
+    def to_wire(self) -> list:
+        return [self.seq_id, self.first, self.logprobs, self.top_ids, self.top_logprobs]
 
 
 @dataclass(slots=True)
@@ -162,9 +180,11 @@ def encode(msg: Message) -> bytes:
         ]
         return msgpack.packb(["step", msg.step_id, seqs, msg.released, msg.copies])
     if isinstance(msg, StepResult):
+        prompt = [p.to_wire() for p in msg.prompt_logprobs]
         return msgpack.packb(
-            ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs]
-        )
+            ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs,
+             prompt]
+        )  # fmt: skip
     if type(msg) in _KIND:
         return msgpack.packb([_KIND[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
     raise TypeError(f"not a message: {type(msg).__name__}")
@@ -180,11 +200,13 @@ def decode(data: bytes) -> Message:
         ]
         return StepMessage(step_id, steps, released, copies)
     if kind == "result":
-        return StepResult(*body)
+        *fields, prompt = body
+        return StepResult(*fields, [PromptLogprobs(*p) for p in prompt])
     if kind in _SIMPLE:
         return _SIMPLE[kind](*body)
     raise ValueError(f"unknown message kind {kind!r}")
 
 
 def _params(p: SeqParams) -> list:
-    return [p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.processed_logprobs]
+    return [p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.processed_logprobs,
+            p.prompt_logprobs, p.num_prompt_tokens]  # fmt: skip

@@ -7,11 +7,13 @@ sampling rank turns logits into a `StepResult`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
-from tandem.engine.messages import SeqParams, StepMessage, StepResult
+from tandem.engine.messages import PromptLogprobs, SeqParams, StepMessage, StepResult
 from tandem.exchange.transports.memory import ParamArena
 from tandem.layers.attention import (
     Attention,
@@ -30,6 +32,7 @@ _NO_TOP_K = torch.iinfo(torch.long).max
 # worth about this many slots of gather + attention work (measured on CPU).
 DECODE_GROUP_OVERHEAD = 256
 MAX_DECODE_GROUPS = 4
+PROMPT_SCORE_ROWS = 256  # prompt rows scored per logits matrix (rows x vocab floats)
 
 
 def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
@@ -101,12 +104,28 @@ def _common_blocks(members: list[tuple[int, int, list[int]]], block_size: int) -
 
 
 class _SeqState:
-    __slots__ = ("block_table", "params", "generator")
+    __slots__ = ("block_table", "params", "generator", "pending")
 
     def __init__(self, params: SeqParams):
         self.block_table: list[int] = []
         self.params = params
         self.generator: torch.Generator | None = None
+        # a scored prompt's chunk boundary: (position, log-probs predicting its token), kept
+        # until the chunk holding that position arrives
+        self.pending: tuple[int, torch.Tensor] | None = None
+
+
+@dataclass(slots=True)
+class _PromptScore:
+    """Rows of one step whose logits score a sequence's prompt tokens."""
+
+    seq_id: int
+    state: _SeqState
+    first: int  # position of the first token scored
+    rows: list[int]  # flat rows predicting positions first+1.. (in-chunk targets)
+    targets: list[int]  # the prompt token at each of those positions
+    from_pending: tuple[int, torch.Tensor] | None  # (token at `first`, the kept log-probs)
+    boundary: tuple[int, int] | None  # (last row, next position): predicts the next chunk's
 
 
 class ModelRunner:
@@ -171,7 +190,7 @@ class ModelRunner:
         if msg.copies and self.kv_cache is not None:
             self._copy_blocks(msg.copies)
         input_ids, positions, slot_mapping, step_rows, sample_rows = [], [], [], [], []
-        prefills, decodes, states = [], [], []
+        prefills, decodes, states, scores = [], [], [], []
         for step in msg.seqs:
             state = self._state(step)
             start, stop = step.start, step.start + len(step.token_ids)
@@ -182,6 +201,10 @@ class ModelRunner:
                 states.append(state)
             if stop == start:  # a forked sample: its prompt was computed by another step
                 continue
+            if state.params.prompt_logprobs is not None:
+                score = self._prompt_score(step, state, row)
+                if score is not None:
+                    scores.append(score)
             input_ids.extend(step.token_ids)
             positions.extend(range(start, stop))
             slot_mapping.extend(self._slots(state.block_table, start, stop))
@@ -204,13 +227,14 @@ class ModelRunner:
         hidden = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta)
         if hidden is None:
             return None
+        prompt_logprobs = [self._score_prompt(hidden, score) for score in scores]
         # every rank of the last stage takes part (vocab-parallel head); forked samples share
         unique, inverse = torch.unique(self._tensor(sample_rows), return_inverse=True)
         logits = self.model.compute_logits(hidden[unique])[inverse]
         if not self.samples:
             return None
         if not sample_rows:  # only prompt chunks this step
-            return StepResult(msg.step_id, [], [])
+            return StepResult(msg.step_id, [], [], prompt_logprobs=prompt_logprobs)
         out = self.sampler(logits, self._sampling_batch(states))
         return StepResult(
             msg.step_id,
@@ -218,7 +242,57 @@ class ModelRunner:
             out.logprobs.tolist(),
             None if out.top_ids is None else out.top_ids.tolist(),
             None if out.top_logprobs is None else out.top_logprobs.tolist(),
+            prompt_logprobs,
         )
+
+    def _prompt_score(self, step, state: _SeqState, row: int) -> _PromptScore | None:
+        """Which rows of this step score which prompt tokens (positions start..stop-1 are the
+        step's tokens; the logits at position p predict the token at p + 1)."""
+        start, stop = step.start, step.start + len(step.token_ids)
+        num_prompt = state.params.num_prompt_tokens
+        pending, state.pending = state.pending, None
+        from_pending = None
+        if pending is not None and pending[0] == start:
+            from_pending = (step.token_ids[0], pending[1])
+        inside = range(start + 1, min(stop, num_prompt))  # targets within this chunk
+        boundary = (row + stop - 1 - start, stop) if stop < num_prompt else None
+        if from_pending is None and not inside and boundary is None:
+            return None
+        return _PromptScore(
+            step.seq_id, state, start if from_pending is not None else start + 1,
+            [row + p - 1 - start for p in inside], [step.token_ids[p - start] for p in inside],
+            from_pending, boundary,
+        )  # fmt: skip
+
+    def _score_prompt(self, hidden: torch.Tensor, score: _PromptScore) -> PromptLogprobs:
+        """Log-probs (and top-k) of one sequence's prompt tokens from this step's rows. Every
+        rank of the last stage computes the logits (vocab-parallel head)."""
+        k = score.state.params.prompt_logprobs
+        lps, top_ids, top_lps = [], [], []
+
+        def add(logprobs: torch.Tensor, targets: torch.Tensor) -> None:
+            lps.extend(logprobs.gather(1, targets[:, None])[:, 0].tolist())
+            if k:
+                values, ids = logprobs.topk(k, dim=-1)
+                top_ids.extend(ids.tolist())
+                top_lps.extend(values.tolist())
+            else:
+                top_ids.extend([] for _ in range(len(targets)))
+                top_lps.extend([] for _ in range(len(targets)))
+
+        if score.from_pending is not None:
+            token, logprobs = score.from_pending
+            add(logprobs[None], self._tensor([token]))
+        for i in range(0, len(score.rows), PROMPT_SCORE_ROWS):
+            rows = self._tensor(score.rows[i : i + PROMPT_SCORE_ROWS])
+            logits = self.model.compute_logits(hidden[rows]).float()
+            add(torch.log_softmax(logits, dim=-1),
+                self._tensor(score.targets[i : i + PROMPT_SCORE_ROWS]))  # fmt: skip
+        if score.boundary is not None:
+            row, position = score.boundary
+            logits = self.model.compute_logits(hidden[[row]]).float()
+            score.state.pending = (position, torch.log_softmax(logits, dim=-1)[0])
+        return PromptLogprobs(score.seq_id, score.first, lps, top_ids, top_lps)
 
     def _run_stage(self, input_ids, positions, meta) -> torch.Tensor | None:
         """This stage's layers; hidden states come from / go to the neighbouring stages."""

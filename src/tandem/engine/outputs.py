@@ -5,6 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class VersionSpan:
+    """Output tokens ``start .. end-1`` were sampled from weight version ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+    def to_json(self) -> dict:
+        return {"version": self.version, "start": self.start, "end": self.end}
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -14,6 +26,8 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, stop token or string) or "length"
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     top_logprobs: list[dict[int, float]] | None = None  # when SamplingParams.logprobs > 0
+    # which weight version sampled which tokens (several spans when a push landed mid-way)
+    weight_versions: list[VersionSpan] = field(default_factory=list)
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -43,3 +57,7 @@ class RequestOutput:
     weight_version: int = 0  # the newest version that generated its tokens
     metrics: RequestMetrics | None = None
     weight_versions: list[int] = field(default_factory=list)  # every version that did (async)
+    # SamplingParams.prompt_logprobs: the raw log-prob of each prompt token given the ones
+    # before it (None for the first), and for k > 0 the k most likely tokens at each position
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[dict[int, float] | None] | None = None

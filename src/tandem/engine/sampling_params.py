@@ -15,6 +15,12 @@ class SamplingParams:
     the k most likely alternatives. ``logprobs_mode`` picks ``raw`` (log_softmax of the model's
     logits, what a trainer recomputes — default) or ``processed`` (after temperature, top-k and
     top-p: the distribution actually sampled from). ``max_tokens=None`` runs to the context limit.
+
+    ``prompt_logprobs=k`` also scores the prompt: `RequestOutput.prompt_logprobs` holds the raw
+    log-prob of every prompt token given the ones before it (None for the first) and, for
+    k > 0, the k most likely alternatives at each position. Such a prompt is computed in full
+    (no prefix-cache hits). ``max_tokens=0`` (only with ``prompt_logprobs``) scores the prompt
+    and generates nothing.
     """
 
     n: int = 1
@@ -30,11 +36,17 @@ class SamplingParams:
     logprobs: int | None = None
     logprobs_mode: Literal["raw", "processed"] = "raw"
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         _check_int("n", self.n, minimum=1)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1)
+            scoring = self.prompt_logprobs is not None
+            if self.max_tokens == 0 and not scoring:
+                raise ValueError("max_tokens=0 needs prompt_logprobs (score the prompt only)")
+            _check_int("max_tokens", self.max_tokens, minimum=0)
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")

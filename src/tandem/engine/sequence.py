@@ -40,7 +40,8 @@ class Sequence:
         self.arrival = arrival
         self.priority = priority  # lower runs first under the "priority" policy
         self.preempted = False  # waiting again after losing its KV blocks: goes first
-        self.weight_versions: set[int] = set()  # versions that produced its tokens
+        # [version, start, end): output tokens start..end-1 came from that weight version
+        self.version_spans: list[list[int]] = []
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
@@ -52,6 +53,9 @@ class Sequence:
         self.detok: IncrementalDetokenizer | None = None  # output text so far (OutputProcessor's)
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        # scored prompt (SamplingParams.prompt_logprobs): entry p for prompt position p
+        self.prompt_logprobs: list[float | None] = [None]
+        self.prompt_top_logprobs: list[dict[int, float] | None] = [None]
         self.num_blocks_sent = 0  # of block_table, already told to the model ranks
         self.table_changed = False  # block_table changed other than by appending: resend it
         self.block_hashes: list[int] = []  # prefix-cache hashes of its full blocks so far
@@ -59,6 +63,30 @@ class Sequence:
         self.cache_epoch = -1  # the prefix cache's epoch when its blocks were taken
         self.unforked: list[Sequence] = []  # samples of its request waiting to share its prompt
         self.params_sent = False
+
+    def record_prompt_logprobs(self, first: int, logprobs, top_ids, top_logprobs) -> None:
+        """Scores of prompt positions first, first+1, ... (positions already scored, as when
+        a preempted sequence recomputes its prompt, are kept)."""
+        skip = len(self.prompt_logprobs) - first
+        if skip < 0:
+            raise RuntimeError(f"sequence {self.seq_id}: prompt scores skip position {first}")
+        self.prompt_logprobs.extend(logprobs[skip:])
+        for ids, values in zip(top_ids[skip:], top_logprobs[skip:], strict=True):
+            self.prompt_top_logprobs.append(dict(zip(ids, values, strict=True)))
+
+    def record_version(self, version: int) -> None:
+        """The output token just appended was sampled from this weight version's logits."""
+        i = self.num_output_tokens - 1
+        last = self.version_spans[-1] if self.version_spans else None
+        if last is not None and last[0] == version and last[2] == i:
+            last[2] = i + 1
+        else:
+            self.version_spans.append([version, i, i + 1])
+
+    @property
+    def weight_versions(self) -> set[int]:
+        """Every version that produced one of its tokens."""
+        return {v for v, _, _ in self.version_spans}
 
     def __len__(self) -> int:
         return len(self.token_ids)

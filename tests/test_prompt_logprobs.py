@@ -1,0 +1,87 @@
+"""Prompt scoring (`SamplingParams(prompt_logprobs=k)`): every prompt token's log-prob given the
+ones before it, checked against transformers' own forward, across prefill chunks, tensor and
+pipeline parallel ranks, preemption and shared samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _prompts(vocab: int, lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _reference(ref, ids: list[int], k: int):
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids])).logits[0].float()
+    lp = torch.log_softmax(logits, dim=-1)
+    scores = [None] + [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    tops = [None] + [dict(zip(*(t.tolist() for t in reversed(lp[p - 1].topk(k))), strict=True))
+                     for p in range(1, len(ids))]  # fmt: skip
+    return scores, tops
+
+
+def _check(out, ref, k: int, tol: float = 1e-4) -> None:
+    want, want_top = _reference(ref, out.prompt_token_ids, k)
+    got = out.prompt_logprobs
+    assert len(got) == len(want) and got[0] is None and out.prompt_top_logprobs[0] is None
+    assert got[1:] == pytest.approx(want[1:], abs=tol, rel=0)
+    for g, w in zip(out.prompt_top_logprobs[1:], want_top[1:], strict=True):
+        assert list(g) == list(w)  # same tokens in the same order
+        assert [g[t] for t in w] == pytest.approx(list(w.values()), abs=tol, rel=0)
+
+
+@pytest.fixture(scope="module")
+def model(model_factory):
+    path = model_factory("llama")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return path, ref
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_prompt_logprobs_equal_transformers_whole_and_chunked(model, chunk):
+    path, ref = model
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk, "max_num_seqs": 2}
+    with LLM(path, **options) as llm:
+        prompts = _prompts(llm.engine.spec.vocab_size, [1, 2, 9, 30])
+        params = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3, logprobs=0)
+        outs = llm.generate(prompts, params)
+        for out in outs:
+            _check(out, ref, 3)
+            assert len(out.outputs[0].token_ids) == 3
+        # a cached prefix is not reused for a scored prompt: scores are complete the 2nd time
+        _check(llm.generate(prompts[3:], params)[0], ref, 3)
+
+
+def test_max_tokens_zero_scores_the_prompt_only(model):
+    path, ref = model
+    with LLM(path) as llm:
+        prompts = _prompts(llm.engine.spec.vocab_size, [12, 5])
+        outs = llm.generate(prompts, SamplingParams(max_tokens=0, prompt_logprobs=0, n=2))
+        for out in outs:
+            assert [c.token_ids for c in out.outputs] == [[], []]
+            assert {c.finish_reason for c in out.outputs} == {"length"}
+            assert out.prompt_top_logprobs is None
+            want, _ = _reference(ref, out.prompt_token_ids, 1)
+            assert out.prompt_logprobs[0] is None
+            assert out.prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+        with pytest.raises(ValueError, match="max_tokens=0 needs prompt_logprobs"):
+            SamplingParams(max_tokens=0)
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_prompt_logprobs_under_tensor_and_pipeline_parallel(model, tp, pp):
+    path, ref = model
+    with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             max_num_batched_tokens=16, max_num_seqs=4) as llm:  # fmt: skip
+        prompts = _prompts(llm.engine.spec.vocab_size, [3, 21, 40])
+        outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=2))
+        for out in outs:
+            _check(out, ref, 2)
