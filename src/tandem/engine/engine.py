@@ -31,6 +31,7 @@ from tandem.models.registry import import_model_modules
 # of prompt work amortises the per-step overhead, small enough that decodes keep flowing.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 PAUSE_MODES = ("abort", "wait", "keep")
+CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits for the lock
 
 
 class LLMEngine:
@@ -74,11 +75,27 @@ class LLMEngine:
         self._updating = False  # a push's window is open: no step runs (`weight_update`)
         self._paused: str | None = None  # a `PAUSE_MODES` entry while paused (`pause`)
         self._resumed = threading.Condition(self.lock)
+        self._controls = 0  # control calls waiting for the lock (`_control`)
+        self._controls_lock = threading.Lock()
         # The exchange server calls these after every push attempt with (version, seconds,
         # error or None): metrics, logs.
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
         self._exchange = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
+
+    @contextmanager
+    def _control(self) -> Iterator[None]:
+        """The engine lock for a call from outside the stepping loop (pause, resume, abort,
+        a push's phases, sleep, new requests): `step` lets it in before its next step, so a
+        thread stepping in a tight loop cannot starve it (locks are not fair)."""
+        with self._controls_lock:
+            self._controls += 1
+        try:
+            with self.lock:
+                yield
+        finally:
+            with self._controls_lock:
+                self._controls -= 1
 
     @property
     def runner(self):
@@ -108,7 +125,7 @@ class LLMEngine:
         Waiting and running requests go on afterwards with the new weights, each recording
         the versions it used. The lock is held only while a phase runs, never while the caller
         waits on trainers."""
-        with self.lock:
+        with self._control():
             self._drain_in_flight()
             self.lifecycle.check_alive()
             self._updating = True
@@ -124,7 +141,7 @@ class LLMEngine:
                 pass
             raise
         finally:
-            with self.lock:
+            with self._control():
                 self.blocks.reset_prefix_cache()  # cached KV came from the old weights
                 if update.torn is not None:
                     self.lifecycle.torn(update.torn)
@@ -136,7 +153,7 @@ class LLMEngine:
 
     def apply_phase(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list]):
         """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
-        with self.lock:
+        with self._control():
             return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
 
     def make_sequences(
@@ -173,7 +190,7 @@ class LLMEngine:
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue sequences from `make_sequences` (a request's samples share its prompt)."""
-        with self.lock:
+        with self._control():
             requests: dict[str, list[Sequence]] = {}
             for seq in seqs:
                 requests.setdefault(seq.request_id, []).append(seq)
@@ -189,7 +206,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (blocks in use stay with their sequences)."""
-        with self.lock:
+        with self._control():
             self.blocks.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
@@ -203,7 +220,7 @@ class LLMEngine:
         where they were after `resume`. New requests queue meanwhile; weight pushes land."""
         if mode not in PAUSE_MODES:
             raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
-        with self.lock:
+        with self._control():
             self._paused = mode
             self.scheduler.admitting = False
             aborted = self.abort_requests(None) if mode == "abort" else []
@@ -211,7 +228,7 @@ class LLMEngine:
         return aborted
 
     def resume(self) -> None:
-        with self.lock:
+        with self._control():
             self._paused = None
             self.scheduler.admitting = True
             self._resumed.notify_all()
@@ -229,7 +246,7 @@ class LLMEngine:
     def abort_requests(self, request_ids=None) -> list[Sequence]:
         """Abort the unfinished sequences of these requests (None: of every request); the
         ones aborted, with what they generated so far."""
-        with self.lock:
+        with self._control():
             wanted = None if request_ids is None else set(request_ids)
             seqs = [s for s in self.scheduler.unfinished()
                     if wanted is None or s.request_id in wanted]  # fmt: skip
@@ -239,7 +256,7 @@ class LLMEngine:
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop these sequences now (their client went away); their KV blocks return to the
         pool. One inside a step still in flight is released when that step lands."""
-        with self.lock:
+        with self._control():
             busy = {s.seq_id for b in self._in_flight for s in b.seqs}
             self._resumed.notify_all()  # `step` callers waiting on these
             for seq in seqs:
@@ -284,7 +301,7 @@ class LLMEngine:
     def sleep(self) -> None:
         """Release the KV cache (every rank) so a colocated trainer can use the memory.
         Running sequences are preempted (recomputed after `wake`); nothing is lost."""
-        with self.lock:
+        with self._control():
             if self.lifecycle.kv_released:
                 return
             self.lifecycle.check_alive()
@@ -295,7 +312,7 @@ class LLMEngine:
 
     def wake(self) -> None:
         """Re-allocate the KV cache released by `sleep`."""
-        with self.lock:
+        with self._control():
             if not self.lifecycle.kv_released:
                 return
             self.lifecycle.check_alive()
@@ -307,6 +324,8 @@ class LLMEngine:
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
         returns the sequences that finished in it. While paused or updating it waits; with
         ``for_seqs`` it returns as soon as those are finished (by another thread's step)."""
+        while self._controls:  # a control call (pause, push, abort...) goes first
+            time.sleep(CONTROL_YIELD_S)
         with self.lock:
             while (self._updating or self._held()) and self.has_unfinished():
                 if for_seqs is not None and all(seq.finished for seq in for_seqs):
