@@ -226,7 +226,15 @@ def raw_bodies(valid: dict, max_request_bytes: int):
 
 
 ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"]
-ADMIN = ["/admin/weights", "/admin/sleep", "/admin/wake", "/admin/reset_prefix_cache"]
+ADMIN = [
+    "/admin/weights",
+    "/sleep",
+    "/wake_up",
+    "/reset_prefix_cache",
+    "/pause",
+    "/resume",
+    "/abort_requests",
+]
 
 
 def odd_requests(admin_key: str):

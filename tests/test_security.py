@@ -182,8 +182,8 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
             for path in ("/v1/completions", "/v1/chat/completions"):
                 r = server.post(path, content=payload, headers={"content-type": ctype})
                 assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
-        for method, path in (("GET", "/admin/weights"), ("POST", "/admin/sleep"),
-                             ("POST", "/admin/wake")):  # fmt: skip
+        for method, path in (("GET", "/admin/weights"), ("POST", "/sleep"),
+                             ("POST", "/wake_up")):  # fmt: skip
             r = server.client.request(method, path, content=payload, headers=admin)
             assert r.status_code < 500, r.text
     ex = server.admin("GET", "/admin/weights").json()["exchange"]
@@ -319,8 +319,8 @@ def test_admin_routes_need_the_admin_key(server):
         {"Authorization": f"Bearer {ADMIN_KEY[:-1]}"},
         {"Authorization": f"Basic {ADMIN_KEY}"},
     ]
-    for method, path in (("GET", "/admin/weights"), ("POST", "/admin/sleep"),
-                         ("POST", "/admin/wake")):  # fmt: skip
+    for method, path in (("GET", "/admin/weights"), ("POST", "/sleep"),
+                         ("POST", "/wake_up")):  # fmt: skip
         for headers in wrong:
             r = server.client.request(method, path, headers=headers)
             assert r.status_code == 401, (path, headers, r.text)

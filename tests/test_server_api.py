@@ -142,8 +142,8 @@ def test_prefix_cache_counts_hits_and_resets_through_admin(server, client):
     assert server.metric("tandem_engine_steps_total") == steps + 2
     assert server.metric("tandem_decode_tokens_total") > 0
     assert 0 < server.metric("tandem_prefix_cache_hit_rate") < 1
-    assert server.post("/admin/reset_prefix_cache").status_code == 401
-    assert server.admin("POST", "/admin/reset_prefix_cache").json() == {"reset": True}
+    assert server.post("/reset_prefix_cache").status_code == 401
+    assert server.admin("POST", "/reset_prefix_cache").json() == {"reset": True}
     assert server.metric("tandem_prefix_cache_blocks") == 0
     client.completions.create(**params)
     assert server.metric("tandem_prefix_cache_hit_tokens_total") == hits + 32, "nothing cached"
@@ -167,14 +167,14 @@ def test_admin_routes_need_the_key(server):
     wrong = server.client.get("/admin/weights", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401
     assert wrong.json()["error"]["type"] == "authentication_error"
-    assert server.post("/admin/sleep").status_code == 401
+    assert server.post("/sleep").status_code == 401
     info = server.admin("GET", "/admin/weights").json()
     assert info["version"] == 0 and info["exchange"]["port"] > 0
     assert "shm" in info["transports"]
 
 
 def test_sleep_releases_kv_and_wake_resumes(server, client):
-    assert server.admin("POST", "/admin/sleep").json()["sleeping"] is True
+    assert server.admin("POST", "/sleep").json()["is_sleeping"] is True
     assert server.get("/health").json()["sleeping"] is True
     assert server.metric("tandem_engine_sleeping") == 1
     import threading
@@ -185,7 +185,7 @@ def test_sleep_releases_kv_and_wake_resumes(server, client):
     t.start()
     assert wait_for(lambda: server.metric("tandem_queue_depth") == 1, timeout=10)
     assert "r" not in result  # queued while asleep
-    assert server.admin("POST", "/admin/wake").json()["sleeping"] is False
+    assert server.admin("POST", "/wake_up").json()["is_sleeping"] is False
     t.join(timeout=30)
     assert result["r"].usage.completion_tokens >= 1
 

@@ -238,10 +238,16 @@ class LLMEngine:
         """The pause mode in force, or None."""
         return self._paused
 
-    def _held(self) -> bool:
+    def held(self) -> bool:
+        """Whether a pause stops the next step now (``keep``; ``abort``/``wait`` once nothing
+        runs)."""
         if self._paused is None:
             return False
         return self._paused == "keep" or not (self.scheduler.running or self._in_flight)
+
+    def unfinished_request_ids(self) -> set[str]:
+        with self._control():
+            return {seq.request_id for seq in self.scheduler.unfinished()}
 
     def abort_requests(self, request_ids=None) -> list[Sequence]:
         """Abort the unfinished sequences of these requests (None: of every request); the
@@ -327,7 +333,7 @@ class LLMEngine:
         while self._controls:  # a control call (pause, push, abort...) goes first
             time.sleep(CONTROL_YIELD_S)
         with self.lock:
-            while (self._updating or self._held()) and self.has_unfinished():
+            while (self._updating or self.held()) and self.has_unfinished():
                 if for_seqs is not None and all(seq.finished for seq in for_seqs):
                     return []  # another thread's step or an abort finished them
                 self._resumed.wait()

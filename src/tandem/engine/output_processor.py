@@ -163,10 +163,11 @@ class OutputProcessor:
 
     def process(self, seq: Sequence, token: int) -> None:
         """Advance ``seq``'s text by its newest token ``token`` and finish it if a rule says so."""
-        detok = self._detok(seq)
-        before = len(detok.text)
-        added = detok.update(seq.token_ids)
         params = seq.params
+        if params.detokenize:
+            detok = self._detok(seq)
+            before = len(detok.text)
+            added = detok.update(seq.token_ids)
         if not params.ignore_eos and token in self.eos_token_ids:
             return self._finish(seq, "stop")
         if token in params.stop_token_ids:
@@ -188,7 +189,7 @@ class OutputProcessor:
 
     def _finalize(self, seq: Sequence) -> None:
         """Make a finished sequence's text final (once; also for one finished elsewhere)."""
-        if seq.detok is None and not seq.num_output_tokens:
+        if (seq.detok is None and not seq.num_output_tokens) or not seq.params.detokenize:
             return
         detok = self._detok(seq)
         if detok.finished:

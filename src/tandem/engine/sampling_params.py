@@ -20,7 +20,8 @@ class SamplingParams:
     log-prob of every prompt token given the ones before it (None for the first) and, for
     k > 0, the k most likely alternatives at each position. Such a prompt is computed in full
     (no prefix-cache hits). ``max_tokens=0`` (only with ``prompt_logprobs``) scores the prompt
-    and generates nothing.
+    and generates nothing. ``detokenize=False`` skips output text (token ids and log-probs
+    only, for RL loops that train on ids).
     """
 
     n: int = 1
@@ -37,6 +38,7 @@ class SamplingParams:
     logprobs_mode: Literal["raw", "processed"] = "raw"
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
+    detokenize: bool = True  # False: token ids (and log-probs) only, no output text
 
     def __post_init__(self):
         _check_int("n", self.n, minimum=1)
@@ -61,6 +63,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True (use stop_token_ids)")
         self.stop_token_ids = list(self.stop_token_ids or [])
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, minimum=0)

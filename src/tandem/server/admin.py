@@ -1,5 +1,5 @@
-"""``/admin/*``: weight-sync negotiation, sleep / wake and prefix-cache reset, for the holder
-of ``--admin-key``.
+"""``/admin/weights``: weight-sync negotiation, for the holder of ``--admin-key`` (the RL
+controls, sleep / wake-up included, are in `tandem.server.rl_controls`).
 
 Without an admin key the routes answer 403 (disabled). Weight sync: ``GET /admin/weights``
 returns the version being served and the endpoint of the engine's exchange server, which a
@@ -13,19 +13,9 @@ import asyncio
 
 from fastapi import APIRouter, Depends, Request
 
-from tandem.server.errors import APIError
-from tandem.server.state import check_key, state
+from tandem.server.state import require_admin, state
 
-
-def _admin_key(request: Request) -> None:
-    key = state(request).config.admin_key
-    if key is None:
-        raise APIError(403, "admin routes are disabled: start the server with --admin-key",
-                       code="admin_disabled")  # fmt: skip
-    check_key(request, key, "admin key")
-
-
-router = APIRouter(prefix="/admin", dependencies=[Depends(_admin_key)])
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
 @router.get("/weights")
@@ -44,25 +34,3 @@ async def weights(request: Request):
         "modes": ["staged", "in_place"],
         "dtype": engine.config.dtype,
     }
-
-
-@router.post("/sleep")
-async def sleep(request: Request):
-    """Release the KV cache (running requests are preempted and resume after wake)."""
-    engine = state(request).engine
-    await asyncio.to_thread(engine.sleep)
-    return {"sleeping": True, "kv_blocks": engine.stats().kv_blocks_total}
-
-
-@router.post("/wake")
-async def wake(request: Request):
-    engine = state(request).engine
-    await asyncio.to_thread(engine.wake)
-    return {"sleeping": False, "kv_blocks": engine.stats().kv_blocks_total}
-
-
-@router.post("/reset_prefix_cache")
-async def reset_prefix_cache(request: Request):
-    """Forget every cached prompt prefix (weight pushes do this themselves)."""
-    await asyncio.to_thread(state(request).engine.reset_prefix_cache)
-    return {"reset": True}

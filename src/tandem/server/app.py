@@ -6,11 +6,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.engine.state import EngineState
-from tandem.server import admin, errors, openai_routes
+from tandem.server import admin, errors, openai_routes, rl_controls
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_CONTROLS = {route.path for route in rl_controls.router.routes}
 
 
 def build_app(server: ServerState) -> FastAPI:
@@ -19,6 +20,7 @@ def build_app(server: ServerState) -> FastAPI:
     errors.install(app)
     app.include_router(openai_routes.router)
     app.include_router(admin.router)
+    app.include_router(rl_controls.router)
     app.add_middleware(_CountRequests, server=server)
 
     @app.get("/health")
@@ -56,7 +58,8 @@ class _CountRequests:
             await send(message)
 
         path = scope.get("path", "")
-        endpoint = path if path in _ENDPOINTS else "admin" if path.startswith("/admin") else "other"
+        endpoint = (path if path in _ENDPOINTS else "admin"
+                    if path.startswith("/admin") or path in _CONTROLS else "other")  # fmt: skip
         try:
             await self.app(scope, receive, send_status)
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -47,6 +48,25 @@ class SeqDelta:
     top_logprobs: list[dict[int, float]] | None
     finish_reason: str | None
     stop_reason: str | int | None
+    start: int = 0  # index of its first token in the sample's output
+    weight_versions: list[list[int]] = field(default_factory=list)  # [version, start, end)
+    # spans of its tokens (indexes into the sample's output)
+
+
+def version_spans(seq: Sequence, start: int, end: int) -> list[list[int]]:
+    """The sample's weight-version spans cut to output tokens start..end-1."""
+    spans = []
+    for version, lo, hi in seq.version_spans:
+        lo, hi = max(lo, start), min(hi, end)
+        if lo < hi:
+            spans.append([version, lo, hi])
+    return spans
+
+
+def _call_id(request_id: str) -> str | None:
+    """The API call a request belongs to (``<call id>-<prompt index>``), if it is one."""
+    call, _, index = request_id.rpartition("-")
+    return call if index.isdigit() else None
 
 
 @dataclass(slots=True)
@@ -115,7 +135,9 @@ class AsyncEngine:
         self._new: list[tuple[str, _Tracked]] = []
         self._aborts: list[str] = []
         self._tracked: dict[str, _Tracked] = {}
+        self._live: set[str] = set()  # ids of requests submitted and not yet over (`_cond`)
         self._closed: str | None = None
+        self._republish = False  # sequences finished outside a step (pause, abort): post them
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -196,6 +218,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in enumerate(requests)]
         with self._cond:
+            if taken := [rid for rid, _ in requests if rid in self._live]:
+                raise ValueError(f"request id {taken[0]!r} is already in use")
+            self._live.update(rid for rid, _ in requests)
             self._new.extend(tracked)
             self._cond.notify()
         return Submission(self, [rid for rid, _ in requests], queue)
@@ -211,7 +236,46 @@ class AsyncEngine:
 
     def wake(self) -> None:
         self._core.wake()
+        self._poke()
+
+    @property
+    def paused(self) -> str | None:
+        return self._core.paused
+
+    def pause(self, mode: str, timeout: float | None = None) -> int:
+        """Stop generating (`LLMEngine.pause`); the callers of aborted requests get their
+        partial outputs. ``wait`` returns once the running sequences finished (or after
+        ``timeout`` seconds: TimeoutError, still paused). Returns the sequences aborted.
+        Blocking: call in a thread."""
+        aborted = self._core.pause(mode)
+        self._poke(publish=True)
+        if mode == "wait":
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._core.held() and self._core.state is EngineState.RUNNING:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"running requests did not finish in {timeout} s")
+                time.sleep(0.005)
+        return len(aborted)
+
+    def resume(self) -> None:
+        self._core.resume()
+        self._poke()
+
+    def abort_requests(self, request_ids: list[str] | None) -> list[str]:
+        """End these requests now (None: every one), returning what they generated to their
+        callers with finish_reason ``abort``. An id names a request or a whole API call (the
+        ``id`` of its response: all its prompts). Returns the request ids aborted."""
+        live = self._core.unfinished_request_ids()
+        if request_ids is not None:
+            wanted = set(request_ids)
+            live = {r for r in live if r in wanted or _call_id(r) in wanted}
+        self._core.abort_requests(live)
+        self._poke(publish=True)
+        return sorted(live)
+
+    def _poke(self, publish: bool = False) -> None:
         with self._cond:
+            self._republish = self._republish or publish
             self._cond.notify()
 
     def close(self, reason: str = "the server is shutting down") -> None:
@@ -222,25 +286,31 @@ class AsyncEngine:
 
     # ----- engine thread -----
     def _runnable(self) -> bool:
-        return self._core.has_unfinished() and self._core.state is EngineState.RUNNING
+        core = self._core
+        return core.has_unfinished() and core.state is EngineState.RUNNING and not core.held()
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self._new or self._aborts or self._runnable()):
+                while not (self._closed or self._new or self._aborts or self._republish
+                           or self._runnable()):  # fmt: skip
                     if not self._cond.wait(timeout=HEALTH_CHECK_S):
                         self._core.check_health()  # idle: is every worker still there?
                 if self._closed:
                     break
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
+                republish, self._republish = self._republish, False
             for request_id, tracked in new:
                 self._tracked[request_id] = tracked
                 self._core.add(tracked.seqs)
             for request_id in aborts:
                 tracked = self._tracked.pop(request_id, None)
+                self._over([request_id])
                 if tracked is not None:
                     self._core.abort(tracked.seqs)
+            if republish:
+                self._publish()
             if self._core.state in (EngineState.TORN, EngineState.DEAD):
                 self._fail_all(self.unavailable())
                 continue
@@ -266,6 +336,7 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         tracked, self._tracked = self._tracked, {}
+        self._over(tracked)
         for t in tracked.values():
             if self._core.state is not EngineState.DEAD:
                 self._core.abort(t.seqs)
@@ -286,6 +357,11 @@ class AsyncEngine:
                 done.append(request_id)
         for request_id in done:
             del self._tracked[request_id]
+        self._over(done)
+
+    def _over(self, request_ids) -> None:
+        with self._cond:
+            self._live.difference_update(request_ids)
 
     def _delta(self, t: _Tracked, i: int, seq: Sequence) -> SeqDelta | None:
         if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):
@@ -302,6 +378,8 @@ class AsyncEngine:
             top_logprobs=seq.top_logprobs[start:] if seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
+            start=start,
+            weight_versions=version_spans(seq, start, seq.num_output_tokens),
         )
         t.sent_chars[i] = max(chars, cut)
         t.sent_tokens[i] = seq.num_output_tokens

@@ -12,7 +12,13 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.engine.sequence import Sequence
-from tandem.server.async_engine import EngineUnavailable, RequestUpdate, SeqDelta, Submission
+from tandem.server.async_engine import (
+    EngineUnavailable,
+    RequestUpdate,
+    SeqDelta,
+    Submission,
+    version_spans,
+)
 from tandem.server.errors import APIError, error_body
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
 from tandem.server.state import ServerState, check_key, read_json, state, until_done
@@ -39,25 +45,31 @@ async def completions(request: Request):
     req: CompletionRequest = await read_json(request, CompletionRequest, s.config.max_request_bytes)
     s.check_model(req.model)
     params = _checked(req.params)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "`echo` with `logprobs` is not supported", param="echo")
     prompts = req.prompts()
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    prepared = []
+    rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+    prepared, prompt_ids = [], []
     for i, p in enumerate(prompts):
         ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
         seqs = _checked(lambda ids=ids, i=i: s.engine.prepare(f"{rid}-{i}", ids, params,
                                                                 req.priority))  # fmt: skip
         prepared.append((f"{rid}-{i}", seqs))
+        prompt_ids.append(ids)
     texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
     call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage)
 
     def choice(pi: int, d: SeqDelta, first: bool) -> dict:
-        text = texts[pi] + d.text if req.echo and first else d.text
-        lp = None if d.logprobs is None else _completion_logprobs(s, d)
-        return {"index": pi * req.n + d.index, "text": text, "logprobs": lp,
+        echo = req.echo and first
+        text = texts[pi] + d.text if echo and req.detokenize else d.text
+        scores = _prompt_scores(prepared[pi][1]) if echo and req.logprobs is not None else None
+        lp = None
+        if d.logprobs is not None:
+            lp = _completion_logprobs(s, d, scores, req.detokenize)
+        body = {"index": pi * req.n + d.index, "text": text, "logprobs": lp,
                 "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-                "token_ids": d.token_ids}  # fmt: skip
+                "token_ids": d.token_ids, "weight_versions": _spans(d)}  # fmt: skip
+        if req.return_token_ids and first:
+            body["prompt_token_ids"] = prompt_ids[pi]
+        return body
 
     if req.stream:
         return call.stream(choice)
@@ -74,24 +86,31 @@ async def chat_completions(request: Request):
     params = _checked(req.params)
     messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
     text = s.chat.render(messages, req.add_generation_prompt)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ids = s.tokenizer.encode(text)
     seqs = _checked(lambda: s.engine.prepare(rid, ids, params, req.priority))
     call = _Call(s, request, rid, "chat.completion", req.n, [(rid, seqs)], req.include_usage)
 
     def logprobs(d: SeqDelta):
-        return None if d.logprobs is None else {"content": _chat_logprobs(s, d)}
+        if d.logprobs is None:
+            return None
+        return {"content": _chat_logprobs(s, d, req.detokenize)}
+
+    def extras(d: SeqDelta, first: bool) -> dict:
+        body = {"logprobs": logprobs(d), "finish_reason": d.finish_reason,
+                "stop_reason": d.stop_reason, "token_ids": d.token_ids,
+                "weight_versions": _spans(d)}  # fmt: skip
+        if req.return_token_ids and first:
+            body["prompt_token_ids"] = ids
+        return body
 
     def choice(pi: int, d: SeqDelta, first: bool) -> dict:
-        return {"index": d.index, "message": {"role": "assistant", "content": d.text},
-                "logprobs": logprobs(d), "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason, "token_ids": d.token_ids}  # fmt: skip
+        message = {"role": "assistant", "content": d.text}
+        return {"index": d.index, "message": message} | extras(d, first)
 
     def chunk(pi: int, d: SeqDelta, first: bool) -> dict:
         delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
-        return {"index": d.index, "delta": delta, "logprobs": logprobs(d),
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-                "token_ids": d.token_ids}  # fmt: skip
+        return {"index": d.index, "delta": delta} | extras(d, first)
 
     if req.stream:
         return call.stream(chunk)
@@ -175,7 +194,18 @@ def _final(s: ServerState, seq: Sequence) -> SeqDelta:
         seq.index, s.engine.text(seq), seq.output_token_ids,
         list(seq.logprobs) if k is not None else None,
         list(seq.top_logprobs) if k else None, seq.finish_reason, seq.stop_reason,
+        0, version_spans(seq, 0, seq.num_output_tokens),
     )  # fmt: skip
+
+
+def _spans(d: SeqDelta) -> list[dict]:
+    """Which weight version sampled which of the delta's tokens (output token indexes)."""
+    return [{"version": v, "start": lo, "end": hi} for v, lo, hi in d.weight_versions]
+
+
+def _prompt_scores(seqs: list[Sequence]) -> Sequence:
+    """The sample that computed the request's prompt (its scores; the others share them)."""
+    return max(seqs, key=lambda seq: len(seq.prompt_logprobs))
 
 
 def _checked(call):
@@ -190,25 +220,39 @@ def _lp(value: float) -> float:
     return max(value, -9999.0)  # JSON has no -inf
 
 
-def _completion_logprobs(s: ServerState, d: SeqDelta) -> dict:
-    tok = s.tokenizer
-    tokens = [tok.decode([t], False) for t in d.token_ids]
+def _token_text(s: ServerState, token: int, detokenize: bool) -> str:
+    return s.tokenizer.decode([token], False) if detokenize else f"token_id:{token}"
+
+
+def _completion_logprobs(
+    s: ServerState, d: SeqDelta, prompt: Sequence | None, detokenize: bool
+) -> dict:
+    """OpenAI's completion log-probs of a delta's tokens; with ``prompt`` (echo) the scored
+    prompt's tokens first (``null`` for its first token, which nothing predicts)."""
+    ids, values, tops = list(d.token_ids), list(d.logprobs), d.top_logprobs
+    if prompt is not None:
+        n = prompt.num_prompt_tokens
+        ids = prompt.token_ids[:n] + ids
+        values = prompt.prompt_logprobs[:n] + values
+        if tops is not None:
+            tops = prompt.prompt_top_logprobs[:n] + tops
+    tokens = [_token_text(s, t, detokenize) for t in ids]
     offsets, pos = [], 0
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     top = None
-    if d.top_logprobs is not None:
-        top = [{tok.decode([t], False): _lp(v) for t, v in alts.items()} for alts in d.top_logprobs]
-    return {"tokens": tokens, "token_logprobs": [_lp(v) for v in d.logprobs],
+    if tops is not None:
+        top = [None if alts is None else
+               {_token_text(s, t, detokenize): _lp(v) for t, v in alts.items()}
+               for alts in tops]  # fmt: skip
+    return {"tokens": tokens, "token_logprobs": [None if v is None else _lp(v) for v in values],
             "top_logprobs": top, "text_offset": offsets}  # fmt: skip
 
 
-def _chat_logprobs(s: ServerState, d: SeqDelta) -> list[dict]:
-    tok = s.tokenizer
-
+def _chat_logprobs(s: ServerState, d: SeqDelta, detokenize: bool) -> list[dict]:
     def entry(t: int, v: float) -> dict:
-        text = tok.decode([t], False)
+        text = _token_text(s, t, detokenize)
         return {"token": text, "logprob": _lp(v), "bytes": list(text.encode())}
 
     out = []

@@ -3,8 +3,8 @@
 Unknown fields and values of the wrong type are rejected (400, naming the field) rather than
 silently ignored or coerced: a typo in ``temprature`` must not sample at temperature 1.
 Extensions beyond OpenAI's fields follow vLLM's names (``top_k``, ``ignore_eos``,
-``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``) plus
-``logprobs_mode`` and ``priority``.
+``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
+``request_id``, ``return_token_ids``, ``detokenize``) plus ``logprobs_mode`` and ``priority``.
 """
 
 from __future__ import annotations
@@ -50,8 +50,13 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     logprobs_mode: Literal["raw", "processed"] = "raw"
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\w.:-]+$")
+    return_token_ids: bool = False  # also return the prompt's token ids on every choice
+    detokenize: bool = True  # False: no text, token ids and log-probs only
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"`{name}` is not supported (must be 0)", param=name)
@@ -73,6 +78,8 @@ class _Sampling(BaseModel):
             logprobs=logprobs,
             logprobs_mode=self.logprobs_mode,
             skip_special_tokens=self.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=self.detokenize,
         )
 
     @property
@@ -87,7 +94,7 @@ class CompletionRequest(_Sampling):
         | Annotated[list[TokenId], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(16, ge=1, le=MAX_INT)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_INT)
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=64)
@@ -104,7 +111,12 @@ class CompletionRequest(_Sampling):
     def params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "`best_of` other than `n` is not supported", param="best_of")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "`max_tokens: 0` needs `echo: true` (score the prompt)",
+                           param="max_tokens")  # fmt: skip
+        scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
+        prompt_logprobs = (self.logprobs or 0) if scored else None
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
 
 class TextPart(BaseModel):

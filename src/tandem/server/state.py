@@ -46,6 +46,8 @@ class ServerState:
                            headers={"Retry-After": "1"}) from None  # fmt: skip
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
+        except ValueError as exc:  # a request id already in use
+            raise APIError(400, str(exc), param="request_id", code="invalid_value") from None
 
 
 def state(request: Request) -> ServerState:
@@ -63,6 +65,15 @@ def check_key(request: Request, expected: str | None, what: str) -> None:
     ):
         raise APIError(401, f"missing or wrong {what} (send `Authorization: Bearer <key>`)",
                        code="invalid_api_key")  # fmt: skip
+
+
+def require_admin(request: Request) -> None:
+    """Admin routes (weight sync, RL controls) need ``--admin-key``; without one: 403."""
+    key = state(request).config.admin_key
+    if key is None:
+        raise APIError(403, "admin routes are disabled: start the server with --admin-key",
+                       code="admin_disabled")  # fmt: skip
+    check_key(request, key, "admin key")
 
 
 async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
