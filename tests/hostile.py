@@ -136,7 +136,11 @@ def completion_mutations(context: int):
         st.dictionaries(st.text(), st.floats(1, 9), min_size=1).map(lambda b: {"logit_bias": b}),
         st.text(min_size=1).map(lambda s: {"suffix": s}),
         st.just({"stream": False, "stream_options": {"include_usage": True}}),
-        st.just({"echo": True, "logprobs": 1}),
+        st.just({"echo": False, "max_tokens": 0}),
+        st.just({"detokenize": False, "stop": "x"}),
+        st.sampled_from(["", "a b", "x/y", "semi;colon", "a" * 257, "new\nline"]).map(
+            lambda s: {"request_id": s}
+        ),
     )
 
 

@@ -27,9 +27,9 @@ from tandem.engine.messages import Hello
 from tandem.exchange.protocol import PushDone, decode
 from tandem.exchange.transports import shm
 from tandem.server import state as server_state
-from tandem.server.admin import _admin_key
 from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError
+from tandem.server.state import require_admin
 from tandem.wire import frame
 
 pytestmark = pytest.mark.timeout(300)
@@ -186,6 +186,9 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
                              ("POST", "/wake_up")):  # fmt: skip
             r = server.client.request(method, path, content=payload, headers=admin)
             assert r.status_code < 500, r.text
+        for path in ("/pause", "/abort_requests"):
+            r = server.client.post(path, content=payload, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
     ex = server.admin("GET", "/admin/weights").json()["exchange"]
     pids = [server.proc.pid, *children(server.proc.pid)]
     ports = {port for _, port in listening(pids)} - {int(server.url.rsplit(":", 1)[1])}
@@ -319,8 +322,10 @@ def test_admin_routes_need_the_admin_key(server):
         {"Authorization": f"Bearer {ADMIN_KEY[:-1]}"},
         {"Authorization": f"Basic {ADMIN_KEY}"},
     ]
-    for method, path in (("GET", "/admin/weights"), ("POST", "/sleep"),
-                         ("POST", "/wake_up")):  # fmt: skip
+    routes = [("GET", "/admin/weights"), ("GET", "/is_paused"), ("GET", "/is_sleeping")] + [
+        ("POST", p) for p in ("/sleep", "/wake_up", "/pause", "/resume", "/abort_requests",
+                              "/reset_prefix_cache")]  # fmt: skip
+    for method, path in routes:
         for headers in wrong:
             r = server.client.request(method, path, headers=headers)
             assert r.status_code == 401, (path, headers, r.text)
@@ -337,7 +342,7 @@ def _request(admin_key: str | None, authorization: str | None = None) -> Request
 
 def test_admin_disabled_is_403_and_the_key_is_compared_in_constant_time(monkeypatch):
     with pytest.raises(APIError) as denied:
-        _admin_key(_request(None, f"Bearer {ADMIN_KEY}"))
+        require_admin(_request(None, f"Bearer {ADMIN_KEY}"))
     assert denied.value.status == 403
     compared = []
 
@@ -346,7 +351,7 @@ def test_admin_disabled_is_403_and_the_key_is_compared_in_constant_time(monkeypa
         return hmac.compare_digest(a, b)
 
     monkeypatch.setattr(server_state, "hmac", SimpleNamespace(compare_digest=spy))
-    _admin_key(_request(ADMIN_KEY, f"Bearer {ADMIN_KEY}"))
+    require_admin(_request(ADMIN_KEY, f"Bearer {ADMIN_KEY}"))
     with pytest.raises(APIError) as wrong:
-        _admin_key(_request(ADMIN_KEY, "Bearer x" + ADMIN_KEY))
+        require_admin(_request(ADMIN_KEY, "Bearer x" + ADMIN_KEY))
     assert wrong.value.status == 401 and len(compared) == 2

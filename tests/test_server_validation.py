@@ -52,7 +52,9 @@ BAD = [
     ("empty prompt", {"prompt": ""}, 400, "prompt"),
     ("unknown field", {"temprature": 0.5}, 400, "temprature"),
     ("unsupported: penalty", {"presence_penalty": 1.0}, 400, "presence_penalty"),
-    ("unsupported: echo with logprobs", {"echo": True, "logprobs": 1}, 400, "echo"),
+    ("max_tokens 0 without echo", {"max_tokens": 0}, 400, "max_tokens"),
+    ("request_id with a space", {"request_id": "a b"}, 400, "request_id"),
+    ("detokenize as a string", {"detokenize": "no"}, 400, "detokenize"),
     ("prompt over the context length", {"prompt": [5] * 200}, 400, None),
     ("missing model", None, 400, "model"),
 ]
