@@ -179,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--host", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="default 8000; 0 picks a free port")
     s.add_argument("--api-key", help="required as a Bearer token on /v1 routes")
-    s.add_argument("--admin-key", help="enables the admin routes (weight sync, RL controls: pause, abort, sleep)")
+    s.add_argument("--admin-key", help="enables admin routes (weight sync, pause, abort, sleep)")
     s.add_argument("--served-model-name", help="the model id clients send (default: dir name)")
     s.add_argument("--max-waiting-requests", type=int, help="more waiting: 429 (default 256)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
