@@ -32,6 +32,13 @@ CONFIGS = {
     "qwen3-odd-heads": (
         "qwen3", dict(num_attention_heads=5, num_key_value_heads=1, head_dim=16),
     ),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-dense-first-unnormalised": (
+        "qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False, num_experts=7,
+                          num_experts_per_tok=3),
+    ),
+    "qwen3-moe-sparse-step-2": ("qwen3_moe", dict(decoder_sparse_step=2)),
+    "mixtral": ("mixtral", {}),
     "gpt2-tied": ("gpt2", {}),
     "gpt2-untied-3-heads-gelu": (
         "gpt2", dict(n_embd=48, n_head=3, tie_word_embeddings=False, activation_function="gelu"),

@@ -25,6 +25,8 @@ FAMILIES = {
     "qwen2": {},
     "qwen3": {},
     "gpt2": {},
+    "qwen3_moe": {},  # 6 experts: 3 per rank at TP=2 (expert parallel)
+    "mixtral": {},  # 5 experts: 3 + 2 (uneven)
 }
 LAYOUTS = [(2, 1), (1, 2), (2, 2)]
 

@@ -424,6 +424,8 @@ class LLMEngine:
                 continue
             token = out.token_ids[row]
             seq.token_ids.append(token)
+            if seq.params.return_routed_experts:
+                seq.routed_experts.append(out.routed_experts[row])
             seq.record_version(self.weight_version)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -447,6 +449,7 @@ def _seq_params(seq: Sequence) -> SeqParams:
         processed_logprobs=p.logprobs_mode == "processed",
         prompt_logprobs=p.prompt_logprobs,
         num_prompt_tokens=seq.num_prompt_tokens,
+        return_routed_experts=p.return_routed_experts,
     )
 
 

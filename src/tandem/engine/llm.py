@@ -90,6 +90,7 @@ class LLM:
                 stop_reason=s.stop_reason,
                 top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,
                 weight_versions=[VersionSpan(*span) for span in s.version_spans],
+                routed_experts=list(s.routed_experts) if s.params.return_routed_experts else None,
             )
             for s in seqs
         ]

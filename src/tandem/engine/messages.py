@@ -25,6 +25,7 @@ class SeqParams:
     processed_logprobs: bool
     prompt_logprobs: int | None = None  # score the prompt: top-k alternatives per position
     num_prompt_tokens: int = 0  # positions below this are prompt (targets of prompt scoring)
+    return_routed_experts: bool = False
 
 
 @dataclass(slots=True)
@@ -95,6 +96,8 @@ class StepResult:
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # per sampled row, when a sequence asked (else None): top-k expert ids per MoE layer
+    routed_experts: list[list[list[int]] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -183,7 +186,7 @@ def encode(msg: Message) -> bytes:
         prompt = [p.to_wire() for p in msg.prompt_logprobs]
         return msgpack.packb(
             ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs,
-             prompt]
+             prompt, msg.routed_experts]
         )  # fmt: skip
     if type(msg) in _KIND:
         return msgpack.packb([_KIND[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
@@ -200,8 +203,8 @@ def decode(data: bytes) -> Message:
         ]
         return StepMessage(step_id, steps, released, copies)
     if kind == "result":
-        *fields, prompt = body
-        return StepResult(*fields, [PromptLogprobs(*p) for p in prompt])
+        *fields, prompt, routed = body
+        return StepResult(*fields, [PromptLogprobs(*p) for p in prompt], routed)
     if kind in _SIMPLE:
         return _SIMPLE[kind](*body)
     raise ValueError(f"unknown message kind {kind!r}")
@@ -209,4 +212,4 @@ def decode(data: bytes) -> Message:
 
 def _params(p: SeqParams) -> list:
     return [p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.processed_logprobs,
-            p.prompt_logprobs, p.num_prompt_tokens]  # fmt: skip
+            p.prompt_logprobs, p.num_prompt_tokens, p.return_routed_experts]  # fmt: skip

@@ -22,6 +22,7 @@ from tandem.layers.attention import (
     PrefillSpan,
     SharedPrefixGroup,
 )
+from tandem.layers.moe import SparseMoE
 from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.loader import ModelSpec, build_model, load_weights
 from tandem.models.stages import Stage
@@ -153,6 +154,12 @@ class ModelRunner:
         # on CPU the parameters live in shared memory: a trainer on this host writes into them
         self.arena = ParamArena(self.model) if device.type == "cpu" else None
         self.layers = list(self.stage.layers(self.model))
+        # mixture-of-experts layers (routing replay): this stage's, and how many come before it
+        self.moe = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        moe_layers = getattr(spec.cls, "moe_layers", lambda config: [])(spec.config)
+        self.moe_before = sum(1 for i in moe_layers if i < self.stage.start)
+        self.moe_top_k = getattr(spec.config, "num_experts_per_tok", 0)
+        self.has_moe = bool(moe_layers)
         self.hidden_size = spec.hidden_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None
@@ -224,9 +231,15 @@ class ModelRunner:
             [self._decode_group([rest_decodes[i] for i in members]) for members in groups],
             [self._shared_group([decodes[i] for i in m], blocks) for m, blocks in shared],
         )
-        hidden = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta)
-        if hidden is None:
+        routing = None
+        if self.has_moe and any(s.params.return_routed_experts for s in states):
+            routing = []  # this step's expert ids, layer by layer
+        for moe in self.moe:
+            moe.routing = routing
+        out = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta, routing)
+        if out is None:
             return None
+        hidden, routed = out
         prompt_logprobs = [self._score_prompt(hidden, score) for score in scores]
         # every rank of the last stage takes part (vocab-parallel head); forked samples share
         unique, inverse = torch.unique(self._tensor(sample_rows), return_inverse=True)
@@ -236,6 +249,11 @@ class ModelRunner:
         if not sample_rows:  # only prompt chunks this step
             return StepResult(msg.step_id, [], [], prompt_logprobs=prompt_logprobs)
         out = self.sampler(logits, self._sampling_batch(states))
+        routed_experts = None
+        if routed is not None:  # [rows, moe layers, top_k]: the row whose logits sampled
+            per_row = routed.view(len(routed), -1, self.moe_top_k)[self._tensor(sample_rows)]
+            routed_experts = [ids if s.params.return_routed_experts else None
+                              for ids, s in zip(per_row.tolist(), states, strict=True)]  # fmt: skip
         return StepResult(
             msg.step_id,
             out.token_ids.tolist(),
@@ -243,6 +261,7 @@ class ModelRunner:
             None if out.top_ids is None else out.top_ids.tolist(),
             None if out.top_logprobs is None else out.top_logprobs.tolist(),
             prompt_logprobs,
+            routed_experts,
         )
 
     def _prompt_score(self, step, state: _SeqState, row: int) -> _PromptScore | None:
@@ -294,19 +313,35 @@ class ModelRunner:
             score.state.pending = (position, torch.log_softmax(logits, dim=-1)[0])
         return PromptLogprobs(score.seq_id, score.first, lps, top_ids, top_lps)
 
-    def _run_stage(self, input_ids, positions, meta) -> torch.Tensor | None:
-        """This stage's layers; hidden states come from / go to the neighbouring stages."""
+    def _run_stage(
+        self, input_ids, positions, meta, routing: list | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """This stage's layers; hidden states come from / go to the neighbouring stages, and
+        with ``routing`` the expert ids of every MoE layer so far ([rows, layers * top_k], in
+        layer order). The last stage returns (final hidden states, expert ids or None)."""
         context = self.model.layer_context(positions, self.dtype)
+        rows = len(input_ids)
+        before = None
         if self.stage.is_first:
             x = self.model.embed(input_ids, positions)
         else:
-            x = self.pipe.recv((len(input_ids), self.hidden_size), self.dtype)
+            x = self.pipe.recv((rows, self.hidden_size), self.dtype)
+            if routing is not None:
+                before = self.pipe.recv((rows, self.moe_before * self.moe_top_k), torch.long)
         for layer in self.layers:
             x = layer(x, context, meta)
+        routed = None
+        if routing is not None:
+            parts = [] if before is None else [before]
+            parts += [ids for _, ids in sorted(routing, key=lambda entry: entry[0])]
+            empty = torch.empty((rows, 0), dtype=torch.long, device=self.device)
+            routed = torch.cat(parts, dim=1) if parts else empty
         if not self.stage.is_last:
             self.pipe.send(x)
+            if routing is not None:
+                self.pipe.send(routed)
             return None
-        return self.model.final_norm(x)
+        return self.model.final_norm(x), routed
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -317,7 +352,7 @@ class ModelRunner:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
-        hidden = self._run_stage(
+        hidden, _ = self._run_stage(
             self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans)
         )
         logits = self.model.compute_logits(hidden).float()

@@ -28,6 +28,8 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None = None  # when SamplingParams.logprobs > 0
     # which weight version sampled which tokens (several spans when a push landed mid-way)
     weight_versions: list[VersionSpan] = field(default_factory=list)
+    # SamplingParams.return_routed_experts: per token, per MoE layer, the top-k expert ids
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def cumulative_logprob(self) -> float | None:

@@ -21,7 +21,9 @@ class SamplingParams:
     k > 0, the k most likely alternatives at each position. Such a prompt is computed in full
     (no prefix-cache hits). ``max_tokens=0`` (only with ``prompt_logprobs``) scores the prompt
     and generates nothing. ``detokenize=False`` skips output text (token ids and log-probs
-    only, for RL loops that train on ids).
+    only, for RL loops that train on ids). ``return_routed_experts=True`` (MoE models) gives
+    each completion ``routed_experts``: per sampled token, per MoE layer, the top-k expert ids
+    of the forward pass whose logits sampled it (routing replay, `tandem.rl.replay_routing`).
     """
 
     n: int = 1
@@ -39,6 +41,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None
     detokenize: bool = True  # False: token ids (and log-probs) only, no output text
+    return_routed_experts: bool = False  # MoE: the experts behind each sampled token
 
     def __post_init__(self):
         _check_int("n", self.n, minimum=1)

@@ -53,6 +53,7 @@ class Sequence:
         self.detok: IncrementalDetokenizer | None = None  # output text so far (OutputProcessor's)
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        self.routed_experts: list[list[list[int]]] = []  # per output token, per MoE layer
         # scored prompt (SamplingParams.prompt_logprobs): entry p for prompt position p
         self.prompt_logprobs: list[float | None] = [None]
         self.prompt_top_logprobs: list[dict[int, float] | None] = [None]

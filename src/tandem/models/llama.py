@@ -139,7 +139,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup, **attn_variant):
+    def __init__(self, cfg: LlamaConfig, prefix: str, tp: TPGroup, mlp: nn.Module, **attn_variant):
         super().__init__()
         self.input_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.input_layernorm.weight"
@@ -148,7 +148,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(
             cfg.hidden_size, cfg.rms_norm_eps, f"{prefix}.post_attention_layernorm.weight"
         )
-        self.mlp = LlamaMLP(cfg, f"{prefix}.mlp", tp)
+        self.mlp = mlp
 
     def forward(self, x, rope: RopeTables, meta):
         h = x + self.self_attn(self.input_layernorm(x), rope, meta)
@@ -169,7 +169,14 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, "model.embed_tokens.weight", tp
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, f"model.layers.{i}", tp, qkv_bias=qkv_bias, qk_norm=self.qk_norm)
+            LlamaDecoderLayer(
+                cfg,
+                f"model.layers.{i}",
+                tp,
+                self.make_mlp(cfg, i, tp),
+                qkv_bias=qkv_bias,
+                qk_norm=self.qk_norm,
+            )  # fmt: skip
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight")
@@ -178,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, "lm_head.weight", tp, tied_to=tied
         )
+
+    def make_mlp(self, cfg: LlamaConfig, layer: int, tp: TPGroup) -> nn.Module:
+        """Decoder layer ``layer``'s MLP (mixture-of-experts families override this)."""
+        return LlamaMLP(cfg, f"model.layers.{layer}.mlp", tp)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

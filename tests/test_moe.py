@@ -1,0 +1,109 @@
+"""Mixture-of-experts serving: the experts each sampled token was routed to (taken from the
+forward pass that produced it, checked against transformers' own router), the same under
+expert/tensor and pipeline parallelism, and routing replay on the trainer's transformers model
+reproducing the engine's log-probs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams
+from tandem.layers.moe import expert_range
+from tandem.rl import replay_routing
+from tandem.rl.replay import moe_routers
+
+pytestmark = pytest.mark.timeout(300)
+PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8, 41, 250, 7, 19]]
+N = 12
+
+
+def test_expert_ranges_cover_every_expert_once():
+    for experts in (1, 5, 6, 7, 64):
+        for ranks in (1, 2, 3, 4):
+            if ranks > experts:
+                continue
+            ranges = [expert_range(experts, r, ranks) for r in range(ranks)]
+            assert [e for r in ranges for e in r] == list(range(experts))
+            assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def model(request, model_factory):
+    overrides = (
+        {"mlp_only_layers": [1], "num_hidden_layers": 3} if request.param == "qwen3_moe" else {}
+    )
+    path = model_factory(request.param, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with LLM(path) as llm:
+        params = SamplingParams(max_tokens=N, temperature=1.0, seed=7, logprobs=0,
+                                return_routed_experts=True, ignore_eos=True)  # fmt: skip
+        outs = llm.generate(PROMPTS, params)
+    return path, hf, outs
+
+
+def _hf_routing(hf, ids: list[int]) -> list[torch.Tensor]:
+    """transformers' own top-k expert ids at every position, one tensor per MoE layer."""
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[2].clone()))
+             for r in moe_routers(hf)]  # fmt: skip
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _completion_logprobs(hf, prompt: list[int], tokens: list[int]) -> list[float]:
+    ids = prompt + tokens
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_routed_experts_are_the_producing_positions_routing(model):
+    path, hf, outs = model
+    layers = len(moe_routers(hf))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        c = out.outputs[0]
+        assert len(c.routed_experts) == N
+        assert all(len(t) == layers and all(len(k) == 2 for k in t) for t in c.routed_experts)
+        routing = _hf_routing(hf, prompt + c.token_ids)
+        for i, token_layers in enumerate(c.routed_experts):
+            position = len(prompt) - 1 + i  # whose logits sampled token i
+            for layer, ids in enumerate(token_layers):
+                assert ids == routing[layer][position].tolist()  # same order: by probability
+
+
+def test_replay_gives_the_engines_logprobs_and_is_really_applied(model):
+    path, hf, outs = model
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        c = out.outputs[0]
+        with replay_routing(hf, [c.routed_experts], [len(prompt) - 1]):
+            replayed = _completion_logprobs(hf, prompt, c.token_ids)
+        assert replayed == pytest.approx(c.logprobs, abs=1e-5, rel=0)
+        # other experts at those positions: the replay is applied, log-probs move
+        num_experts = hf.config.num_experts if hasattr(hf.config, "num_experts") else (
+            hf.config.num_local_experts)  # fmt: skip
+        wrong = [[[(e + 1) % num_experts for e in ids] for ids in t] for t in c.routed_experts]
+        with replay_routing(hf, [wrong], [len(prompt) - 1]):
+            moved = _completion_logprobs(hf, prompt, c.token_ids)
+        assert max(abs(a - b) for a, b in zip(moved, c.logprobs, strict=True)) > 1e-3
+    with pytest.raises(ValueError, match="MoE layers"):
+        with replay_routing(hf, [[[[0, 1]]]], [0]):
+            pass
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
+def test_routed_experts_under_expert_and_pipeline_parallel(model, tp, pp):
+    path, hf, outs = model
+    if pp > 1 and tp > 1 and "mixtral" in path:
+        pytest.skip("one TP2xPP2 family is enough")
+    with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        params = SamplingParams(max_tokens=N, temperature=1.0, seed=7, logprobs=0,
+                                return_routed_experts=True, ignore_eos=True)  # fmt: skip
+        got = llm.generate(PROMPTS, params)
+    for a, b in zip(outs, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].routed_experts == a.outputs[0].routed_experts
