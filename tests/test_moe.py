@@ -5,10 +5,13 @@ reproducing the engine's log-probs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
 
+from serving import Server
 from tandem import LLM, SamplingParams
 from tandem.layers.moe import expert_range
 from tandem.rl import replay_routing
@@ -107,3 +110,21 @@ def test_routed_experts_under_expert_and_pipeline_parallel(model, tp, pp):
     for a, b in zip(outs, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
         assert b.outputs[0].routed_experts == a.outputs[0].routed_experts
+
+
+def test_routed_experts_over_http(model):
+    path, hf, outs = model
+    body = {"model": "moe", "prompt": PROMPTS[0], "max_tokens": N, "temperature": 1.0,
+            "seed": 7, "ignore_eos": True, "return_routed_experts": True}  # fmt: skip
+    with Server(path, "--served-model-name", "moe") as server:
+        whole = server.post("/v1/completions", json=body).json()["choices"][0]
+        streamed = []
+        with server.client.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        streamed += choice["routed_experts"]
+        plain = server.post("/v1/completions", json=body | {"return_routed_experts": False})
+    assert whole["token_ids"] == outs[0].outputs[0].token_ids
+    assert whole["routed_experts"] == outs[0].outputs[0].routed_experts == streamed
+    assert "routed_experts" not in plain.json()["choices"][0]

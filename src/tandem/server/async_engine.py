@@ -51,6 +51,7 @@ class SeqDelta:
     start: int = 0  # index of its first token in the sample's output
     weight_versions: list[list[int]] = field(default_factory=list)  # [version, start, end)
     # spans of its tokens (indexes into the sample's output)
+    routed_experts: list | None = None  # per token, per MoE layer: top-k expert ids
 
 
 def version_spans(seq: Sequence, start: int, end: int) -> list[list[int]]:
@@ -380,6 +381,7 @@ class AsyncEngine:
             stop_reason=seq.stop_reason,
             start=start,
             weight_versions=version_spans(seq, start, seq.num_output_tokens),
+            routed_experts=seq.routed_experts[start:] if seq.params.return_routed_experts else None,
         )
         t.sent_chars[i] = max(chars, cut)
         t.sent_tokens[i] = seq.num_output_tokens

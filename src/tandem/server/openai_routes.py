@@ -69,6 +69,8 @@ async def completions(request: Request):
                 "token_ids": d.token_ids, "weight_versions": _spans(d)}  # fmt: skip
         if req.return_token_ids and first:
             body["prompt_token_ids"] = prompt_ids[pi]
+        if d.routed_experts is not None:
+            body["routed_experts"] = d.routed_experts
         return body
 
     if req.stream:
@@ -102,6 +104,8 @@ async def chat_completions(request: Request):
                 "weight_versions": _spans(d)}  # fmt: skip
         if req.return_token_ids and first:
             body["prompt_token_ids"] = ids
+        if d.routed_experts is not None:
+            body["routed_experts"] = d.routed_experts
         return body
 
     def choice(pi: int, d: SeqDelta, first: bool) -> dict:
@@ -195,6 +199,7 @@ def _final(s: ServerState, seq: Sequence) -> SeqDelta:
         list(seq.logprobs) if k is not None else None,
         list(seq.top_logprobs) if k else None, seq.finish_reason, seq.stop_reason,
         0, version_spans(seq, 0, seq.num_output_tokens),
+        list(seq.routed_experts) if seq.params.return_routed_experts else None,
     )  # fmt: skip
 
 

@@ -4,7 +4,8 @@ Unknown fields and values of the wrong type are rejected (400, naming the field)
 silently ignored or coerced: a typo in ``temprature`` must not sample at temperature 1.
 Extensions beyond OpenAI's fields follow vLLM's names (``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
-``request_id``, ``return_token_ids``, ``detokenize``) plus ``logprobs_mode`` and ``priority``.
+``request_id``, ``return_token_ids``, ``detokenize``, ``return_routed_experts``) plus
+``logprobs_mode`` and ``priority``.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class _Sampling(BaseModel):
     request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\w.:-]+$")
     return_token_ids: bool = False  # also return the prompt's token ids on every choice
     detokenize: bool = True  # False: no text, token ids and log-probs only
+    return_routed_experts: bool = False  # MoE: each token's experts (routing replay)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -80,6 +82,7 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             prompt_logprobs=prompt_logprobs,
             detokenize=self.detokenize,
+            return_routed_experts=self.return_routed_experts,
         )
 
     @property
