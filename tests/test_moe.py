@@ -128,3 +128,39 @@ def test_routed_experts_over_http(model):
     assert whole["token_ids"] == outs[0].outputs[0].token_ids
     assert whole["routed_experts"] == outs[0].outputs[0].routed_experts == streamed
     assert "routed_experts" not in plain.json()["choices"][0]
+
+
+@pytest.mark.parametrize(("transport", "mode"), [("shm", "staged"), ("dist", "in_place")])
+def test_fsdp2_moe_trainer_pushes_into_expert_parallel_engine(model_factory, transport, mode):
+    """2 FSDP2 ranks of a transformers Qwen3-MoE (grouped 3-D expert tensors, sharded by
+    expert) -> LLM(tp=2) holding whole experts per rank: the engine then serves exactly the
+    trainer's model."""
+    from test_exchange_push import _run_trainer
+
+    overrides = {"num_experts": 7, "num_experts_per_tok": 3, "mlp_only_layers": [0]}
+    engine_dir = model_factory("qwen3_moe", **overrides)
+    trainer_dir = model_factory("qwen3_moe", seed=1, **overrides)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
+        assert _run_trainer(trainer_dir, llm.exchange_address, 3, transport, mode) == [0, 0]
+        assert llm.weight_version == 3
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+            c = out.outputs[0]
+            want = _completion_logprobs(hf.eval(), prompt, c.token_ids)
+            assert c.logprobs == pytest.approx(want, abs=1e-4, rel=0)
+
+
+def test_one_process_transformers_moe_pushes_into_tp2(model_factory):
+    from tandem.exchange import WeightSender
+
+    engine_dir, trainer_dir = model_factory("mixtral"), model_factory("mixtral", seed=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    with LLM(engine_dir, tensor_parallel_size=2) as llm:
+        stats = WeightSender(hf, llm).push(version=1)
+        assert stats.bytes_moved == stats.bytes_needed
+        out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf(torch.tensor([PROMPTS[1]])).logits[0], dim=-1)
+    want = [lp[p - 1, PROMPTS[1][p]].item() for p in range(1, len(PROMPTS[1]))]
+    assert out.prompt_logprobs[1:] == pytest.approx(want, abs=1e-4, rel=0)

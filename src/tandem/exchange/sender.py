@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.exchange.adapters.dtensor import dtensor_layout
+from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
 from tandem.exchange.discovery import exchange_address
@@ -183,7 +184,8 @@ class WeightSender:
                                                      vocab_size=self.vocab_size)  # fmt: skip
             return layout, {k: t.detach() for k, t in tensors.items()}
         tensors = {name: local_tensor(t) for name, t in named_tensors(self.model)}
-        return dtensor_layout(self.model, self.rank), tensors
+        model_type = getattr(getattr(self.model, "config", None), "model_type", None)
+        return regroup_hf_experts(dtensor_layout(self.model, self.rank), tensors, model_type)
 
     def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
         """This rank's part of the plan, through its transport's sender half."""
