@@ -77,3 +77,18 @@ def test_transformers_cb_checks_token_counts():
     for results in ([ok, short], [ok, failed], [ok, None], [ok]):
         with pytest.raises(RuntimeError, match="asked"):
             _check(results, [3, 3])
+
+
+@pytest.mark.timeout(300)
+def test_quick_moe_generate_bench_through_the_cli(tmp_path, monkeypatch, capsys):
+    from tandem.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "generate", "--model-family", "qwen3_moe", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["model_family"] == "qwen3_moe" and result["model"]["experts"] == 8
+    for name in ("batch1", "mixed"):
+        for side in ("tandem", "transformers"):
+            assert result[name][f"{side}_tokens_counted"] == result[name]["tokens"]
+    assert set(result["ratios"]) == {"moe_batch1_vs_transformers", "moe_mixed_vs_transformers"}
+    assert all(_positive(v) for v in result["ratios"].values())

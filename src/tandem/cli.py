@@ -113,7 +113,11 @@ _ENGINE_FLAGS = ("dtype", "device", "nnodes", "master_addr", "master_port", "max
 
 
 def _bench(args) -> int:
-    if args.what == "generate":
+    if args.what == "generate" and args.model_family == "qwen3_moe":
+        from tandem.bench.generate_moe import run
+
+        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+    elif args.what == "generate":
         from tandem.bench.generate import run
 
         result = run(quick=args.quick, tp=args.tp, pp=args.pp)
@@ -231,6 +235,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
     b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
+    b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
+                   help="generate: the dense Llama workloads, or a Qwen3-MoE model")  # fmt: skip
     b.set_defaults(func=_bench)
     return p
 

@@ -1,0 +1,107 @@
+"""`tandem bench generate --model-family qwen3_moe`: mixture-of-experts generation throughput,
+tandem vs. transformers on the same random-init Qwen3-MoE (float32, CPU, same threads).
+
+Two scenarios, run as in `tandem.bench.generate` (EOS ignored, every request's token count
+checked, an untimed warm-up, best of 3 alternating runs on fresh prompts):
+
+- ``batch1``: one prompt, greedy decode.
+- ``mixed``: many requests of mixed prompt and output lengths, greedy; tandem gets them in one
+  ``LLM.generate`` call (``--tp`` ranks hold whole experts each: expert parallel).
+
+The baseline is transformers' ``model.generate`` on its own MoE implementation (grouped 3-D
+expert weights, a loop over the experts hit), tuned for ``mixed`` as in the dense bench:
+requests sorted by length, left-padded batches, the fastest of 8/16/32/64 per batch.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem import LLM
+from tandem.bench.generate import _entry, _keyed, _prompt, _ratio, _time_sides
+from tandem.bench.generate_peers import StaticBatches, load
+from tandem.bench.generate_tandem import tandem
+from tandem.models.tiny import make_tiny_model
+
+FULL: dict[str, Any] = {
+    "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
+    "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1280,
+    "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 2,
+    "max_position_embeddings": 1024,
+}  # fmt: skip
+QUICK: dict[str, Any] = {
+    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 320,
+    "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "max_position_embeddings": 512,
+}  # fmt: skip
+# (model dir, overrides, vocab, batch1 (prompt, new), mixed (requests, prompt lo/hi, out lo/hi))
+SETUPS = {
+    False: (".tandem/bench-qwen3-moe", FULL, 8192, (64, 64), (48, 8, 192, 16, 96)),
+    True: (".tandem/bench-qwen3-moe-quick", QUICK, 1024, (16, 16), (16, 8, 48, 4, 24)),
+}
+REPEATS = 3
+
+
+def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
+    model_dir, overrides, vocab_size, (b1_prompt, b1_new), mixed_shape = SETUPS[quick]
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, "qwen3_moe", seed=0, vocab_size=vocab_size, overrides=overrides)
+    config = json.loads((path / "config.json").read_text())
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    eos_ids = {eos} if isinstance(eos, int) else set(eos)
+    vocab = config["vocab_size"]
+    rng = random.Random(0)
+    batch1 = [(_prompt(rng, b1_prompt, vocab, eos_ids), b1_new)]
+    n_req, p_lo, p_hi, o_lo, o_hi = mixed_shape
+    mixed = [(_prompt(rng, rng.randint(p_lo, p_hi), vocab, eos_ids), rng.randint(o_lo, o_hi))
+             for _ in range(n_req)]  # fmt: skip
+    runs = {
+        name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
+        for name, reqs in (("batch1", batch1), ("mixed", mixed))
+    }
+    hf = load(path)
+    static = StaticBatches(hf, pad=min(eos_ids))
+    result: dict[str, Any] = {
+        "benchmark": "generate",
+        "model_family": "qwen3_moe",
+        "model": {
+            "params": sum(p.numel() for p in hf.parameters()),
+            "hidden": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "experts": config["num_experts"],
+            "experts_per_token": config["num_experts_per_tok"],
+            "expert_intermediate": config["moe_intermediate_size"],
+            "vocab": vocab,
+            "dtype": "float32",
+        },
+        "threads": torch.get_num_threads(),
+        "quick": quick,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+    }
+    options = dict(dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                   kv_cache_memory=256 << 20)  # fmt: skip
+    with LLM(str(path), **options) as llm:
+        tandem(llm, batch1)  # warm-ups
+        static(batch1)
+        sides = {"tandem": lambda reqs: tandem(llm, reqs), "transformers": static}
+        result["batch1"] = _time_sides(_entry(batch1), sides, runs["batch1"])
+        warm = [(p, min(k, 8)) for p, k in mixed[:8]]
+        tandem(llm, warm)
+        static(warm, 8)
+        entry = _entry(mixed)
+        entry["transformers_batch_seconds"] = _keyed(static.tune(mixed))
+        entry["transformers_batch_size"] = static.batch_size
+        result["mixed"] = _time_sides(entry, sides, runs["mixed"])
+    result["ratios"] = {
+        "moe_batch1_vs_transformers": _ratio(result["batch1"], "tandem", "transformers"),
+        "moe_mixed_vs_transformers": _ratio(result["mixed"], "tandem", "transformers"),
+    }
+    return result
