@@ -8,15 +8,18 @@ checked, an untimed warm-up, best of 3 alternating runs on fresh prompts):
 - ``mixed``: many requests of mixed prompt and output lengths, greedy; tandem gets them in one
   ``LLM.generate`` call (``--tp`` ranks hold whole experts each: expert parallel).
 
-The baseline is transformers' ``model.generate`` on its own MoE implementation (grouped 3-D
-expert weights, a loop over the experts hit), tuned for ``mixed`` as in the dense bench:
-requests sorted by length, left-padded batches, the fastest of 8/16/32/64 per batch.
+The baseline is transformers' ``model.generate`` on its own MoE implementation, tuned: its
+``experts_implementation`` is the fastest of ``eager`` (a loop over the experts hit),
+``grouped_mm`` and ``batched_mm`` on a short greedy workload (``transformers_experts_seconds``;
+on this CPU ``grouped_mm`` wins), and for ``mixed``, as in the dense bench, requests sorted by
+length in left-padded batches of the fastest size of 8/16/32/64.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,7 @@ SETUPS = {
     True: (".tandem/bench-qwen3-moe-quick", QUICK, 1024, (16, 16), (16, 8, 48, 4, 24)),
 }
 REPEATS = 3
+EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
 def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
@@ -66,7 +70,8 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
         for name, reqs in (("batch1", batch1), ("mixed", mixed))
     }
-    hf = load(path)
+    warm = [(p, min(k, 8)) for p, k in mixed[:8]]
+    hf, experts_seconds = _fastest_experts(path, min(eos_ids), warm)
     static = StaticBatches(hf, pad=min(eos_ids))
     result: dict[str, Any] = {
         "benchmark": "generate",
@@ -85,6 +90,8 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         "quick": quick,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "transformers_experts_implementation": hf.config._experts_implementation,
+        "transformers_experts_seconds": experts_seconds,
     }
     options = dict(dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
                    kv_cache_memory=256 << 20)  # fmt: skip
@@ -93,7 +100,6 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         static(batch1)
         sides = {"tandem": lambda reqs: tandem(llm, reqs), "transformers": static}
         result["batch1"] = _time_sides(_entry(batch1), sides, runs["batch1"])
-        warm = [(p, min(k, 8)) for p, k in mixed[:8]]
         tandem(llm, warm)
         static(warm, 8)
         entry = _entry(mixed)
@@ -105,3 +111,18 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         "moe_mixed_vs_transformers": _ratio(result["mixed"], "tandem", "transformers"),
     }
     return result
+
+
+def _fastest_experts(path: Path, pad: int, reqs: list) -> tuple[Any, dict[str, float]]:
+    """transformers' model with the fastest experts implementation on ``reqs`` (each timed
+    once after a warm-up), and every implementation's seconds."""
+    seconds, models = {}, {}
+    for impl in EXPERTS_IMPLEMENTATIONS:
+        model = load(path, experts_implementation=impl)
+        static = StaticBatches(model, pad=pad)
+        static(reqs[:2], 2)  # warm-up
+        start = time.perf_counter()
+        static(reqs, len(reqs))
+        seconds[impl] = round(time.perf_counter() - start, 4)
+        models[impl] = model
+    return models[min(seconds, key=seconds.get)], seconds

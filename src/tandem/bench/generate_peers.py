@@ -26,12 +26,13 @@ CB_REQUESTS_PER_BATCH = (16, 32, 64)  # continuous batching: each timed once, th
 CB_SEED = 0
 
 
-def load(path: Path, attn_implementation: str = "sdpa") -> Any:
-    """The model in float32 on CPU, eval mode, EOS off in its generation config."""
+def load(path: Path, attn_implementation: str = "sdpa", **options: Any) -> Any:
+    """The model in float32 on CPU, eval mode, EOS off in its generation config (``options``
+    go to ``from_pretrained``, e.g. ``experts_implementation``)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.float32, attn_implementation=attn_implementation
+        str(path), dtype=torch.float32, attn_implementation=attn_implementation, **options
     ).eval()
     model.generation_config.eos_token_id = None  # ignore EOS, as tandem's ignore_eos does
     return model

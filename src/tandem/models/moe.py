@@ -11,7 +11,7 @@ from pydantic import model_validator
 from torch import nn
 
 from tandem.layers.moe import ExpertNames, SparseMoE
-from tandem.models.llama import LlamaConfig, LlamaForCausalLM, LlamaMLP
+from tandem.models.llama import LlamaConfig, LlamaMLP, MistralForCausalLM, Qwen3ForCausalLM
 from tandem.models.registry import register_model
 from tandem.parallel import TPGroup
 
@@ -48,10 +48,8 @@ class MixtralConfig(LlamaConfig):
 
 
 @register_model("Qwen3MoeForCausalLM")
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     config_class = Qwen3MoeConfig
-    qkv_bias = None  # follows attention_bias
-    qk_norm = True
 
     def make_mlp(self, cfg: Qwen3MoeConfig, layer: int, tp: TPGroup) -> nn.Module:
         prefix = f"model.layers.{layer}.mlp"
@@ -73,15 +71,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         """Decoder layers with experts (the others are dense)."""
         return [i for i in range(cfg.num_hidden_layers) if cfg.is_sparse(i)]
 
-    @staticmethod
-    def max_context_len(cfg: Qwen3MoeConfig) -> int:
-        if cfg.use_sliding_window and cfg.sliding_window:
-            return min(cfg.max_position_embeddings, cfg.sliding_window)
-        return cfg.max_position_embeddings
-
 
 @register_model("MixtralForCausalLM")
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(MistralForCausalLM):
     config_class = MixtralConfig
 
     def make_mlp(self, cfg: MixtralConfig, layer: int, tp: TPGroup) -> nn.Module:
@@ -99,7 +91,3 @@ class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def moe_layers(cfg: MixtralConfig) -> list[int]:
         return list(range(cfg.num_hidden_layers))
-
-    @staticmethod
-    def max_context_len(cfg: MixtralConfig) -> int:
-        return min(cfg.max_position_embeddings, cfg.sliding_window or cfg.max_position_embeddings)
