@@ -16,6 +16,11 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str
+    task: Literal["generate", "embed", "classify"] = Field(
+        "generate",
+        description="generate: sampling (LLM.generate); embed: pooled hidden states "
+        "(LLM.embed); classify: a classification or reward head's logits (LLM.classify)",
+    )
     model_modules: list[str] = Field(
         default_factory=list,
         description="modules to import first: they register custom architectures",

@@ -13,7 +13,8 @@ from contextlib import contextmanager
 from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager, blocks_for
-from tandem.engine.messages import SeqParams, SeqStep, StepMessage, StepResult
+from tandem.engine.messages import EncodeMessage, SeqParams, SeqStep, StepMessage, StepResult
+from tandem.engine.model_runner import POOLINGS
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
@@ -39,6 +40,7 @@ class LLMEngine:
         self.config = config
         import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model)
+        _check_task(config.task, self.spec)
         limit = self.spec.max_context_len
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's {limit}")
@@ -156,10 +158,57 @@ class LLMEngine:
         with self._control():
             return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
 
+    def encode(
+        self, inputs: list[list[int]], token_types: list[list[int]] | None, pooling: str | None
+    ) -> list[list[float]]:
+        """Whole sequences through the model, no KV cache, each pooled (``cls``, ``last`` or
+        ``mean`` of its last hidden states; default: the model's) and, for task ``classify``,
+        through its head: one row per input. Sequences are packed unpadded into batches of
+        at most ``max_num_batched_tokens`` tokens; batches run between generation steps."""
+        task = self.config.task
+        if task == "generate":
+            raise ValueError("this engine's task is 'generate': embed / classify need "
+                             "LLM(..., task='embed' or 'classify')")  # fmt: skip
+        pooling = pooling or getattr(self.spec.cls, "default_pooling", "last")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        vocab = self.spec.vocab_size
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is "
+                                 f"{self.max_model_len}")  # fmt: skip
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]  # fmt: skip
+            if bad:
+                raise ValueError(f"input {i}: token ids outside [0, {vocab}): {bad[:8]}")
+        budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        batches, current, size = [], [], 0
+        for i, ids in enumerate(inputs):
+            if current and size + len(ids) > budget:
+                batches.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += len(ids)
+        batches.append(current)
+        rows: list[list[float]] = []
+        with self._control():
+            self._drain_in_flight()
+            self.lifecycle.check_runnable()
+            for batch in batches:
+                types = None if token_types is None else [token_types[i] for i in batch]
+                msg = EncodeMessage(next(self._step_ids), [inputs[i] for i in batch], types,
+                                    pooling, task)  # fmt: skip
+                rows.extend(self._guarded(lambda msg=msg: self.executor.encode(msg)).rows)
+        return rows
+
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:
         """Check one request and turn it into its ``n`` samples (not queued yet)."""
+        if self.config.task != "generate":
+            raise ValueError(f"this engine's task is {self.config.task!r}, not 'generate'")
         if not prompt_ids:
             raise ValueError(f"request {request_id}: prompt is empty")
         vocab = self.spec.vocab_size
@@ -451,6 +500,16 @@ def _seq_params(seq: Sequence) -> SeqParams:
         num_prompt_tokens=seq.num_prompt_tokens,
         return_routed_experts=p.return_routed_experts,
     )
+
+
+def _check_task(task: str, spec) -> None:
+    """The model class can do what the task asks."""
+    needs = {"generate": "compute_logits", "classify": "classify"}.get(task)
+    if needs is not None and getattr(spec.cls, needs, None) is None:
+        raise ValueError(
+            f"task={task!r}: {spec.architecture} has no {needs} (a causal LM generates; "
+            "a *ForSequenceClassification classifies)"
+        )
 
 
 def _make_executor(spec, config: EngineConfig) -> Executor:

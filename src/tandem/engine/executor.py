@@ -6,7 +6,7 @@ from collections import deque
 from typing import Protocol
 
 from tandem.config import EngineConfig
-from tandem.engine.messages import StepMessage, StepResult
+from tandem.engine.messages import EncodeMessage, EncodeResult, StepMessage, StepResult
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
 from tandem.exchange.items import Record
@@ -40,6 +40,9 @@ class Executor(Protocol):
 
     def collect(self) -> StepResult:
         """The result of the oldest submitted step not yet collected."""
+
+    def encode(self, msg: EncodeMessage) -> EncodeResult:
+        """Pooled outputs of whole sequences (embed / classify); no step may be in flight."""
 
     def shutdown(self) -> None: ...
 
@@ -89,6 +92,9 @@ class InProcessExecutor:
 
     def collect(self) -> StepResult:
         return self._results.popleft()
+
+    def encode(self, msg: EncodeMessage) -> EncodeResult:
+        return self.runner.encode(msg)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, VersionSpan
@@ -11,6 +13,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
 Prompt = str | list[int]
+ENCODE_KV_CACHE_BYTES = 4 << 20  # embed / classify engines keep no KV cache: a token budget
 
 
 class LLM:
@@ -22,8 +25,48 @@ class LLM:
     """
 
     def __init__(self, model: str, **options):
+        if options.get("task", "generate") != "generate":
+            options.setdefault("kv_cache_memory", ENCODE_KV_CACHE_BYTES)  # no KV cache used
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._request_ids = 0
+
+    def embed(
+        self, inputs: Prompt | Seq[Prompt], normalize: bool = False, pooling: str | None = None
+    ) -> list[list[float]]:
+        """One vector per input (a string, or a list of token ids used as given): the last
+        hidden state at the pooled position (``LLM(..., task="embed")``). Pooling defaults
+        to the model's: BERT's [CLS] token (``cls``), a decoder's last token (``last``);
+        ``mean`` averages the sequence. ``normalize`` scales each to unit L2 norm. Inputs of
+        different lengths are batched without padding: results do not depend on the batch."""
+        rows = self._encode(inputs, pooling, "embed")
+        if normalize:
+            rows = [(torch.tensor(r) / torch.tensor(r).norm().clamp_min(1e-12)).tolist()
+                    for r in rows]  # fmt: skip
+        return rows
+
+    def classify(self, inputs: Prompt | Seq[Prompt]) -> list[list[float]]:
+        """The classification (or reward) head's raw logits per input (``LLM(...,
+        task="classify")``): BERT's classifier over tanh(pooler([CLS])), a reward model's
+        score of the sequence's last token."""
+        return self._encode(inputs, None, "classify")
+
+    def _encode(self, inputs, pooling: str | None, task: str) -> list[list[float]]:
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        if self.engine.config.task != task:
+            raise ValueError(f"{task} needs LLM(..., task={task!r}); this LLM's task is "
+                             f"{self.engine.config.task!r}")  # fmt: skip
+        items = _as_prompt_list(inputs)
+        ids, types = [], []
+        for item in items:
+            if isinstance(item, str):
+                i, t = self.engine.tokenizer.encode_with_types(item)
+            else:
+                i, t = list(item), [0] * len(item)
+            ids.append(i)
+            types.append(t)
+        has_types = getattr(self.engine.spec.cls, "token_types", False)
+        return self.engine.encode(ids, types if has_types else None, pooling)
 
     @property
     def weight_version(self) -> int:

@@ -116,6 +116,24 @@ class PromptLogprobs:
 
 
 @dataclass(slots=True)
+class EncodeMessage:
+    """Run whole sequences through the model (no KV cache, nothing sampled) and pool each:
+    embeddings or a classifier's logits (``task``: ``embed`` | ``classify``)."""
+
+    step_id: int
+    seqs: list[list[int]]
+    token_types: list[list[int]] | None  # per token, when the model has token types
+    pooling: str  # cls | last | mean
+    task: str
+
+
+@dataclass(slots=True)
+class EncodeResult:
+    step_id: int
+    rows: list[list[float]]  # one per sequence: its pooled vector or logits
+
+
+@dataclass(slots=True)
 class ApplyWeights:
     """Between steps, one phase of a weight push on this rank (see
     `tandem.exchange.receiver.RankReceiver`): the push's settings and this rank's records."""
@@ -148,6 +166,8 @@ class KVCacheDone:
 
 Message = (
     StepMessage
+    | EncodeMessage
+    | EncodeResult
     | Shutdown
     | StepResult
     | Hello
@@ -162,7 +182,8 @@ Message = (
 _SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
            "failure": Failure, "apply": ApplyWeights,
            "applied": ApplyResult, "kv_cache": KVCache,
-           "kv_cache_done": KVCacheDone}  # fmt: skip
+           "kv_cache_done": KVCacheDone, "encode": EncodeMessage,
+           "encoded": EncodeResult}  # fmt: skip
 _KIND = {cls: kind for kind, cls in _SIMPLE.items()}
 
 

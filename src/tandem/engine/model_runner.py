@@ -13,7 +13,14 @@ import numpy as np
 import torch
 
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
-from tandem.engine.messages import PromptLogprobs, SeqParams, StepMessage, StepResult
+from tandem.engine.messages import (
+    EncodeMessage,
+    EncodeResult,
+    PromptLogprobs,
+    SeqParams,
+    StepMessage,
+    StepResult,
+)
 from tandem.exchange.transports.memory import ParamArena
 from tandem.layers.attention import (
     Attention,
@@ -34,6 +41,20 @@ _NO_TOP_K = torch.iinfo(torch.long).max
 DECODE_GROUP_OVERHEAD = 256
 MAX_DECODE_GROUPS = 4
 PROMPT_SCORE_ROWS = 256  # prompt rows scored per logits matrix (rows x vocab floats)
+
+
+POOLINGS = ("cls", "last", "mean")
+
+
+def _pool(rows: torch.Tensor, how: str) -> torch.Tensor:
+    """One sequence's hidden states [n, H] -> [H]."""
+    if how == "cls":
+        return rows[0]
+    if how == "last":
+        return rows[-1]
+    if how == "mean":
+        return rows.float().mean(dim=0).to(rows.dtype)
+    raise ValueError(f"pooling must be one of {POOLINGS}, got {how!r}")
 
 
 def group_by_length(lengths: list[int], overhead: int) -> list[list[int]]:
@@ -314,7 +335,7 @@ class ModelRunner:
         return PromptLogprobs(score.seq_id, score.first, lps, top_ids, top_lps)
 
     def _run_stage(
-        self, input_ids, positions, meta, routing: list | None = None
+        self, input_ids, positions, meta, routing: list | None = None, token_types=None
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """This stage's layers; hidden states come from / go to the neighbouring stages, and
         with ``routing`` the expert ids of every MoE layer so far ([rows, layers * top_k], in
@@ -323,7 +344,8 @@ class ModelRunner:
         rows = len(input_ids)
         before = None
         if self.stage.is_first:
-            x = self.model.embed(input_ids, positions)
+            extra = {} if token_types is None else {"token_type_ids": token_types}
+            x = self.model.embed(input_ids, positions, **extra)
         else:
             x = self.pipe.recv((rows, self.hidden_size), self.dtype)
             if routing is not None:
@@ -342,6 +364,33 @@ class ModelRunner:
                 self.pipe.send(routed)
             return None
         return self.model.final_norm(x), routed
+
+    @torch.inference_mode()
+    def encode(self, msg: EncodeMessage) -> EncodeResult | None:
+        """Whole sequences through this stage's layers (no KV cache); the last stage pools each
+        one (``cls``: its first row, ``last``: its last, ``mean``) and for ``classify`` runs
+        the model's head. Every rank of the last stage computes; the sampling rank answers."""
+        input_ids, positions, spans = [], [], []
+        for ids in msg.seqs:
+            spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
+            input_ids.extend(ids)
+            positions.extend(range(len(ids)))
+        types = None
+        if msg.token_types is not None:
+            types = self._tensor([t for seq in msg.token_types for t in seq])
+        out = self._run_stage(
+            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans),
+            token_types=types,
+        )  # fmt: skip
+        if out is None:
+            return None
+        hidden, _ = out
+        pooled = torch.stack([_pool(hidden[s.start : s.end], msg.pooling) for s in spans])
+        if msg.task == "classify":
+            pooled = self.model.classify(pooled)
+        if not self.samples:
+            return None
+        return EncodeResult(msg.step_id, pooled.float().tolist())
 
     @torch.inference_mode()
     def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:

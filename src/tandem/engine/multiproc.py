@@ -28,6 +28,8 @@ from tandem.engine.messages import (
     ApplyResult,
     ApplyWeights,
     Capacity,
+    EncodeMessage,
+    EncodeResult,
     KVCache,
     KVCacheDone,
     Shutdown,
@@ -114,6 +116,11 @@ class MultiprocExecutor:
 
     def collect(self) -> StepResult:
         return self._receive(StepResult, deadline=None)
+
+    def encode(self, msg: EncodeMessage) -> EncodeResult:
+        """Run an encode on every rank (no step in flight); the sampling rank's result."""
+        self.submit(msg)
+        return self._receive(EncodeResult, deadline=None)
 
     def _receive(self, kind, deadline: float | None):
         while True:

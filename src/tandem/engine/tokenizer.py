@@ -23,6 +23,11 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_with_types(self, text: str) -> tuple[list[int], list[int]]:
+        """Ids and token type ids (the post-processor's: BERT adds [CLS] ... [SEP])."""
+        enc = self._tok.encode(text)
+        return enc.ids, enc.type_ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

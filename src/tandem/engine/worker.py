@@ -24,6 +24,7 @@ from tandem.engine.messages import (
     ApplyResult,
     ApplyWeights,
     Capacity,
+    EncodeMessage,
     Failure,
     Hello,
     KVCache,
@@ -165,9 +166,12 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
                 runner.release_kv_cache()
             control.send(sock, KVCacheDone(args.rank, msg.allocate))
             continue
-        if not isinstance(msg, StepMessage):
+        if isinstance(msg, EncodeMessage):
+            result = runner.encode(msg)
+        elif isinstance(msg, StepMessage):
+            result = runner.execute(msg)
+        else:
             raise RuntimeError(f"unexpected control message {type(msg).__name__}")
-        result = runner.execute(msg)
         if result is not None:
             control.send(sock, result)
 

@@ -57,8 +57,13 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    """``causal=False``: each sequence's tokens see all of it (encoders; prefill spans only)."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, causal: bool = True
+    ):
         super().__init__()
+        self.causal = causal
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -78,7 +83,8 @@ class Attention(nn.Module):
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
             if span.context_slots is None:
                 ks, vs = k[span.start : span.end], v[span.start : span.end]
-                o = self._sdpa(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], None, True)
+                ks, vs = ks.transpose(0, 1)[None], vs.transpose(0, 1)[None]
+                o = self._sdpa(qs, ks, vs, None, self.causal)
             else:
                 ks = self.k_cache.index_select(0, span.context_slots).transpose(0, 1)[None]
                 vs = self.v_cache.index_select(0, span.context_slots).transpose(0, 1)[None]

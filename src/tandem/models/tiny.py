@@ -14,7 +14,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import (
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 from tandem.layers.placement import canonical_shapes
 from tandem.models.loader import INDEX_FILE, SINGLE_FILE, read_model_spec
@@ -108,6 +116,37 @@ FAMILIES: dict[str, dict] = {
         "hidden_act": "silu",
         "sliding_window": None,
     },
+    "bert": {
+        "architectures": ["BertForSequenceClassification"],
+        "model_type": "bert",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "hidden_act": "gelu",
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "layer_norm_eps": 1e-12,
+        "id2label": {"0": "negative", "1": "neutral", "2": "positive"},
+        "label2id": {"negative": 0, "neutral": 1, "positive": 2},
+        "pad_token_id": 0,
+    },
+    "llama_reward": {
+        "architectures": ["LlamaForSequenceClassification"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "id2label": {"0": "LABEL_0"},
+        "label2id": {"LABEL_0": 0},
+    },
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -164,6 +203,25 @@ def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
     return tok
 
 
+BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+
+
+def train_wordpiece(vocab_size: int, seed: int = 0) -> Tokenizer:
+    """A BERT-style tokenizer: WordPiece, lowercasing, and a post-processor that wraps every
+    text as [CLS] text [SEP] (pairs: [CLS] a [SEP] b [SEP], token types 0 then 1)."""
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=vocab_size, special_tokens=BERT_SPECIALS, show_progress=False
+    )
+    tok.train_from_iterator(corpus(seed=seed), trainer=trainer)
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
+    return tok
+
+
 def make_tiny_model(
     out_dir: str | Path,
     family: str = "llama",
@@ -178,27 +236,29 @@ def make_tiny_model(
         raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(vocab_size, seed)
-    eos = tok.token_to_id(EOS)
     config = {**FAMILIES[family], **(overrides or {})}
-    config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
-    config.update(bos_token_id=eos, eos_token_id=eos, torch_dtype="float32")
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2)
-    )
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS,
-                "bos_token": EOS,
-                "chat_template": CHAT_TEMPLATE,
-            },  # fmt: skip
-            indent=2,
+    if config.get("model_type") == "bert":
+        tok = train_wordpiece(vocab_size, seed)
+        config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
+        config.update(torch_dtype="float32")
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]",
+                            "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
+                            "mask_token": "[MASK]"}  # fmt: skip
+    else:
+        tok = train_tokenizer(vocab_size, seed)
+        eos = tok.token_to_id(EOS)
+        config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
+        config.update(bos_token_id=eos, eos_token_id=eos, torch_dtype="float32")
+        if "id2label" in config:  # a classifier reads the last token; pad is EOS
+            config.setdefault("pad_token_id", eos)
+        (out / "generation_config.json").write_text(
+            json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2)
         )
-    )
+        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
+                            "bos_token": EOS, "chat_template": CHAT_TEMPLATE}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     spec = read_model_spec(out)
     with torch.device("meta"):
         shapes = canonical_shapes(spec.cls(spec.config))
