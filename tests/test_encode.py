@@ -1,0 +1,107 @@
+"""Encoders and scoring models (`LLM(task="embed" | "classify")`) against transformers:
+BERT embeddings and classifier logits (token types respected), decoder reward models, tensor
+and pipeline parallel ranks, and batches of mixed lengths that never change a result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM
+
+pytestmark = pytest.mark.timeout(300)
+TEXTS = [
+    "The quick dog runs",
+    "a",
+    "Every policy learns from the reward because it counts many stones near the river",
+    "12 + 7 = 19.",
+]
+
+
+def _hf(path: str, cls=transformers.AutoModelForSequenceClassification):
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _close(got: list[float], want: torch.Tensor, tol: float = 1e-4) -> None:
+    assert torch.tensor(got).shape == want.shape
+    assert (torch.tensor(got) - want).abs().max().item() <= tol
+
+
+@pytest.fixture(scope="module")
+def bert(model_factory):
+    return model_factory("bert")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_bert_classifier_logits_equal_transformers(bert, tp, pp):
+    hf = _hf(bert)
+    with LLM(bert, task="classify", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        got = llm.classify(TEXTS)
+        for text, row in zip(TEXTS, got, strict=True):
+            ids, types = llm.engine.tokenizer.encode_with_types(text)
+            assert ids[0] == llm.engine.tokenizer.encode("[CLS]")[1]  # the post-processor's
+            with torch.no_grad():
+                _close(row, hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits[0])
+        # token types are respected: a pair's second segment has type 1
+        ids = got_ids = llm.engine.tokenizer.encode(TEXTS[0])
+        types = [0] * 3 + [1] * (len(ids) - 3)
+        row = llm.engine.encode([got_ids], [types], None)[0]
+        with torch.no_grad():
+            want = hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits[0]
+            plain = hf(torch.tensor([ids])).logits[0]
+        _close(row, want)
+        assert (want - plain).abs().max() > 1e-3  # the types changed the answer
+
+
+def test_bert_embeddings_pooling_and_batch_invariance(model_factory):
+    path = model_factory("bert", architectures=["BertModel"])
+    hf = _hf(path, transformers.BertModel)
+    with LLM(path, task="embed", max_num_batched_tokens=32, max_num_seqs=8) as llm:
+        together = llm.embed(TEXTS)
+        alone = [llm.embed(t)[0] for t in TEXTS]
+        mean = llm.embed(TEXTS, pooling="mean")
+        unit = llm.embed(TEXTS, normalize=True)
+        for text, row, one, avg, u in zip(TEXTS, together, alone, mean, unit, strict=True):
+            ids = llm.engine.tokenizer.encode(text)
+            with torch.no_grad():
+                hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+            _close(row, hidden[0])  # the [CLS] token's last hidden state, no pooler
+            _close(avg, hidden.mean(dim=0))
+            assert row == pytest.approx(one, abs=1e-6)  # the batch does not change a result
+            assert torch.tensor(u).norm().item() == pytest.approx(1.0, abs=1e-5)
+        with pytest.raises(ValueError, match="pooling must be one of"):
+            llm.embed(TEXTS, pooling="max")
+        with pytest.raises(ValueError, match="classify needs LLM"):
+            llm.classify(TEXTS)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_reward_model_scores_the_last_token(model_factory, tp, pp):
+    path = model_factory("llama_reward")
+    hf = _hf(path)
+    with LLM(path, task="classify", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        got = llm.classify(TEXTS + [[5, 9, 33, 2, 17]])
+        for item, row in zip(TEXTS + [[5, 9, 33, 2, 17]], got, strict=True):
+            ids = llm.engine.tokenizer.encode(item) if isinstance(item, str) else item
+            with torch.no_grad():
+                _close(row, hf(torch.tensor([ids])).logits[0])
+    assert len(got[0]) == 1
+
+
+def test_decoder_embeddings_and_task_errors(model_factory, llama_dir, bert):
+    hf = transformers.AutoModel.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    with LLM(llama_dir, task="embed") as llm:
+        rows = llm.embed(TEXTS[:2])
+        for text, row in zip(TEXTS[:2], rows, strict=True):
+            ids = llm.engine.tokenizer.encode(text)
+            with torch.no_grad():
+                _close(row, hf(torch.tensor([ids])).last_hidden_state[0, -1])
+        with pytest.raises(ValueError, match="not 'generate'"):
+            llm.generate(TEXTS[:1])
+    with pytest.raises(ValueError, match="task='generate'.*has no compute_logits"):
+        LLM(bert)
+    with pytest.raises(ValueError, match="task='classify'.*has no classify"):
+        LLM(llama_dir, task="classify")
+    with LLM(llama_dir) as llm, pytest.raises(ValueError, match="embed needs LLM"):
+        llm.embed(TEXTS)
