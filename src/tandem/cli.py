@@ -107,7 +107,7 @@ def _serve(args) -> int:
 
 _SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
                 "served_model_name", "max_waiting_requests", "log_level")  # fmt: skip
-_ENGINE_FLAGS = ("dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
+_ENGINE_FLAGS = ("task", "dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
                  "kv_cache_memory", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "enable_prefix_caching")  # fmt: skip
 
@@ -187,6 +187,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model id clients send (default: dir name)")
     s.add_argument("--max-waiting-requests", type=int, help="more waiting: 429 (default 256)")
     s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--task", choices=["generate", "embed", "classify"],
+                   help="generate (default): /v1/completions and chat; embed: /v1/embeddings; "
+                   "classify: /v1/classify")  # fmt: skip
     s.add_argument("--dtype")
     s.add_argument("--device")
     s.add_argument("--max-num-seqs", type=int)

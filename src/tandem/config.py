@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.dtypes import DTYPES
+
+ENCODE_KV_CACHE_BYTES = 4 << 20
 
 
 class EngineConfig(BaseModel):
@@ -70,6 +72,14 @@ class EngineConfig(BaseModel):
     kv_cache_memory: int | float = Field(
         1 << 30, description="bytes (int) or a fraction (0, 1] of free device memory (float)"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _encode_budget(cls, values):
+        """embed / classify engines keep no KV cache: a small default budget."""
+        if isinstance(values, dict) and values.get("task", "generate") != "generate":
+            values = {"kv_cache_memory": ENCODE_KV_CACHE_BYTES, **values}
+        return values
 
     @field_validator("kv_cache_memory")
     @classmethod

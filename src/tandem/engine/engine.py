@@ -84,6 +84,7 @@ class LLMEngine:
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
         self._exchange = None
         self.peak_in_flight = 0  # most steps in flight at once (pipeline overlap, for tests)
+        self.encode_batches = self.encode_inputs = 0  # embed / classify passes, sequences
 
     @contextmanager
     def _control(self) -> Iterator[None]:
@@ -165,24 +166,8 @@ class LLMEngine:
         ``mean`` of its last hidden states; default: the model's) and, for task ``classify``,
         through its head: one row per input. Sequences are packed unpadded into batches of
         at most ``max_num_batched_tokens`` tokens; batches run between generation steps."""
+        pooling = self.check_encode(inputs, pooling)
         task = self.config.task
-        if task == "generate":
-            raise ValueError("this engine's task is 'generate': embed / classify need "
-                             "LLM(..., task='embed' or 'classify')")  # fmt: skip
-        pooling = pooling or getattr(self.spec.cls, "default_pooling", "last")
-        if pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
-        vocab = self.spec.vocab_size
-        for i, ids in enumerate(inputs):
-            if not ids:
-                raise ValueError(f"input {i} is empty")
-            if len(ids) > self.max_model_len:
-                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is "
-                                 f"{self.max_model_len}")  # fmt: skip
-            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-                   or not 0 <= t < vocab]  # fmt: skip
-            if bad:
-                raise ValueError(f"input {i}: token ids outside [0, {vocab}): {bad[:8]}")
         budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         batches, current, size = [], [], 0
         for i, ids in enumerate(inputs):
@@ -201,7 +186,30 @@ class LLMEngine:
                 msg = EncodeMessage(next(self._step_ids), [inputs[i] for i in batch], types,
                                     pooling, task)  # fmt: skip
                 rows.extend(self._guarded(lambda msg=msg: self.executor.encode(msg)).rows)
+                self.encode_batches += 1
+                self.encode_inputs += len(batch)
         return rows
+
+    def check_encode(self, inputs: list[list[int]], pooling: str | None) -> str:
+        """Check inputs for `encode` (ValueError names the problem); the pooling to use."""
+        if self.config.task == "generate":
+            raise ValueError("this engine's task is 'generate': embed / classify need "
+                             "task='embed' or 'classify'")  # fmt: skip
+        pooling = pooling or getattr(self.spec.cls, "default_pooling", "last")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        vocab = self.spec.vocab_size
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > self.max_model_len:
+                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is "
+                                 f"{self.max_model_len}")  # fmt: skip
+            bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+                   or not 0 <= t < vocab]  # fmt: skip
+            if bad:
+                raise ValueError(f"input {i}: token ids outside [0, {vocab}): {bad[:8]}")
+        return pooling
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -347,6 +355,8 @@ class LLMEngine:
             num_waiting=scheduler.num_unfinished - len(scheduler.running),
             num_running=len(scheduler.running),
             num_preemptions=scheduler.num_preemptions,
+            encode_batches=self.encode_batches,
+            encode_inputs=self.encode_inputs,
         )
 
     @property

@@ -13,7 +13,6 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
 Prompt = str | list[int]
-ENCODE_KV_CACHE_BYTES = 4 << 20  # embed / classify engines keep no KV cache: a token budget
 
 
 class LLM:
@@ -25,8 +24,6 @@ class LLM:
     """
 
     def __init__(self, model: str, **options):
-        if options.get("task", "generate") != "generate":
-            options.setdefault("kv_cache_memory", ENCODE_KV_CACHE_BYTES)  # no KV cache used
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._request_ids = 0
 

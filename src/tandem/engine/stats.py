@@ -18,6 +18,8 @@ class EngineStats:
     num_waiting: int  # sequences waiting (a request's unforked samples count)
     num_running: int
     num_preemptions: int
+    encode_batches: int = 0  # embed / classify model passes
+    encode_inputs: int = 0  # sequences encoded in them
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -6,11 +6,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.engine.state import EngineState
-from tandem.server import admin, errors, openai_routes, rl_controls
+from tandem.server import admin, encode_routes, errors, openai_routes, rl_controls
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
+              "/v1/models", "/health", "/metrics")  # fmt: skip
 _CONTROLS = {route.path for route in rl_controls.router.routes}
 
 
@@ -19,6 +20,7 @@ def build_app(server: ServerState) -> FastAPI:
     app.state.tandem = server
     errors.install(app)
     app.include_router(openai_routes.router)
+    app.include_router(encode_routes.router)
     app.include_router(admin.router)
     app.include_router(rl_controls.router)
     app.add_middleware(_CountRequests, server=server)

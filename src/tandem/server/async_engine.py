@@ -127,6 +127,28 @@ class _Tracked:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
 
 
+@dataclass
+class _Encode:
+    """One API call's inputs for `LLMEngine.encode`, answered on its event loop."""
+
+    inputs: list[list[int]]
+    types: list[list[int]] | None
+    pooling: str
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def answer(self, rows: list[list[float]] | None, error: Exception | None = None) -> None:
+        def settle():
+            if self.future.done():
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(rows)
+
+        self.loop.call_soon_threadsafe(settle)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting: int = 256):
         self._core = engine  # reached only through the methods below
@@ -139,6 +161,7 @@ class AsyncEngine:
         self._live: set[str] = set()  # ids of requests submitted and not yet over (`_cond`)
         self._closed: str | None = None
         self._republish = False  # sequences finished outside a step (pause, abort): post them
+        self._encodes: list[_Encode] = []  # embed / classify calls, batched together
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -160,6 +183,15 @@ class AsyncEngine:
     @property
     def tokenizer(self) -> Tokenizer:
         return self._core.tokenizer
+
+    @property
+    def model_config(self):
+        """The model's parsed ``config.json`` (labels of a classifier: ``id2label``)."""
+        return self._core.spec.config
+
+    @property
+    def model_class(self):
+        return self._core.spec.cls
 
     @property
     def max_model_len(self) -> int:
@@ -274,6 +306,21 @@ class AsyncEngine:
         self._poke(publish=True)
         return sorted(live)
 
+    async def encode(
+        self, inputs: list[list[int]], types: list[list[int]] | None, pooling: str | None
+    ) -> list[list[float]]:
+        """Pooled vectors or head logits of one call's inputs (ValueError names a bad input).
+        Calls waiting together run as one unpadded batch on the engine thread."""
+        pooling = self._core.check_encode(inputs, pooling)
+        if (why := self.unavailable()) is not None:
+            raise EngineUnavailable(why)
+        loop = asyncio.get_running_loop()
+        call = _Encode(inputs, types, pooling, loop.create_future(), loop)
+        with self._cond:
+            self._encodes.append(call)
+            self._cond.notify()
+        return await call.future
+
     def _poke(self, publish: bool = False) -> None:
         with self._cond:
             self._republish = self._republish or publish
@@ -294,7 +341,7 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not (self._closed or self._new or self._aborts or self._republish
-                           or self._runnable()):  # fmt: skip
+                           or self._encodes or self._runnable()):  # fmt: skip
                     if not self._cond.wait(timeout=HEALTH_CHECK_S):
                         self._core.check_health()  # idle: is every worker still there?
                 if self._closed:
@@ -302,6 +349,9 @@ class AsyncEngine:
                 new, self._new = self._new, []
                 aborts, self._aborts = self._aborts, []
                 republish, self._republish = self._republish, False
+                encodes, self._encodes = self._encodes, []
+            if encodes:
+                self._run_encodes(encodes)
             for request_id, tracked in new:
                 self._tracked[request_id] = tracked
                 self._core.add(tracked.seqs)
@@ -334,6 +384,30 @@ class AsyncEngine:
                 continue
             self._publish()
         self._fail_all(self._closed)
+
+    def _run_encodes(self, calls: list[_Encode]) -> None:
+        """Every waiting encode call, one engine batch per pooling (the engine packs them
+        unpadded within its token budget); each call gets its own rows back."""
+        by_pooling: dict[str, list[_Encode]] = {}
+        for call in calls:
+            by_pooling.setdefault(call.pooling, []).append(call)
+        for pooling, group in by_pooling.items():
+            inputs = [ids for call in group for ids in call.inputs]
+            types = None
+            if any(call.types is not None for call in group):
+                types = []
+                for call in group:
+                    types += call.types or [[0] * len(ids) for ids in call.inputs]
+            try:
+                rows = self._core.encode(inputs, types, pooling)
+            except (EngineDeadError, EngineAsleepError, RuntimeError) as exc:
+                for call in group:
+                    call.answer(None, EngineUnavailable(str(exc)))
+                continue
+            start = 0
+            for call in group:
+                call.answer(rows[start : start + len(call.inputs)])
+                start += len(call.inputs)
 
     def _fail_all(self, reason: str) -> None:
         tracked, self._tracked = self._tracked, {}

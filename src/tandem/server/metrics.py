@@ -95,5 +95,7 @@ class _EngineCounters:
             ("prefill_tokens", "prompt tokens computed (chunks and recomputation included)",
              stats.prefill_tokens),
             ("decode_tokens", "tokens computed one per running sequence", stats.decode_tokens),
+            ("encode_batches", "embed / classify model passes", stats.encode_batches),
+            ("encode_inputs", "sequences embedded or classified", stats.encode_inputs),
         ):  # fmt: skip
             yield CounterMetricFamily(f"tandem_{name}", doc, value=value)

@@ -161,3 +161,41 @@ class ChatCompletionRequest(_Sampling):
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(self.max_completion_tokens or self.max_tokens, logprobs)
+
+
+EncodeInput = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=2048)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=2048)
+    ]  # fmt: skip
+)
+
+
+class _EncodeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str = Field(max_length=1024)
+    input: EncodeInput
+    user: str | None = Field(None, max_length=1024)
+
+    def inputs(self) -> list[str | list[int]]:
+        if isinstance(self.input, str):
+            return [self.input]
+        if isinstance(self.input[0], int):
+            return [self.input]
+        return list(self.input)
+
+
+class EmbeddingRequest(_EncodeRequest):
+    """OpenAI's ``/v1/embeddings`` body, plus ``pooling`` and ``normalize`` (vLLM's names)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    pooling: Literal["cls", "last", "mean"] | None = None
+    normalize: bool = False
+
+
+class ClassifyRequest(_EncodeRequest):
+    """vLLM's ``/v1/classify`` body."""

@@ -1,0 +1,87 @@
+"""``/v1/embeddings`` (OpenAI's shape) and ``/v1/classify`` (vLLM's), for a server started with
+``--task embed`` or ``--task classify``. Concurrent calls are batched together, unpadded."""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+
+import numpy as np
+import torch
+from fastapi import APIRouter, Depends, Request
+
+from tandem.server.async_engine import EngineUnavailable
+from tandem.server.errors import APIError
+from tandem.server.openai_routes import _api_key
+from tandem.server.protocol import ClassifyRequest, EmbeddingRequest
+from tandem.server.state import ServerState, read_json, state
+
+router = APIRouter(dependencies=[Depends(_api_key)])
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request):
+    s = state(request)
+    req: EmbeddingRequest = await read_json(request, EmbeddingRequest, s.config.max_request_bytes)
+    s.check_model(req.model)
+    _check_task(s, "embed", "/v1/embeddings")
+    if req.dimensions is not None:
+        raise APIError(400, "`dimensions` is not supported", param="dimensions")
+    rows, tokens = await _encode(s, req.inputs(), req.pooling)
+    data = []
+    for i, row in enumerate(rows):
+        vector = torch.tensor(row)
+        if req.normalize:
+            vector = vector / vector.norm().clamp_min(1e-12)
+        if req.encoding_format == "base64":  # float32 little-endian, as OpenAI sends it
+            value = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+        else:
+            value = vector.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": value})
+    return {"object": "list", "data": data, "model": s.config.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+@router.post("/v1/classify")
+async def classify(request: Request):
+    s = state(request)
+    req: ClassifyRequest = await read_json(request, ClassifyRequest, s.config.max_request_bytes)
+    s.check_model(req.model)
+    _check_task(s, "classify", "/v1/classify")
+    rows, tokens = await _encode(s, req.inputs(), None)
+    labels = getattr(s.engine.model_config, "id2label", {})
+    data = []
+    for i, row in enumerate(rows):
+        probs = torch.softmax(torch.tensor(row, dtype=torch.float64), dim=-1).tolist()
+        best = int(np.argmax(row))
+        data.append({"index": i, "label": labels.get(str(best), str(best)), "probs": probs,
+                     "logits": row, "num_classes": len(row)})  # fmt: skip
+    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": s.config.model_name, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+def _check_task(s: ServerState, task: str, route: str) -> None:
+    if s.engine.config.task != task:
+        raise APIError(400, f"{route} needs a server started with --task {task}; this one "
+                       f"serves --task {s.engine.config.task}", param="model",
+                       code="wrong_task")  # fmt: skip
+
+
+async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], int]:
+    tok = s.tokenizer
+    inputs, types = [], []
+    for item in items:
+        ids, t = tok.encode_with_types(item) if isinstance(item, str) else (item, [0] * len(item))
+        inputs.append(ids)
+        types.append(t)
+    use_types = getattr(s.engine.model_class, "token_types", False)
+    try:
+        rows = await s.engine.encode(inputs, types if use_types else None, pooling)
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+    except EngineUnavailable as exc:
+        raise APIError(503, str(exc), code="engine_unavailable") from None
+    s.metrics.prompt_tokens.inc(sum(map(len, inputs)))
+    return rows, sum(map(len, inputs))
