@@ -105,3 +105,19 @@ def test_decoder_embeddings_and_task_errors(model_factory, llama_dir, bert):
         LLM(llama_dir, task="classify")
     with LLM(llama_dir) as llm, pytest.raises(ValueError, match="embed needs LLM"):
         llm.embed(TEXTS)
+
+
+def test_quick_encode_bench_shape(tmp_path, monkeypatch):
+    from tandem.bench.encode import BATCH_SIZES, SETUPS, run
+
+    monkeypatch.chdir(tmp_path)
+    result = run(quick=True)  # every side's logits are checked against tandem's inside
+    _, _, _, count, lo, hi = SETUPS[True]
+    assert result["inputs"] == count and lo * count <= result["tokens"] <= hi * count
+    for side in ("tandem", "transformers", "transformers_arrival"):
+        assert result[f"{side}_tokens_per_s"] > 0
+    for side in ("transformers", "transformers_arrival"):
+        assert set(result[f"{side}_batch_seconds"]) == {str(b) for b in BATCH_SIZES}
+    assert result["padded_tokens_sorted"] >= result["tokens"]
+    assert set(result["ratios"]) == {"unpadded_vs_transformers",
+                                     "unpadded_vs_transformers_arrival"}  # fmt: skip

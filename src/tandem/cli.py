@@ -121,6 +121,10 @@ def _bench(args) -> int:
         from tandem.bench.generate import run
 
         result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+    elif args.what == "encode":
+        from tandem.bench.encode import run
+
+        result = run(quick=args.quick, tp=args.tp)
     elif args.what == "sync":
         from tandem.bench.sync import run, summary
 
@@ -233,7 +237,7 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
-    b.add_argument("what", choices=["generate", "serve", "sync"])
+    b.add_argument("what", choices=["generate", "serve", "sync", "encode"])
     b.add_argument("--json", action="store_true", help="print the full JSON result")
     b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
     b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
