@@ -121,3 +121,50 @@ def test_quick_encode_bench_shape(tmp_path, monkeypatch):
     assert result["padded_tokens_sorted"] >= result["tokens"]
     assert set(result["ratios"]) == {"unpadded_vs_transformers",
                                      "unpadded_vs_transformers_arrival"}  # fmt: skip
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_vit_classifier_equals_transformers(model_factory, tp, pp):
+    path = model_factory("vit")
+    hf = transformers.ViTForImageClassification.from_pretrained(path, dtype=torch.float32).eval()
+    images = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(pixel_values=images).logits
+    with LLM(path, task="classify", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
+        got = llm.classify(list(images))
+        alone = llm.classify(images[1])
+        with pytest.raises(ValueError, match=r"shape \(3, 32, 32\) is needed"):
+            llm.classify(torch.zeros(3, 16, 16))
+    for row, w in zip(got, want, strict=True):
+        _close(row, w)
+    assert alone[0] == pytest.approx(got[1], abs=1e-6)
+
+
+def test_classify_cli_reads_images_like_transformers_image_processor(model_factory, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    path = model_factory("vit")
+    rng = torch.Generator().manual_seed(1)
+    files = []
+    for i, size in enumerate((48, 20)):  # resized to 32 x 32 either way
+        pixels = torch.randint(0, 256, (size, size + 5, 3), generator=rng, dtype=torch.uint8)
+        files.append(tmp_path / f"image{i}.png")
+        Image.fromarray(pixels.numpy()).save(files[-1])
+    out = subprocess.run([sys.executable, "-m", "tandem.cli", "classify", "--model", path,
+                          *[a for f in files for a in ("--image", str(f))]],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    processor = transformers.ViTImageProcessor.from_pretrained(path)
+    hf = transformers.ViTForImageClassification.from_pretrained(path, dtype=torch.float32).eval()
+    labels = ["cat", "dog", "bird", "fish"]
+    for record, file in zip(records, files, strict=True):
+        pixels = processor(Image.open(file).convert("RGB"), return_tensors="pt").pixel_values
+        with torch.no_grad():
+            want = hf(pixel_values=pixels).logits[0]
+        _close(record["logits"], want)
+        assert record["label"] == labels[int(want.argmax())]

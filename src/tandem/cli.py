@@ -40,6 +40,33 @@ def _generate(args) -> int:
     return 0
 
 
+def _classify(args) -> int:
+    """Classifier logits (or, with --embed, embeddings) per text or image, one JSON line each."""
+    from tandem import LLM
+
+    if bool(args.text) == bool(args.image):
+        raise ValueError("give --text or --image (repeat for several), not both")
+    task = "embed" if args.embed else "classify"
+    options = dict(dtype=args.dtype, device=args.device, task=task,
+                   tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp)  # fmt: skip
+    with LLM(args.model, **options) as llm:
+        spec = llm.engine.spec
+        inputs = args.text
+        if args.image:
+            from tandem.engine.images import load_image
+
+            inputs = [load_image(path, args.model, spec.config.image_size) for path in args.image]
+        rows = llm.embed(inputs) if args.embed else llm.classify(inputs)
+        labels = getattr(spec.config, "id2label", {})
+        for name, row in zip(args.text or args.image, rows, strict=True):
+            record = {"input": name, "embedding" if args.embed else "logits": row}
+            if not args.embed:
+                best = max(range(len(row)), key=row.__getitem__)
+                record["label"] = labels.get(str(best), str(best))
+            print(json.dumps(record))
+    return 0
+
+
 def _demo(args) -> int:
     from tandem.rl import report
     from tandem.rl.loop import DemoConfig, run
@@ -176,6 +203,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model-module", action="append", default=[],
                    help="import this module first (registers a custom architecture)")  # fmt: skip
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("classify", help="classifier logits (or --embed: embeddings) per input")
+    c.add_argument("--model", required=True)
+    c.add_argument("--text", action="append", default=[], help="repeat for several")
+    c.add_argument("--image", action="append", default=[],
+                   help="an image file (ViT; read with Pillow); repeat for several")  # fmt: skip
+    c.add_argument("--embed", action="store_true", help="embeddings instead of logits")
+    c.add_argument("--dtype", default="float32")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    c.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    c.set_defaults(func=_classify)
 
     s = sub.add_parser(
         "serve", help="OpenAI-compatible server; with --node-rank N >= 1, host node N's ranks"

@@ -51,8 +51,13 @@ class LLMEngine:
                 f"max_num_batched_tokens ({max_batched}) must be >= max_num_seqs "
                 f"({config.max_num_seqs}): every running sequence decodes a token each step"
             )
-        self.tokenizer = Tokenizer(self.spec.path)
-        self.outputs = OutputProcessor(self.tokenizer, self.spec.eos_token_ids, self.max_model_len)
+        self.tokenizer, self.outputs = None, None  # an image model has no tokenizer
+        if config.task == "generate" or (self.spec.path / "tokenizer.json").is_file():
+            self.tokenizer = Tokenizer(self.spec.path)
+        if config.task == "generate":
+            self.outputs = OutputProcessor(
+                self.tokenizer, self.spec.eos_token_ids, self.max_model_len
+            )
         self.executor: Executor = _make_executor(self.spec, config)
         self.blocks = BlockManager(
             self.executor.num_blocks,
@@ -160,7 +165,11 @@ class LLMEngine:
             return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
 
     def encode(
-        self, inputs: list[list[int]], token_types: list[list[int]] | None, pooling: str | None
+        self,
+        inputs: list[list[int]],
+        token_types: list[list[int]] | None,
+        pooling: str | None,
+        pixels: list[list[float]] | None = None,
     ) -> list[list[float]]:
         """Whole sequences through the model, no KV cache, each pooled (``cls``, ``last`` or
         ``mean`` of its last hidden states; default: the model's) and, for task ``classify``,
@@ -183,8 +192,9 @@ class LLMEngine:
             self.lifecycle.check_runnable()
             for batch in batches:
                 types = None if token_types is None else [token_types[i] for i in batch]
+                images = None if pixels is None else [pixels[i] for i in batch]
                 msg = EncodeMessage(next(self._step_ids), [inputs[i] for i in batch], types,
-                                    pooling, task)  # fmt: skip
+                                    pooling, task, images)  # fmt: skip
                 rows.extend(self._guarded(lambda msg=msg: self.executor.encode(msg)).rows)
                 self.encode_batches += 1
                 self.encode_inputs += len(batch)

@@ -53,6 +53,8 @@ class LLM:
         if self.engine.config.task != task:
             raise ValueError(f"{task} needs LLM(..., task={task!r}); this LLM's task is "
                              f"{self.engine.config.task!r}")  # fmt: skip
+        if getattr(self.engine.spec.cls, "inputs", "tokens") == "pixels":
+            return self._encode_images(inputs, pooling)
         items = _as_prompt_list(inputs)
         ids, types = [], []
         for item in items:
@@ -118,6 +120,20 @@ class LLM:
         while not all(s.finished for s in mine):  # other threads' requests may still run
             self.engine.step(for_seqs=mine)
         return [self._output(rid, text, ids, seqs) for rid, text, ids, seqs in requests]
+
+    def _encode_images(self, images, pooling: str | None) -> list[list[float]]:
+        """Image models: each input a float tensor [channels, size, size] (HF pixel_values)."""
+        spec = self.engine.spec
+        images = [images] if isinstance(images, torch.Tensor) else list(images)
+        shape = spec.cls.image_shape(spec.config)
+        for i, image in enumerate(images):
+            if not isinstance(image, torch.Tensor) or tuple(image.shape) != shape:
+                got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image)
+                raise ValueError(f"input {i}: an image tensor of shape {shape} is needed, "
+                                 f"got {got}")  # fmt: skip
+        rows = [[0] * spec.config.rows_per_image for _ in images]
+        pixels = [image.detach().float().flatten().tolist() for image in images]
+        return self.engine.encode(rows, None, pooling, pixels)
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
         completions = [

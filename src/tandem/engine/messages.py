@@ -125,6 +125,8 @@ class EncodeMessage:
     token_types: list[list[int]] | None  # per token, when the model has token types
     pooling: str  # cls | last | mean
     task: str
+    pixels: list[list[float]] | None = None  # image models: each image flattened (seqs hold
+    # one placeholder id per row it becomes)
 
 
 @dataclass(slots=True)

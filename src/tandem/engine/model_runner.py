@@ -335,17 +335,18 @@ class ModelRunner:
         return PromptLogprobs(score.seq_id, score.first, lps, top_ids, top_lps)
 
     def _run_stage(
-        self, input_ids, positions, meta, routing: list | None = None, token_types=None
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        self, input_ids, positions, meta, routing: list | None = None,
+        embed_inputs: dict | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
         """This stage's layers; hidden states come from / go to the neighbouring stages, and
         with ``routing`` the expert ids of every MoE layer so far ([rows, layers * top_k], in
-        layer order). The last stage returns (final hidden states, expert ids or None)."""
+        layer order); ``embed_inputs`` go to the first stage's embedding (token types,
+        pixels). The last stage returns (final hidden states, expert ids or None)."""
         context = self.model.layer_context(positions, self.dtype)
         rows = len(input_ids)
         before = None
         if self.stage.is_first:
-            extra = {} if token_types is None else {"token_type_ids": token_types}
-            x = self.model.embed(input_ids, positions, **extra)
+            x = self.model.embed(input_ids, positions, **(embed_inputs or {}))
         else:
             x = self.pipe.recv((rows, self.hidden_size), self.dtype)
             if routing is not None:
@@ -375,12 +376,14 @@ class ModelRunner:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
-        types = None
+        extra = {}
         if msg.token_types is not None:
-            types = self._tensor([t for seq in msg.token_types for t in seq])
+            extra["token_type_ids"] = self._tensor([t for seq in msg.token_types for t in seq])
+        if msg.pixels is not None:
+            extra["pixel_values"] = torch.tensor(msg.pixels, dtype=self.dtype, device=self.device)
         out = self._run_stage(
             self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans),
-            token_types=types,
+            embed_inputs=extra,
         )  # fmt: skip
         if out is None:
             return None

@@ -147,6 +147,22 @@ FAMILIES: dict[str, dict] = {
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
     },
+    "vit": {
+        "architectures": ["ViTForImageClassification"],
+        "model_type": "vit",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "hidden_act": "gelu",
+        "image_size": 32,
+        "patch_size": 8,
+        "num_channels": 3,
+        "layer_norm_eps": 1e-12,
+        "qkv_bias": True,
+        "id2label": {"0": "cat", "1": "dog", "2": "bird", "3": "fish"},
+        "label2id": {"cat": 0, "dog": 1, "bird": 2, "fish": 3},
+    },
     "gpt2": {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -237,6 +253,12 @@ def make_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {**FAMILIES[family], **(overrides or {})}
+    if config.get("model_type") == "vit":  # no tokenizer: an image processor's settings
+        config.update(torch_dtype="float32")
+        size = {"height": config["image_size"], "width": config["image_size"]}
+        processor = {**VIT_PREPROCESSOR, "size": size}
+        (out / "preprocessor_config.json").write_text(json.dumps(processor, indent=2))
+        return _write_weights(out, config, seed, max_shard_bytes)
     if config.get("model_type") == "bert":
         tok = train_wordpiece(vocab_size, seed)
         config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
@@ -256,14 +278,32 @@ def make_tiny_model(
         )
         tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
                             "bos_token": EOS, "chat_template": CHAT_TEMPLATE}  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return _write_weights(out, config, seed, max_shard_bytes)
+
+
+VIT_PREPROCESSOR = {
+    "image_processor_type": "ViTImageProcessor",
+    "do_resize": True,
+    "size": {"height": 32, "width": 32},
+    "resample": 2,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
+def _write_weights(out: Path, config: dict, seed: int, max_shard_bytes: int | None) -> Path:
+    """config.json, then random weights for every tensor the model class reads."""
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     spec = read_model_spec(out)
     with torch.device("meta"):
         shapes = canonical_shapes(spec.cls(spec.config))
     gen = torch.Generator().manual_seed(seed)
-    hidden = shapes[next(n for n in shapes if "embed" in n or "wte" in n)][-1]
+    hidden = config.get("hidden_size") or config.get("n_embd")
     tensors = {name: _init(name, shape, hidden, gen) for name, shape in sorted(shapes.items())}
     _save(tensors, out, max_shard_bytes)
     return out
