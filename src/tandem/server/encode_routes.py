@@ -70,6 +70,10 @@ def _check_task(s: ServerState, task: str, route: str) -> None:
 
 
 async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], int]:
+    if getattr(s.engine.model_class, "inputs", "tokens") != "tokens":
+        raise APIError(400, "this model takes images: classify them offline (LLM.classify or "
+                       "`tandem classify --image`); HTTP inputs are text or token ids",
+                       param="input", code="unsupported_input")  # fmt: skip
     tok = s.tokenizer
     inputs, types = [], []
     for item in items:
