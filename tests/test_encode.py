@@ -76,9 +76,18 @@ def test_bert_embeddings_pooling_and_batch_invariance(model_factory):
             llm.classify(TEXTS)
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_reward_model_scores_the_last_token(model_factory, tp, pp):
-    path = model_factory("llama_reward")
+QWEN2_REWARD = {  # qkv bias, tied embeddings, two labels
+    "architectures": ["Qwen2ForSequenceClassification"],
+    "model_type": "qwen2",
+    "id2label": {"0": "LABEL_0", "1": "LABEL_1"},
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("tp,pp,overrides", [(1, 1, {}), (2, 1, {}), (1, 2, {}),
+                                             (2, 1, QWEN2_REWARD)])  # fmt: skip
+def test_reward_model_scores_the_last_token(model_factory, tp, pp, overrides):
+    path = model_factory("llama_reward", **overrides)
     hf = _hf(path)
     with LLM(path, task="classify", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         got = llm.classify(TEXTS + [[5, 9, 33, 2, 17]])
@@ -86,7 +95,7 @@ def test_reward_model_scores_the_last_token(model_factory, tp, pp):
             ids = llm.engine.tokenizer.encode(item) if isinstance(item, str) else item
             with torch.no_grad():
                 _close(row, hf(torch.tensor([ids])).logits[0])
-    assert len(got[0]) == 1
+    assert len(got[0]) == len(hf.config.id2label)
 
 
 def test_decoder_embeddings_and_task_errors(model_factory, llama_dir, bert):
