@@ -108,8 +108,8 @@ def test_pause_wait_answers_once_running_requests_finished(server):
 
 def test_abort_requests_by_id_and_all(server):
     first, a = _run(server, _body(max_tokens=3000, request_id="rollout-a"))
+    assert wait_for(lambda: _running(server))  # rollout-a runs
     second, b = _run(server, _body(max_tokens=60, request_id="rollout-b"))
-    assert wait_for(lambda: _running(server, 2))
     dup = server.post("/v1/completions", json=_body(max_tokens=2, request_id="rollout-a"))
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "request_id"
     r = server.admin("POST", "/abort_requests", json={"request_ids": ["rollout-a"]})
