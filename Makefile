@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,megatron,trl]'
+	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,6 +1,11 @@
 import os
 
-import pytest
+# Ray (tests/test_ray.py) resolves 127.0.0.1 to this host's interface address unless told it
+# is not running a real cluster: keep every local Ray cluster on loopback. Set before Ray is
+# imported anywhere; subprocesses (Ray workers, `tandem serve`) inherit it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import pytest  # noqa: E402
 import torch
 
 from tandem.models.tiny import make_tiny_model

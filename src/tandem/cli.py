@@ -134,7 +134,8 @@ def _serve(args) -> int:
 
 _SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
                 "served_model_name", "max_waiting_requests", "log_level")  # fmt: skip
-_ENGINE_FLAGS = ("task", "dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
+_ENGINE_FLAGS = ("task", "distributed_executor_backend", "ray_address", "placement_strategy",
+                 "dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
                  "kv_cache_memory", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "enable_prefix_caching")  # fmt: skip
 
@@ -233,6 +234,11 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--task", choices=["generate", "embed", "classify"],
                    help="generate (default): /v1/completions and chat; embed: /v1/embeddings; "
                    "classify: /v1/classify")  # fmt: skip
+    s.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
+                   help="mp (default): worker processes; ray: each rank a Ray actor")  # fmt: skip
+    s.add_argument("--ray-address", help="ray: the cluster to join (default: 'auto')")
+    s.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK",
+                                                     "STRICT_SPREAD"])  # fmt: skip
     s.add_argument("--dtype")
     s.add_argument("--device")
     s.add_argument("--max-num-seqs", type=int)

@@ -67,6 +67,17 @@ class EngineConfig(BaseModel):
     exchange_host: str = Field(
         "127.0.0.1", description="address the weight-exchange server listens on (trainers dial it)"
     )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp", description="mp: worker processes on this host (and nodes that join); ray: each "
+        "rank a Ray actor in one placement group",
+    )  # fmt: skip
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="ray: how the placement group spreads the ranks over nodes"
+    )
+    ray_address: str | None = Field(
+        None, description="ray: the cluster to join when not connected yet (default 'auto')"
+    )
+    ray_cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs in each rank's bundle")
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(120.0, gt=0)
     kv_cache_memory: int | float = Field(

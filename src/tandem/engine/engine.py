@@ -533,6 +533,10 @@ def _check_task(task: str, spec) -> None:
 
 
 def _make_executor(spec, config: EngineConfig) -> Executor:
+    if config.distributed_executor_backend == "ray":
+        from tandem.engine.ray_executor import RayExecutor
+
+        return RayExecutor(spec, config)
     if config.world_size == 1:
         return InProcessExecutor(spec, config)
     from tandem.engine.multiproc import MultiprocExecutor

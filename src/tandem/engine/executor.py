@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from collections import deque
 from typing import Protocol
 
@@ -43,6 +45,9 @@ class Executor(Protocol):
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         """Pooled outputs of whole sequences (embed / classify); no step may be in flight."""
+
+    def worker_locations(self) -> list[dict]:
+        """Where each rank runs: ``{rank, node_id, pid}``."""
 
     def shutdown(self) -> None: ...
 
@@ -95,6 +100,9 @@ class InProcessExecutor:
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         return self.runner.encode(msg)
+
+    def worker_locations(self) -> list[dict]:
+        return [{"rank": 0, "node_id": socket.gethostname(), "pid": os.getpid()}]
 
     def shutdown(self) -> None:
         self.runner = None

@@ -197,6 +197,11 @@ class LLM:
         """Re-allocate the KV cache released by `sleep`."""
         self.engine.wake()
 
+    def worker_locations(self) -> list[dict]:
+        """Where each engine rank runs: ``[{rank, node_id, pid}]`` (node_id: the Ray node id
+        with the ray backend, else the host name)."""
+        return self.engine.executor.worker_locations()
+
     def shutdown(self) -> None:
         """Stop the workers (if any) and release the model and KV cache. Idempotent."""
         if self.engine is not None:

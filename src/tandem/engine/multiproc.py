@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,9 +48,15 @@ from tandem.models.stages import split_layers
 from tandem.parallel import ParallelDims, TPGroup
 
 CONTROL_KEY = "tandem/control"
+ROOT_CAUSE_WAIT_S = 2.0  # how long a reported failure waits for the rank that died to show
 
 
 class MultiprocExecutor:
+    """Every rank a worker process on this host (and, with ``nnodes`` > 1, on hosts that
+    joined with `run_node`), driven over the control channel."""
+
+    ranks_elsewhere = False  # True: ranks may run on other hosts (TCP rendezvous)
+
     def __init__(self, spec: ModelSpec, config: EngineConfig):
         dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
         check_layout(spec, config, dims)
@@ -58,19 +65,20 @@ class MultiprocExecutor:
         self._server = ControlServer(config.master_addr, self._token, dims.world_size)
         self._store = None
         self._tmpdir = None
-        if config.nnodes == 1:
+        if config.nnodes == 1 and not self.ranks_elsewhere:
             self._tmpdir = tempfile.mkdtemp(prefix="tandem-rdzv-")  # private (0700)
             rendezvous = f"file://{self._tmpdir}/store"
         else:
+            default_port = 0 if self.ranks_elsewhere else 29500  # 0: any free port
             self._store = dist.TCPStore(
-                config.master_addr, config.master_port or 29500, dims.world_size + 1,
+                config.master_addr, config.master_port or default_port, dims.world_size + 1,
                 is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
             )  # fmt: skip
             host, port = self._server.address
             self._store.set(CONTROL_KEY, msgpack.packb([host, port, self._token]))
             rendezvous = f"tcp://{config.master_addr}:{self._store.port}"
         local = dims.world_size // config.nnodes
-        self._procs = spawn_workers(
+        self._procs = self._spawn(
             config, range(local), rendezvous, self._server.address, self._token, spec
         )
         self._finalizer = weakref.finalize(
@@ -93,7 +101,7 @@ class MultiprocExecutor:
         try:
             self._server.broadcast(msg)
         except PeerGone as exc:
-            raise EngineDeadError(str(exc)) from None
+            raise EngineDeadError(self._root_cause(str(exc))) from None
 
     def apply(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
         """One phase of a push on every rank: (errors, bytes moved)."""
@@ -102,7 +110,7 @@ class MultiprocExecutor:
                 records = [r.to_wire() for r in records_by_rank.get(rank, [])]
                 self._server.send_to(rank, ApplyWeights(phase, spec.to_wire(), records))
         except PeerGone as exc:
-            raise EngineDeadError(str(exc)) from None
+            raise EngineDeadError(self._root_cause(str(exc))) from None
         results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
         return [r.error for r in results if r.error is not None], sum(r.nbytes for r in results)
 
@@ -110,7 +118,7 @@ class MultiprocExecutor:
         try:
             self._server.broadcast(KVCache(allocate))
         except PeerGone as exc:
-            raise EngineDeadError(str(exc)) from None
+            raise EngineDeadError(self._root_cause(str(exc))) from None
         for _ in self.layouts:
             self._receive(KVCacheDone, deadline=None)
 
@@ -128,7 +136,7 @@ class MultiprocExecutor:
             try:
                 got = self._server.receive(timeout=0.2)
             except PeerGone as exc:
-                raise EngineDeadError(str(exc)) from None
+                raise EngineDeadError(self._root_cause(str(exc))) from None
             if got is not None:
                 rank, msg = got
                 if not isinstance(msg, kind):
@@ -141,15 +149,39 @@ class MultiprocExecutor:
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if a worker process on this host has exited."""
-        for rank, proc in enumerate(self._procs):
+        if (dead := self._dead()) is not None:
+            raise EngineDeadError(dead)
+
+    def _dead(self) -> str | None:
+        for i, proc in enumerate(self._procs):
             if proc.poll() is not None:
-                raise EngineDeadError(
-                    f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
-                )
+                rank = getattr(proc, "rank", i)
+                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
+
+    def _root_cause(self, reported: str) -> str:
+        """A rank that dies takes its peers' collectives down with it, and a peer may report
+        first: name the rank that died when it shows within a moment."""
+        deadline = time.monotonic() + ROOT_CAUSE_WAIT_S
+        while time.monotonic() < deadline:
+            if (dead := self._dead()) is not None:
+                return f"{dead} ({reported})" if dead not in reported else reported
+            time.sleep(0.05)
+        return reported
 
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+    def worker_locations(self) -> list[dict]:
+        """Where each local rank runs: ``{rank, node_id, pid}`` (node_id: this host's name)."""
+        host = socket.gethostname()
+        return [{"rank": r, "node_id": host, "pid": p.pid} for r, p in enumerate(self._procs)]
+
+    def _spawn(self, config, ranks, rendezvous, control_address, token, spec) -> list:
+        """Start the ranks' workers: objects with ``pid``, ``poll``, ``wait``, ``terminate``,
+        ``kill`` and ``returncode`` (`subprocess.Popen` here)."""
+        return spawn_workers(config, ranks, rendezvous, control_address, token, spec)
 
     def shutdown(self) -> None:
         try:
