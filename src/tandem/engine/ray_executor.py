@@ -6,8 +6,8 @@ GPU each when ``device`` is CUDA) under ``placement_strategy``, and runs each ra
 (`tandem.engine.worker.main`) inside an actor pinned to its bundle. Everything else is the
 multi-process engine's: the same control channel (the actors dial the engine's control server
 with its token), the same torch.distributed rendezvous (a TCP store the engine hosts at
-``master_addr``), the same failure semantics (an actor that dies makes the next call raise
-`EngineDeadError` naming its rank). Shutdown stops the actors and removes the placement group.
+``master_addr``, by default the driver's address as Ray knows it), the same failure semantics
+(an actor that dies makes the next call raise `EngineDeadError` naming its rank). Shutdown stops the actors and removes the placement group.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ class RayExecutor(MultiprocExecutor):
         ray = _ray()
         if not ray.is_initialized():
             ray.init(address=config.ray_address or "auto", log_to_driver=False)
+        if "master_addr" not in config.model_fields_set:  # where the actors find the driver
+            config = config.model_copy(update={"master_addr": ray.util.get_node_ip_address()})
         self._placement = None
         super().__init__(spec, config)
 

@@ -106,6 +106,11 @@ def set_pieces(param: nn.Parameter, pieces: list[Piece]) -> nn.Parameter:
     return param
 
 
+def replicated(shape: tuple[int, ...], name: str) -> nn.Parameter:
+    """A parameter every rank holds whole: all of canonical tensor ``name``."""
+    return set_pieces(nn.Parameter(torch.empty(shape), requires_grad=False), [whole(name, shape)])
+
+
 def canonical_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """Every canonical tensor the module's parameters read, with its full shape."""
     shapes: dict[str, tuple[int, ...]] = {}

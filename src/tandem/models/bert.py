@@ -13,14 +13,15 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import PositionEmbedding, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
-from tandem.layers.placement import set_pieces, whole
+from tandem.layers.placement import replicated
+from tandem.models.labels import Labels
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
@@ -28,7 +29,7 @@ from tandem.parallel import SINGLE, TPGroup
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu}
 
 
-class BertConfig(BaseModel):
+class BertConfig(Labels):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     vocab_size: int
@@ -41,20 +42,10 @@ class BertConfig(BaseModel):
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     position_embedding_type: Literal["absolute"] = "absolute"
-    id2label: dict[str, str] = Field(default_factory=lambda: {"0": "LABEL_0", "1": "LABEL_1"})
 
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.id2label)
-
-
-def replicated(shape: tuple[int, ...], name: str) -> nn.Parameter:
-    """A parameter every rank holds whole."""
-    return set_pieces(nn.Parameter(torch.empty(shape), requires_grad=False), [whole(name, shape)])
 
 
 class BertSelfAttention(nn.Module):

@@ -10,22 +10,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
-from tandem.layers.placement import set_pieces, whole
+from tandem.layers.placement import replicated
+from tandem.models.labels import Labels
 from tandem.models.llama import LlamaConfig, LlamaForCausalLM, Qwen2ForCausalLM
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
 
 
-class ClassifierConfig(LlamaConfig):
-    id2label: dict[str, str] = Field(default_factory=lambda: {"0": "LABEL_0", "1": "LABEL_1"})
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.id2label)
+class ClassifierConfig(LlamaConfig, Labels):
+    pass
 
 
 class _ScoreHead:
@@ -39,9 +35,8 @@ class _ScoreHead:
     def __init__(self, cfg: ClassifierConfig, tp: TPGroup = SINGLE):
         super().__init__(cfg, tp)
         self.lm_head = None
-        weight = nn.Parameter(torch.empty(cfg.num_labels, cfg.hidden_size), requires_grad=False)
         self.score = nn.Module()
-        self.score.weight = set_pieces(weight, [whole("score.weight", tuple(weight.shape))])
+        self.score.weight = replicated((cfg.num_labels, cfg.hidden_size), "score.weight")
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         return F.linear(pooled, self.score.weight)

@@ -14,13 +14,14 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, model_validator
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
-from tandem.models.bert import replicated
+from tandem.layers.placement import replicated
+from tandem.models.labels import Labels
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
@@ -28,7 +29,7 @@ from tandem.parallel import SINGLE, TPGroup
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
-class ViTConfig(BaseModel):
+class ViTConfig(Labels):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     hidden_size: int
@@ -41,7 +42,6 @@ class ViTConfig(BaseModel):
     hidden_act: Literal["gelu", "gelu_new"] = "gelu"
     layer_norm_eps: float = 1e-12
     qkv_bias: bool = True
-    id2label: dict[str, str] = Field(default_factory=lambda: {"0": "LABEL_0", "1": "LABEL_1"})
 
     @model_validator(mode="after")
     def _patches_fit(self):
@@ -52,10 +52,6 @@ class ViTConfig(BaseModel):
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
-
-    @property
-    def num_labels(self) -> int:
-        return len(self.id2label)
 
     @property
     def rows_per_image(self) -> int:
