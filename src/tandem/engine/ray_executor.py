@@ -7,7 +7,8 @@ GPU each when ``device`` is CUDA) under ``placement_strategy``, and runs each ra
 multi-process engine's: the same control channel (the actors dial the engine's control server
 with its token), the same torch.distributed rendezvous (a TCP store the engine hosts at
 ``master_addr``, by default the driver's address as Ray knows it), the same failure semantics
-(an actor that dies makes the next call raise `EngineDeadError` naming its rank). Shutdown stops the actors and removes the placement group.
+(an actor that dies makes the next call raise `EngineDeadError` naming its rank). Shutdown
+stops the actors and removes the placement group.
 """
 
 from __future__ import annotations
