@@ -138,28 +138,15 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     path = Path(setup.model_dir)
     if not (path / "config.json").is_file():
         make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
-    config = json.loads((path / "config.json").read_text())
-    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
-    eos_ids = {eos} if isinstance(eos, int) else set(eos)
+    config, eos_ids = read_bench_model(path)
     vocab = config["vocab_size"]
     rng = random.Random(0)
-    b1_prompt, b1_new = setup.batch1
-    batch1 = [(_prompt(rng, b1_prompt, vocab, eos_ids), b1_new)]
-    n_req, p_lo, p_hi, o_lo, o_hi = setup.mixed
-    mixed = [
-        (_prompt(rng, rng.randint(p_lo, p_hi), vocab, eos_ids), rng.randint(o_lo, o_hi))
-        for _ in range(n_req)
-    ]
+    batch1, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
     n_prompts, n, g_lo, g_hi, new = setup.grpo
     grpo = [  # (prompt, useful tokens: n samples of `new`)
         (_prompt(rng, rng.randint(g_lo, g_hi), vocab, eos_ids), n * new) for _ in range(n_prompts)
     ]
-    # Timed run r of every side gets runs[name][r]: the workload's lengths with fresh prompt ids,
-    # so no run reuses a prefix cached by the warm-up (the originals) or by an earlier run.
-    runs = {
-        name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
-        for name, reqs in (("batch1", batch1), ("mixed", mixed), ("grpo", grpo))
-    }
+    runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed, grpo=grpo)
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
     kv_tokens = max(  # every sequence resident, unshared: no preemption
@@ -255,6 +242,39 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         3,
     )
     return result
+
+
+def read_bench_model(path: Path) -> tuple[dict[str, Any], set[int]]:
+    """A bench model directory's config.json and its EOS ids."""
+    config = json.loads((path / "config.json").read_text())
+    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
+    return config, {eos} if isinstance(eos, int) else set(eos)
+
+
+def greedy_workloads(
+    rng: random.Random, vocab: int, eos_ids: set[int], batch1: tuple[int, int],
+    mixed: tuple[int, int, int, int, int],
+) -> tuple[list[Request], list[Request]]:  # fmt: skip
+    """``batch1`` (prompt, new tokens) as one request; ``mixed`` (requests, prompt lengths
+    lo..hi, outputs lo..hi) as that many random ones."""
+    one = [(_prompt(rng, batch1[0], vocab, eos_ids), batch1[1])]
+    n_req, p_lo, p_hi, o_lo, o_hi = mixed
+    many = [
+        (_prompt(rng, rng.randint(p_lo, p_hi), vocab, eos_ids), rng.randint(o_lo, o_hi))
+        for _ in range(n_req)
+    ]
+    return one, many
+
+
+def fresh_runs(
+    rng: random.Random, vocab: int, eos_ids: set[int], **workloads: list[Request]
+) -> dict[str, list[list[Request]]]:
+    """Timed run r of every side gets runs[name][r]: the workload's lengths with fresh prompt
+    ids, so no run reuses a prefix cached by the warm-up (the originals) or an earlier run."""
+    return {
+        name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
+        for name, reqs in workloads.items()
+    }
 
 
 def _entry(reqs: list[Request]) -> dict[str, Any]:

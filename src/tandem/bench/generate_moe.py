@@ -17,7 +17,6 @@ length in left-padded batches of the fastest size of 8/16/32/64.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -26,7 +25,15 @@ from typing import Any
 import torch
 
 from tandem import LLM
-from tandem.bench.generate import _entry, _keyed, _prompt, _ratio, _time_sides
+from tandem.bench.generate import (
+    _entry,
+    _keyed,
+    _ratio,
+    _time_sides,
+    fresh_runs,
+    greedy_workloads,
+    read_bench_model,
+)
 from tandem.bench.generate_peers import StaticBatches, load
 from tandem.bench.generate_tandem import tandem
 from tandem.models.tiny import make_tiny_model
@@ -48,28 +55,19 @@ SETUPS = {
     False: (".tandem/bench-qwen3-moe", FULL, 8192, (64, 64), (48, 8, 192, 16, 96)),
     True: (".tandem/bench-qwen3-moe-quick", QUICK, 1024, (16, 16), (16, 8, 48, 4, 24)),
 }
-REPEATS = 3
 EXPERTS_IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm")
 
 
 def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
-    model_dir, overrides, vocab_size, (b1_prompt, b1_new), mixed_shape = SETUPS[quick]
+    model_dir, overrides, vocab_size, batch1_shape, mixed_shape = SETUPS[quick]
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         make_tiny_model(path, "qwen3_moe", seed=0, vocab_size=vocab_size, overrides=overrides)
-    config = json.loads((path / "config.json").read_text())
-    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
-    eos_ids = {eos} if isinstance(eos, int) else set(eos)
+    config, eos_ids = read_bench_model(path)
     vocab = config["vocab_size"]
     rng = random.Random(0)
-    batch1 = [(_prompt(rng, b1_prompt, vocab, eos_ids), b1_new)]
-    n_req, p_lo, p_hi, o_lo, o_hi = mixed_shape
-    mixed = [(_prompt(rng, rng.randint(p_lo, p_hi), vocab, eos_ids), rng.randint(o_lo, o_hi))
-             for _ in range(n_req)]  # fmt: skip
-    runs = {
-        name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
-        for name, reqs in (("batch1", batch1), ("mixed", mixed))
-    }
+    batch1, mixed = greedy_workloads(rng, vocab, eos_ids, batch1_shape, mixed_shape)
+    runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed)
     warm = [(p, min(k, 8)) for p, k in mixed[:8]]
     hf, experts_seconds = _fastest_experts(path, min(eos_ids), warm)
     static = StaticBatches(hf, pad=min(eos_ids))

@@ -10,6 +10,8 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager, blocks_for
@@ -175,7 +177,16 @@ class LLMEngine:
         ``mean`` of its last hidden states; default: the model's) and, for task ``classify``,
         through its head: one row per input. Sequences are packed unpadded into batches of
         at most ``max_num_batched_tokens`` tokens; batches run between generation steps."""
-        pooling = self.check_encode(inputs, pooling)
+        return self.run_encode(inputs, token_types, self.check_encode(inputs, pooling), pixels)
+
+    def run_encode(
+        self,
+        inputs: list[list[int]],
+        token_types: list[list[int]] | None,
+        pooling: str,
+        pixels: list[list[float]] | None = None,
+    ) -> list[list[float]]:
+        """`encode` on inputs `check_encode` already accepted (its pooling resolved)."""
         task = self.config.task
         budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         batches, current, size = [], [], 0
@@ -199,6 +210,19 @@ class LLMEngine:
                 self.encode_batches += 1
                 self.encode_inputs += len(batch)
         return rows
+
+    def tokenize_inputs(self, items) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Texts (through the tokenizer and its post-processor) or token-id lists (as given)
+        -> (ids, token types when the model takes them, else None)."""
+        ids, types = [], []
+        for item in items:
+            if isinstance(item, str):
+                i, t = self.tokenizer.encode_with_types(item)
+            else:
+                i, t = list(item), [0] * len(item)
+            ids.append(i)
+            types.append(t)
+        return ids, types if getattr(self.spec.cls, "token_types", False) else None
 
     def check_encode(self, inputs: list[list[int]], pooling: str | None) -> str:
         """Check inputs for `encode` (ValueError names the problem); the pooling to use."""
@@ -520,6 +544,12 @@ def _seq_params(seq: Sequence) -> SeqParams:
         num_prompt_tokens=seq.num_prompt_tokens,
         return_routed_experts=p.return_routed_experts,
     )
+
+
+def unit_norm(row: list[float]) -> list[float]:
+    """``row`` scaled to unit L2 norm (embeddings with ``normalize``)."""
+    vector = torch.tensor(row)
+    return (vector / vector.norm().clamp_min(1e-12)).tolist()
 
 
 def _check_task(task: str, spec) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine import LLMEngine, unit_norm
 from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, VersionSpan
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
@@ -36,10 +36,7 @@ class LLM:
         ``mean`` averages the sequence. ``normalize`` scales each to unit L2 norm. Inputs of
         different lengths are batched without padding: results do not depend on the batch."""
         rows = self._encode(inputs, pooling, "embed")
-        if normalize:
-            rows = [(torch.tensor(r) / torch.tensor(r).norm().clamp_min(1e-12)).tolist()
-                    for r in rows]  # fmt: skip
-        return rows
+        return [unit_norm(r) for r in rows] if normalize else rows
 
     def classify(self, inputs: Prompt | Seq[Prompt]) -> list[list[float]]:
         """The classification (or reward) head's raw logits per input (``LLM(...,
@@ -55,17 +52,8 @@ class LLM:
                              f"{self.engine.config.task!r}")  # fmt: skip
         if getattr(self.engine.spec.cls, "inputs", "tokens") == "pixels":
             return self._encode_images(inputs, pooling)
-        items = _as_prompt_list(inputs)
-        ids, types = [], []
-        for item in items:
-            if isinstance(item, str):
-                i, t = self.engine.tokenizer.encode_with_types(item)
-            else:
-                i, t = list(item), [0] * len(item)
-            ids.append(i)
-            types.append(t)
-        has_types = getattr(self.engine.spec.cls, "token_types", False)
-        return self.engine.encode(ids, types if has_types else None, pooling)
+        ids, types = self.engine.tokenize_inputs(_as_prompt_list(inputs))
+        return self.engine.encode(ids, types, pooling)
 
     @property
     def weight_version(self) -> int:

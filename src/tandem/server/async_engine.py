@@ -306,6 +306,10 @@ class AsyncEngine:
         self._poke(publish=True)
         return sorted(live)
 
+    def tokenize_inputs(self, items) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Texts or token-id lists -> (ids, token types or None): `LLMEngine.tokenize_inputs`."""
+        return self._core.tokenize_inputs(items)
+
     async def encode(
         self, inputs: list[list[int]], types: list[list[int]] | None, pooling: str | None
     ) -> list[list[float]]:
@@ -399,7 +403,7 @@ class AsyncEngine:
                 for call in group:
                     types += call.types or [[0] * len(ids) for ids in call.inputs]
             try:
-                rows = self._core.encode(inputs, types, pooling)
+                rows = self._core.run_encode(inputs, types, pooling)
             except (EngineDeadError, EngineAsleepError, RuntimeError) as exc:
                 for call in group:
                     call.answer(None, EngineUnavailable(str(exc)))

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Depends, Request
 
+from tandem.engine.engine import unit_norm
 from tandem.server.async_engine import EngineUnavailable
 from tandem.server.errors import APIError
 from tandem.server.openai_routes import _api_key
@@ -31,9 +32,7 @@ async def embeddings(request: Request):
     rows, tokens = await _encode(s, req.inputs(), req.pooling)
     data = []
     for i, row in enumerate(rows):
-        vector = torch.tensor(row)
-        if req.normalize:
-            vector = vector / vector.norm().clamp_min(1e-12)
+        vector = torch.tensor(unit_norm(row) if req.normalize else row)
         if req.encoding_format == "base64":  # float32 little-endian, as OpenAI sends it
             value = base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
         else:
@@ -74,15 +73,9 @@ async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], in
         raise APIError(400, "this model takes images: classify them offline (LLM.classify or "
                        "`tandem classify --image`); HTTP inputs are text or token ids",
                        param="input", code="unsupported_input")  # fmt: skip
-    tok = s.tokenizer
-    inputs, types = [], []
-    for item in items:
-        ids, t = tok.encode_with_types(item) if isinstance(item, str) else (item, [0] * len(item))
-        inputs.append(ids)
-        types.append(t)
-    use_types = getattr(s.engine.model_class, "token_types", False)
+    inputs, types = s.engine.tokenize_inputs(items)
     try:
-        rows = await s.engine.encode(inputs, types if use_types else None, pooling)
+        rows = await s.engine.encode(inputs, types, pooling)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
     except EngineUnavailable as exc:
