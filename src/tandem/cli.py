@@ -71,26 +71,35 @@ def _demo(args) -> int:
     from tandem.rl import report
     from tandem.rl.loop import DemoConfig, run
 
+    counts = {k: v for k in ("steps", "warmup_steps") if (v := getattr(args, k)) is not None}
     config = DemoConfig(
-        model_dir=args.model_dir, out_dir=args.out_dir, steps=args.steps,
+        model_dir=args.model_dir, out_dir=args.out_dir, **counts,
         placement="disaggregated" if args.disaggregated else "colocate",
         async_staleness=args.async_staleness, seed=args.seed,
     )  # fmt: skip
     mode = config.placement + ("" if args.async_staleness is None else
                                f", async (staleness <= {args.async_staleness})")  # fmt: skip
     print(f"tandem demo: RL on the built-in tiny model ({mode}): engine LLM(tp=2), trainer "
-          f"FSDP2 x 2 (AdamW, clipped policy gradient), weights by {config.transport}; task: "
-          "answer in digits (reward = digit fraction of the answer)", flush=True)  # fmt: skip
+          f"FSDP2 x 2 (AdamW), weights by {config.transport}; task: reverse "
+          f"{config.digits} digits (Q:472 -> A:274), reward = per-digit accuracy; "
+          f"{config.warmup_steps} supervised warm-up steps, then {config.steps} GRPO steps",
+          flush=True)  # fmt: skip
     progress = report.Progress(config.steps)
-    result = run(config, on_step=progress.update)
+    result = run(config, on_step=progress.update, on_event=progress.event)
     result["summary"] = report.summary(result)
     log_path, plot_path = report.write(result, config.out_dir)
     s = result["summary"]
-    print(f"reward {s['reward_start']:.3f} -> {s['reward_end']:.3f} (first/last "
-          f"{s['steps_averaged']} steps); logprob mismatch trainer vs engine: max "
-          f"{s['max_logprob_mismatch']:.1e}, after the last push "
-          f"{s['final_logprob_mismatch']:.1e}; "
-          f"sync {s['mean_sync_ms']:.0f} ms/step; {s['seconds']:.0f} s")  # fmt: skip
+    print(
+        f"held-out greedy accuracy {s['eval_start']:.3f} -> {s['eval_end']:.3f} "
+        f"(exact {s['exact_start']:.2f} -> {s['exact_end']:.2f}; before the warm-up "
+        f"{s['eval_init']:.3f}; best constant answer {s['constant_policy_reward']:.3f}); "
+        f"sampled reward {s['reward_start']:.3f} -> {s['reward_end']:.3f}"
+    )
+    print(f"trainer vs engine: sampled-token log-probs max {s['max_logprob_mismatch']:.1e} "
+          f"(after the last push {s['final_logprob_mismatch']:.1e}), next-token KL max "
+          f"{s['max_kl']:.1e} (whole-vocabulary log-prob gap {s['max_logprob_gap_vocab']:.1e}); "
+          f"sync {s['mean_sync_ms']:.0f} ms/step; staleness max {s['staleness_max']}; "
+          f"{s['seconds']:.0f} s")  # fmt: skip
     print(f"wrote {log_path} and {plot_path}")
     return 0
 
@@ -275,7 +284,9 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="rollouts continue during training; drop samples > N versions stale",
     )
-    d.add_argument("--steps", type=int, default=30)
+    d.add_argument("--steps", type=int, default=None, help="RL steps (default 150)")
+    d.add_argument("--warmup-steps", type=int, default=None,
+                   help="supervised steps before RL (default 10; 0: none)")  # fmt: skip
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--model-dir", default=".tandem/tiny-llama")
     d.add_argument("--out-dir", default=".tandem/demo", help="demo.json and demo.png go here")

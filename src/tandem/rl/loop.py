@@ -1,6 +1,12 @@
-"""The demo's controller: rollouts from the engine, rewards, a trainer step, a weight push.
+"""The demo's controller: a supervised warm-up, then RL: rollouts from the engine, rewards, a
+trainer step, a weight push; eval points on held-out problems along the way.
 
-Each step: the engine (`LLM(tp=2)`, 2 worker processes) samples ``group_size`` completions for
+The task (`ReverseTask`) asks for a prompt's digits reversed, so the reward depends on the
+prompt and no fixed answer scores well. The warm-up (a few cross-entropy steps on the trainers,
+pushed once) teaches the answer format and leaves the policy far from solving it; GRPO then has
+to raise the greedy accuracy on problems it never trains on.
+
+Each RL step: the engine (`LLM(tp=2)`, 2 worker processes) samples ``group_size`` completions for
 each of ``prompts_per_step`` prompts, with the raw log-probs of every sampled token; the task
 scores them; group-relative advantages go with the samples to the trainer ranks (2 processes,
 FSDP2 over gloo), which recompute the log-probs, take one AdamW step on the clipped
@@ -30,9 +36,10 @@ from tandem import LLM, SamplingParams
 from tandem.engine.outputs import RequestOutput
 from tandem.engine.state import EngineState
 from tandem.models.tiny import make_tiny_model
+from tandem.rl.evaluate import EvalPoint, Evaluator
 from tandem.rl.grpo import group_advantages
 from tandem.rl.messages import Sample
-from tandem.rl.task import DigitsTask
+from tandem.rl.task import Problem, ReverseTask
 from tandem.rl.trainers import TrainerGroup
 
 
@@ -40,12 +47,15 @@ from tandem.rl.trainers import TrainerGroup
 class DemoConfig:
     model_dir: str = ".tandem/tiny-llama"
     out_dir: str = ".tandem/demo"
-    steps: int = 30
-    prompts_per_step: int = 8
+    steps: int = 150
+    prompts_per_step: int = 64
     group_size: int = 8
-    max_tokens: int = 12
+    digits: int = 3  # the task's string length; completions get digits + 1 tokens
+    warmup_steps: int = 10  # supervised steps before RL (0: none)
+    warmup_batch: int = 32
+    eval_every: int = 25  # RL steps between eval points (the last step always has one)
     temperature: float = 1.0
-    lr: float = 3e-3
+    lr: float = 5e-3
     placement: Literal["colocate", "disaggregated"] = "colocate"
     async_staleness: int | None = None  # None: synchronous RL
     trainer_ranks: int = 2
@@ -77,34 +87,61 @@ class StepLog:
     staleness_mean: float
     staleness_max: int
     sample_versions: list[list[int]] = field(default_factory=list)  # per group
+    eval_reward: float | None = None  # held-out greedy accuracy, at eval points
+
+
+@dataclass
+class WarmupLog:
+    step: int
+    loss: float
+    train_seconds: float
+    sync_ms: float  # the push after the last warm-up step (0 before it)
 
 
 @dataclass
 class _Rollout:
     step: int
+    problems: list[Problem]
     prompts: list[list[int]]
     outputs: list[RequestOutput]
     seconds: float
 
 
-def run(config: DemoConfig, on_step=None) -> dict:
-    """Run the loop; ``on_step(StepLog)`` after every step. Returns the JSON log."""
+def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
+    """Run the warm-up and the RL loop; ``on_step(StepLog)`` after every RL step and
+    ``on_event(WarmupLog | EvalPoint)`` after every warm-up step and eval point. Returns the
+    JSON log."""
     model_dir = Path(config.model_dir)
     if not (model_dir / "config.json").is_file():
         make_tiny_model(model_dir, "llama", seed=config.seed)
-    task = DigitsTask(config.seed)
-    params = SamplingParams(n=config.group_size, max_tokens=config.max_tokens,
+    task = ReverseTask(config.seed, config.digits)
+    params = SamplingParams(n=config.group_size, max_tokens=config.digits + 1,
                             temperature=config.temperature, logprobs=0)  # fmt: skip
+    notify = on_event or (lambda event: None)
     started = time.perf_counter()
     logs: list[StepLog] = []
+    evals: list[EvalPoint] = []
     with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
              seed=config.seed) as llm:  # fmt: skip
         with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
                           config.transport, config.lr, config.seed) as trainers:  # fmt: skip
+            evaluator = Evaluator(llm, trainers, task)
+
+            def evaluate(phase: str, step: int) -> EvalPoint:
+                evals.append(evaluator.run(phase, step))
+                notify(evals[-1])
+                return evals[-1]
+
+            evaluate("init", 0)
+            warmup = _warmup(llm, trainers, task, config, notify)
+            evaluate("start", 0)
             rollouts = _Rollouts(llm, task, params, config)
             try:
                 for step in range(config.steps):
                     log = _step(llm, trainers, task, rollouts.next(step), step, config)
+                    done = step + 1
+                    if done % config.eval_every == 0 or done == config.steps:
+                        log.eval_reward = evaluate("rl", done).reward
                     logs.append(log)
                     if on_step is not None:
                         on_step(log)
@@ -114,29 +151,63 @@ def run(config: DemoConfig, on_step=None) -> dict:
     return {
         "config": asdict(config),
         "task": task.name,
+        "constant_policy_reward": round(task.constant_policy_reward(task.held_out()), 4),
+        "warmup": [asdict(w) for w in warmup],
+        "evals": [asdict(e) for e in evals],
         "steps": [asdict(log) for log in logs],
         "final_check": final,
         "seconds": round(time.perf_counter() - started, 2),
     }
 
 
-def _step(llm: LLM, trainers: TrainerGroup, task: DigitsTask, rollout: _Rollout, step: int,
+def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoConfig,
+            notify) -> list[WarmupLog]:  # fmt: skip
+    """Supervised steps on training problems (never the held-out ones); one push at the end.
+    Colocated, the engine sleeps meanwhile (the trainers have the memory)."""
+    if config.warmup_steps == 0:
+        return []
+    tok, eos = llm.tokenizer, llm.engine.spec.eos_token_ids[0]
+    logs = []
+    colocated = config.placement == "colocate"
+    if colocated:
+        llm.sleep()
+    try:
+        for step in range(config.warmup_steps):
+            examples = [[tok.encode(p.prompt), tok.encode(p.answer) + [eos]]
+                        for p in task.problems(step, config.warmup_batch, "warmup")]  # fmt: skip
+            shares = [examples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+            last = step == config.warmup_steps - 1
+            reports = trainers.warmup(step, llm.weight_version + 1, shares, push=last)
+            logs.append(WarmupLog(
+                step, sum(r.loss for r in reports) / len(reports),
+                round(max(r.train_seconds for r in reports), 4),
+                round(1000 * max(r.push_seconds for r in reports), 2),
+            ))  # fmt: skip
+            notify(logs[-1])
+    finally:
+        if colocated:
+            llm.wake()
+    return logs
+
+
+def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout, step: int,
           config: DemoConfig) -> StepLog:  # fmt: skip
     version = llm.weight_version  # what the trainers hold now (every push is committed)
     groups, versions, stale = [], [], []
     dropped = 0
-    for prompt, out in zip(rollout.prompts, rollout.outputs, strict=True):
+    for problem, prompt, out in zip(rollout.problems, rollout.prompts, rollout.outputs,
+                                    strict=True):  # fmt: skip
         staleness = version - min(out.weight_versions)
         if config.async_staleness is not None and staleness > config.async_staleness:
             dropped += len(out.outputs)
             continue
-        groups.append((prompt, out))
+        groups.append((problem, prompt, out))
         versions.append(out.weight_versions)
         stale.append(staleness)
-    rewards = [task.reward(c.text) for _, out in groups for c in out.outputs]
+    rewards = [task.reward(problem, c.text) for problem, _, out in groups for c in out.outputs]
     advantages = group_advantages(rewards, config.group_size) if rewards else []
     samples = []
-    for g, (prompt, out) in enumerate(groups):
+    for g, (_, prompt, out) in enumerate(groups):
         fresh = out.weight_versions == [version]
         for i, c in enumerate(out.outputs):
             samples.append(Sample(prompt, c.token_ids, c.logprobs,
@@ -171,7 +242,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: DigitsTask, rollout: _Rollout,
 
 def _final_check(llm, trainers, task, params, config) -> dict:
     """After the last push: fresh rollouts, log-probs recomputed by the trainers (no update)."""
-    prompts = [llm.tokenizer.encode(p) for p in task.prompts(10**6, 2)]
+    prompts = [llm.tokenizer.encode(p.prompt) for p in task.problems(10**6, 2)]
     outputs = llm.generate(prompts, params)
     samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
                for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
@@ -185,7 +256,7 @@ class _Rollouts:
     """Synchronous: generate when asked. Async: a thread generates ahead, at most N batches
     (so a batch is at most N versions stale when the trainer takes it)."""
 
-    def __init__(self, llm: LLM, task: DigitsTask, params: SamplingParams, config: DemoConfig):
+    def __init__(self, llm: LLM, task: ReverseTask, params: SamplingParams, config: DemoConfig):
         self.llm, self.task, self.params, self.config = llm, task, params, config
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -196,11 +267,11 @@ class _Rollouts:
             self._thread.start()
 
     def _generate(self, step: int) -> _Rollout:
-        prompts = [self.llm.tokenizer.encode(p)
-                   for p in self.task.prompts(step, self.config.prompts_per_step)]  # fmt: skip
+        problems = self.task.problems(step, self.config.prompts_per_step)
+        prompts = [self.llm.tokenizer.encode(p.prompt) for p in problems]
         start = time.perf_counter()
         outputs = self.llm.generate(prompts, self.params)
-        return _Rollout(step, prompts, outputs, time.perf_counter() - start)
+        return _Rollout(step, problems, prompts, outputs, time.perf_counter() - start)
 
     def _produce(self) -> None:
         step = 0

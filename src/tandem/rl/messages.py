@@ -34,6 +34,35 @@ class TrainBatch:
 
 
 @dataclass(slots=True)
+class WarmupBatch:
+    """One rank's share of a supervised warm-up step: cross-entropy on each example's target
+    tokens given its prompt; ``push`` sends the weights to the engine after the update."""
+
+    step: int
+    version: int
+    push: bool
+    examples: list[list[list[int]]]  # [prompt_ids, target_ids] per example
+
+
+@dataclass(slots=True)
+class ScoreBatch:
+    """Recompute next-token distributions (no update): the trainer's full log-softmax at
+    ``positions[i]`` of ``sequences[i]`` (the logits at position t predict token t + 1)."""
+
+    step: int
+    sequences: list[list[int]]
+    positions: list[list[int]]
+
+
+@dataclass(slots=True)
+class ScoreReport:
+    rank: int
+    step: int
+    logprobs: list[list[float]]  # one vocabulary-sized row per (sequence, position), in order
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class TrainReport:
     rank: int
     step: int
@@ -52,7 +81,15 @@ class Stop:
     pass
 
 
-_KINDS = {"hello": TrainerHello, "batch": TrainBatch, "report": TrainReport, "stop": Stop}
+_KINDS = {
+    "hello": TrainerHello,
+    "batch": TrainBatch,
+    "warmup": WarmupBatch,
+    "score": ScoreBatch,
+    "report": TrainReport,
+    "score_report": ScoreReport,
+    "stop": Stop,
+}
 _NAMES = {cls: name for name, cls in _KINDS.items()}
 
 

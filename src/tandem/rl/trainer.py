@@ -22,7 +22,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tandem.rl.grpo import policy_loss
-from tandem.rl.messages import Stop, TrainBatch, TrainerHello, TrainReport, decode, encode
+from tandem.rl.messages import (
+    ScoreBatch,
+    ScoreReport,
+    Stop,
+    TrainBatch,
+    TrainerHello,
+    TrainReport,
+    WarmupBatch,
+    decode,
+    encode,
+)
 from tandem.wire import recv_frame, send_frame
 
 ENV = "TANDEM_TRAINER"
@@ -51,21 +61,65 @@ def completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's log-probs of every completion token [B, L-1] (with grad), the engine's
     recorded ones aligned the same way, and the mask of completion positions."""
-    seqs = [s.prompt_ids + s.completion_ids for s in batch.samples]
-    width = max(map(len, seqs))
-    ids = torch.zeros(len(seqs), width, dtype=torch.long)
-    attention = torch.zeros(len(seqs), width, dtype=torch.long)
-    mask = torch.zeros(len(seqs), width - 1)
-    behaviour = torch.zeros(len(seqs), width - 1)
-    for i, (s, seq) in enumerate(zip(batch.samples, seqs, strict=True)):
-        ids[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = 1
+    ids, attention = _padded([s.prompt_ids + s.completion_ids for s in batch.samples])
+    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    behaviour = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    for i, s in enumerate(batch.samples):
         start = len(s.prompt_ids) - 1  # logits at position t predict token t + 1
         mask[i, start : start + len(s.completion_ids)] = 1
         behaviour[i, start : start + len(s.completion_ids)] = torch.tensor(s.behaviour_logprobs)
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return logp, behaviour, mask
+
+
+def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, seqs))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    attention = torch.zeros(len(seqs), width, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.tensor(seq)
+        attention[i, : len(seq)] = 1
+    return ids, attention
+
+
+def _update(model, optimizer, loss: torch.Tensor) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+
+def warmup_step(model, optimizer, sender, batch: WarmupBatch, rank: int) -> TrainReport:
+    """Supervised: mean cross-entropy of the target tokens given the prompt."""
+    start = time.perf_counter()
+    ids, attention = _padded([p + t for p, t in batch.examples])
+    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    for i, (prompt, target) in enumerate(batch.examples):
+        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(target)] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    loss = -(logp * mask).sum() / mask.sum()
+    grad_norm = _update(model, optimizer, loss)
+    push_seconds = 0.0
+    if batch.push:
+        pushed = time.perf_counter()
+        sender.push(version=batch.version)
+        push_seconds = time.perf_counter() - pushed
+    train_seconds = time.perf_counter() - start - push_seconds
+    return TrainReport(rank, batch.step, loss.item(), None, push_seconds, train_seconds,
+                       grad_norm, 0.0, 0.0)  # fmt: skip
+
+
+@torch.no_grad()
+def score(model, batch: ScoreBatch, rank: int) -> ScoreReport:
+    """The full next-token log-softmax at the asked positions (every rank runs the forward:
+    FSDP2 gathers the shards collectively)."""
+    ids, attention = _padded(batch.sequences)
+    logp = F.log_softmax(model(input_ids=ids, attention_mask=attention).logits.float(), dim=-1)
+    rows = [logp[i, t].tolist() for i, positions in enumerate(batch.positions) for t in positions]
+    return ScoreReport(rank, batch.step, rows)
 
 
 def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainReport:
@@ -82,11 +136,7 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
     loss, stats = policy_loss(logp, behaviour, advantages, mask)
     grad_norm, push_seconds = 0.0, 0.0
     if batch.update:
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
-        optimizer.step()
+        grad_norm = _update(model, optimizer, loss)
         pushed = time.perf_counter()
         sender.push(version=batch.version)
         push_seconds = time.perf_counter() - pushed
@@ -127,7 +177,12 @@ def main() -> int:
         if isinstance(msg, Stop):
             break
         try:
-            report = train_step(model, optimizer, sender, msg, args.rank)
+            if isinstance(msg, WarmupBatch):
+                report = warmup_step(model, optimizer, sender, msg, args.rank)
+            elif isinstance(msg, ScoreBatch):
+                report = score(model, msg, args.rank)
+            else:
+                report = train_step(model, optimizer, sender, msg, args.rank)
         except Exception as exc:
             traceback.print_exc()
             report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, f"{exc}")

@@ -13,7 +13,18 @@ import subprocess
 import sys
 import time
 
-from tandem.rl.messages import Sample, Stop, TrainBatch, TrainerHello, TrainReport, decode, encode
+from tandem.rl.messages import (
+    Sample,
+    ScoreBatch,
+    ScoreReport,
+    Stop,
+    TrainBatch,
+    TrainerHello,
+    TrainReport,
+    WarmupBatch,
+    decode,
+    encode,
+)
 from tandem.rl.trainer import ENV, TrainerArgs
 from tandem.wire import PeerGone, recv_frame, send_frame
 
@@ -80,15 +91,34 @@ class TrainerGroup:
     def step(self, step: int, version: int, shares: list[list[Sample]], update: bool = True
              ) -> list[TrainReport]:  # fmt: skip
         """Send every rank its share, wait for all reports (each rank pushes after updating)."""
-        for rank, sock in self.socks.items():
-            send_frame(sock, encode(TrainBatch(step, version, update, shares[rank])))
-        reports = [self._report(rank) for rank in sorted(self.socks)]
+        return self._exchange([TrainBatch(step, version, update, shares[r]) for r in self._ranks])
+
+    def warmup(self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool
+               ) -> list[TrainReport]:  # fmt: skip
+        """One supervised step on every rank's share of [prompt_ids, target_ids] examples."""
+        return self._exchange([WarmupBatch(step, version, push, shares[r]) for r in self._ranks])
+
+    def score(self, step: int, sequences: list[list[int]], positions: list[list[int]]
+              ) -> list[list[float]]:  # fmt: skip
+        """The trainers' next-token log-softmax rows at ``positions`` (every rank runs the same
+        forward, as FSDP2 needs; rank 0's rows are returned)."""
+        reports = self._exchange([ScoreBatch(step, sequences, positions) for _ in self._ranks])
+        return reports[0].logprobs
+
+    @property
+    def _ranks(self) -> list[int]:
+        return sorted(self.socks)
+
+    def _exchange(self, messages: list) -> list[TrainReport | ScoreReport]:
+        for rank, msg in zip(self._ranks, messages, strict=True):
+            send_frame(self.socks[rank], encode(msg))
+        reports = [self._report(rank) for rank in self._ranks]
         errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         if errors:
             raise TrainerError("; ".join(errors))
         return reports
 
-    def _report(self, rank: int) -> TrainReport:
+    def _report(self, rank: int) -> TrainReport | ScoreReport:
         sock = self.socks[rank]
         while not select.select([sock], [], [], 0.5)[0]:  # a whole frame is read at once below
             self._check_alive()
