@@ -14,7 +14,9 @@ from tandem.rl.loop import DemoConfig, run
 SHORT = dict(steps=20, prompts_per_step=32, eval_every=5)
 
 
-def _check(result: dict, config: DemoConfig) -> dict:
+def _check(result: dict, config: DemoConfig, tol: float = 1e-5) -> dict:
+    """``tol``: the sampled-token log-prob agreement; a long run's sharper policy samples rarer
+    tokens, whose float32 log-probs carry larger rounding (about 6e-5 at 150 steps)."""
     steps, evals = result["steps"], result["evals"]
     base = 1 if config.warmup_steps else 0  # the warm-up pushes once
     assert [s["version"] for s in steps] == list(range(base + 1, base + config.steps + 1))
@@ -26,7 +28,7 @@ def _check(result: dict, config: DemoConfig) -> dict:
         if config.async_staleness is None:
             assert staleness == [0] * len(staleness)
             # the engine served exactly the trainer's weights: same log-probs for every token
-            assert s["logprob_mismatch"] <= 1e-5
+            assert s["logprob_mismatch"] <= tol
         else:
             assert max(staleness) <= config.async_staleness
     assert result["final_check"]["version"] == base + config.steps
@@ -83,6 +85,6 @@ def test_short_async_demo_through_the_cli_sees_staleness_and_learns(llama_dir, t
 @pytest.mark.timeout(600)
 def test_full_demo_meets_its_targets(tmp_path):
     config = DemoConfig(model_dir=str(tmp_path / "model"), out_dir=str(tmp_path))
-    summary = _check(run(config), config)
+    summary = _check(run(config), config, tol=2e-4)
     assert summary["eval_end"] - summary["eval_start"] >= 0.4, summary
     assert summary["eval_end"] >= summary["constant_policy_reward"] + 0.3, summary

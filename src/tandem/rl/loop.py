@@ -55,12 +55,16 @@ class DemoConfig:
     warmup_batch: int = 32
     eval_every: int = 25  # RL steps between eval points (the last step always has one)
     temperature: float = 1.0
-    lr: float = 5e-3
+    lr: float = 5e-3  # AdamW's rate in the warm-up and at the first RL step
+    lr_end: float = 2.5e-3  # RL's rate decays linearly to this at the last step
     placement: Literal["colocate", "disaggregated"] = "colocate"
     async_staleness: int | None = None  # None: synchronous RL
     trainer_ranks: int = 2
     engine_tp: int = 2
     seed: int = 0
+
+    def rl_lr(self, step: int) -> float:
+        return self.lr + (self.lr_end - self.lr) * step / max(1, self.steps - 1)
 
     @property
     def transport(self) -> str:
@@ -124,7 +128,7 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
     with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
              seed=config.seed) as llm:  # fmt: skip
         with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
-                          config.transport, config.lr, config.seed) as trainers:  # fmt: skip
+                          config.transport, config.seed) as trainers:  # fmt: skip
             evaluator = Evaluator(llm, trainers, task)
 
             def evaluate(phase: str, step: int) -> EvalPoint:
@@ -177,7 +181,7 @@ def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoCon
                         for p in task.problems(step, config.warmup_batch, "warmup")]  # fmt: skip
             shares = [examples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
             last = step == config.warmup_steps - 1
-            reports = trainers.warmup(step, llm.weight_version + 1, shares, push=last)
+            reports = trainers.warmup(step, llm.weight_version + 1, shares, last, config.lr)
             logs.append(WarmupLog(
                 step, sum(r.loss for r in reports) / len(reports),
                 round(max(r.train_seconds for r in reports), 4),
@@ -219,7 +223,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
     if config.placement == "colocate" and config.async_staleness is None:
         llm.sleep()  # the trainers get the KV cache's memory while they step
     try:
-        reports = trainers.step(step, version + 1, shares, update=update)
+        reports = trainers.step(step, version + 1, shares, update, config.rl_lr(step))
     finally:
         if llm.engine.state is EngineState.SLEEPING:
             llm.wake()

@@ -30,6 +30,7 @@ class TrainBatch:
     step: int
     version: int  # pushed after the update
     update: bool
+    lr: float  # the controller owns the schedule
     samples: list[Sample]
 
 
@@ -41,6 +42,7 @@ class WarmupBatch:
     step: int
     version: int
     push: bool
+    lr: float
     examples: list[list[list[int]]]  # [prompt_ids, target_ids] per example
 
 
@@ -95,7 +97,8 @@ _NAMES = {cls: name for name, cls in _KINDS.items()}
 
 def encode(msg) -> bytes:
     if isinstance(msg, TrainBatch):
-        body = [msg.step, msg.version, msg.update, [list(astuple(s)) for s in msg.samples]]
+        samples = [list(astuple(s)) for s in msg.samples]
+        body = [msg.step, msg.version, msg.update, msg.lr, samples]
     else:
         body = list(astuple(msg))
     return msgpack.packb([_NAMES[type(msg)], *body])
@@ -106,6 +109,6 @@ def decode(data: bytes):
     if kind not in _KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
     if kind == "batch":
-        step, version, update, samples = body
-        return TrainBatch(step, version, update, [Sample(*s) for s in samples])
+        step, version, update, lr, samples = body
+        return TrainBatch(step, version, update, lr, [Sample(*s) for s in samples])
     return _KINDS[kind](*body)

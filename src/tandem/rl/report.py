@@ -92,8 +92,8 @@ def summary(result: dict) -> dict:
 
 def write(result: dict, out_dir: str | Path) -> tuple[Path, Path]:
     """``demo.json`` and ``demo.png`` in ``out_dir``. The plot: the warm-up's loss; then per
-    RL step the sampled reward and the held-out greedy accuracy (with the warm-up's start and
-    the best constant completion marked), the weight sync time and the staleness."""
+    RL step the mean sampled reward, the held-out greedy accuracy at eval points (step 0: after
+    the warm-up) and the best constant completion; the weight sync time; the staleness."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     log_path, plot_path = out / "demo.json", out / "demo.png"
@@ -117,11 +117,12 @@ def write(result: dict, out_dir: str | Path) -> tuple[Path, Path]:
     ax_warm.set_ylabel("warm-up loss")
     ax_warm.set_xlabel("supervised warm-up step")
     ax_reward.plot(x, [s["reward_mean"] for s in steps], lw=1, label="sampled reward (mean)")
-    ax_reward.fill_between(x, [s["reward_min"] for s in steps],
-                           [s["reward_max"] for s in steps], alpha=0.15)  # fmt: skip
     rl_evals = [e for e in evals if e["phase"] != "init"]
-    ax_reward.plot([e["step"] for e in rl_evals], [e["reward"] for e in rl_evals], marker="s",
-                   color="tab:red", label="held-out greedy accuracy")  # fmt: skip
+    at = [e["step"] for e in rl_evals]
+    ax_reward.plot(at, [e["reward"] for e in rl_evals], marker="s", color="tab:red",
+                   label="held-out greedy accuracy (per digit)")  # fmt: skip
+    ax_reward.plot(at, [e["exact"] for e in rl_evals], marker="^", ls=":", color="tab:red",
+                   label="held-out exact match")  # fmt: skip
     ax_reward.axhline(result["constant_policy_reward"], ls="--", color="gray",
                       label="best constant answer")  # fmt: skip
     ax_reward.set_ylabel("reward / accuracy")

@@ -48,7 +48,6 @@ class TrainerArgs:
     token: str
     exchange_address: str
     transport: str
-    lr: float
     seed: int
     threads: int = 1
 
@@ -83,7 +82,9 @@ def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attention
 
 
-def _update(model, optimizer, loss: torch.Tensor) -> float:
+def _update(model, optimizer, loss: torch.Tensor, lr: float) -> float:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -101,7 +102,7 @@ def warmup_step(model, optimizer, sender, batch: WarmupBatch, rank: int) -> Trai
     logits = model(input_ids=ids, attention_mask=attention).logits.float()
     logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     loss = -(logp * mask).sum() / mask.sum()
-    grad_norm = _update(model, optimizer, loss)
+    grad_norm = _update(model, optimizer, loss, batch.lr)
     push_seconds = 0.0
     if batch.push:
         pushed = time.perf_counter()
@@ -136,7 +137,7 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
     loss, stats = policy_loss(logp, behaviour, advantages, mask)
     grad_norm, push_seconds = 0.0, 0.0
     if batch.update:
-        grad_norm = _update(model, optimizer, loss)
+        grad_norm = _update(model, optimizer, loss, batch.lr)
         pushed = time.perf_counter()
         sender.push(version=batch.version)
         push_seconds = time.perf_counter() - pushed
@@ -167,7 +168,7 @@ def main() -> int:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.0)  # lr: each batch's
     sender = WeightSender(model, args.exchange_address, transport=args.transport)
     sock = socket.create_connection(tuple(args.controller), timeout=60)
     sock.settimeout(None)

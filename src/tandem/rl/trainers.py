@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 class TrainerGroup:
     def __init__(self, world_size: int, model_dir: str, exchange_address: str, transport: str,
-                 lr: float, seed: int, start_timeout_s: float = 300.0):  # fmt: skip
+                 seed: int, start_timeout_s: float = 300.0):  # fmt: skip
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
         host, port = self._listener.getsockname()[:2]
@@ -52,7 +52,7 @@ class TrainerGroup:
         self.procs = []
         for rank in range(world_size):
             args = TrainerArgs(rank, world_size, dist_port, model_dir, [host, port], self._token,
-                               exchange_address, transport, lr, seed)  # fmt: skip
+                               exchange_address, transport, seed)  # fmt: skip
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "tandem.rl.trainer"], env={**env, ENV: args.to_env()}
             ))  # fmt: skip
@@ -88,15 +88,17 @@ class TrainerGroup:
             if proc.poll() is not None:
                 raise TrainerError(f"trainer rank {rank} exited with code {proc.returncode}")
 
-    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool = True
-             ) -> list[TrainReport]:  # fmt: skip
+    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool = True,
+             lr: float = 0.0) -> list[TrainReport]:  # fmt: skip
         """Send every rank its share, wait for all reports (each rank pushes after updating)."""
-        return self._exchange([TrainBatch(step, version, update, shares[r]) for r in self._ranks])
+        batches = [TrainBatch(step, version, update, lr, shares[r]) for r in self._ranks]
+        return self._exchange(batches)
 
-    def warmup(self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool
-               ) -> list[TrainReport]:  # fmt: skip
+    def warmup(self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool,
+               lr: float) -> list[TrainReport]:  # fmt: skip
         """One supervised step on every rank's share of [prompt_ids, target_ids] examples."""
-        return self._exchange([WarmupBatch(step, version, push, shares[r]) for r in self._ranks])
+        batches = [WarmupBatch(step, version, push, lr, shares[r]) for r in self._ranks]
+        return self._exchange(batches)
 
     def score(self, step: int, sequences: list[list[int]], positions: list[list[int]]
               ) -> list[list[float]]:  # fmt: skip
