@@ -100,3 +100,16 @@ def test_next_token_kl_matches_torch():
     assert next_token_kl(p.tolist(), p.tolist()) == 0.0
     with pytest.raises(ValueError, match="vocabulary sizes differ"):
         next_token_kl([0.0], [0.0, 0.0])
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("steps", 0), ("group_size", 1), ("warmup_steps", -1), ("warmup_batch", 1),
+     ("prompts_per_step", 1), ("eval_every", 0), ("digits", 5), ("lr", 0.0),
+     ("placement", "remote"), ("async_staleness", 0)],
+)  # fmt: skip
+def test_demo_config_errors_name_the_field(field, value):
+    from tandem.rl.loop import DemoConfig
+
+    with pytest.raises(ValueError, match=field):
+        DemoConfig(**{field: value})

@@ -63,6 +63,25 @@ class DemoConfig:
     engine_tp: int = 2
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        minimums = {"steps": 1, "prompts_per_step": self.trainer_ranks, "group_size": 2,
+                    "digits": 1, "warmup_steps": 0, "warmup_batch": self.trainer_ranks,
+                    "eval_every": 1, "trainer_ranks": 1, "engine_tp": 1}  # fmt: skip
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.digits > 4:
+            raise ValueError(f"digits must be at most 4 (10**digits problems), got {self.digits}")
+        for name in ("lr", "lr_end", "temperature"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.placement not in ("colocate", "disaggregated"):
+            raise ValueError(f"placement must be 'colocate' or 'disaggregated', got "
+                             f"{self.placement!r}")  # fmt: skip
+        if self.async_staleness is not None and self.async_staleness < 1:
+            raise ValueError(f"async_staleness must be >= 1 or None, got {self.async_staleness}")
+
     def rl_lr(self, step: int) -> float:
         return self.lr + (self.lr_end - self.lr) * step / max(1, self.steps - 1)
 
