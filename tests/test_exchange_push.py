@@ -10,6 +10,7 @@ import transformers
 
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
+from tandem.wire import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -96,14 +97,6 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
     assert set(Path("/dev/shm").iterdir()) == shm_before  # nameless: nothing created there
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_trainer(
     model_dir: str, address: str, version: int, transport: str, mode: str = "staged",
     *, die: bool = False,
@@ -114,7 +107,7 @@ def _run_trainer(
     from pathlib import Path
 
     script = Path(__file__).with_name("fsdp_trainer.py")
-    port = str(_free_port())
+    port = str(free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     extra = ["die"] if die else []
     procs = [

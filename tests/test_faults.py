@@ -21,6 +21,7 @@ import pytest
 
 from serving import ADMIN_KEY, ID_PROMPTS, Server, alive, children, greedy, push, wait_for
 from tandem import LLM, SamplingParams
+from tandem.wire import free_port
 
 pytestmark = pytest.mark.timeout(300)
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -215,7 +216,7 @@ def test_load_failure_is_a_clear_error_and_leaves_nothing(models, tmp_path, dama
     else:
         (model / "tokenizer.json").unlink()
         named = "tokenizer.json"
-    port = _free_port()
+    port = free_port()
     done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--model", str(model),
                            "--tp", "2", "--port", str(port)], capture_output=True, text=True,
                           timeout=120)  # fmt: skip
@@ -223,9 +224,3 @@ def test_load_failure_is_a_clear_error_and_leaves_nothing(models, tmp_path, dama
     last = done.stderr.strip().splitlines()[-1]  # (workers print their own traceback above)
     assert last.startswith("tandem serve: cannot start") and named in last, done.stderr
     assert _port_free(port)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

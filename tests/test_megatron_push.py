@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from tandem import LLM, SamplingParams
 from tandem.exchange.layout import LayoutMismatch
+from tandem.wire import free_port
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(300)
@@ -22,14 +22,8 @@ PROMPT = [5, 9, 33, 2, 17, 100, 3, 8]
 SCRIPT = Path(__file__).with_name("megatron_trainer.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Path) -> dict:
-    world, port = tp * pp, str(_free_port())
+    world, port = tp * pp, str(free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     args = [port, str(tp), str(pp), model_dir, llm.exchange_address, str(version), str(out),
             ",".join(map(str, PROMPT))]  # fmt: skip

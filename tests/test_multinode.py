@@ -1,19 +1,13 @@
 """A two-"node" engine on loopback: node 1's ranks started by `tandem serve --node-rank 1`."""
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from tandem import LLM, SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tandem.wire import free_port
 
 
 @pytest.mark.timeout(240)
@@ -22,7 +16,7 @@ def test_two_nodes_on_loopback_match_single_process(llama_dir):
     prompts = ["The quick dog", "12 + 7 ="]
     with LLM(llama_dir) as ref:
         expected = ref.generate(prompts, params)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # on real hosts: the NIC between them
     node1 = subprocess.Popen(
         [sys.executable, "-m", "tandem.cli", "serve", "--model", llama_dir, "--tp", "2",

@@ -11,6 +11,13 @@ _HEADER = struct.Struct("!I")
 MAX_FRAME = 1 << 30
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now (for a rendezvous another process will bind)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 class PeerGone(ConnectionError):
     """The other end closed the connection (its process exited or crashed)."""
 

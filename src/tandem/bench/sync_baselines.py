@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from typing import Any
 import torch
 
 from tandem.bench.moe_layout import FULL_MOE, QUICK_MOE
+from tandem.wire import free_port
 
 REPEATS = 3
 
@@ -146,12 +146,6 @@ def planner(quick: bool, timeout: float) -> dict[str, Any]:
         "max_rss_bytes": got["max_rss_bytes"],
         **out,
     }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workers(argvs: list[list[str]], timeout: float) -> list[dict[str, Any]]:

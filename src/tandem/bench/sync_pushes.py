@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.bench.sync_baselines import free_port, tail
+from tandem.bench.sync_baselines import tail
+from tandem.wire import free_port
 
 # mode -> WeightSender options; each mode gets one untimed push, then the timed ones
 MODES: dict[str, dict[str, Any]] = {

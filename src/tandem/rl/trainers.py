@@ -26,17 +26,11 @@ from tandem.rl.messages import (
     encode,
 )
 from tandem.rl.trainer import ENV, TrainerArgs
-from tandem.wire import PeerGone, recv_frame, send_frame
+from tandem.wire import PeerGone, free_port, recv_frame, send_frame
 
 
 class TrainerError(RuntimeError):
     """A trainer rank failed or exited."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TrainerGroup:
@@ -45,7 +39,7 @@ class TrainerGroup:
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
         host, port = self._listener.getsockname()[:2]
-        dist_port = _free_port()
+        dist_port = free_port()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
