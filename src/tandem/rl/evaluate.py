@@ -42,6 +42,12 @@ def next_token_kl(p_logprobs: list[float], q_logprobs: list[float]) -> float:
     return sum(math.exp(a) * (a - b) for a, b in zip(p_logprobs, q_logprobs, strict=True))
 
 
+def _max_gap(rows: list[list[float]], others: list[list[float]]) -> float:
+    """The largest |difference| between two equally shaped sets of log-prob rows."""
+    return max(abs(a - b) for row, other in zip(rows, others, strict=True)
+               for a, b in zip(row, other, strict=True))  # fmt: skip
+
+
 class Evaluator:
     def __init__(self, llm: LLM, trainers: TrainerGroup, task: ReverseTask, probes: int = 4):
         self.llm, self.trainers, self.task = llm, trainers, task
@@ -82,12 +88,8 @@ class Evaluator:
         engine = self.engine_rows()
         trainer = self.trainers.score(-1, [s for s, _ in self._probe], [p for _, p in self._probe])
         kls = [next_token_kl(e, t) for e, t in zip(engine, trainer, strict=True)]
-        gap = max(abs(a - b) for e, t in zip(engine, trainer, strict=True)
-                  for a, b in zip(e, t, strict=True))  # fmt: skip
-        change = None
-        if self._previous is not None:
-            change = max(abs(a - b) for e, f in zip(engine, self._previous, strict=True)
-                         for a, b in zip(e, f, strict=True))  # fmt: skip
+        gap = _max_gap(engine, trainer)
+        change = None if self._previous is None else _max_gap(engine, self._previous)
         self._previous = engine
         return EvalPoint(phase, step, self.llm.weight_version, round(reward, 4), round(exact, 4),
                          max(kls), sum(kls) / len(kls), gap, change)  # fmt: skip

@@ -198,7 +198,7 @@ def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoCon
         for step in range(config.warmup_steps):
             examples = [[tok.encode(p.prompt), tok.encode(p.answer) + [eos]]
                         for p in task.problems(step, config.warmup_batch, "warmup")]  # fmt: skip
-            shares = [examples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+            shares = _shares(examples, config.trainer_ranks)
             last = step == config.warmup_steps - 1
             reports = trainers.warmup(step, llm.weight_version + 1, shares, last, config.lr)
             logs.append(WarmupLog(
@@ -235,7 +235,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
         for i, c in enumerate(out.outputs):
             samples.append(Sample(prompt, c.token_ids, c.logprobs,
                                   advantages[g * config.group_size + i], fresh))  # fmt: skip
-    shares = [samples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+    shares = _shares(samples, config.trainer_ranks)
     update = all(shares)
     if not update:  # every rank runs the same collectives: all step or none does
         shares = [[] for _ in shares]
@@ -269,10 +269,15 @@ def _final_check(llm, trainers, task, params, config) -> dict:
     outputs = llm.generate(prompts, params)
     samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
                for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
-    shares = [samples[r :: config.trainer_ranks] for r in range(config.trainer_ranks)]
+    shares = _shares(samples, config.trainer_ranks)
     reports = trainers.step(-1, llm.weight_version, shares, update=False)
     return {"version": llm.weight_version,
             "logprob_mismatch": max(r.logprob_mismatch for r in reports)}  # fmt: skip
+
+
+def _shares(items: list, ranks: int) -> list[list]:
+    """Round-robin ``items`` over the trainer ranks (FSDP2: each rank takes its own share)."""
+    return [items[r::ranks] for r in range(ranks)]
 
 
 class _Rollouts:

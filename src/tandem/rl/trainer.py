@@ -55,20 +55,33 @@ class TrainerArgs:
         return json.dumps(asdict(self))
 
 
+def continuation_logprobs(
+    model, pairs: list[tuple[list[int], list[int]]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For (prefix, continuation) pairs: the model's log-prob of every next token [B, L-1]
+    (with grad; the logits at position t predict token t + 1) and the mask of the positions
+    that predict a continuation token."""
+    ids, attention = _padded([prefix + cont for prefix, cont in pairs])
+    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    for i, (prefix, cont) in enumerate(pairs):
+        mask[i, len(prefix) - 1 : len(prefix) - 1 + len(cont)] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return logp, mask
+
+
 def completion_logprobs(
     model, batch: TrainBatch
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The model's log-probs of every completion token [B, L-1] (with grad), the engine's
     recorded ones aligned the same way, and the mask of completion positions."""
-    ids, attention = _padded([s.prompt_ids + s.completion_ids for s in batch.samples])
-    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    behaviour = torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    logp, mask = continuation_logprobs(
+        model, [(s.prompt_ids, s.completion_ids) for s in batch.samples]
+    )
+    behaviour = torch.zeros_like(mask)
     for i, s in enumerate(batch.samples):
-        start = len(s.prompt_ids) - 1  # logits at position t predict token t + 1
-        mask[i, start : start + len(s.completion_ids)] = 1
+        start = len(s.prompt_ids) - 1
         behaviour[i, start : start + len(s.completion_ids)] = torch.tensor(s.behaviour_logprobs)
-    logits = model(input_ids=ids, attention_mask=attention).logits.float()
-    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     return logp, behaviour, mask
 
 
@@ -80,6 +93,13 @@ def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         ids[i, : len(seq)] = torch.tensor(seq)
         attention[i, : len(seq)] = 1
     return ids, attention
+
+
+def _push(sender, version: int) -> float:
+    """Push the updated weights into the engine; the seconds it took."""
+    start = time.perf_counter()
+    sender.push(version=version)
+    return time.perf_counter() - start
 
 
 def _update(model, optimizer, loss: torch.Tensor, lr: float) -> float:
@@ -95,19 +115,10 @@ def _update(model, optimizer, loss: torch.Tensor, lr: float) -> float:
 def warmup_step(model, optimizer, sender, batch: WarmupBatch, rank: int) -> TrainReport:
     """Supervised: mean cross-entropy of the target tokens given the prompt."""
     start = time.perf_counter()
-    ids, attention = _padded([p + t for p, t in batch.examples])
-    mask = torch.zeros(ids.shape[0], ids.shape[1] - 1)
-    for i, (prompt, target) in enumerate(batch.examples):
-        mask[i, len(prompt) - 1 : len(prompt) - 1 + len(target)] = 1
-    logits = model(input_ids=ids, attention_mask=attention).logits.float()
-    logp = F.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    logp, mask = continuation_logprobs(model, [(p, t) for p, t in batch.examples])
     loss = -(logp * mask).sum() / mask.sum()
     grad_norm = _update(model, optimizer, loss, batch.lr)
-    push_seconds = 0.0
-    if batch.push:
-        pushed = time.perf_counter()
-        sender.push(version=batch.version)
-        push_seconds = time.perf_counter() - pushed
+    push_seconds = _push(sender, batch.version) if batch.push else 0.0
     train_seconds = time.perf_counter() - start - push_seconds
     return TrainReport(rank, batch.step, loss.item(), None, push_seconds, train_seconds,
                        grad_norm, 0.0, 0.0)  # fmt: skip
@@ -138,9 +149,7 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
     grad_norm, push_seconds = 0.0, 0.0
     if batch.update:
         grad_norm = _update(model, optimizer, loss, batch.lr)
-        pushed = time.perf_counter()
-        sender.push(version=batch.version)
-        push_seconds = time.perf_counter() - pushed
+        push_seconds = _push(sender, batch.version)
     return TrainReport(
         rank, batch.step, loss.item(), mismatch, push_seconds,
         time.perf_counter() - start - push_seconds, grad_norm, stats["ratio_max"],
