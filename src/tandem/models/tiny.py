@@ -29,21 +29,23 @@ from tandem.models.loader import INDEX_FILE, SINGLE_FILE, read_model_spec
 
 EOS = "<|endoftext|>"
 
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+}
+
 FAMILIES: dict[str, dict] = {
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
+    "llama": _LLAMA,
     "qwen2": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -131,19 +133,9 @@ FAMILIES: dict[str, dict] = {
         "label2id": {"negative": 0, "neutral": 1, "positive": 2},
         "pad_token_id": 0,
     },
-    "llama_reward": {
+    "llama_reward": {  # the same network with a 1-label score head
+        **_LLAMA,
         "architectures": ["LlamaForSequenceClassification"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 176,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
         "id2label": {"0": "LABEL_0"},
         "label2id": {"LABEL_0": 0},
     },
