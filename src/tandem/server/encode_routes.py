@@ -23,10 +23,7 @@ router = APIRouter(dependencies=[Depends(_api_key)])
 
 @router.post("/v1/embeddings")
 async def embeddings(request: Request):
-    s = state(request)
-    req: EmbeddingRequest = await read_json(request, EmbeddingRequest, s.config.max_request_bytes)
-    s.check_model(req.model)
-    _check_task(s, "embed", "/v1/embeddings")
+    s, req = await _read(request, EmbeddingRequest, "embed", "/v1/embeddings")
     if req.dimensions is not None:
         raise APIError(400, "`dimensions` is not supported", param="dimensions")
     rows, tokens = await _encode(s, req.inputs(), req.pooling)
@@ -44,10 +41,7 @@ async def embeddings(request: Request):
 
 @router.post("/v1/classify")
 async def classify(request: Request):
-    s = state(request)
-    req: ClassifyRequest = await read_json(request, ClassifyRequest, s.config.max_request_bytes)
-    s.check_model(req.model)
-    _check_task(s, "classify", "/v1/classify")
+    s, req = await _read(request, ClassifyRequest, "classify", "/v1/classify")
     rows, tokens = await _encode(s, req.inputs(), None)
     labels = getattr(s.engine.model_config, "id2label", {})
     data = []
@@ -61,11 +55,17 @@ async def classify(request: Request):
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
 
-def _check_task(s: ServerState, task: str, route: str) -> None:
+async def _read(request: Request, schema, task: str, route: str):
+    """The server state and the validated body; 400 for a bad body, an unknown model, or a
+    server started for another task."""
+    s = state(request)
+    req = await read_json(request, schema, s.config.max_request_bytes)
+    s.check_model(req.model)
     if s.engine.config.task != task:
         raise APIError(400, f"{route} needs a server started with --task {task}; this one "
                        f"serves --task {s.engine.config.task}", param="model",
                        code="wrong_task")  # fmt: skip
+    return s, req
 
 
 async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], int]:
