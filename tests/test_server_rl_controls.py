@@ -224,7 +224,9 @@ def test_pause_keep_push_resume_version_spans(model_factory):
     equal transformers continuing with the NEW weights over the KV cache the OLD weights
     computed (what keep means: nothing recomputed)."""
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
-    n = 40
+    # long enough that the engine cannot finish the rollout between the client reading its
+    # first tokens and the pause landing (40 tokens did, once, on a loaded CI machine)
+    n = 400
     with Server(engine_dir, "--admin-key", ADMIN_KEY, "--served-model-name", "tiny",
                 "--kv-cache-memory", str(16 << 20)) as server:  # fmt: skip
         old = server.post("/v1/completions", json=_body(max_tokens=n)).json()
