@@ -270,7 +270,7 @@ def _final_check(llm, trainers, task, params, config) -> dict:
     samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
                for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
     shares = _shares(samples, config.trainer_ranks)
-    reports = trainers.step(-1, llm.weight_version, shares, update=False)
+    reports = trainers.step(-1, llm.weight_version, shares, update=False, lr=0.0)
     return {"version": llm.weight_version,
             "logprob_mismatch": max(r.logprob_mismatch for r in reports)}  # fmt: skip
 

@@ -82,9 +82,10 @@ class TrainerGroup:
             if proc.poll() is not None:
                 raise TrainerError(f"trainer rank {rank} exited with code {proc.returncode}")
 
-    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool = True,
-             lr: float = 0.0) -> list[TrainReport]:  # fmt: skip
-        """Send every rank its share, wait for all reports (each rank pushes after updating)."""
+    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool, lr: float
+             ) -> list[TrainReport]:  # fmt: skip
+        """Send every rank its share, wait for all reports (each rank pushes after updating;
+        ``update=False`` only scores: ``lr`` is unused then)."""
         batches = [TrainBatch(step, version, update, lr, shares[r]) for r in self._ranks]
         return self._exchange(batches)
 
