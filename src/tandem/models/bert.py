@@ -13,7 +13,6 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
@@ -30,8 +29,6 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tan
 
 
 class BertConfig(Labels):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int

@@ -6,13 +6,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
+from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
@@ -25,8 +25,9 @@ _ACTIVATIONS = {
 }
 
 
-class GPT2Config(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
+class GPT2Config(HFConfig):
+    spellings = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
+                 "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}  # fmt: skip
 
     vocab_size: int
     n_embd: int

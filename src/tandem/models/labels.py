@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from tandem.models.hf_config import HFConfig
 
 
-class Labels(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
+class Labels(HFConfig):
     id2label: dict[str, str] = Field(default_factory=lambda: {"0": "LABEL_0", "1": "LABEL_1"})
 
     @property

@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import model_validator
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
@@ -17,15 +17,14 @@ from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, apply_rotary
+from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
 from tandem.parallel import SINGLE, TPGroup
 
 
-class LlamaConfig(BaseModel):
+class LlamaConfig(HFConfig):
     """The ``config.json`` fields a Llama-style model reads (others are ignored)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
 
     vocab_size: int
     hidden_size: int

@@ -17,6 +17,8 @@ from tandem.parallel import TPGroup
 
 
 class Qwen3MoeConfig(LlamaConfig):
+    spellings = {"num_local_experts": "num_experts"}  # transformers 5.x writes num_local_experts
+
     num_experts: int
     num_experts_per_tok: int
     moe_intermediate_size: int
@@ -43,6 +45,8 @@ class Qwen3MoeConfig(LlamaConfig):
 
 
 class MixtralConfig(LlamaConfig):
+    spellings = {"num_experts": "num_local_experts"}
+
     num_local_experts: int
     num_experts_per_tok: int
 

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import ConfigDict, model_validator
+from pydantic import model_validator
 from torch import nn
 
 from tandem.layers.attention import Attention, AttentionMetadata
@@ -30,8 +30,6 @@ _ACTIVATIONS = {"gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tan
 
 
 class ViTConfig(Labels):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
