@@ -36,14 +36,15 @@ def _chunks(response: httpx.Response):
             yield json.loads(line[6:])
 
 
-def _run(server: Server, body: dict) -> tuple[threading.Thread, dict]:
+def _run(server: Server, body: dict, path: str = "/v1/completions"
+         ) -> tuple[threading.Thread, dict]:  # fmt: skip
     """A non-streamed completion on a thread of its own: (thread, {"r": response})."""
     out: dict = {}
     client = httpx.Client(base_url=server.url, timeout=120)
 
     def call():
         with client:
-            out["r"] = client.post("/v1/completions", json=body)
+            out["r"] = client.post(path, json=body)
 
     thread = threading.Thread(target=call)
     thread.start()
@@ -113,7 +114,7 @@ def test_abort_requests_by_id_and_all(server):
     dup = server.post("/v1/completions", json=_body(max_tokens=2, request_id="rollout-a"))
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "request_id"
     r = server.admin("POST", "/abort_requests", json={"request_ids": ["rollout-a"]})
-    assert r.json() == {"aborted": ["rollout-a-0"]}
+    assert r.json() == {"aborted": ["rollout-a"]}
     first.join(timeout=30)
     second.join(timeout=30)
     assert a["r"].json()["id"] == "rollout-a"
@@ -124,6 +125,30 @@ def test_abort_requests_by_id_and_all(server):
     assert len(server.admin("POST", "/abort_requests?abort_all=true").json()["aborted"]) == 1
     third.join(timeout=30)
     assert c["r"].json()["choices"][0]["finish_reason"] == "abort"
+
+
+def test_abort_names_exactly_the_call_given(server):
+    """Ids clients choose never collide with the per-prompt ids tandem derives: a chat call
+    named ``foo-1`` (or ``foo-0``) is its own call, untouched by an abort of ``foo``."""
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+            "ignore_eos": True, "max_tokens": 400}  # fmt: skip
+    first, foo = _run(server, _body(max_tokens=3000, request_id="foo"))
+    assert wait_for(lambda: _running(server))
+    second, foo0 = _run(server, chat | {"request_id": "foo-0"}, "/v1/chat/completions")
+    third, foo1 = _run(server, chat | {"request_id": "foo-1"}, "/v1/chat/completions")
+    assert wait_for(lambda: _running(server, 3))
+    near = ["fo", "foo-2", "foo#0", "foo-1-0"]  # no live call has these ids
+    assert server.admin("POST", "/abort_requests", json={"request_ids": near}).json() == {
+        "aborted": []}  # fmt: skip
+    r = server.admin("POST", "/abort_requests", json={"request_ids": ["foo"]})
+    assert r.json() == {"aborted": ["foo"]}
+    for thread in (first, second, third):
+        thread.join(timeout=60)
+    assert foo["r"].json()["choices"][0]["finish_reason"] == "abort"
+    for out, name in ((foo0, "foo-0"), (foo1, "foo-1")):
+        assert out["r"].status_code == 200, out["r"].text
+        assert out["r"].json()["id"] == name
+        assert out["r"].json()["choices"][0]["finish_reason"] == "length"
 
 
 def test_control_parameters_are_checked(server):

@@ -64,10 +64,13 @@ def version_spans(seq: Sequence, start: int, end: int) -> list[list[int]]:
     return spans
 
 
-def _call_id(request_id: str) -> str | None:
-    """The API call a request belongs to (``<call id>-<prompt index>``), if it is one."""
-    call, _, index = request_id.rpartition("-")
-    return call if index.isdigit() else None
+PROMPT_SEPARATOR = "#"  # never in an id a client chooses (`protocol.REQUEST_ID_PATTERN`)
+
+
+def prompt_request_id(call_id: str, index: int) -> str:
+    """The engine's id of prompt ``index`` of an API call: ``<call id>#<index>``. Clients name
+    calls, never these, so a client's id cannot be mistaken for one tandem derived."""
+    return f"{call_id}{PROMPT_SEPARATOR}{index}"
 
 
 @dataclass(slots=True)
@@ -158,7 +161,7 @@ class AsyncEngine:
         self._new: list[tuple[str, _Tracked]] = []
         self._aborts: list[str] = []
         self._tracked: dict[str, _Tracked] = {}
-        self._live: set[str] = set()  # ids of requests submitted and not yet over (`_cond`)
+        self._live: dict[str, str] = {}  # request id -> its call's id, until over (`_cond`)
         self._closed: str | None = None
         self._republish = False  # sequences finished outside a step (pause, abort): post them
         self._encodes: list[_Encode] = []  # embed / classify calls, batched together
@@ -241,8 +244,9 @@ class AsyncEngine:
         """Check one prompt (ValueError names the problem) and make its samples."""
         return self._core.make_sequences(request_id, prompt_ids, params, priority)
 
-    def submit(self, requests: list[tuple[str, list[Sequence]]]) -> Submission:
-        """Queue prepared requests (all or none). Raises QueueFull, EngineUnavailable."""
+    def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]]) -> Submission:
+        """Queue the prepared requests of API call ``call_id`` (all or none). Raises QueueFull,
+        EngineUnavailable, ValueError (a live call has that id)."""
         if (why := self.unavailable()) is not None:
             raise EngineUnavailable(why)
         if self.num_waiting + len(requests) > self.max_waiting:
@@ -251,9 +255,9 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in enumerate(requests)]
         with self._cond:
-            if taken := [rid for rid, _ in requests if rid in self._live]:
-                raise ValueError(f"request id {taken[0]!r} is already in use")
-            self._live.update(rid for rid, _ in requests)
+            if call_id in self._live.values():
+                raise ValueError(f"request id {call_id!r} is already in use")
+            self._live.update((rid, call_id) for rid, _ in requests)
             self._new.extend(tracked)
             self._cond.notify()
         return Submission(self, [rid for rid, _ in requests], queue)
@@ -294,17 +298,18 @@ class AsyncEngine:
         self._core.resume()
         self._poke()
 
-    def abort_requests(self, request_ids: list[str] | None) -> list[str]:
-        """End these requests now (None: every one), returning what they generated to their
-        callers with finish_reason ``abort``. An id names a request or a whole API call (the
-        ``id`` of its response: all its prompts). Returns the request ids aborted."""
-        live = self._core.unfinished_request_ids()
-        if request_ids is not None:
-            wanted = set(request_ids)
-            live = {r for r in live if r in wanted or _call_id(r) in wanted}
-        self._core.abort_requests(live)
+    def abort_requests(self, call_ids: list[str] | None) -> list[str]:
+        """End these API calls now (by the ``id`` of their response: every prompt of each;
+        None: every call), returning what they generated to their callers with finish_reason
+        ``abort``. Returns the ids of the calls aborted."""
+        with self._cond:
+            live = dict(self._live)
+        if call_ids is not None:
+            wanted = set(call_ids)
+            live = {rid: call for rid, call in live.items() if call in wanted}
+        aborted = self._core.abort_requests(set(live))
         self._poke(publish=True)
-        return sorted(live)
+        return sorted({live[seq.request_id] for seq in aborted})
 
     def tokenize_inputs(self, items) -> tuple[list[list[int]], list[list[int]] | None]:
         """Texts or token-id lists -> (ids, token types or None): `LLMEngine.tokenize_inputs`."""
@@ -440,7 +445,8 @@ class AsyncEngine:
 
     def _over(self, request_ids) -> None:
         with self._cond:
-            self._live.difference_update(request_ids)
+            for request_id in request_ids:
+                self._live.pop(request_id, None)
 
     def _delta(self, t: _Tracked, i: int, seq: Sequence) -> SeqDelta | None:
         if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):

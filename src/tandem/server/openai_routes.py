@@ -17,6 +17,7 @@ from tandem.server.async_engine import (
     RequestUpdate,
     SeqDelta,
     Submission,
+    prompt_request_id,
     version_spans,
 )
 from tandem.server.errors import APIError, error_body
@@ -50,9 +51,10 @@ async def completions(request: Request):
     prepared, prompt_ids = [], []
     for i, p in enumerate(prompts):
         ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        seqs = _checked(lambda ids=ids, i=i: s.engine.prepare(f"{rid}-{i}", ids, params,
-                                                                req.priority))  # fmt: skip
-        prepared.append((f"{rid}-{i}", seqs))
+        request_id = prompt_request_id(rid, i)
+        seqs = _checked(lambda ids=ids, r=request_id: s.engine.prepare(r, ids, params,
+                                                                       req.priority))  # fmt: skip
+        prepared.append((request_id, seqs))
         prompt_ids.append(ids)
     texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
     call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage)
@@ -90,8 +92,10 @@ async def chat_completions(request: Request):
     text = s.chat.render(messages, req.add_generation_prompt)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ids = s.tokenizer.encode(text)
-    seqs = _checked(lambda: s.engine.prepare(rid, ids, params, req.priority))
-    call = _Call(s, request, rid, "chat.completion", req.n, [(rid, seqs)], req.include_usage)
+    request_id = prompt_request_id(rid, 0)
+    seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, req.priority))
+    call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
+                 req.include_usage)  # fmt: skip
 
     def logprobs(d: SeqDelta):
         if d.logprobs is None:
@@ -131,7 +135,7 @@ class _Call:
         self.include_usage = include_usage
         self.arrival = time.monotonic()
         self.first_token: float | None = None
-        self.submission: Submission = s.submit(prepared)
+        self.submission: Submission = s.submit(rid, prepared)
         s.metrics.prompt_tokens.inc(sum(seqs[0].num_prompt_tokens for _, seqs in prepared))
 
     def _seen(self, update: RequestUpdate) -> None:

@@ -18,6 +18,7 @@ from tandem.engine.sampling_params import SamplingParams
 from tandem.server.errors import APIError
 
 MAX_INT = 2**63 - 1
+REQUEST_ID_PATTERN = r"^[\w.:-]+$"  # no `#`: the engine's per-prompt ids are `<id>#<index>`
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
 
@@ -51,7 +52,7 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool = True
     logprobs_mode: Literal["raw", "processed"] = "raw"
     priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
-    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=r"^[\w.:-]+$")
+    request_id: str | None = Field(None, min_length=1, max_length=256, pattern=REQUEST_ID_PATTERN)
     return_token_ids: bool = False  # also return the prompt's token ids on every choice
     detokenize: bool = True  # False: no text, token ids and log-probs only
     return_routed_experts: bool = False  # MoE: each token's experts (routing replay)

@@ -106,8 +106,8 @@ async def is_paused(request: Request):
 
 @router.post("/abort_requests")
 async def abort_requests(request: Request):
-    """End requests now, by id (a request's or a whole call's: the response ``id``) or all;
-    their callers get the tokens and log-probs generated so far, finish_reason ``abort``."""
+    """End API calls now, by id (the response ``id``: every prompt of the call) or all; their
+    callers get the tokens and log-probs generated so far, finish_reason ``abort``."""
     p: AbortParams = await _params(request, AbortParams)
     if (p.request_ids is None) == (not p.abort_all):
         raise APIError(400, "give exactly one of `request_ids` and `abort_all: true`",

@@ -38,9 +38,9 @@ class ServerState:
                 code="model_not_found",
             )
 
-    def submit(self, requests) -> Submission:
+    def submit(self, call_id: str, requests) -> Submission:
         try:
-            return self.engine.submit(requests)
+            return self.engine.submit(call_id, requests)
         except QueueFull as exc:
             raise APIError(429, f"server busy: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
