@@ -6,12 +6,17 @@ off and prompts prefilled whole (`enable_prefix_caching=False`, a large token bu
 test_numerics holds to transformers.
 """
 
+import builtins
+import hashlib
+import struct
+
 import pytest
 import torch
 import transformers
 
 from tandem import LLM, SamplingParams
-from tandem.engine.kv_cache import BlockManager
+from tandem.engine import kv_cache
+from tandem.engine.kv_cache import BlockManager, block_digest
 from tandem.engine.sampling_params import SamplingParams as Params
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
@@ -79,6 +84,41 @@ def test_prefix_cache_reuses_the_longest_computed_prefix_and_leaves_one_token():
     blocks.allocate(changed)
     assert changed.num_cached_tokens == 0
     assert blocks.stats.hit_tokens == 24 and blocks.stats.queried_tokens == 16 + 14 + 16 + 13
+
+
+def test_block_keys_are_sha256_of_the_parent_digest_and_the_tokens():
+    tokens = [[7, 3, 9, 1], [2**40 + 5, 0, 65535, 65536]]
+    first = hashlib.sha256(struct.pack("<4q", *tokens[0])).digest()
+    second = hashlib.sha256(first + struct.pack("<4q", *tokens[1])).digest()
+    assert block_digest(b"", tokens[0]) == first
+    assert block_digest(first, tokens[1]) == second
+    assert block_digest(b"", tokens[1]) != second, "the parent is part of the key"
+
+
+def test_a_colliding_64_bit_hash_cannot_serve_another_prefixes_blocks(monkeypatch):
+    """Keys chained through Python's 64-bit ``hash`` trust the parent's hash one level up: if
+    two different first blocks hash alike, a second block cached after one of them is served
+    after the other. Every first block is made to collide here (``hash`` is swapped inside the
+    module; keys that do not use it are unaffected): the second block of ``b`` must not come
+    from ``d``, whose first block differs."""
+
+    def colliding(key):
+        return 0 if isinstance(key, tuple) and key and key[0] is None else builtins.hash(key)
+
+    monkeypatch.setattr(kv_cache, "hash", colliding, raising=False)
+    blocks = BlockManager(16, BS)
+    cached = []
+    for seq_id, tokens in ((0, [1, 1, 1, 1]), (1, [2, 2, 2, 2, 5, 6, 7, 8])):
+        seq = _seq(seq_id, tokens + [0])  # b's first block, then d: its own first block, then X
+        blocks.allocate(seq)
+        seq.num_cached_tokens = len(tokens)
+        blocks.register(seq)
+        cached.append(seq)
+    b = _seq(2, [1, 1, 1, 1, 5, 6, 7, 8, 0])  # b's first block, then X's tokens after it
+    blocks.allocate(b)
+    assert b.block_table[0] == cached[0].block_table[0]
+    assert b.num_cached_tokens == BS, "X's keys/values were computed after d's first block"
+    assert b.block_table[1] != cached[1].block_table[1]
 
 
 def test_cached_blocks_are_evicted_least_recently_used_first():

@@ -5,19 +5,23 @@ Blocks are reference counted. Two things share them:
 - **Forked samples.** The ``n`` samples of one request share the prompt's blocks (`fork`); the
   last, partly filled block is copied when a sample first writes into it (`grow` returns the
   copies the model ranks must make before the step runs).
-- **Prefix caching.** A full block whose keys/values are computed is registered under a hash of
-  its tokens and of every token before it (the previous block's hash). A new sequence starts
+- **Prefix caching.** A full block whose keys/values are computed is registered under a digest
+  of its tokens and of every token before it: SHA-256 over the previous block's digest and the
+  block's token ids, so two different prefixes never share a key in practice (a 64-bit hash
+  would let a collision serve another prompt's keys/values silently). A new sequence starts
   from the longest run of cached blocks matching its tokens (`allocate`). Blocks nobody holds
   stay cached until their memory is needed: the free list is in eviction order, least recently
-  released first, and a block taken from it loses its hash.
+  released first, and a block taken from it loses its digest.
 
 Cached keys/values were computed by some weights: `reset_prefix_cache` (called on every weight
-push) forgets every hash and starts a new epoch, and a sequence admitted in an older epoch never
+push) forgets every digest and starts a new epoch, and a sequence admitted in an older epoch never
 registers blocks, so a cached block never serves tokens under newer weights.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -30,11 +34,18 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def block_digest(parent: bytes, tokens) -> bytes:
+    """The prefix-cache key of a full block: SHA-256 of its parent's digest (``b""`` for the
+    first block) and its token ids as little-endian int64."""
+    digest = hashlib.sha256(parent)
+    digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    return digest.digest()
+
+
 @dataclass(slots=True)
 class _Block:
     ref_count: int = 0
-    hash: int | None = None  # set while registered in the prefix cache
-    key: tuple | None = None  # (previous block's hash, its tokens): checked on every hit
+    digest: bytes | None = None  # set while registered in the prefix cache
 
 
 @dataclass(slots=True)
@@ -56,7 +67,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[int, int] = {}  # hash -> block id
+        self._cached: dict[bytes, int] = {}  # digest -> block id
         self.epoch = 0  # bumped by reset_prefix_cache
         self.stats = CacheStats()
 
@@ -132,7 +143,7 @@ class BlockManager:
             assert block.ref_count >= 0, f"block {block_id} was freed twice"
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block.hash is None:  # nothing to reuse: evict it first
+                if block.digest is None:  # nothing to reuse: evict it first
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_cached_tokens = 0
@@ -147,20 +158,19 @@ class BlockManager:
         full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
         if full <= seq.num_registered_blocks:
             return
-        hashes = self._hashes(seq, full)
+        digests = self._digests(seq, full)
         for index in range(seq.num_registered_blocks, full):
             block = self._blocks[seq.block_table[index]]
-            if block.hash is None and hashes[index] not in self._cached:
-                block.hash = hashes[index]
-                block.key = self._key(seq, hashes, index)
-                self._cached[block.hash] = seq.block_table[index]
+            if block.digest is None and digests[index] not in self._cached:
+                block.digest = digests[index]
+                self._cached[block.digest] = seq.block_table[index]
         seq.num_registered_blocks = full
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (their keys/values belong to older weights)."""
         for block_id in self._cached.values():
             block = self._blocks[block_id]
-            block.hash = block.key = None
+            block.digest = None
             if block.ref_count == 0:
                 self._free.move_to_end(block_id, last=False)
         self._cached.clear()
@@ -181,28 +191,22 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
         limit = (len(seq) - 1) // self.block_size
-        hashes = self._hashes(seq, limit)
         hits = []
-        for index in range(limit):
-            block_id = self._cached.get(hashes[index])
-            if block_id is None or self._blocks[block_id].key != self._key(seq, hashes, index):
+        for digest in self._digests(seq, limit):
+            block_id = self._cached.get(digest)
+            if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
-    def _hashes(self, seq: Sequence, count: int) -> list[int]:
-        """Chained hashes of ``seq``'s first ``count`` full blocks (kept on the sequence)."""
-        hashes, bs = seq.block_hashes, self.block_size
-        while len(hashes) < count:
-            i = len(hashes)
-            hashes.append(
-                hash((hashes[-1] if hashes else None, *seq.token_ids[i * bs : i * bs + bs]))
-            )
-        return hashes
-
-    def _key(self, seq: Sequence, hashes: list[int], index: int) -> tuple:
-        bs = self.block_size
-        return (hashes[index - 1] if index else None, *seq.token_ids[index * bs : index * bs + bs])
+    def _digests(self, seq: Sequence, count: int) -> list[bytes]:
+        """Chained digests of ``seq``'s first ``count`` full blocks (kept on the sequence)."""
+        digests, bs = seq.block_digests, self.block_size
+        while len(digests) < count:
+            i = len(digests)
+            parent = digests[-1] if digests else b""
+            digests.append(block_digest(parent, seq.token_ids[i * bs : i * bs + bs]))
+        return digests
 
     def _missing(self, seq: Sequence) -> int:
         return max(0, blocks_for(len(seq), self.block_size) - len(seq.block_table))
@@ -221,9 +225,9 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} is referenced"
-        if block.hash is not None:  # evicted from the prefix cache
-            del self._cached[block.hash]
-            block.hash = block.key = None
+        if block.digest is not None:  # evicted from the prefix cache
+            del self._cached[block.digest]
+            block.digest = None
         block.ref_count = 1
         return block_id
 

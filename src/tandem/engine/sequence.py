@@ -59,7 +59,7 @@ class Sequence:
         self.prompt_top_logprobs: list[dict[int, float] | None] = [None]
         self.num_blocks_sent = 0  # of block_table, already told to the model ranks
         self.table_changed = False  # block_table changed other than by appending: resend it
-        self.block_hashes: list[int] = []  # prefix-cache hashes of its full blocks so far
+        self.block_digests: list[bytes] = []  # prefix-cache keys of its full blocks so far
         self.num_registered_blocks = 0  # of block_table, already in the prefix cache
         self.cache_epoch = -1  # the prefix cache's epoch when its blocks were taken
         self.unforked: list[Sequence] = []  # samples of its request waiting to share its prompt
