@@ -26,7 +26,8 @@ def test_file_and_flags_merge(tmp_path):
 
 
 def test_engine_flags_reach_the_engine_config():
-    from tandem.cli import parser, serve_config
+    from tandem.cli import parser
+    from tandem.server.serve_args import serve_config
 
     args = parser().parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64",
                                 "--no-enable-prefix-caching", "--batching", "static"])  # fmt: skip
@@ -66,3 +67,121 @@ def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2
     assert "`max_waiting_requests`" in done.stderr
+
+
+def _serve_config(argv: list[str]):
+    """What `tandem serve ARGV` would run with (parsed as `tandem.cli.main` parses)."""
+    from tandem.cli import parser
+    from tandem.server.serve_args import serve_config
+    from tandem.server.vllm_flags import dashed
+
+    args, unknown = parser().parse_known_args(["serve", *dashed(argv)])
+    assert not unknown, unknown
+    return serve_config(args)
+
+
+def test_vllm_spellings_give_the_same_settings(capsys):
+    vllm = _serve_config([
+        "m", "-tp", "2", "-pp", "2", "--max_model_len", "256", "--max-num-seqs", "8",
+        "--max-num-batched-tokens=64", "--kv-cache-memory-bytes", "1048576", "--block-size", "8",
+        "--dtype", "float", "--disable-prefix-caching", "--scheduling-policy", "priority",
+        "--served-model-name", "tiny", "--distributed-timeout-seconds", "30", "--seed", "3",
+        "--uvicorn-log-level", "trace", "--runner", "pooling", "--convert", "embed",
+        "-n", "1", "-r", "0", "--master-addr", "127.0.0.1", "--master-port", "29555",
+        "--distributed-executor-backend", "mp", "--host", "127.0.0.1", "--port", "0",
+        "--load-format", "safetensors", "--kv-cache-dtype", "auto", "--shutdown-timeout", "5",
+    ])  # fmt: skip
+    tandem = _serve_config([
+        "--model", "m", "--tp", "2", "--pp", "2", "--max-model-len", "256", "--max-num-seqs",
+        "8", "--max-num-batched-tokens", "64", "--kv-cache-memory", "1048576", "--block-size",
+        "8", "--dtype", "float32", "--no-enable-prefix-caching", "--scheduling-policy",
+        "priority", "--served-model-name", "tiny", "--distributed-timeout-seconds", "30",
+        "--seed", "3", "--log-level", "debug", "--task", "embed", "--nnodes", "1",
+        "--master-addr", "127.0.0.1", "--master-port", "29555", "--port", "0",
+        "--distributed-executor-backend", "mp", "--host", "127.0.0.1", "--shutdown-timeout", "5",
+    ])  # fmt: skip
+    assert vllm == tandem
+    engine = vllm.engine_config()
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)
+    assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (
+        256, 8, 64)  # fmt: skip
+    assert (engine.kv_cache_memory, engine.block_size, engine.dtype) == (1 << 20, 8, "float32")
+    assert engine.enable_prefix_caching is False and engine.scheduling_policy == "priority"
+    assert (engine.collective_timeout_s, engine.seed, engine.task) == (30.0, 3, "embed")
+    assert (vllm.model_name, vllm.log_level, vllm.shutdown_timeout_s) == ("tiny", "debug", 5.0)
+    assert _serve_config(["m", "--log-level", "WARNING"]).log_level == "warning"
+    assert capsys.readouterr().err == ""  # nothing taken was ignored
+
+
+IGNORED = [["--gpu-memory-utilization", "0.9"], ["--enforce-eager"], ["--trust-remote-code"],
+           ["--enable-sleep-mode"], ["--disable-log-requests"], ["-cc", '{"level": 3}'],
+           ["--no-async-scheduling"], ["--enable-chunked-prefill"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("flag", IGNORED, ids=lambda f: f[0])
+def test_vllm_flags_without_effect_are_ignored_with_a_warning(flag, capsys):
+    assert _serve_config(["m", *flag]) == _serve_config(["m"])
+    assert f"ignoring vLLM's {flag[0]}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["m", "--quantization", "fp8"], "unsupported option --quantization"),
+        (["m", "-q", "fp8", "--enable-lora"], "unsupported options -q, --enable-lora"),
+        (["m", "--speculative-config", "{}"], "unsupported option --speculative-config"),
+        (["m", "--load-format", "dummy"], "--load-format dummy: tandem supports only"),
+        (["m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: tandem supports only"),
+    ],
+)
+def test_vllm_flags_tandem_lacks_are_refused_by_name(argv, message, capsys):
+    from tandem.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["m", "--model", "other"], "two models given"),
+        (["m", "--served-model-name", "a", "b"], "tandem serves one name"),
+        (["m", "--runner", "pooling"], "give --convert"),
+        (["m", "--task", "classify", "--convert", "embed"], "differ"),
+    ],
+)
+def test_vllm_spellings_that_clash_name_the_flag(argv, message):
+    with pytest.raises(ConfigError, match=message):
+        _serve_config(argv)
+
+
+def test_generate_takes_vllms_parallel_spellings():
+    from tandem.cli import parser
+
+    args = parser().parse_args(["generate", "--model", "m", "--prompt", "x", "-tp", "2",
+                                "--pipeline-parallel-size", "2"])  # fmt: skip
+    assert (args.tp, args.pp) == (2, 2)
+
+
+def test_docs_list_the_vllm_flags_as_the_parser_treats_them():
+    """docs/serving.md's "vLLM's flags": every ignored spelling is named there, and every flag
+    listed as refused is one `tandem serve` does not take."""
+    import re
+    from pathlib import Path
+
+    from tandem.cli import parser
+    from tandem.server.vllm_flags import IGNORED
+
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    section = docs.split("## vLLM's flags", 1)[1].split("\n## ", 1)[0]
+    ignored, refused = section.split("**Ignored", 1)[1].split("**Refused**", 1)
+    for flag in IGNORED:
+        for spelling in flag.spellings:
+            assert f"`{spelling}`" in ignored, spelling
+    serve = parser()._subparsers._group_actions[0].choices["serve"]
+    listed = re.findall(r"`(--[a-z0-9-]+)`", refused.split("\n\n", 1)[1])
+    assert len(listed) > 250
+    taken = [flag for flag in listed if flag in serve._option_string_actions]
+    assert not taken, f"listed as refused but taken: {taken}"

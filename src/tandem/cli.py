@@ -7,6 +7,7 @@ import json
 import sys
 
 from tandem.models.tiny import FAMILIES
+from tandem.server import serve_args, vllm_flags
 
 
 def _make_tiny_model(args) -> int:
@@ -104,23 +105,12 @@ def _demo(args) -> int:
     return 0
 
 
-def serve_config(args):
-    """`tandem serve`'s settings: the TOML file (if any) overridden by the flags given."""
-    from tandem.server.config import load_config
-
-    flags = {k: getattr(args, k) for k in _SERVE_FLAGS if getattr(args, k) is not None}
-    engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
-    if args.model_module:
-        engine["model_modules"] = args.model_module
-    return load_config(args.config, {**flags, "engine": engine})
-
-
 def _serve(args) -> int:
     from tandem.errors import ModelLoadError, UnsupportedModelError
     from tandem.server.config import ConfigError
 
     try:
-        config = serve_config(args)
+        config = serve_args.serve_config(args)
     except ConfigError as exc:
         print(f"tandem serve: {exc}", file=sys.stderr)
         return 2
@@ -139,14 +129,6 @@ def _serve(args) -> int:
     except (ModelLoadError, UnsupportedModelError, EngineDeadError, ValueError, OSError) as exc:
         print(f"tandem serve: cannot start: {exc}", file=sys.stderr)  # before serving anything
         return 2
-
-
-_SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
-                "served_model_name", "max_waiting_requests", "log_level")  # fmt: skip
-_ENGINE_FLAGS = ("task", "distributed_executor_backend", "ray_address", "placement_strategy",
-                 "dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
-                 "kv_cache_memory", "batching", "max_model_len", "seed",
-                 "max_num_batched_tokens", "enable_prefix_caching")  # fmt: skip
 
 
 def _bench(args) -> int:
@@ -208,8 +190,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", action="store_true")
     g.add_argument("--dtype", default="float32")
     g.add_argument("--device", default="cpu")
-    g.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    g.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
+                   help="tensor parallel size")  # fmt: skip
+    g.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline parallel size")  # fmt: skip
     g.add_argument("--model-module", action="append", default=[],
                    help="import this module first (registers a custom architecture)")  # fmt: skip
     g.set_defaults(func=_generate)
@@ -222,48 +206,16 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--embed", action="store_true", help="embeddings instead of logits")
     c.add_argument("--dtype", default="float32")
     c.add_argument("--device", default="cpu")
-    c.add_argument("--tp", type=int, default=1, help="tensor parallel size")
-    c.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
+                   help="tensor parallel size")  # fmt: skip
+    c.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int, default=1,
+                   help="pipeline parallel size")  # fmt: skip
     c.set_defaults(func=_classify)
 
     s = sub.add_parser(
         "serve", help="OpenAI-compatible server; with --node-rank N >= 1, host node N's ranks"
     )
-    s.add_argument("--config", help="TOML file of these settings (flags override it)")
-    s.add_argument("--model", help="model directory (Hugging Face format)")
-    s.add_argument("--tp", type=int, help="tensor parallel size")
-    s.add_argument("--pp", type=int, help="pipeline parallel size")
-    s.add_argument("--host", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, help="default 8000; 0 picks a free port")
-    s.add_argument("--api-key", help="required as a Bearer token on /v1 routes")
-    s.add_argument("--admin-key", help="enables admin routes (weight sync, pause, abort, sleep)")
-    s.add_argument("--served-model-name", help="the model id clients send (default: dir name)")
-    s.add_argument("--max-waiting-requests", type=int, help="more waiting: 429 (default 256)")
-    s.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-    s.add_argument("--task", choices=["generate", "embed", "classify"],
-                   help="generate (default): /v1/completions and chat; embed: /v1/embeddings; "
-                   "classify: /v1/classify")  # fmt: skip
-    s.add_argument("--distributed-executor-backend", choices=["mp", "ray"],
-                   help="mp (default): worker processes; ray: each rank a Ray actor")  # fmt: skip
-    s.add_argument("--ray-address", help="ray: the cluster to join (default: 'auto')")
-    s.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK",
-                                                     "STRICT_SPREAD"])  # fmt: skip
-    s.add_argument("--dtype")
-    s.add_argument("--device")
-    s.add_argument("--max-num-seqs", type=int)
-    s.add_argument("--max-model-len", type=int)
-    s.add_argument("--kv-cache-memory", type=int, help="KV cache bytes per rank")
-    s.add_argument("--batching", choices=["continuous", "static"])
-    s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default 2048)")
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   help="share prompts among samples, cache prefixes (default on)")  # fmt: skip
-    s.add_argument("--seed", type=int)
-    s.add_argument("--nnodes", type=int)
-    s.add_argument("--node-rank", type=int, default=0)
-    s.add_argument("--master-addr", help="the engine's (node 0) address")
-    s.add_argument("--master-port", type=int, help="the engine's c10d port")
-    s.add_argument("--model-module", action="append", default=[],
-                   help="module that registers a custom architecture (repeatable)")  # fmt: skip
+    serve_args.add_arguments(s)
     s.set_defaults(func=_serve)
 
     d = sub.add_parser("demo", help="an RL loop on the built-in tiny model (what `make demo` runs)")
@@ -305,7 +257,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, unknown = p.parse_known_args(vllm_flags.dashed(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        vllm_flags.refuse_unknown(p, unknown)
     try:
         return args.func(args)
     except ValueError as exc:  # includes ModelLoadError: a clear message, not a stack trace
