@@ -32,7 +32,7 @@ def test_messages_round_trip_with_their_named_types():
     item = SendItem("w", region, (3, 8), 96, 96, 1, "model.w", LocalRegion(((0, 3), (0, 8))))
     settings = PushSettings("dist", "in_place", False)
     for msg in (
-        PushHello("tok", 0, 2, None, [0, "float32", [], [], None], ["v_head"], settings),
+        PushHello(0, 2, None, [0, "float32", [], [], None], ["v_head"], settings),
         PushPlan("bfloat16", 96, [item], group=["h", 1, "p", 4, "gloo"], trainers=2),
         PushReady([123, None], [96, 0], None),
     ):
@@ -44,7 +44,7 @@ def test_messages_round_trip_with_their_named_types():
 
 
 def test_a_hello_with_untyped_settings_is_malformed():
-    bad = encode(PushHello("tok", 0, 1, None, [], [], PushSettings("shm")))
+    bad = encode(PushHello(0, 1, None, [], [], PushSettings("shm")))
     bad = bad.replace(b"\xa3shm", b"\xa3xyz")  # an unknown transport on the wire
     with pytest.raises(ValueError, match="malformed hello"):
         decode(bad)

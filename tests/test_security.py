@@ -197,9 +197,10 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
         for payload in payloads:
             send_raw("127.0.0.1", port, payload)
             send_raw("127.0.0.1", port, frame(payload))
-    # A hello with the right token but a pickle for a layout: the push fails, nothing unpickled
-    hello = ["hello", ex["token"], 0, 1, None, payloads[2], [], ["shm", "staged", False]]
-    reply = send_raw(ex["host"], ex["port"], frame(msgpack.packb(hello)))
+    # The right token, then a hello with a pickle for a layout: the push fails, nothing unpickled
+    hello = ["hello", 0, 1, None, payloads[2], [], ["shm", "staged", False]]
+    token = frame(ex["token"].encode())
+    reply = send_raw(ex["host"], ex["port"], token + frame(msgpack.packb(hello)))
     done = decode(reply[4:])
     assert isinstance(done, PushDone) and done.error, done
     assert not marker.exists()
@@ -207,20 +208,23 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
     legitimate_push_still_works(server, version=1)
 
 
-MALFORMED = [  # each used to kill the exchange server's thread: later pushes hung
+JUNK = [  # each used to kill the exchange server's thread: later pushes hung
     msgpack.packb(1), msgpack.packb([]), msgpack.packb(["hello"]), msgpack.packb([[1], 2]),
-    msgpack.packb(["hello", 5, 0, 1, None, [], [], ["shm", "staged", False]]),  # int token
-    msgpack.packb(["hello", "ключ", 0, 1, None, [], [], ["shm", "staged", False]]),
-    msgpack.packb({"hello": 1}), b"\xc1", b"",
+    msgpack.packb(5), "ключ".encode(), msgpack.packb({"hello": 1}), b"\xc1", b"",
 ]  # fmt: skip
+# ... and a well-formed hello sent without the token first
+MALFORMED = [*JUNK, msgpack.packb(["hello", 0, 1, None, [], [], ["shm", "staged", False]])]
 
 
 def test_malformed_frames_do_not_stop_the_exchange_server(server):
     ex = server.admin("GET", "/admin/weights").json()["exchange"]
+    token = frame(ex["token"].encode())
     for data in MALFORMED:
         assert send_raw(ex["host"], ex["port"], frame(data)) == b""  # dropped, no reply
-    bad_rank = ["hello", ex["token"], [0], 1, None, [], [], ["shm", "staged", False]]
-    assert send_raw(ex["host"], ex["port"], frame(msgpack.packb(bad_rank))) == b""
+    for data in JUNK:
+        assert send_raw(ex["host"], ex["port"], token + frame(data)) == b""  # token, then junk
+    bad_rank = ["hello", [0], 1, None, [], [], ["shm", "staged", False]]
+    assert send_raw(ex["host"], ex["port"], token + frame(msgpack.packb(bad_rank))) == b""
     version = server.admin("GET", "/admin/weights").json()["version"]
     legitimate_push_still_works(server, version=version + 1)
 
@@ -244,7 +248,10 @@ def test_control_server_drops_strangers_and_accepts_its_worker():
     def strangers_then_worker():
         for data in [*MALFORMED, pickle.dumps(_CreatesFile("/nonexistent/x"))]:
             send_raw(host, port, frame(data))
-        worker.append(connect(host, port, Hello(0, "control-token", os.getpid())))
+        for data in [*MALFORMED, msgpack.packb(["hello", 7, 1])]:  # token, then junk / rank 7
+            send_raw(host, port, frame(b"control-token") + frame(data))
+        send_raw(host, port, frame(b"wrong-token") + frame(msgpack.packb(["hello", 0, 1])))
+        worker.append(connect(host, port, "control-token", Hello(0, os.getpid())))
 
     thread = threading.Thread(target=strangers_then_worker, daemon=True)
     thread.start()
@@ -311,7 +318,135 @@ def test_everything_binds_loopback_by_default(server):
             socket.create_connection((addr, port), timeout=5).close()
 
 
-# -- (e) admin routes ---------------------------------------------------------------------------
+# -- (e) unauthenticated peers cannot make a listener allocate --------------------------------
+
+FLOOD_BYTES = 150 << 20
+CUT_OFF = 32 << 20  # what loopback's socket buffers can take after the listener stopped reading
+
+
+def flood(host: str, port: int, prefix: bytes = b"") -> int:
+    """Connect, send ``prefix`` and a header announcing a 1 GiB frame, then stream zeros; the
+    bytes sent before the listener cut us off (all of FLOOD_BYTES if it kept reading)."""
+    sent, chunk = 0, bytes(1 << 20)
+    with socket.create_connection((host, port), timeout=30) as sock:
+        try:
+            sock.sendall(prefix + struct.pack("!I", 1 << 30))
+            while sent < FLOOD_BYTES:
+                sent += sock.send(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return sent
+
+
+def rss(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def floods(host: str, port: int, count: int = 3, prefix: bytes = b"") -> list[int]:
+    out = [0] * count
+
+    def one(i):
+        out[i] = flood(host, port, prefix)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
+def test_frames_grow_with_what_arrives_not_with_what_the_header_announces():
+    import tracemalloc
+
+    from tandem.wire import PeerGone, recv_frame
+
+    ours, theirs = socket.socketpair()
+
+    def send():
+        with theirs:
+            theirs.sendall(struct.pack("!I", 1 << 30) + bytes(1 << 20))
+
+    with ours:
+        tracemalloc.start()
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            with pytest.raises(PeerGone):
+                recv_frame(ours)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            sender.join(30)
+    assert peak < 16 << 20, f"{peak >> 20} MiB allocated for 1 MiB received"
+
+
+def test_a_listener_reads_only_a_small_token_frame_before_authentication():
+    from tandem.wire import TOKEN_FRAME_MAX, accept_peer, send_token
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    host, port = listener.getsockname()[:2]
+    with listener:
+        result: dict = {}
+        thread = threading.Thread(target=lambda: result.update(sent=flood(host, port)))
+        thread.start()
+        assert accept_peer(listener, "tok", timeout=10) is None
+        thread.join(60)
+        assert result["sent"] < CUT_OFF, f"the listener read {result['sent'] >> 20} MiB"
+        too_long = frame(b"x" * (TOKEN_FRAME_MAX + 1))
+        for first in (too_long, frame(b"tok" + b"\0"), frame(b"to")):
+            client = socket.create_connection((host, port))
+            client.sendall(first)
+            assert accept_peer(listener, "tok", timeout=10) is None
+            client.close()
+        client = socket.create_connection((host, port))
+        send_token(client, "tok")
+        sock = accept_peer(listener, "tok", timeout=10)
+        assert sock is not None and sock.gettimeout() is None
+        sock.close()
+        client.close()
+
+
+def test_unauthenticated_floods_do_not_grow_the_engine(server):
+    """Three strangers announce 1 GiB frames on the exchange port and stream 150 MiB each,
+    all at once: each is cut off after its header, the engine process does not grow, and the
+    server still serves."""
+    ex = server.admin("GET", "/admin/weights").json()["exchange"]
+    before = rss(server.proc.pid)
+    sent = floods(ex["host"], ex["port"])
+    grown = rss(server.proc.pid) - before
+    assert all(s < CUT_OFF for s in sent), [s >> 20 for s in sent]
+    assert grown < 64 << 20, f"the engine grew by {grown >> 20} MiB"
+    body = {"model": server.model, "prompt": "hi", "max_tokens": 2}
+    assert server.post("/v1/completions", json=body).status_code == 200
+
+
+def test_control_server_cuts_off_floods_and_accepts_its_worker():
+    server = ControlServer("127.0.0.1", "control-token", world_size=1)
+    host, port = server.address
+    result: dict = {}
+
+    def floods_then_worker():
+        result["sent"] = floods(host, port)
+        result["worker"] = connect(host, port, "control-token", Hello(0, os.getpid()))
+
+    thread = threading.Thread(target=floods_then_worker, daemon=True)
+    thread.start()
+    try:
+        server.accept_all(time.monotonic() + 60, check_alive=lambda: None)
+        assert list(server.peers) == [0]
+    finally:
+        thread.join(60)
+        result["worker"].close()
+        server.close()
+    assert all(s < CUT_OFF for s in result["sent"]), [s >> 20 for s in result["sent"]]
+
+
+# -- (f) admin routes ---------------------------------------------------------------------------
 
 
 def test_admin_routes_need_the_admin_key(server):

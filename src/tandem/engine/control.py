@@ -9,7 +9,15 @@ import socket
 import time
 
 from tandem.engine.messages import Failure, Hello, Message, decode, encode
-from tandem.wire import PeerGone, frame, recv_frame, same_token, send_frame
+from tandem.wire import (
+    MAX_HELLO,
+    PeerGone,
+    accept_peer,
+    frame,
+    recv_frame,
+    send_frame,
+    send_token,
+)
 
 __all__ = ["ControlServer", "PeerGone", "connect", "recv", "send"]
 
@@ -18,14 +26,20 @@ def send(sock: socket.socket, msg: Message) -> None:
     send_frame(sock, encode(msg))
 
 
-def recv(sock: socket.socket) -> Message:
-    return decode(recv_frame(sock))
+HELLO_TIMEOUT_S = 10.0  # a connection that has not proved the token by then is dropped
 
 
-def connect(host: str, port: int, hello: Hello, timeout: float = 60.0) -> socket.socket:
+def recv(sock: socket.socket, max_size: int | None = None) -> Message:
+    return decode(recv_frame(sock) if max_size is None else recv_frame(sock, max_size))
+
+
+def connect(host: str, port: int, token: str, hello: Hello, timeout: float = 60.0
+            ) -> socket.socket:  # fmt: skip
+    """A worker's control connection: the engine's token first, then its hello."""
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    send_token(sock, token)
     send(sock, hello)
     return sock
 
@@ -50,18 +64,17 @@ class ControlServer:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(self.peers))
                 raise TimeoutError(f"worker ranks {missing} did not connect in time")
+            if (sock := accept_peer(self.listener, self.token, HELLO_TIMEOUT_S)) is None:
+                continue  # nobody, or not one of ours
+            sock.settimeout(HELLO_TIMEOUT_S)
             try:
-                sock, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            sock.settimeout(10.0)
-            try:
-                hello = recv(sock)
-            except (OSError, ValueError, TypeError, KeyError, PeerGone):  # not a worker's frame
+                hello = recv(sock, MAX_HELLO)
+            except (OSError, ValueError, TypeError, KeyError):  # not a worker's frame
                 sock.close()
                 continue
-            if not (isinstance(hello, Hello) and same_token(hello.token, self.token)):
-                sock.close()  # not one of ours
+            if not (isinstance(hello, Hello) and hello.rank in range(self.world_size)
+                    and hello.rank not in self.peers):  # fmt: skip
+                sock.close()
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -56,10 +56,9 @@ class Shutdown:
 
 @dataclass(slots=True)
 class Hello:
-    """A worker's first frame on the control connection."""
+    """A worker's first frame on the control connection after the engine's token."""
 
     rank: int
-    token: str  # the engine's secret: connections that do not know it are dropped
     pid: int
 
 

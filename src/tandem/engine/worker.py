@@ -93,8 +93,8 @@ class PipeChannel:
 def main() -> int:
     args = WorkerArgs.from_env()
     config = EngineConfig(**args.config)
-    hello = Hello(args.rank, args.token, os.getpid())
-    sock = control.connect(args.control_host, args.control_port, hello)
+    hello = Hello(args.rank, os.getpid())
+    sock = control.connect(args.control_host, args.control_port, args.token, hello)
     try:
         run(args, config, sock)
     except control.PeerGone:

@@ -20,7 +20,8 @@ from tandem.exchange.settings import PushSettings
 
 @dataclass(slots=True)
 class PushHello:
-    token: str
+    """A trainer rank's first message, after the exchange's token (`tandem.wire.send_token`)."""
+
     rank: int  # this trainer rank
     world: int  # trainer ranks taking part in the push
     version: int | None  # None: the engine's current version + 1

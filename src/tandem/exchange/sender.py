@@ -28,7 +28,7 @@ from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import TRANSPORTS, p2p
 from tandem.exchange.transports.base import Delivery
-from tandem.wire import PeerGone, recv_frame, send_frame
+from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
 LAYOUTS = ("auto", "megatron", "hf")
 
@@ -133,11 +133,12 @@ class WeightSender:
         """Send this rank's boxes and wait until the engine committed (or rejected) them."""
         start = time.perf_counter()
         layout, tensors = self._local()
-        hello = PushHello(self._token, self.rank, self.world_size, version, layout.to_wire(),
-                          self.ignore, self.settings)  # fmt: skip
+        hello = PushHello(self.rank, self.world_size, version, layout.to_wire(), self.ignore,
+                          self.settings)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
         with socket.create_connection(self._endpoint, timeout=self.timeout_s) as sock:
             try:
+                send_token(sock, self._token)
                 send_frame(sock, encode(hello))
                 reply = decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):

@@ -32,7 +32,7 @@ from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.p2p import DEFAULT_BUCKET_BYTES, GroupInfo
-from tandem.wire import PeerGone, recv_frame, same_token, send_frame
+from tandem.wire import PeerGone, check_token, recv_frame, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
 MAX_HANDSHAKES = 64  # connections saying hello at once; more are dropped
@@ -102,14 +102,19 @@ class ExchangeServer:
                 self._run([session[r] for r in sorted(session)])
 
     def _handshake(self, sock: socket.socket) -> PushHello | None:
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
+        """The trainer rank's hello, once it proved the token (alone, in a small first frame:
+        a stranger can make this read no more than that); None, and the connection closed,
+        for anyone else."""
+        if not check_token(sock, self.token, HANDSHAKE_TIMEOUT_S):
+            sock.close()  # not a trainer of ours
+            return None
         try:
             hello = decode(recv_frame(sock))
-        except (OSError, ValueError, PeerGone):
+        except (OSError, ValueError):
             sock.close()
             return None
-        if not (isinstance(hello, PushHello) and same_token(hello.token, self.token)):
-            sock.close()  # not a trainer of ours
+        if not isinstance(hello, PushHello):
+            sock.close()
             return None
         if not (isinstance(hello.rank, int) and isinstance(hello.world, int)
                 and 0 <= hello.rank < hello.world):  # fmt: skip

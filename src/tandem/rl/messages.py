@@ -9,8 +9,9 @@ import msgpack
 
 @dataclass(slots=True)
 class TrainerHello:
+    """A trainer rank's first message, after the controller's token."""
+
     rank: int
-    token: str  # the controller's secret
     pid: int
 
 

@@ -33,7 +33,7 @@ from tandem.rl.messages import (
     decode,
     encode,
 )
-from tandem.wire import recv_frame, send_frame
+from tandem.wire import recv_frame, send_frame, send_token
 
 ENV = "TANDEM_TRAINER"
 
@@ -181,7 +181,8 @@ def main() -> int:
     sender = WeightSender(model, args.exchange_address, transport=args.transport)
     sock = socket.create_connection(tuple(args.controller), timeout=60)
     sock.settimeout(None)
-    send_frame(sock, encode(TrainerHello(args.rank, args.token, os.getpid())))
+    send_token(sock, args.token)
+    send_frame(sock, encode(TrainerHello(args.rank, os.getpid())))
     while True:
         msg = decode(recv_frame(sock))
         if isinstance(msg, Stop):

@@ -4,7 +4,6 @@ process exits): the demo stops with an error instead of hanging."""
 
 from __future__ import annotations
 
-import hmac
 import os
 import secrets
 import select
@@ -26,7 +25,9 @@ from tandem.rl.messages import (
     encode,
 )
 from tandem.rl.trainer import ENV, TrainerArgs
-from tandem.wire import PeerGone, free_port, recv_frame, send_frame
+from tandem.wire import MAX_HELLO, PeerGone, accept_peer, free_port, recv_frame, send_frame
+
+HELLO_TIMEOUT_S = 30.0  # a trainer that has not proved the token by then is dropped
 
 
 class TrainerError(RuntimeError):
@@ -63,15 +64,15 @@ class TrainerGroup:
             self._check_alive()
             if time.monotonic() > deadline:
                 raise TrainerError("trainer ranks did not connect in time")
+            if (sock := accept_peer(self._listener, self._token, HELLO_TIMEOUT_S)) is None:
+                continue  # nobody, or not one of ours
+            sock.settimeout(HELLO_TIMEOUT_S)
             try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
+                hello = decode(recv_frame(sock, MAX_HELLO))
+            except (OSError, ValueError, TypeError, KeyError):
+                sock.close()
                 continue
-            sock.settimeout(30)
-            hello = decode(recv_frame(sock))
-            if not isinstance(hello, TrainerHello) or not hmac.compare_digest(
-                hello.token, self._token
-            ):
+            if not (isinstance(hello, TrainerHello) and hello.rank in range(world_size)):
                 sock.close()
                 continue
             sock.settimeout(120)
