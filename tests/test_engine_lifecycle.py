@@ -1,9 +1,13 @@
-"""Engine controls the server builds on: abort frees KV blocks, sleep / wake keep outputs."""
+"""Engine controls the server builds on: abort frees KV blocks, sleep / wake keep outputs,
+sleep level 2 gives the weights' memory back until a push or a reload."""
 
 import pytest
+import torch
+import transformers
 
 from tandem import LLM, SamplingParams
-from tandem.engine.state import EngineAsleepError
+from tandem.engine.state import EngineAsleepError, EngineState, WeightsReleasedError
+from tandem.exchange import WeightSender
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
 PROMPTS = ["The quick dog", "12 + 7 ="]
@@ -61,3 +65,85 @@ def test_sleep_mid_generation_preempts_and_resumes(llama_dir):
         while engine.has_unfinished():
             engine.step()
         assert seqs[0].output_token_ids == expected
+
+
+def test_a_sleep_forgets_the_cached_prefixes_its_kv_memory_held(llama_dir):
+    """The KV cache comes back zeroed after `wake`: a prefix cached before the sleep must be
+    computed again, not read from the new memory."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    prompt = list(range(5, 45))  # 10 full blocks of 4
+    with LLM(llama_dir, block_size=4) as llm:
+        before = llm.generate([prompt], greedy)[0].outputs[0]
+        llm.sleep()
+        llm.wake()
+        hits = llm.engine.stats().prefix_cache_hit_tokens
+        after = llm.generate([prompt], greedy)[0].outputs[0]
+        assert llm.engine.stats().prefix_cache_hit_tokens == hits
+    assert after.token_ids == before.token_ids
+    assert max(abs(a - b) for a, b in zip(after.logprobs, before.logprobs, strict=True)) < 1e-6
+
+
+def _shared_rss(pids: list[int]) -> int:
+    """Resident shared memory of these processes, in bytes (the ranks' parameter arenas)."""
+    total = 0
+    for pid in pids:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("RssShmem:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+BIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+           num_key_value_heads=2)  # fmt: skip  # ~30 MB of float32 weights: measurable
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sleep_level_2_releases_the_weights_until_a_reload(model_factory, tp):
+    model_dir = model_factory("llama", **BIG)
+    with LLM(model_dir, tensor_parallel_size=tp, kv_cache_memory=8 << 20) as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        pids = [w["pid"] for w in llm.worker_locations()]
+        weights = sum(p.numel() * 4 for p in transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32).parameters())  # fmt: skip
+        resident = _shared_rss(pids)
+        assert resident > 0.9 * weights  # the ranks' arenas hold the weights
+        llm.sleep(level=2)
+        assert resident - _shared_rss(pids) > 0.9 * weights, "the weights' pages were freed"
+        with pytest.raises(EngineAsleepError):
+            llm.generate(PROMPTS, PARAMS)
+        llm.wake()
+        assert llm.engine.state is EngineState.NO_WEIGHTS
+        with pytest.raises(WeightsReleasedError, match="reload_weights"):
+            llm.generate(PROMPTS, PARAMS)
+        assert not llm.engine.has_unfinished(), "a refused call queues nothing"
+        llm.reload_weights()
+        assert llm.engine.state is EngineState.RUNNING and llm.weight_version == 0
+        after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+    assert after == before
+
+
+@pytest.mark.timeout(240)
+def test_a_push_after_sleep_level_2_serves_the_trainers_weights(model_factory):
+    """The colocated RL step vLLM's level 2 is for: sleep, train, push, wake."""
+    engine_dir, trainer_dir = model_factory("llama", **BIG), model_factory("llama", seed=1, **BIG)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    ids = [5, 17, 99, 3, 250, 42, 7]
+    with torch.no_grad():
+        expected = trainer.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                    eos_token_id=None)[0, len(ids):].tolist()  # fmt: skip
+    with LLM(engine_dir, kv_cache_memory=8 << 20) as llm:
+        llm.sleep(level=2)
+        WeightSender(trainer.eval(), llm).push(version=1)
+        llm.wake()
+        assert llm.engine.state is EngineState.RUNNING and llm.weight_version == 1
+        out = llm.generate([ids], greedy)[0]
+    assert out.outputs[0].token_ids == expected and out.weight_version == 1
+
+
+def test_sleep_level_is_checked(llama_dir):
+    with LLM(llama_dir, kv_cache_memory=8 << 20) as llm:
+        with pytest.raises(ValueError, match="level must be 1"):
+            llm.sleep(level=3)
+        assert llm.engine.state is EngineState.RUNNING

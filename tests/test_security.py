@@ -459,7 +459,7 @@ def test_admin_routes_need_the_admin_key(server):
     ]
     routes = [("GET", "/admin/weights"), ("GET", "/is_paused"), ("GET", "/is_sleeping")] + [
         ("POST", p) for p in ("/sleep", "/wake_up", "/pause", "/resume", "/abort_requests",
-                              "/reset_prefix_cache")]  # fmt: skip
+                              "/reset_prefix_cache", "/reload_weights")]  # fmt: skip
     for method, path in routes:
         for headers in wrong:
             r = server.client.request(method, path, headers=headers)

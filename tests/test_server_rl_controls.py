@@ -171,16 +171,28 @@ def test_control_parameters_are_checked(server):
 
 
 def test_sleep_levels_and_wake_up_tags(server):
-    r = server.admin("POST", "/sleep", params={"level": 2}).json()
-    assert r["is_sleeping"] and r["level"] == 2 and r["weights_released"] is False
+    expected = server.post("/v1/completions", json=_body(max_tokens=6)).json()
+    r = server.admin("POST", "/sleep", params={"level": 1}).json()
+    assert r["is_sleeping"] and r["level"] == 1 and r["weights_released"] is False
     assert server.metric("tandem_engine_sleeping") == 1
-    assert server.admin("GET", "/is_sleeping").json() == {"is_sleeping": True}
-    # the weights never left: waking them alone changes nothing
+    assert server.admin("POST", "/wake_up").json()["is_sleeping"] is False
+    r = server.admin("POST", "/sleep", params={"level": 2}).json()
+    assert r["is_sleeping"] and r["level"] == 2 and r["weights_released"] is True
+    assert server.admin("GET", "/is_sleeping").json() == {
+        "is_sleeping": True, "weights_released": True, "kv_cache_released": True}  # fmt: skip
     assert server.admin("POST", "/wake_up?tags=weights").json()["is_sleeping"] is True
-    woke = server.admin("POST", "/wake_up", params=[("tags", "weights"), ("tags", "kv_cache")])
-    assert woke.json()["is_sleeping"] is False and woke.json()["kv_blocks"] > 0
-    r = server.post("/v1/completions", json=_body(max_tokens=2))
-    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 2
+    woke = server.admin("POST", "/wake_up", params=[("tags", "kv_cache")]).json()
+    assert woke["is_sleeping"] is False and woke["kv_blocks"] > 0
+    assert woke["weights_released"] is True  # memory back, values not: refused until reload
+    refused = server.post("/v1/completions", json=_body(max_tokens=2))
+    assert refused.status_code == 503, refused.text
+    assert "reload_weights" in refused.json()["error"]["message"]
+    assert server.get("/health").status_code == 503
+    reloaded = server.admin("POST", "/reload_weights").json()
+    assert reloaded["weight_version"] == 0 and reloaded["weights_released"] is False
+    again = server.post("/v1/completions", json=_body(max_tokens=6)).json()
+    assert again["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+    assert server.get("/health").status_code == 200
 
 
 def _reference_scores(model_dir: str, ids: list[int]) -> list[float]:

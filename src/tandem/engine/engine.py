@@ -15,7 +15,16 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager, blocks_for
-from tandem.engine.messages import EncodeMessage, SeqParams, SeqStep, StepMessage, StepResult
+from tandem.engine.messages import (
+    EncodeMessage,
+    ReleaseWeights,
+    ReloadWeights,
+    RestoreWeights,
+    SeqParams,
+    SeqStep,
+    StepMessage,
+    StepResult,
+)
 from tandem.engine.model_runner import POOLINGS
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.sampling_params import SamplingParams
@@ -25,6 +34,7 @@ from tandem.engine.state import EngineLifecycle, EngineState
 from tandem.engine.stats import EngineStats
 from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weight_update import WeightUpdate
+from tandem.errors import ModelLoadError
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import read_model_spec
@@ -138,6 +148,8 @@ class LLMEngine:
         with self._control():
             self._drain_in_flight()
             self.lifecycle.check_alive()
+            if self.lifecycle.weights_released:  # sleep(level=2): memory for the push first
+                self._weight_memory(RestoreWeights())
             self._updating = True
             update = WeightUpdate(self, spec, self.weight_version)
         try:
@@ -397,26 +409,58 @@ class LLMEngine:
     def state(self) -> EngineState:
         return self.lifecycle.state
 
-    def sleep(self) -> None:
-        """Release the KV cache (every rank) so a colocated trainer can use the memory.
-        Running sequences are preempted (recomputed after `wake`); nothing is lost."""
+    def sleep(self, level: int = 1) -> None:
+        """Release memory on every rank so a colocated trainer can use it: level 1 the KV
+        cache (running sequences are preempted and recomputed after `wake`; nothing is lost,
+        the cached prefixes go with the memory), level 2 the weights too (vLLM's level 2:
+        after `wake`, requests are refused until a push lands or `reload_weights`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (and weights), got {level}")
         with self._control():
-            if self.lifecycle.kv_released:
-                return
             self.lifecycle.check_alive()
-            self._drain_in_flight()
-            self.scheduler.preempt_all()
-            self._guarded(lambda: self.executor.set_kv_cache(False))
-            self.lifecycle.slept()
-
-    def wake(self) -> None:
-        """Re-allocate the KV cache released by `sleep`."""
-        with self._control():
+            if level == 2 and self._updating:
+                raise RuntimeError("a weight push is in progress: sleep(level=2) after it")
             if not self.lifecycle.kv_released:
-                return
+                self._drain_in_flight()
+                self.scheduler.preempt_all()
+                self.blocks.reset_prefix_cache()  # their keys/values leave with the memory
+                self._guarded(lambda: self.executor.set_kv_cache(False))
+            if level == 2 and not self.lifecycle.weights_released:
+                self._weight_memory(ReleaseWeights())
+            self.lifecycle.slept(weights=level == 2)
+
+    def wake(self, kv_cache: bool = True, weights: bool = True) -> None:
+        """Re-allocate what `sleep` released (vLLM's ``wake_up`` tags): the KV cache, and the
+        weights' memory (zeroed: they serve nothing until a push or `reload_weights`)."""
+        with self._control():
             self.lifecycle.check_alive()
-            self._guarded(lambda: self.executor.set_kv_cache(True))
-            self.lifecycle.woke()
+            if weights and self.lifecycle.weights_released:
+                self._weight_memory(RestoreWeights())
+            if kv_cache and self.lifecycle.kv_released:
+                self._guarded(lambda: self.executor.set_kv_cache(True))
+                self.lifecycle.woke()
+
+    def reload_weights(self) -> None:
+        """Read every rank's weights from the checkpoint again (after ``sleep(level=2)``, or
+        to undo pushes): the engine serves version 0, the checkpoint's. Sequences running go
+        on under the reloaded weights, recording the version change."""
+        with self._control():
+            self.lifecycle.check_alive()
+            if self._updating:
+                raise RuntimeError("a weight push is in progress: reload_weights after it")
+            self._drain_in_flight()
+            errors = self._weight_memory(ReloadWeights())
+            self.blocks.reset_prefix_cache()
+            if errors:
+                self.lifecycle.torn(f"reloading the checkpoint failed: {'; '.join(errors)}")
+                raise ModelLoadError(f"reloading the weights failed: {'; '.join(errors)}",
+                                     file=str(self.spec.path))  # fmt: skip
+            self.weight_version = 0
+            self.lifecycle.push_landed()
+            self._resumed.notify_all()
+
+    def _weight_memory(self, msg) -> list[str]:
+        return self._guarded(lambda: self.executor.weight_memory(msg))
 
     def step(self, for_seqs: list[Sequence] | None = None) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline

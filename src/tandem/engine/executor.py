@@ -8,7 +8,13 @@ from collections import deque
 from typing import Protocol
 
 from tandem.config import EngineConfig
-from tandem.engine.messages import EncodeMessage, EncodeResult, StepMessage, StepResult
+from tandem.engine.messages import (
+    EncodeMessage,
+    EncodeResult,
+    StepMessage,
+    StepResult,
+    WeightMemoryMessage,
+)
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
 from tandem.exchange.items import Record
@@ -33,6 +39,10 @@ class Executor(Protocol):
         """Run one phase of a weight push on every rank: (the ranks' errors, bytes moved)."""
 
     def submit(self, msg: StepMessage) -> None: ...
+
+    def weight_memory(self, msg: WeightMemoryMessage) -> list[str]:
+        """Release, restore or reload every rank's parameters (sleep level 2, before a push,
+        `reload_weights`): the errors the ranks reported."""
 
     def set_kv_cache(self, allocate: bool) -> None:
         """Release (False) or re-allocate (True) every rank's KV cache."""
@@ -88,6 +98,11 @@ class InProcessExecutor:
 
     def check_alive(self) -> None:
         pass
+
+    def weight_memory(self, msg: WeightMemoryMessage) -> list[str]:
+        """Release, restore or reload the parameters' memory: the errors reported."""
+        error = self.runner.weights.handle(msg)
+        return [] if error is None else [error]
 
     def set_kv_cache(self, allocate: bool) -> None:
         if allocate:

@@ -102,6 +102,7 @@ class LLM:
             ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             seqs = self.engine.make_sequences(request_id, ids, params, prio)
             requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
+        self.engine.lifecycle.check_runnable()  # asleep, weights released, torn: queue nothing
         for *_, seqs in requests:
             self.engine.add(seqs)
         mine = [s for *_, seqs in requests for s in seqs]
@@ -176,14 +177,20 @@ class LLM:
         """Forget every cached prompt prefix (a weight push does this itself)."""
         self.engine.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        """Release the KV cache on every rank (a colocated trainer may use the memory); the
-        weights stay. `generate` raises `EngineAsleepError` until `wake`."""
-        self.engine.sleep()
+    def sleep(self, level: int = 1) -> None:
+        """Release memory on every rank (a colocated trainer may use it): level 1 the KV
+        cache, level 2 the weights too. `generate` raises `EngineAsleepError` until `wake`;
+        after level 2 it raises `WeightsReleasedError` until a push lands or
+        `reload_weights`."""
+        self.engine.sleep(level)
 
     def wake(self) -> None:
-        """Re-allocate the KV cache released by `sleep`."""
+        """Re-allocate what `sleep` released."""
         self.engine.wake()
+
+    def reload_weights(self) -> None:
+        """Read the weights from the model directory again (version 0)."""
+        self.engine.reload_weights()
 
     def worker_locations(self) -> list[dict]:
         """Where each engine rank runs: ``[{rank, node_id, pid}]`` (node_id: the Ray node id

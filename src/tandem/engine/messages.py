@@ -165,6 +165,29 @@ class KVCacheDone:
     allocate: bool
 
 
+@dataclass(slots=True)
+class ReleaseWeights:
+    """Free the parameters' memory (the engine sleeps at level 2)."""
+
+
+@dataclass(slots=True)
+class RestoreWeights:
+    """Give the parameters memory again (zeroed) before a push writes them."""
+
+
+@dataclass(slots=True)
+class ReloadWeights:
+    """Read every parameter from the checkpoint again."""
+
+
+@dataclass(slots=True)
+class WeightsDone:
+    rank: int
+    error: str | None  # None: done
+
+
+WeightMemoryMessage = ReleaseWeights | RestoreWeights | ReloadWeights
+
 Message = (
     StepMessage
     | EncodeMessage
@@ -179,12 +202,16 @@ Message = (
     | ApplyResult
     | KVCache
     | KVCacheDone
+    | WeightMemoryMessage
+    | WeightsDone
 )
 _SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
            "failure": Failure, "apply": ApplyWeights,
            "applied": ApplyResult, "kv_cache": KVCache,
            "kv_cache_done": KVCacheDone, "encode": EncodeMessage,
-           "encoded": EncodeResult}  # fmt: skip
+           "encoded": EncodeResult, "release_weights": ReleaseWeights,
+           "restore_weights": RestoreWeights, "reload_weights": ReloadWeights,
+           "weights_done": WeightsDone}  # fmt: skip
 _KIND = {cls: kind for kind, cls in _SIMPLE.items()}
 
 

@@ -21,6 +21,7 @@ from tandem.engine.messages import (
     StepMessage,
     StepResult,
 )
+from tandem.engine.weight_memory import WeightMemory
 from tandem.exchange.transports.memory import ParamArena
 from tandem.layers.attention import (
     Attention,
@@ -174,6 +175,7 @@ class ModelRunner:
         load_weights(self.model, spec)
         # on CPU the parameters live in shared memory: a trainer on this host writes into them
         self.arena = ParamArena(self.model) if device.type == "cpu" else None
+        self.weights = WeightMemory(self.model, spec, self.arena)
         self.layers = list(self.stage.layers(self.model))
         # mixture-of-experts layers (routing replay): this stage's, and how many come before it
         self.moe = [m for m in self.model.modules() if isinstance(m, SparseMoE)]

@@ -37,6 +37,8 @@ from tandem.engine.messages import (
     Start,
     StepMessage,
     StepResult,
+    WeightMemoryMessage,
+    WeightsDone,
 )
 from tandem.engine.worker import ENV, WorkerArgs
 from tandem.exchange.items import Record
@@ -121,6 +123,15 @@ class MultiprocExecutor:
             raise EngineDeadError(self._root_cause(str(exc))) from None
         for _ in self.layouts:
             self._receive(KVCacheDone, deadline=None)
+
+    def weight_memory(self, msg: WeightMemoryMessage) -> list[str]:
+        """Release, restore or reload every rank's parameters: the errors they reported."""
+        try:
+            self._server.broadcast(msg)
+        except PeerGone as exc:
+            raise EngineDeadError(self._root_cause(str(exc))) from None
+        done = [self._receive(WeightsDone, deadline=None) for _ in self.layouts]
+        return [f"rank {d.rank}: {d.error}" for d in done if d.error is not None]
 
     def collect(self) -> StepResult:
         return self._receive(StepResult, deadline=None)

@@ -12,9 +12,20 @@ class EngineAsleepError(RuntimeError):
     """The engine released its KV cache (`sleep`); `wake` it before generating."""
 
 
+class WeightsReleasedError(RuntimeError):
+    """``sleep(level=2)`` released the weights: push new ones or `reload_weights` first."""
+
+
+NO_WEIGHTS_REASON = (
+    "the weights were released by sleep(level=2); push new weights (WeightSender) or reload "
+    "them from the checkpoint (reload_weights) first"
+)
+
+
 class EngineState(Enum):
     RUNNING = "running"  # serves requests
-    SLEEPING = "sleeping"  # KV cache released (`sleep`) until `wake`; weights stay
+    SLEEPING = "sleeping"  # KV cache released (`sleep`) until `wake`; requests wait
+    NO_WEIGHTS = "no_weights"  # awake after sleep(level=2): refused until a push or a reload
     TORN = "torn"  # an in-place push broke mid-write: requests are refused until a push lands
     DEAD = "dead"  # a worker is gone; terminal
 
@@ -22,15 +33,17 @@ class EngineState(Enum):
 class EngineLifecycle:
     """The current `EngineState`, why the engine is in it, and the allowed transitions.
 
-    Whether the KV cache is allocated is a fact apart from the state: an engine put to sleep
-    and then torn by a push is TORN with its cache released, and returns to SLEEPING (not
-    RUNNING) when a complete push lands.
+    Whether the KV cache and the weights hold memory are facts apart from the state: an engine
+    put to sleep and then torn by a push is TORN with its cache released, and returns to
+    SLEEPING (not RUNNING) when a complete push lands; an engine whose weights were released
+    (level 2) is SLEEPING until woken, then NO_WEIGHTS until a complete push or a reload.
     """
 
     def __init__(self):
         self.state = EngineState.RUNNING
         self.reason: str | None = None  # for TORN and DEAD
         self.kv_released = False
+        self.weights_released = False
 
     def check_runnable(self) -> None:
         """Raise the error that says why no step can run now (nothing when RUNNING)."""
@@ -43,13 +56,18 @@ class EngineLifecycle:
             )
         if self.state is EngineState.SLEEPING:
             raise EngineAsleepError("the engine is asleep (KV cache released); call wake() first")
+        if self.state is EngineState.NO_WEIGHTS:
+            raise WeightsReleasedError(NO_WEIGHTS_REASON)
 
     def unavailable(self) -> str | None:
-        """Why no request can be served (DEAD or TORN), or None: sleeping requests wait."""
+        """Why no request can be served (DEAD, TORN, NO_WEIGHTS), or None: sleeping requests
+        wait."""
         if self.state is EngineState.DEAD:
             return f"the engine is dead: {self.reason}"
         if self.state is EngineState.TORN:
             return f"weights are incomplete after a failed push: {self.reason}"
+        if self.state is EngineState.NO_WEIGHTS:
+            return NO_WEIGHTS_REASON
         return None
 
     def check_alive(self) -> None:
@@ -64,18 +82,23 @@ class EngineLifecycle:
             self.state, self.reason = EngineState.TORN, reason
 
     def push_landed(self) -> None:
-        if self.state is EngineState.TORN:
+        """Every parameter was written: a complete push, or a reload from the checkpoint."""
+        self.weights_released = False
+        if self.state in (EngineState.TORN, EngineState.NO_WEIGHTS):
             self.state, self.reason = self._resting(), None
 
-    def slept(self) -> None:
+    def slept(self, weights: bool) -> None:
         self.kv_released = True
-        if self.state is EngineState.RUNNING:
+        self.weights_released = self.weights_released or weights
+        if self.state in (EngineState.RUNNING, EngineState.NO_WEIGHTS):
             self.state = EngineState.SLEEPING
 
     def woke(self) -> None:
         self.kv_released = False
         if self.state is EngineState.SLEEPING:
-            self.state = EngineState.RUNNING
+            self.state = self._resting()
 
     def _resting(self) -> EngineState:
-        return EngineState.SLEEPING if self.kv_released else EngineState.RUNNING
+        if self.kv_released:
+            return EngineState.SLEEPING
+        return EngineState.NO_WEIGHTS if self.weights_released else EngineState.RUNNING

@@ -32,6 +32,8 @@ from tandem.engine.messages import (
     Shutdown,
     Start,
     StepMessage,
+    WeightMemoryMessage,
+    WeightsDone,
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
@@ -158,6 +160,9 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
             records = [Record.from_wire(w) for w in msg.records]
             error, nbytes = receiver.handle(msg.phase, spec, records)
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
+            continue
+        if isinstance(msg, WeightMemoryMessage):
+            control.send(sock, WeightsDone(args.rank, runner.weights.handle(msg)))
             continue
         if isinstance(msg, KVCache):
             if msg.allocate:

@@ -267,13 +267,24 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
-    def sleep(self) -> None:
-        """Release the KV cache; requests queue up until `wake` (blocking: call in a thread)."""
-        self._core.sleep()
+    def sleep(self, level: int = 1) -> None:
+        """Release the KV cache (level 2: and the weights); requests queue up until `wake`
+        (blocking: call in a thread)."""
+        self._core.sleep(level)
 
-    def wake(self) -> None:
-        self._core.wake()
+    def wake(self, kv_cache: bool = True, weights: bool = True) -> None:
+        self._core.wake(kv_cache, weights)
         self._poke()
+
+    def reload_weights(self) -> None:
+        """The checkpoint's weights again (blocking: call in a thread)."""
+        self._core.reload_weights()
+        self._poke()
+
+    @property
+    def memory_released(self) -> dict[str, bool]:
+        lifecycle = self._core.lifecycle
+        return {"kv_cache": lifecycle.kv_released, "weights": lifecycle.weights_released}
 
     @property
     def paused(self) -> str | None:
@@ -371,7 +382,7 @@ class AsyncEngine:
                     self._core.abort(tracked.seqs)
             if republish:
                 self._publish()
-            if self._core.state in (EngineState.TORN, EngineState.DEAD):
+            if self._core.state in (EngineState.TORN, EngineState.DEAD, EngineState.NO_WEIGHTS):
                 self._fail_all(self.unavailable())
                 continue
             if not self._runnable():

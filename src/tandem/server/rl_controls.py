@@ -17,6 +17,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.engine.state import EngineState
+from tandem.errors import ModelLoadError
 from tandem.server.errors import APIError, from_validation
 from tandem.server.state import require_admin, state
 
@@ -116,33 +117,58 @@ async def abort_requests(request: Request):
     return {"aborted": aborted}
 
 
+def _sleep_state(engine) -> dict:
+    released = engine.memory_released
+    return {"is_sleeping": engine.state is EngineState.SLEEPING,
+            "weights_released": released["weights"],
+            "kv_cache_released": released["kv_cache"]}  # fmt: skip
+
+
 @router.post("/sleep")
 async def sleep(request: Request):
     """Free the KV cache (running requests are preempted and recomputed after wake-up;
-    nothing is lost). Level 2 would also release the weights; tandem keeps them resident
-    (``weights_released: false``), so wake-up needs no push."""
+    nothing is lost). Level 2 frees the weights too, as vLLM's: after wake-up, requests are
+    refused (503) until a push lands or ``/reload_weights``."""
     p: SleepParams = await _params(request, SleepParams)
     engine = state(request).engine
-    await asyncio.to_thread(engine.sleep)
-    return {"is_sleeping": True, "level": p.level, "weights_released": False,
-            "kv_blocks": engine.stats().kv_blocks_total}  # fmt: skip
+    try:
+        await asyncio.to_thread(engine.sleep, p.level)
+    except RuntimeError as exc:  # a push is in progress
+        raise APIError(409, str(exc), code="conflict") from None
+    return _sleep_state(engine) | {"level": p.level}
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request):
     """Re-allocate what `sleep` freed: ``tags`` picks ``kv_cache`` and/or ``weights`` (all by
-    default; the weights never left)."""
+    default). Weights released at level 2 get their memory back, not their values: push or
+    ``/reload_weights`` before serving."""
     p: WakeParams = await _params(request, WakeParams)
     engine = state(request).engine
-    if p.tags is None or "kv_cache" in p.tags:
-        await asyncio.to_thread(engine.wake)
-    return {"is_sleeping": engine.state is EngineState.SLEEPING,
-            "kv_blocks": engine.stats().kv_blocks_total}  # fmt: skip
+    tags = p.tags or ["kv_cache", "weights"]
+    await asyncio.to_thread(engine.wake, "kv_cache" in tags, "weights" in tags)
+    return _sleep_state(engine) | {"kv_blocks": engine.stats().kv_blocks_total}
 
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request):
-    return {"is_sleeping": state(request).engine.state is EngineState.SLEEPING}
+    """Whether the engine sleeps, and which memory is released (after a level-2 sleep and
+    wake-up, ``weights_released`` stays true until a push or a reload)."""
+    return _sleep_state(state(request).engine)
+
+
+@router.post("/reload_weights")
+async def reload_weights(request: Request):
+    """Read the weights from the model directory again: the engine serves version 0."""
+    await _params(request, _Params)
+    engine = state(request).engine
+    try:
+        await asyncio.to_thread(engine.reload_weights)
+    except RuntimeError as exc:  # a push is in progress
+        raise APIError(409, str(exc), code="conflict") from None
+    except ModelLoadError as exc:  # the checkpoint is gone or broken: requests are refused
+        raise APIError(500, str(exc), code="reload_failed") from None
+    return {"weight_version": engine.weight_version} | _sleep_state(engine)
 
 
 @router.post("/reset_prefix_cache")

@@ -109,6 +109,12 @@ class ParamArena:
                 p.data = view
                 self.entries.append([name, offset, list(p.shape)])
 
+    def release(self) -> None:
+        """Free the memory's pages (sleep level 2): mapping and addresses stay, the pages read
+        as zeros until written again."""
+        if self.memory.size:
+            self.memory.map.madvise(mmap.MADV_REMOVE)
+
     def to_wire(self) -> list:
         """[pid, fd, inode, size, [[key, offset, shape], ...]] for `MappedArena`."""
         return [*self.memory.to_wire(), self.entries]
