@@ -85,3 +85,54 @@ def test_prompt_logprobs_under_tensor_and_pipeline_parallel(model, tp, pp):
         outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=2))
         for out in outs:
             _check(out, ref, 2)
+
+
+def _bytes_for_blocks(path: str, num_blocks: int, block_size: int) -> int:
+    config = transformers.AutoConfig.from_pretrained(path)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_block = 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * head_dim
+    return per_block * 4 * num_blocks
+
+
+@pytest.mark.parametrize(
+    "hog_prompt,blocks,scored_before",
+    [(23, 14, 7), (22, 14, 14), (23, 15, 30)],
+    ids=["after-1-chunk", "after-2-chunks", "while-decoding"],
+)
+def test_a_scored_prompt_preempted_midway_keeps_exact_scores(model, hog_prompt, blocks,
+                                                             scored_before):  # fmt: skip
+    """A running request needs a KV block while a 30-token scored prompt is being prefilled
+    in 7-token chunks (or is decoding): the scored one, the newest, is preempted with part of
+    its prompt scored, recomputes from scratch, and its scores and tokens equal transformers'
+    and an unpreempted run's."""
+    path, ref = model
+    bs = 4
+    options = dict(block_size=bs, max_num_batched_tokens=8, max_num_seqs=4,
+                   kv_cache_memory=_bytes_for_blocks(path, blocks, bs))  # fmt: skip
+    scored_params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3, logprobs=0,
+                                   ignore_eos=True)  # fmt: skip
+    with LLM(path, **options) as llm:
+        engine = llm.engine
+        hog_ids, scored_ids = _prompts(engine.spec.vocab_size, [hog_prompt, 30])
+        hog = engine.make_sequences("hog", hog_ids, SamplingParams(max_tokens=30, temperature=0,
+                                                                   ignore_eos=True))  # fmt: skip
+        engine.add(hog)
+        while hog[0].num_output_tokens == 0:
+            engine.step()
+        scored = engine.make_sequences("scored", scored_ids, scored_params)
+        engine.add(scored)
+        preempted_at = []
+        while engine.has_unfinished():
+            engine.step()
+            if scored[0].preempted:
+                preempted_at.append(len(scored[0].prompt_logprobs))
+    assert sorted(set(preempted_at)) == [scored_before]
+    want, want_top = _reference(ref, scored_ids, 3)
+    assert scored[0].prompt_logprobs[0] is None and len(scored[0].prompt_logprobs) == 30
+    assert scored[0].prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4, rel=0)
+    for got, expected in zip(scored[0].prompt_top_logprobs[1:], want_top[1:], strict=True):
+        assert list(got) == list(expected)
+    with LLM(path) as alone:
+        unpressed = alone.generate([scored_ids], scored_params)[0].outputs[0]
+    assert scored[0].output_token_ids == unpressed.token_ids
+    assert scored[0].logprobs == pytest.approx(unpressed.logprobs, abs=1e-5, rel=0)
