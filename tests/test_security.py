@@ -240,17 +240,14 @@ def legitimate_push_still_works(server, version: int) -> None:
     assert r.status_code == 200 and r.json()["weight_version"] == version, r.text
 
 
-def test_control_server_drops_strangers_and_accepts_its_worker():
+def accepts_its_worker_after(strangers) -> None:
+    """A one-rank `ControlServer` accepts its worker after ``strangers(host, port)`` ran."""
     server = ControlServer("127.0.0.1", "control-token", world_size=1)
     host, port = server.address
     worker = []
 
     def strangers_then_worker():
-        for data in [*MALFORMED, pickle.dumps(_CreatesFile("/nonexistent/x"))]:
-            send_raw(host, port, frame(data))
-        for data in [*MALFORMED, msgpack.packb(["hello", 7, 1])]:  # token, then junk / rank 7
-            send_raw(host, port, frame(b"control-token") + frame(data))
-        send_raw(host, port, frame(b"wrong-token") + frame(msgpack.packb(["hello", 0, 1])))
+        strangers(host, port)
         worker.append(connect(host, port, "control-token", Hello(0, os.getpid())))
 
     thread = threading.Thread(target=strangers_then_worker, daemon=True)
@@ -263,6 +260,17 @@ def test_control_server_drops_strangers_and_accepts_its_worker():
         for sock in worker:
             sock.close()
         server.close()
+
+
+def test_control_server_drops_strangers_and_accepts_its_worker():
+    def strangers(host, port):
+        for data in [*MALFORMED, pickle.dumps(_CreatesFile("/nonexistent/x"))]:
+            send_raw(host, port, frame(data))
+        for data in [*MALFORMED, msgpack.packb(["hello", 7, 1])]:  # token, then junk / rank 7
+            send_raw(host, port, frame(b"control-token") + frame(data))
+        send_raw(host, port, frame(b"wrong-token") + frame(msgpack.packb(["hello", 0, 1])))
+
+    accepts_its_worker_after(strangers)
 
 
 # -- (c) shared memory: nameless, checked when mapped ------------------------------------------
@@ -426,24 +434,9 @@ def test_unauthenticated_floods_do_not_grow_the_engine(server):
 
 
 def test_control_server_cuts_off_floods_and_accepts_its_worker():
-    server = ControlServer("127.0.0.1", "control-token", world_size=1)
-    host, port = server.address
-    result: dict = {}
-
-    def floods_then_worker():
-        result["sent"] = floods(host, port)
-        result["worker"] = connect(host, port, "control-token", Hello(0, os.getpid()))
-
-    thread = threading.Thread(target=floods_then_worker, daemon=True)
-    thread.start()
-    try:
-        server.accept_all(time.monotonic() + 60, check_alive=lambda: None)
-        assert list(server.peers) == [0]
-    finally:
-        thread.join(60)
-        result["worker"].close()
-        server.close()
-    assert all(s < CUT_OFF for s in result["sent"]), [s >> 20 for s in result["sent"]]
+    sent: list[int] = []
+    accepts_its_worker_after(lambda host, port: sent.extend(floods(host, port)))
+    assert len(sent) == 3 and all(s < CUT_OFF for s in sent), [s >> 20 for s in sent]
 
 
 # -- (f) admin routes ---------------------------------------------------------------------------
