@@ -23,6 +23,9 @@ def _hf(path: str, cls=transformers.AutoModelForSequenceClassification):
     return cls.from_pretrained(path, dtype=torch.float32).eval()
 
 
+BATCH_INVARIANCE_TOL = 1e-5  # float32 rounding across batch shapes; 10x under the 1e-4 vs HF
+
+
 def _close(got: list[float], want: torch.Tensor, tol: float = 1e-4) -> None:
     assert torch.tensor(got).shape == want.shape
     assert (torch.tensor(got) - want).abs().max().item() <= tol
@@ -68,7 +71,9 @@ def test_bert_embeddings_pooling_and_batch_invariance(model_factory):
                 hidden = hf(torch.tensor([ids])).last_hidden_state[0]
             _close(row, hidden[0])  # the [CLS] token's last hidden state, no pooler
             _close(avg, hidden.mean(dim=0))
-            assert row == pytest.approx(one, abs=1e-6)  # the batch does not change a result
+            # the batch does not change a result beyond float32 rounding: a GEMM's blocking
+            # follows the batch's row count on some CPUs (1.04e-6 seen on an AVX2-only VM)
+            assert row == pytest.approx(one, abs=BATCH_INVARIANCE_TOL)
             assert torch.tensor(u).norm().item() == pytest.approx(1.0, abs=1e-5)
         with pytest.raises(ValueError, match="pooling must be one of"):
             llm.embed(TEXTS, pooling="max")
@@ -146,7 +151,7 @@ def test_vit_classifier_equals_transformers(model_factory, tp, pp):
             llm.classify(torch.zeros(3, 16, 16))
     for row, w in zip(got, want, strict=True):
         _close(row, w)
-    assert alone[0] == pytest.approx(got[1], abs=1e-6)
+    assert alone[0] == pytest.approx(got[1], abs=BATCH_INVARIANCE_TOL)
 
 
 def test_classify_cli_reads_images_like_transformers_image_processor(model_factory, tmp_path):
