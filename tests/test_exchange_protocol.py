@@ -59,3 +59,24 @@ def test_weight_sender_layout_is_checked_and_auto_reads_plain_modules_by_hf_name
     with pytest.raises(ValueError, match="^layout must be one of"):
         WeightSender(model, "127.0.0.1:1/token", layout="deepspeed")
     assert WeightSender(model, "127.0.0.1:1/token").layout == "hf"
+
+
+def test_push_phases_are_a_type_on_the_engine_control_channel():
+    """A phase crosses to every engine rank as a `PushPhase`; one no rank knows cannot be
+    expressed, and a frame that spells one is refused when it is decoded."""
+    import msgpack
+
+    from tandem.engine.messages import ApplyResult, ApplyWeights
+    from tandem.engine.messages import decode as decode_control
+    from tandem.engine.messages import encode as encode_control
+    from tandem.exchange.settings import PushPhase
+
+    spec = UpdateSpec(3, PushSettings("shm"), "float32", 1)
+    for phase in PushPhase:
+        msg = ApplyWeights(phase, spec.to_wire(), [])
+        back = decode_control(encode_control(msg))
+        assert back == msg and back.phase is phase
+        result = decode_control(encode_control(ApplyResult(1, phase, None, 8)))
+        assert result.phase is phase
+    with pytest.raises(ValueError, match="'reboot' is not a valid PushPhase"):
+        decode_control(msgpack.packb(["apply", "reboot", spec.to_wire(), []]))

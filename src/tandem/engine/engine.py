@@ -36,7 +36,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.engine.weight_update import WeightUpdate
 from tandem.errors import ModelLoadError
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
@@ -158,7 +158,7 @@ class LLMEngine:
             if update.exposed and update.torn is None:  # broke after writing live weights
                 update.torn = f"the push of version {spec.version} broke: {exc}"
             try:
-                self.apply_phase("abort", spec, {})  # every rank drops what the push held
+                self.apply_phase(PushPhase.ABORT, spec, {})  # every rank drops what it held
             except Exception:  # a dead rank: the engine is marked dead by apply_phase
                 pass
             raise
@@ -173,7 +173,8 @@ class LLMEngine:
                 self._updating = False
                 self._resumed.notify_all()
 
-    def apply_phase(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list]):
+    def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
+                    records_by_rank: dict[int, list]):  # fmt: skip
         """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
         with self._control():
             return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))

@@ -20,7 +20,7 @@ from tandem.exchange.adapters.engine import engine_layout
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import RankReceiver
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.models.loader import ModelSpec
 
 
@@ -34,7 +34,7 @@ class Executor(Protocol):
     layouts: list[RankLayout]  # what each rank holds, for weight-exchange plans
 
     def apply(
-        self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]
+        self, phase: PushPhase, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]
     ) -> tuple[list[str], int]:
         """Run one phase of a weight push on every rank: (the ranks' errors, bytes moved)."""
 
@@ -88,7 +88,7 @@ class InProcessExecutor:
         self.receiver = RankReceiver(self.runner.model, 0, config.torch_device)
         self._results: deque[StepResult] = deque()
 
-    def apply(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
+    def apply(self, phase: PushPhase, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
         """One phase of a push on this rank: (errors, bytes moved)."""
         error, nbytes = self.receiver.handle(phase, spec, records_by_rank.get(0, []))
         return ([] if error is None else [error]), nbytes

@@ -9,8 +9,11 @@ and sampling settings the first time a sequence is seen (rule: send the minimum 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 import msgpack
+
+from tandem.exchange.settings import PushPhase
 
 
 @dataclass(slots=True)
@@ -139,7 +142,7 @@ class ApplyWeights:
     """Between steps, one phase of a weight push on this rank (see
     `tandem.exchange.receiver.RankReceiver`): the push's settings and this rank's records."""
 
-    phase: str  # receive | verify | commit | abort
+    phase: PushPhase  # on the wire: its value
     update: list  # UpdateSpec.to_wire(): version, settings, dtype, staging or group, ...
     records: list  # Record.to_wire() of this rank's boxes
 
@@ -147,7 +150,7 @@ class ApplyWeights:
 @dataclass(slots=True)
 class ApplyResult:
     rank: int
-    phase: str
+    phase: PushPhase
     error: str | None  # None: done
     nbytes: int = 0
 
@@ -238,7 +241,9 @@ def encode(msg: Message) -> bytes:
              prompt, msg.routed_experts]
         )  # fmt: skip
     if type(msg) in _KIND:
-        return msgpack.packb([_KIND[type(msg)], *(getattr(msg, f) for f in msg.__slots__)])
+        fields = (getattr(msg, f) for f in msg.__slots__)
+        return msgpack.packb([_KIND[type(msg)], *(f.value if isinstance(f, Enum) else f
+                                                 for f in fields)])  # fmt: skip
     raise TypeError(f"not a message: {type(msg).__name__}")
 
 
@@ -254,6 +259,9 @@ def decode(data: bytes) -> Message:
     if kind == "result":
         *fields, prompt, routed = body
         return StepResult(*fields, [PromptLogprobs(*p) for p in prompt], routed)
+    if kind in ("apply", "applied"):
+        field = 0 if kind == "apply" else 1
+        body[field] = PushPhase(body[field])  # ValueError for a phase no rank knows
     if kind in _SIMPLE:
         return _SIMPLE[kind](*body)
     raise ValueError(f"unknown message kind {kind!r}")

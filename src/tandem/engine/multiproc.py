@@ -43,7 +43,7 @@ from tandem.engine.messages import (
 from tandem.engine.worker import ENV, WorkerArgs
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.models.loader import ModelSpec, read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -105,7 +105,7 @@ class MultiprocExecutor:
         except PeerGone as exc:
             raise EngineDeadError(self._root_cause(str(exc))) from None
 
-    def apply(self, phase: str, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
+    def apply(self, phase: PushPhase, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]):
         """One phase of a push on every rank: (errors, bytes moved)."""
         try:
             for rank in range(len(self.layouts)):

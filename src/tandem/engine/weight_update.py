@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from tandem.exchange.items import Record
 from tandem.exchange.receiver import WeightSyncError
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
 class WeightUpdate:
@@ -32,15 +32,15 @@ class WeightUpdate:
         """From now on the push writes into the live parameters (in_place delivery begins)."""
         self.exposed = True
 
-    def run(self, phase: str, records_by_rank: dict[int, list[Record]]) -> int:
+    def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         """Run ``phase`` on every rank; the bytes they moved. Raises WeightSyncError, saying
         whether the old version still serves, on any rank's error."""
-        if phase == "commit" and not self.spec.settings.in_place:
+        if phase is PushPhase.COMMIT and not self.spec.settings.in_place:
             self.exposed = True  # a staged commit writes the live parameters
         errors, nbytes = self.engine.apply_phase(phase, self.spec, records_by_rank)
         if errors:
-            self.fail("; ".join(errors), phase)
-        if phase == "commit":
+            self.fail("; ".join(errors), phase.value)
+        if phase is PushPhase.COMMIT:
             self.landed = True
         return nbytes
 

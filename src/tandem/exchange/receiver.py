@@ -22,7 +22,7 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import Record
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 
@@ -74,7 +74,8 @@ class RankReceiver:
         self.device = device
         self._halves: dict[str, ReceiverHalf] = {}
 
-    def handle(self, phase: str, spec: UpdateSpec, records: list[Record]) -> tuple[str | None, int]:
+    def handle(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]
+               ) -> tuple[str | None, int]:  # fmt: skip
         """Run one phase; (this rank's error or None, bytes it moved). Never raises: the
         engine decides what an error means."""
         name = spec.settings.transport
@@ -86,29 +87,38 @@ class RankReceiver:
             problems, nbytes = self._run(half, phase, spec, records)
         except Exception as exc:
             problems, nbytes = [f"{type(exc).__name__}: {exc}"], 0
-        if problems and phase != "abort":
+        if problems and phase is not PushPhase.ABORT:
             try:
                 half.abort(spec)
             except Exception:  # the push already failed; nothing more to report
                 pass
         return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, nbytes
 
-    def _run(self, half: ReceiverHalf, phase: str, spec: UpdateSpec, records: list[Record]):
-        if phase == "receive":
-            return [], half.receive(spec, records)
-        if phase == "verify":
-            problems = record_problems(self.model, spec, records)
-            if not problems and spec.settings.verify:
-                where = "in the live parameter" if spec.settings.in_place else "as staged"
-                problems = crc_problems(records, half.landed_crcs(spec, records), where)
-            return problems, 0
-        if phase == "commit":
-            nbytes = half.commit(spec, records)
-            if spec.settings.in_place or not spec.settings.verify:
-                return [], nbytes
-            crcs = [tensor_crc32(box) for box in half.live(records)]
-            return crc_problems(records, crcs, "in the live parameter after commit"), nbytes
-        if phase == "abort":
-            half.abort(spec)
-            return [], 0
-        return [f"unknown phase {phase!r}"], 0
+    def _run(self, half: ReceiverHalf, phase: PushPhase, spec: UpdateSpec, records: list[Record]):
+        return {
+            PushPhase.RECEIVE: self._receive,
+            PushPhase.VERIFY: self._verify,
+            PushPhase.COMMIT: self._commit,
+            PushPhase.ABORT: self._abort,
+        }[phase](half, spec, records)
+
+    def _receive(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        return [], half.receive(spec, records)
+
+    def _verify(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        problems = record_problems(self.model, spec, records)
+        if not problems and spec.settings.verify:
+            where = "in the live parameter" if spec.settings.in_place else "as staged"
+            problems = crc_problems(records, half.landed_crcs(spec, records), where)
+        return problems, 0
+
+    def _commit(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        nbytes = half.commit(spec, records)
+        if spec.settings.in_place or not spec.settings.verify:
+            return [], nbytes
+        crcs = [tensor_crc32(box) for box in half.live(records)]
+        return crc_problems(records, crcs, "in the live parameter after commit"), nbytes
+
+    def _abort(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        half.abort(spec)
+        return [], 0

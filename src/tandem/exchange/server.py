@@ -29,7 +29,7 @@ from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, numel
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
-from tandem.exchange.settings import UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.p2p import DEFAULT_BUCKET_BYTES, GroupInfo
 from tandem.wire import PeerGone, check_token, recv_frame, send_frame
@@ -164,19 +164,19 @@ class ExchangeServer:
             self._send_plans(socks, plans)  # trainers stage while the engine serves
             spec, by_receiver, moved = self._readies(spec, socks, records)
             with self.engine.weight_update(spec) as update:
-                update.run("verify", by_receiver)
-                update.run("commit", by_receiver)
+                update.run(PushPhase.VERIFY, by_receiver)
+                update.run(PushPhase.COMMIT, by_receiver)
             return moved
         with self.engine.weight_update(spec) as update:
             if spec.settings.in_place:
                 update.expose()  # from here trainers (or the engine's ranks) write live weights
             self._send_plans(socks, plans)
             if moves_itself:
-                update.run("receive", self._by_receiver(records))
+                update.run(PushPhase.RECEIVE, self._by_receiver(records))
             spec, by_receiver, moved = self._readies(spec, socks, records)
             update.spec = spec
-            update.run("verify", by_receiver)
-            update.run("commit", by_receiver)
+            update.run(PushPhase.VERIFY, by_receiver)
+            update.run(PushPhase.COMMIT, by_receiver)
         return moved
 
     def _send_plans(self, socks: list, plans: list[PushPlan]) -> None:

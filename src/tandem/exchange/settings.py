@@ -1,9 +1,22 @@
-"""Typed settings of one push: what the trainer asks for (`PushSettings`) and what every engine
-rank is told when it takes part (`UpdateSpec`). Both cross processes as msgpack lists."""
+"""Typed settings of one push: what the trainer asks for (`PushSettings`), what every engine
+rank is told when it takes part (`UpdateSpec`), and the phases it runs (`PushPhase`). They
+cross processes as msgpack lists (a phase as its value)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
+
+
+class PushPhase(Enum):
+    """What an engine rank does in one step of a push (`tandem.exchange.receiver`); every rank
+    finishes a phase before any starts the next."""
+
+    RECEIVE = "receive"  # the transport delivers this rank's boxes (staged, or live in place)
+    VERIFY = "verify"  # names, shapes and dtypes; then checksums of what landed
+    COMMIT = "commit"  # staged boxes into the live parameters (checked again there)
+    ABORT = "abort"  # drop whatever the push held
+
 
 MODES = ("staged", "in_place")
 
