@@ -349,10 +349,6 @@ class LLMEngine:
             return False
         return self._paused == "keep" or not (self.scheduler.running or self._in_flight)
 
-    def unfinished_request_ids(self) -> set[str]:
-        with self._control():
-            return {seq.request_id for seq in self.scheduler.unfinished()}
-
     def abort_requests(self, request_ids=None) -> list[Sequence]:
         """Abort the unfinished sequences of these requests (None: of every request); the
         ones aborted, with what they generated so far."""
