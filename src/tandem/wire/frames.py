@@ -1,5 +1,5 @@
-"""Length-prefixed frames over TCP: what every tandem control connection carries (msgpack
-payloads, never pickle). A closed connection surfaces as `PeerGone` at once.
+"""Length-prefixed frames over TCP: what every tandem control connection carries (one
+`tandem.wire.Codec` message each). A closed connection surfaces as `PeerGone` at once.
 
 Every listener authenticates the same way: a peer's first frame is the shared token alone, at
 most `TOKEN_FRAME_MAX` bytes, compared in constant time (`check_token`), so a stranger who can
