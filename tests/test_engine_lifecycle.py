@@ -17,8 +17,8 @@ def test_abort_frees_blocks_and_the_rest_go_on(llama_dir):
     with LLM(llama_dir, kv_cache_memory=8 << 20) as llm:
         engine = llm.engine
         expected = llm.generate(PROMPTS[1], PARAMS)[0].outputs[0].token_ids
-        a = engine.make_sequences("a", engine.tokenizer.encode(PROMPTS[0]), PARAMS)
-        b = engine.make_sequences("b", engine.tokenizer.encode(PROMPTS[1]), PARAMS)
+        a = engine.admission.make_sequences("a", engine.tokenizer.encode(PROMPTS[0]), PARAMS)
+        b = engine.admission.make_sequences("b", engine.tokenizer.encode(PROMPTS[1]), PARAMS)
         engine.add(a + b)
         for _ in range(3):
             engine.step()
@@ -30,7 +30,7 @@ def test_abort_frees_blocks_and_the_rest_go_on(llama_dir):
             engine.step()
         assert b[0].output_token_ids == expected  # aborting a neighbour changes nothing
         assert engine.blocks.num_free == engine.blocks.num_blocks
-        waiting = engine.make_sequences("c", [1, 2, 3], PARAMS)
+        waiting = engine.admission.make_sequences("c", [1, 2, 3], PARAMS)
         engine.add(waiting)
         engine.abort(waiting)  # never scheduled: just dropped
         assert not engine.has_unfinished()
@@ -43,7 +43,7 @@ def test_sleep_releases_kv_cache_and_wake_restores_it(llama_dir, tp):
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         llm.sleep()
         if tp == 1:
-            assert llm.engine.runner.kv_cache is None
+            assert llm.engine.executor.runner.kv_cache is None
         with pytest.raises(EngineAsleepError):
             llm.generate(PROMPTS, PARAMS)
         llm.wake()
@@ -55,7 +55,7 @@ def test_sleep_mid_generation_preempts_and_resumes(llama_dir):
     with LLM(llama_dir, kv_cache_memory=8 << 20) as llm:
         expected = llm.generate(PROMPTS[0], PARAMS)[0].outputs[0].token_ids
         engine = llm.engine
-        seqs = engine.make_sequences("a", engine.tokenizer.encode(PROMPTS[0]), PARAMS)
+        seqs = engine.admission.make_sequences("a", engine.tokenizer.encode(PROMPTS[0]), PARAMS)
         engine.add(seqs)
         for _ in range(4):
             engine.step()

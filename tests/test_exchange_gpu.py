@@ -27,7 +27,7 @@ def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
     with LLM(engine_dir, device="cuda", tensor_parallel_size=tp) as llm:
         before = (
-            {n: p.data_ptr() for n, p in llm.engine.runner.model.named_parameters()}
+            {n: p.data_ptr() for n, p in llm.engine.executor.runner.model.named_parameters()}
             if (tp == 1)
             else None
         )
@@ -38,7 +38,8 @@ def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
         assert done.returncode == 0
         assert llm.weight_version == 4
         if before is not None:
-            after = {n: p.data_ptr() for n, p in llm.engine.runner.model.named_parameters()}
+            model = llm.engine.executor.runner.model
+            after = {n: p.data_ptr() for n, p in model.named_parameters()}
             assert after == before
         out = llm.generate([[5, 9, 33, 2, 17]], params)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids

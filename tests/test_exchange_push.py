@@ -37,7 +37,7 @@ def test_push_into_single_process_engine_in_place(model_factory, family, transpo
     engine_dir, trainer_dir = model_factory(family), model_factory(family, seed=1)
     trainer = _trainer(trainer_dir)
     with LLM(engine_dir) as llm:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         before = {n: p.data_ptr() for n, p in runner.model.named_parameters()}
         assert (runner.score([PROMPTS[0]])[0] - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=7)
@@ -79,7 +79,7 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
     trainer = _trainer(trainer_dir)
     shm_before = set(Path("/dev/shm").iterdir())
     with LLM(engine_dir) as llm:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         sender = WeightSender(trainer, llm, transport="shm")
         staging = []
         for version in (1, 2):
@@ -191,9 +191,8 @@ def test_push_during_generation_lands_between_steps(model_factory):
     with LLM(engine_dir) as llm:
         unchanged = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         engine = llm.engine
-        seqs = [
-            s for i, ids in enumerate(prompts) for s in engine.make_sequences(str(i), ids, params)
-        ]
+        make = engine.admission.make_sequences
+        seqs = [s for i, ids in enumerate(prompts) for s in make(str(i), ids, params)]
         engine.add(seqs)
         for _ in range(5):
             engine.step()

@@ -99,7 +99,8 @@ def test_uneven_pipeline_split_and_overlap(model_factory):
     for split in (None, [1, 2]):
         with LLM(path, pipeline_parallel_size=2, pipeline_layer_split=split) as llm:
             got = llm.generate(prompts, params)
-            assert llm.engine.peak_in_flight == 2, "the pipeline never had two steps in flight"
+            peak = llm.engine.stats().peak_steps_in_flight
+            assert peak == 2, "the pipeline never had two steps in flight"
         for e, g in zip(expected, got, strict=True):
             assert g.outputs[0].token_ids == e.outputs[0].token_ids
             assert _max_diff(e.outputs[0].logprobs, g.outputs[0].logprobs) <= 1e-5

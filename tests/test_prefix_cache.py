@@ -285,10 +285,10 @@ def test_long_prompt_and_running_decodes_interleave(llama_dir):
     with LLM(llama_dir, block_size=BS, max_num_batched_tokens=8, max_num_seqs=8) as llm:
         engine = llm.engine
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        running = engine.make_sequences("a", [1, 2, 3], params)
+        running = engine.admission.make_sequences("a", [1, 2, 3], params)
         engine.add(running)
         engine.step()
-        long = engine.make_sequences("b", list(range(100, 140)), params)
+        long = engine.admission.make_sequences("b", list(range(100, 140)), params)
         engine.add(long)
         for step in range(5):
             before = running[0].num_output_tokens
@@ -310,7 +310,7 @@ def test_pipeline_with_chunks_in_flight_and_preemption(llama_dir, reference):
         max_num_seqs=9, kv_cache_memory=kv,
     ) as llm:  # fmt: skip
         runs = _workload(llm)
-        assert llm.engine.peak_in_flight == 2 and llm.engine.blocks.num_blocks == 20
+        assert llm.engine.stats().peak_steps_in_flight == 2 and llm.engine.blocks.num_blocks == 20
         assert llm.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)
@@ -330,7 +330,8 @@ def test_random_aborts_with_shared_blocks_leak_nothing(llama_dir):
         llama_dir, block_size=BS, max_num_batched_tokens=11, max_num_seqs=11, kv_cache_memory=kv
     ) as llm:
         engine = llm.engine
-        requests = [engine.make_sequences(str(i), p, params) for i, p in enumerate(prompts)]
+        make = engine.admission.make_sequences
+        requests = [make(str(i), p, params) for i, p in enumerate(prompts)]
         for seqs in requests:
             engine.add(seqs)
         aborted = set()

@@ -114,12 +114,12 @@ def test_a_scored_prompt_preempted_midway_keeps_exact_scores(model, hog_prompt, 
     with LLM(path, **options) as llm:
         engine = llm.engine
         hog_ids, scored_ids = _prompts(engine.spec.vocab_size, [hog_prompt, 30])
-        hog = engine.make_sequences("hog", hog_ids, SamplingParams(max_tokens=30, temperature=0,
-                                                                   ignore_eos=True))  # fmt: skip
+        hog_params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        hog = engine.admission.make_sequences("hog", hog_ids, hog_params)
         engine.add(hog)
         while hog[0].num_output_tokens == 0:
             engine.step()
-        scored = engine.make_sequences("scored", scored_ids, scored_params)
+        scored = engine.admission.make_sequences("scored", scored_ids, scored_params)
         engine.add(scored)
         preempted_at = []
         while engine.has_unfinished():

@@ -48,7 +48,7 @@ def test_top_k_limits_choices_and_processed_logprobs_follow_temperature(llm):
         max_tokens=10, temperature=0.5, top_k=5, seed=3, logprobs=0, logprobs_mode="processed"
     )
     out = llm.generate([prompt], params)[0].outputs[0]
-    logits = llm.engine.runner.score([prompt + out.token_ids])[0][len(prompt) - 1 : -1]
+    logits = llm.engine.executor.runner.score([prompt + out.token_ids])[0][len(prompt) - 1 : -1]
     for step, token in enumerate(out.token_ids):
         top5 = (logits[step] / 0.5).topk(5)
         assert token in top5.indices.tolist()
@@ -120,8 +120,8 @@ def test_preemption_when_kv_cache_is_small_gives_identical_outputs(llama_dir, ll
     prompts = [f"Request {i}: the model reads many words" for i in range(12)]
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
     expected = _tokens(llm.generate(prompts, params))
-    a = llm.engine.runner.attention_layers[0]
-    block_bytes = 2 * len(llm.engine.runner.attention_layers) * 16 * a.num_kv_heads * a.head_dim * 4
+    layers = llm.engine.executor.runner.attention_layers
+    block_bytes = 2 * len(layers) * 16 * layers[0].num_kv_heads * layers[0].head_dim * 4
     with LLM(llama_dir, kv_cache_memory=12 * block_bytes) as small:
         got = _tokens(small.generate(prompts, params))
         assert small.engine.scheduler.num_preemptions > 0

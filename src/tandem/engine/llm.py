@@ -7,8 +7,9 @@ from collections.abc import Sequence as Seq
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import LLMEngine, unit_norm
-from tandem.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, VersionSpan
+from tandem.engine.encode import unit_norm
+from tandem.engine.engine import LLMEngine
+from tandem.engine.outputs import RequestMetrics, RequestOutput, completion_output
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
@@ -52,7 +53,7 @@ class LLM:
                              f"{self.engine.config.task!r}")  # fmt: skip
         if getattr(self.engine.spec.cls, "inputs", "tokens") == "pixels":
             return self._encode_images(inputs, pooling)
-        ids, types = self.engine.tokenize_inputs(_as_prompt_list(inputs))
+        ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
         return self.engine.encode(ids, types, pooling)
 
     @property
@@ -99,8 +100,8 @@ class LLM:
         for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
             request_id = str(self._request_ids)
             self._request_ids += 1
-            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            seqs = self.engine.make_sequences(request_id, ids, params, prio)
+            ids = self.engine.admission.prompt_ids(prompt)
+            seqs = self.engine.admission.make_sequences(request_id, ids, params, prio)
             requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
         self.engine.lifecycle.check_runnable()  # asleep, weights released, torn: queue nothing
         for *_, seqs in requests:
@@ -125,20 +126,7 @@ class LLM:
         return self.engine.encode(rows, None, pooling, pixels)
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=s.index,
-                text=self.engine.outputs.text(s),
-                token_ids=s.output_token_ids,
-                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-                top_logprobs=list(s.top_logprobs) if s.params.logprobs else None,
-                weight_versions=[VersionSpan(*span) for span in s.version_spans],
-                routed_experts=list(s.routed_experts) if s.params.return_routed_experts else None,
-            )
-            for s in seqs
-        ]
+        completions = [completion_output(s, self.engine.outputs.text(s)) for s in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=min(s.arrival for s in seqs),

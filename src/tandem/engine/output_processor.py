@@ -38,10 +38,17 @@ the output, to the cut text.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Iterable
 from collections.abc import Sequence as Ids
+from typing import TYPE_CHECKING
 
 from tandem.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from tandem.engine.messages import StepResult
+    from tandem.engine.scheduler import ScheduledBatch
 
 _PARTIAL = "\ufffd"  # what the decoders make of an incomplete (or invalid) UTF-8 sequence
 
@@ -141,11 +148,10 @@ class IncrementalDetokenizer:
 
 
 class OutputProcessor:
-    """Output text and stop rules for the engine's sequences.
-
-    The engine calls `process` once per sampled token, after appending it to ``seq.token_ids``;
-    the text and stop checks cost O(new tokens) decode work per call. `text` is the output so
-    far, `stable_text` the part of it a stream may send now.
+    """What each step produced, onto the engine's sequences: tokens, log-probs, routed experts
+    and weight versions (`record_step`), then output text and stop rules (`process`, once per
+    sampled token, O(new tokens) decode work). `text` is the output so far, `stable_text` the
+    part of it a stream may send now.
     """
 
     def __init__(self, tokenizer, eos_token_ids: Iterable[int], max_model_len: int):
@@ -160,6 +166,41 @@ class OutputProcessor:
                 self.tokenizer, seq.params.skip_special_tokens, seq.num_prompt_tokens, self._local
             )
         return seq.detok
+
+    def record_step(self, batch: ScheduledBatch, out: StepResult, version: int) -> None:
+        """One finished step's results (rows in step order, one per sampled sequence) onto
+        its sequences; ``version`` is the weight version the step ran under."""
+        now = time.monotonic()
+        if out.prompt_logprobs:
+            by_id = {seq.seq_id: seq for seq in batch.seqs}
+            for p in out.prompt_logprobs:
+                by_id[p.seq_id].record_prompt_logprobs(
+                    p.first, p.logprobs, p.top_ids, p.top_logprobs
+                )
+        rows = itertools.count()
+        for seq, sampled in zip(batch.seqs, batch.samples, strict=True):
+            if not sampled:  # a prompt chunk: nothing to sample yet
+                continue
+            row = next(rows)
+            if seq.finished:  # aborted while its step was in flight
+                continue
+            if seq.max_tokens == 0:  # the prompt was only scored
+                seq.finish("length")
+                continue
+            token = out.token_ids[row]
+            seq.token_ids.append(token)
+            if seq.params.return_routed_experts:
+                seq.routed_experts.append(out.routed_experts[row])
+            seq.record_version(version)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            k = seq.params.logprobs
+            if k is not None:
+                seq.logprobs.append(out.logprobs[row])
+                if k > 0:
+                    top = zip(out.top_ids[row][:k], out.top_logprobs[row][:k], strict=True)
+                    seq.top_logprobs.append(dict(top))
+            self.process(seq, token)
 
     def process(self, seq: Sequence, token: int) -> None:
         """Advance ``seq``'s text by its newest token ``token`` and finish it if a rule says so."""

@@ -6,6 +6,7 @@ import time
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
+from tandem.engine.outputs import VersionSpan
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ class Sequence:
         self.priority = priority  # lower runs first under the "priority" policy
         self.preempted = False  # waiting again after losing its KV blocks: goes first
         # [version, start, end): output tokens start..end-1 came from that weight version
-        self.version_spans: list[list[int]] = []
+        self.version_spans: list[VersionSpan] = []
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
@@ -79,15 +80,21 @@ class Sequence:
         """The output token just appended was sampled from this weight version's logits."""
         i = self.num_output_tokens - 1
         last = self.version_spans[-1] if self.version_spans else None
-        if last is not None and last[0] == version and last[2] == i:
-            last[2] = i + 1
+        if last is not None and last.version == version and last.end == i:
+            self.version_spans[-1] = VersionSpan(version, last.start, i + 1)
         else:
-            self.version_spans.append([version, i, i + 1])
+            self.version_spans.append(VersionSpan(version, i, i + 1))
+
+    def spans(self, start: int, end: int) -> list[VersionSpan]:
+        """Its version spans cut to output tokens ``start .. end-1``."""
+        cut = (VersionSpan(s.version, max(s.start, start), min(s.end, end))
+               for s in self.version_spans)  # fmt: skip
+        return [s for s in cut if s.start < s.end]
 
     @property
     def weight_versions(self) -> set[int]:
         """Every version that produced one of its tokens."""
-        return {v for v, _, _ in self.version_spans}
+        return {s.version for s in self.version_spans}
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -22,6 +22,17 @@ NO_WEIGHTS_REASON = (
 )
 
 
+class PauseMode(Enum):
+    """How `LLMEngine.pause` stops generation (vLLM's ``/pause`` modes)."""
+
+    ABORT = "abort"  # unfinished sequences end now, keeping what they generated
+    WAIT = "wait"  # no new sequence is admitted; running ones finish
+    KEEP = "keep"  # no step runs; sequences keep their KV blocks until `resume`
+
+
+PAUSE_MODES = tuple(m.value for m in PauseMode)
+
+
 class EngineState(Enum):
     RUNNING = "running"  # serves requests
     SLEEPING = "sleeping"  # KV cache released (`sleep`) until `wake`; requests wait
@@ -37,6 +48,8 @@ class EngineLifecycle:
     put to sleep and then torn by a push is TORN with its cache released, and returns to
     SLEEPING (not RUNNING) when a complete push lands; an engine whose weights were released
     (level 2) is SLEEPING until woken, then NO_WEIGHTS until a complete push or a reload.
+    A pause (`PauseMode`) and an open push window are facts apart from the state too: they
+    stop steps, not requests.
     """
 
     def __init__(self):
@@ -44,6 +57,35 @@ class EngineLifecycle:
         self.reason: str | None = None  # for TORN and DEAD
         self.kv_released = False
         self.weights_released = False
+        self.pause_mode: PauseMode | None = None
+        self.updating = False  # a push's window is open: no step runs
+
+    def pause(self, mode: str) -> PauseMode:
+        try:
+            self.pause_mode = PauseMode(mode)
+        except ValueError:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}") from None
+        return self.pause_mode
+
+    def resume(self) -> None:
+        self.pause_mode = None
+
+    def open_update(self) -> None:
+        self.check_alive()
+        self.updating = True
+
+    def close_update(self, torn: str | None, landed: bool) -> None:
+        """A push's window closes: ``torn`` says why the live weights are half-written."""
+        self.updating = False
+        if torn is not None:
+            self.torn(torn)
+        elif landed:
+            self.push_landed()
+
+    def check_idle_for(self, what: str) -> None:
+        """A call that replaces the weights (``sleep(level=2)``, a reload) waits for no push."""
+        if self.updating:
+            raise RuntimeError(f"a weight push is in progress: {what} after it")
 
     def check_runnable(self) -> None:
         """Raise the error that says why no step can run now (nothing when RUNNING)."""

@@ -18,6 +18,7 @@ class EngineStats:
     num_waiting: int  # sequences waiting (a request's unforked samples count)
     num_running: int
     num_preemptions: int
+    peak_steps_in_flight: int = 0  # most steps in flight at once (pipeline overlap)
     encode_batches: int = 0  # embed / classify model passes
     encode_inputs: int = 0  # sequences encoded in them
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
+from tandem.engine.outputs import CompletionOutput, completion_output
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineAsleepError, EngineState
@@ -37,33 +38,6 @@ class QueueFull(RuntimeError):
     """Too many requests are waiting; retry later."""
 
 
-@dataclass(slots=True)
-class SeqDelta:
-    """What one sample produced since the last update."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None
-    stop_reason: str | int | None
-    start: int = 0  # index of its first token in the sample's output
-    weight_versions: list[list[int]] = field(default_factory=list)  # [version, start, end)
-    # spans of its tokens (indexes into the sample's output)
-    routed_experts: list | None = None  # per token, per MoE layer: top-k expert ids
-
-
-def version_spans(seq: Sequence, start: int, end: int) -> list[list[int]]:
-    """The sample's weight-version spans cut to output tokens start..end-1."""
-    spans = []
-    for version, lo, hi in seq.version_spans:
-        lo, hi = max(lo, start), min(hi, end)
-        if lo < hi:
-            spans.append([version, lo, hi])
-    return spans
-
-
 PROMPT_SEPARATOR = "#"  # never in an id a client chooses (`protocol.REQUEST_ID_PATTERN`)
 
 
@@ -76,7 +50,7 @@ def prompt_request_id(call_id: str, index: int) -> str:
 @dataclass(slots=True)
 class RequestUpdate:
     prompt_index: int  # which request of the submission
-    deltas: list[SeqDelta]
+    deltas: list[CompletionOutput]  # per sample: what it produced since the last update
     finished: bool  # every sample of the request is done
     weight_versions: list[int]  # versions that produced the request's tokens so far
     num_output_tokens: int
@@ -198,7 +172,7 @@ class AsyncEngine:
 
     @property
     def max_model_len(self) -> int:
-        return self._core.max_model_len
+        return self._core.limits.max_model_len
 
     @property
     def weight_version(self) -> int:
@@ -242,7 +216,7 @@ class AsyncEngine:
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:
         """Check one prompt (ValueError names the problem) and make its samples."""
-        return self._core.make_sequences(request_id, prompt_ids, params, priority)
+        return self._core.admission.make_sequences(request_id, prompt_ids, params, priority)
 
     def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]]) -> Submission:
         """Queue the prepared requests of API call ``call_id`` (all or none). Raises QueueFull,
@@ -322,16 +296,20 @@ class AsyncEngine:
         self._poke(publish=True)
         return sorted({live[seq.request_id] for seq in aborted})
 
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A prompt's token ids: `Admission.prompt_ids`."""
+        return self._core.admission.prompt_ids(prompt)
+
     def tokenize_inputs(self, items) -> tuple[list[list[int]], list[list[int]] | None]:
-        """Texts or token-id lists -> (ids, token types or None): `LLMEngine.tokenize_inputs`."""
-        return self._core.tokenize_inputs(items)
+        """Texts or token-id lists -> (ids, token types or None): `Admission.tokenize_inputs`."""
+        return self._core.admission.tokenize_inputs(items)
 
     async def encode(
         self, inputs: list[list[int]], types: list[list[int]] | None, pooling: str | None
     ) -> list[list[float]]:
         """Pooled vectors or head logits of one call's inputs (ValueError names a bad input).
         Calls waiting together run as one unpadded batch on the engine thread."""
-        pooling = self._core.check_encode(inputs, pooling)
+        pooling = self._core.admission.check_encode(inputs, pooling)
         if (why := self.unavailable()) is not None:
             raise EngineUnavailable(why)
         loop = asyncio.get_running_loop()
@@ -459,25 +437,14 @@ class AsyncEngine:
             for request_id in request_ids:
                 self._live.pop(request_id, None)
 
-    def _delta(self, t: _Tracked, i: int, seq: Sequence) -> SeqDelta | None:
+    def _delta(self, t: _Tracked, i: int, seq: Sequence) -> CompletionOutput | None:
         if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):
             return None
         text = self._core.outputs.stable_text(seq)  # what may still change is held back
         cut = len(text)
         start = t.sent_tokens[i]
         chars = t.sent_chars[i]
-        delta = SeqDelta(
-            index=seq.index,
-            text=text[chars:cut] if cut > chars else "",
-            token_ids=seq.output_token_ids[start:],
-            logprobs=seq.logprobs[start:] if seq.params.logprobs is not None else None,
-            top_logprobs=seq.top_logprobs[start:] if seq.params.logprobs else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            start=start,
-            weight_versions=version_spans(seq, start, seq.num_output_tokens),
-            routed_experts=seq.routed_experts[start:] if seq.params.return_routed_experts else None,
-        )
+        delta = completion_output(seq, text[chars:cut] if cut > chars else "", start)
         t.sent_chars[i] = max(chars, cut)
         t.sent_tokens[i] = seq.num_output_tokens
         t.done[i] = seq.finished

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Depends, Request
 
-from tandem.engine.engine import unit_norm
+from tandem.engine.encode import unit_norm
 from tandem.server.async_engine import EngineUnavailable
 from tandem.server.errors import APIError
 from tandem.server.openai_routes import _api_key
@@ -69,7 +69,7 @@ async def _read(request: Request, schema, task: str, route: str):
 
 
 async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], int]:
-    if getattr(s.engine.model_class, "inputs", "tokens") != "tokens":
+    if s.engine.model_class.inputs != "tokens":
         raise APIError(400, "this model takes images: classify them offline (LLM.classify or "
                        "`tandem classify --image`); HTTP inputs are text or token ids",
                        param="input", code="unsupported_input")  # fmt: skip

@@ -11,14 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tandem.engine.outputs import CompletionOutput, completion_output
 from tandem.engine.sequence import Sequence
 from tandem.server.async_engine import (
     EngineUnavailable,
     RequestUpdate,
-    SeqDelta,
     Submission,
     prompt_request_id,
-    version_spans,
 )
 from tandem.server.errors import APIError, error_body
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -50,7 +49,7 @@ async def completions(request: Request):
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
     prepared, prompt_ids = [], []
     for i, p in enumerate(prompts):
-        ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        ids = s.engine.prompt_ids(p)
         request_id = prompt_request_id(rid, i)
         seqs = _checked(lambda ids=ids, r=request_id: s.engine.prepare(r, ids, params,
                                                                        req.priority))  # fmt: skip
@@ -59,7 +58,7 @@ async def completions(request: Request):
     texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
     call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage)
 
-    def choice(pi: int, d: SeqDelta, first: bool) -> dict:
+    def choice(pi: int, d: CompletionOutput, first: bool) -> dict:
         echo = req.echo and first
         text = texts[pi] + d.text if echo and req.detokenize else d.text
         scores = _prompt_scores(prepared[pi][1]) if echo and req.logprobs is not None else None
@@ -97,12 +96,12 @@ async def chat_completions(request: Request):
     call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
                  req.include_usage)  # fmt: skip
 
-    def logprobs(d: SeqDelta):
+    def logprobs(d: CompletionOutput):
         if d.logprobs is None:
             return None
         return {"content": _chat_logprobs(s, d, req.detokenize)}
 
-    def extras(d: SeqDelta, first: bool) -> dict:
+    def extras(d: CompletionOutput, first: bool) -> dict:
         body = {"logprobs": logprobs(d), "finish_reason": d.finish_reason,
                 "stop_reason": d.stop_reason, "token_ids": d.token_ids,
                 "weight_versions": _spans(d)}  # fmt: skip
@@ -112,11 +111,11 @@ async def chat_completions(request: Request):
             body["routed_experts"] = d.routed_experts
         return body
 
-    def choice(pi: int, d: SeqDelta, first: bool) -> dict:
+    def choice(pi: int, d: CompletionOutput, first: bool) -> dict:
         message = {"role": "assistant", "content": d.text}
         return {"index": d.index, "message": message} | extras(d, first)
 
-    def chunk(pi: int, d: SeqDelta, first: bool) -> dict:
+    def chunk(pi: int, d: CompletionOutput, first: bool) -> dict:
         delta = {"role": "assistant", "content": d.text} if first else {"content": d.text}
         return {"index": d.index, "delta": delta} | extras(d, first)
 
@@ -195,21 +194,14 @@ class _Call:
         yield "data: [DONE]\n\n"
 
 
-def _final(s: ServerState, seq: Sequence) -> SeqDelta:
+def _final(s: ServerState, seq: Sequence) -> CompletionOutput:
     """A whole sample as one delta (for non-streamed answers)."""
-    k = seq.params.logprobs
-    return SeqDelta(
-        seq.index, s.engine.text(seq), seq.output_token_ids,
-        list(seq.logprobs) if k is not None else None,
-        list(seq.top_logprobs) if k else None, seq.finish_reason, seq.stop_reason,
-        0, version_spans(seq, 0, seq.num_output_tokens),
-        list(seq.routed_experts) if seq.params.return_routed_experts else None,
-    )  # fmt: skip
+    return completion_output(seq, s.engine.text(seq))
 
 
-def _spans(d: SeqDelta) -> list[dict]:
+def _spans(d: CompletionOutput) -> list[dict]:
     """Which weight version sampled which of the delta's tokens (output token indexes)."""
-    return [{"version": v, "start": lo, "end": hi} for v, lo, hi in d.weight_versions]
+    return [span.to_json() for span in d.weight_versions]
 
 
 def _prompt_scores(seqs: list[Sequence]) -> Sequence:
@@ -234,7 +226,7 @@ def _token_text(s: ServerState, token: int, detokenize: bool) -> str:
 
 
 def _completion_logprobs(
-    s: ServerState, d: SeqDelta, prompt: Sequence | None, detokenize: bool
+    s: ServerState, d: CompletionOutput, prompt: Sequence | None, detokenize: bool
 ) -> dict:
     """OpenAI's completion log-probs of a delta's tokens; with ``prompt`` (echo) the scored
     prompt's tokens first (``null`` for its first token, which nothing predicts)."""
@@ -259,7 +251,7 @@ def _completion_logprobs(
             "top_logprobs": top, "text_offset": offsets}  # fmt: skip
 
 
-def _chat_logprobs(s: ServerState, d: SeqDelta, detokenize: bool) -> list[dict]:
+def _chat_logprobs(s: ServerState, d: CompletionOutput, detokenize: bool) -> list[dict]:
     def entry(t: int, v: float) -> dict:
         text = _token_text(s, t, detokenize)
         return {"token": text, "logprob": _lp(v), "bytes": list(text.encode())}

@@ -1,0 +1,135 @@
+"""What the engine accepts: limits checked once at start, then every request or encode input
+checked and turned into sequences (or ids) before it is queued. ValueError names the problem."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from tandem.config import EngineConfig
+from tandem.engine.kv_cache import BlockManager, blocks_for
+from tandem.engine.model_runner import POOLINGS
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
+from tandem.engine.tokenizer import Tokenizer
+
+# Tokens per step unless configured: decodes first, then prompt chunks. Large enough that a step
+# of prompt work amortises the per-step overhead, small enough that decodes keep flowing.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class Limits:
+    """The engine's context length and step token budget, checked against the model."""
+
+    def __init__(self, spec, config: EngineConfig):
+        _check_task(config.task, spec)
+        limit = spec.max_context_len
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's {limit}")
+        self.max_model_len: int = config.max_model_len or limit
+        self.max_num_batched_tokens: int = (
+            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        )
+        if self.max_num_batched_tokens < config.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({config.max_num_seqs}): every running sequence decodes a token each step"
+            )
+
+
+class Admission:
+    """Checks requests against the model, the limits and the KV cache; prompts -> ids."""
+
+    def __init__(self, spec, task: str, limits: Limits, tokenizer: Tokenizer | None,
+                 blocks: BlockManager):  # fmt: skip
+        self.spec = spec
+        self.task = task
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.blocks = blocks
+        self._seq_ids = itertools.count()
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """A text through the tokenizer, or token ids as given (checked by `make_sequences`)."""
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def tokenize_inputs(self, items) -> tuple[list[list[int]], list[list[int]] | None]:
+        """Texts (through the tokenizer and its post-processor) or token-id lists (as given)
+        -> (ids, token types when the model takes them, else None)."""
+        ids, types = [], []
+        for item in items:
+            if isinstance(item, str):
+                i, t = self.tokenizer.encode_with_types(item)
+            else:
+                i, t = list(item), [0] * len(item)
+            ids.append(i)
+            types.append(t)
+        return ids, types if getattr(self.spec.cls, "token_types", False) else None
+
+    def check_encode(self, inputs: list[list[int]], pooling: str | None) -> str:
+        """Check inputs for `encode`; the pooling to use (the model's unless given)."""
+        if self.task == "generate":
+            raise ValueError("this engine's task is 'generate': embed / classify need "
+                             "task='embed' or 'classify'")  # fmt: skip
+        pooling = pooling or getattr(self.spec.cls, "default_pooling", "last")
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
+        max_len = self.limits.max_model_len
+        for i, ids in enumerate(inputs):
+            if not ids:
+                raise ValueError(f"input {i} is empty")
+            if len(ids) > max_len:
+                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is {max_len}")
+            bad = self._bad_ids(ids)
+            if bad:
+                raise ValueError(f"input {i}: {bad}")
+        return pooling
+
+    def make_sequences(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[Sequence]:
+        """Check one request and turn it into its ``n`` samples (not queued yet)."""
+        if self.task != "generate":
+            raise ValueError(f"this engine's task is {self.task!r}, not 'generate'")
+        if not prompt_ids:
+            raise ValueError(f"request {request_id}: prompt is empty")
+        bad = self._bad_ids(prompt_ids)
+        if bad:
+            raise ValueError(f"request {request_id}: {bad}")
+        max_len = self.limits.max_model_len
+        room = max_len - len(prompt_ids)
+        if room < 1 and not (params.max_tokens == 0 and room == 0):
+            raise ValueError(
+                f"request {request_id}: prompt has {len(prompt_ids)} tokens; max_model_len is "
+                f"{max_len} and at least one token must be generated"
+            )
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = blocks_for(len(prompt_ids) + max(max_tokens, 1), self.blocks.block_size)
+        if need > self.blocks.num_blocks:
+            raise ValueError(
+                f"request {request_id}: needs {need} KV blocks but the cache has "
+                f"{self.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens"
+            )
+        now = time.monotonic()
+        return [
+            Sequence(
+                next(self._seq_ids), request_id, i, prompt_ids, params, max_tokens, now, priority
+            )
+            for i in range(params.n)
+        ]
+
+    def _bad_ids(self, ids: list) -> str | None:
+        vocab = self.spec.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab]  # fmt: skip
+        return f"token ids outside [0, {vocab}): {bad[:8]}" if bad else None
+
+
+def _check_task(task: str, spec) -> None:
+    """The model class can do what the task asks."""
+    needs = {"generate": "compute_logits", "classify": "classify"}.get(task)
+    if needs is not None and getattr(spec.cls, needs, None) is None:
+        raise ValueError(
+            f"task={task!r}: {spec.architecture} has no {needs} (a causal LM generates; "
+            "a *ForSequenceClassification classifies)"
+        )

@@ -1,0 +1,124 @@
+"""The engine's controls from outside the stepping loop: pause / resume, abort, sleep / wake and
+reloading the checkpoint (RL frameworks call them between rollouts; vLLM's RL routes). Each
+runs under the engine lock (`LLMEngine._control`) and moves `EngineLifecycle` through its
+transitions; `LLMEngine.step` reads the lifecycle to know whether it may run."""
+
+from __future__ import annotations
+
+from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
+from tandem.engine.sequence import Sequence
+from tandem.engine.state import PauseMode
+from tandem.errors import ModelLoadError
+
+
+class EngineControls:
+    """Mixed into `LLMEngine`: its lock, lifecycle, scheduler, blocks and executor."""
+
+    def pause(self, mode: str = "abort") -> list[Sequence]:
+        """Stop generating until `resume` (RL controls, as vLLM's ``/pause``). ``abort``: every
+        unfinished sequence ends now with finish_reason ``abort``, keeping the tokens and
+        log-probs it has (returned: partial rollouts); ``wait``: no new sequence is admitted,
+        running ones finish; ``keep``: no step runs, sequences keep their KV blocks and go on
+        where they were after `resume`. New requests queue meanwhile; weight pushes land."""
+        with self._control():
+            mode = self.lifecycle.pause(mode)
+            self.scheduler.admitting = False
+            aborted = self.abort_requests(None) if mode is PauseMode.ABORT else []
+            self._resumed.notify_all()
+        return aborted
+
+    def resume(self) -> None:
+        with self._control():
+            self.lifecycle.resume()
+            self.scheduler.admitting = True
+            self._resumed.notify_all()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in force (``abort``, ``wait``, ``keep``), or None."""
+        mode = self.lifecycle.pause_mode
+        return None if mode is None else mode.value
+
+    def held(self) -> bool:
+        """Whether a pause stops the next step now (``keep``; ``abort``/``wait`` once nothing
+        runs)."""
+        mode = self.lifecycle.pause_mode
+        if mode is None:
+            return False
+        return mode is PauseMode.KEEP or not (self.scheduler.running or self._in_flight)
+
+    def abort_requests(self, request_ids=None) -> list[Sequence]:
+        """Abort the unfinished sequences of these requests (None: of every request); the
+        ones aborted, with what they generated so far."""
+        with self._control():
+            wanted = None if request_ids is None else set(request_ids)
+            seqs = [s for s in self.scheduler.unfinished()
+                    if wanted is None or s.request_id in wanted]  # fmt: skip
+            self.abort(seqs)
+            return seqs
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop these sequences now (their client went away); their KV blocks return to the
+        pool. One inside a step still in flight is released when that step lands."""
+        with self._control():
+            busy = {s.seq_id for b in self._in_flight for s in b.seqs}
+            self._resumed.notify_all()  # `step` callers waiting on these
+            for seq in seqs:
+                if seq.finished:
+                    continue
+                seq.finish("abort")
+                if seq.seq_id not in busy:
+                    self.scheduler.remove(seq)
+                    self._released.append(seq.seq_id)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release memory on every rank so a colocated trainer can use it: level 1 the KV
+        cache (running sequences are preempted and recomputed after `wake`; nothing is lost,
+        the cached prefixes go with the memory), level 2 the weights too (vLLM's level 2:
+        after `wake`, requests are refused until a push lands or `reload_weights`)."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (KV cache) or 2 (and weights), got {level}")
+        with self._control():
+            self.lifecycle.check_alive()
+            if level == 2:
+                self.lifecycle.check_idle_for("sleep(level=2)")
+            if not self.lifecycle.kv_released:
+                self._drain_in_flight()
+                self.scheduler.preempt_all()
+                self.blocks.reset_prefix_cache()  # their keys/values leave with the memory
+                self._guarded(lambda: self.executor.set_kv_cache(False))
+            if level == 2 and not self.lifecycle.weights_released:
+                self._weight_memory(ReleaseWeights())
+            self.lifecycle.slept(weights=level == 2)
+
+    def wake(self, kv_cache: bool = True, weights: bool = True) -> None:
+        """Re-allocate what `sleep` released (vLLM's ``wake_up`` tags): the KV cache, and the
+        weights' memory (zeroed: they serve nothing until a push or `reload_weights`)."""
+        with self._control():
+            self.lifecycle.check_alive()
+            if weights and self.lifecycle.weights_released:
+                self._weight_memory(RestoreWeights())
+            if kv_cache and self.lifecycle.kv_released:
+                self._guarded(lambda: self.executor.set_kv_cache(True))
+                self.lifecycle.woke()
+
+    def reload_weights(self) -> None:
+        """Read every rank's weights from the checkpoint again (after ``sleep(level=2)``, or
+        to undo pushes): the engine serves version 0, the checkpoint's. Sequences running go
+        on under the reloaded weights, recording the version change."""
+        with self._control():
+            self.lifecycle.check_alive()
+            self.lifecycle.check_idle_for("reload_weights")
+            self._drain_in_flight()
+            errors = self._weight_memory(ReloadWeights())
+            self.blocks.reset_prefix_cache()
+            if errors:
+                self.lifecycle.torn(f"reloading the checkpoint failed: {'; '.join(errors)}")
+                raise ModelLoadError(f"reloading the weights failed: {'; '.join(errors)}",
+                                     file=str(self.spec.path))  # fmt: skip
+            self.weight_version = 0
+            self.lifecycle.push_landed()
+            self._resumed.notify_all()
+
+    def _weight_memory(self, msg) -> list[str]:
+        return self._guarded(lambda: self.executor.weight_memory(msg))

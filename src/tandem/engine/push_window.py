@@ -1,0 +1,67 @@
+"""The engine as a weight-push target: its ranks' layouts, and the window in which one push's
+phases run while no step does (`tandem.engine.weight_update`, driven by the exchange server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tandem.engine.messages import RestoreWeights
+from tandem.engine.weight_update import WeightUpdate
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import PushPhase, UpdateSpec
+
+
+class PushWindow:
+    """Mixed into `LLMEngine`: its lock, lifecycle, blocks and executor."""
+
+    _exchange = None
+
+    def exchange_server(self):
+        if self._exchange is None:
+            from tandem.exchange.server import ExchangeServer
+
+            self._exchange = ExchangeServer(self, host=self.config.exchange_host)
+        return self._exchange
+
+    def weight_layouts(self) -> list[RankLayout]:
+        """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
+        return self.executor.layouts
+
+    @contextmanager
+    def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:
+        """A window for one push: steps already in flight (pipeline) finish, then no step runs
+        until it closes; the caller runs the push's phases in it (`WeightUpdate.run`).
+        Waiting and running requests go on afterwards with the new weights, each recording
+        the versions it used. The lock is held only while a phase runs, never while the caller
+        waits on trainers."""
+        with self._control():
+            self._drain_in_flight()
+            self.lifecycle.check_alive()
+            if self.lifecycle.weights_released:  # sleep(level=2): memory for the push first
+                self._weight_memory(RestoreWeights())
+            self.lifecycle.open_update()
+            update = WeightUpdate(self, spec, self.weight_version)
+        try:
+            yield update
+        except BaseException as exc:
+            if update.exposed and update.torn is None:  # broke after writing live weights
+                update.torn = f"the push of version {spec.version} broke: {exc}"
+            try:
+                self.apply_phase(PushPhase.ABORT, spec, {})  # every rank drops what it held
+            except Exception:  # a dead rank: the engine is marked dead by apply_phase
+                pass
+            raise
+        finally:
+            with self._control():
+                self.blocks.reset_prefix_cache()  # cached KV came from the old weights
+                self.lifecycle.close_update(update.torn, update.landed)
+                if update.torn is None and update.landed:
+                    self.weight_version = spec.version
+                self._resumed.notify_all()
+
+    def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
+                    records_by_rank: dict[int, list]):  # fmt: skip
+        """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
+        with self._control():
+            return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
