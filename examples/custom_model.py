@@ -7,9 +7,10 @@ To serve your own architecture:
    canonical names of the checkpoint tensors it holds; the layers record which box of which tensor
    each parameter takes (its placement pieces), so loading and tensor-parallel sharding follow
    with no code in the model, and the layers do their own collectives.
-2. Provide what ``tandem.models.registry.CausalLM`` lists: ``config_class``, ``pipeline``,
-   ``embed``, ``layer_context``, decoder layers called as ``layer(x, context, meta)``,
-   ``final_norm``, ``compute_logits`` and ``max_context_len``.
+2. Subclass ``tandem.models.TandemModel`` and provide what it lists: ``config_class``,
+   ``pipeline``, ``embed``, ``layer_context``, decoder layers called as ``layer(x, context, meta)``,
+   ``final_norm`` and ``max_context_len``; declare ``tasks`` (a generator holds ``"generate"``
+   and defines ``compute_logits``).
 3. Register it with ``@register_model("YourArchitecture")`` (the name in config.json's
    ``architectures``) in an importable module: worker processes import the class's module by
    name, so it must not live in ``__main__``. Import that module before creating the ``LLM``.
@@ -37,7 +38,7 @@ from tandem.layers.embedding import ParallelLMHead, PositionEmbedding, VocabPara
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
 from tandem.layers.placement import canonical_shapes
-from tandem.models.registry import register_model
+from tandem.models import TandemModel, register_model
 from tandem.models.stages import PipelineLayout
 from tandem.models.tiny import EOS, train_tokenizer
 from tandem.parallel import SINGLE, TPGroup
@@ -117,8 +118,9 @@ class Block(nn.Module):
 
 
 @register_model(ARCHITECTURE)
-class TinyParallelLMForCausalLM(nn.Module):
+class TinyParallelLMForCausalLM(TandemModel):
     config_class = TinyParallelLMConfig
+    tasks = frozenset({"generate", "embed"})
     pipeline = PipelineLayout(layers="blocks", first=("tokens", "positions"), last=("norm", "head"))
 
     def __init__(self, cfg: TinyParallelLMConfig, tp: TPGroup = SINGLE):

@@ -58,12 +58,11 @@ def _classify(args) -> int:
 
             inputs = [load_image(path, args.model, spec.config.image_size) for path in args.image]
         rows = llm.embed(inputs) if args.embed else llm.classify(inputs)
-        labels = getattr(spec.config, "id2label", {})
         for name, row in zip(args.text or args.image, rows, strict=True):
             record = {"input": name, "embedding" if args.embed else "logits": row}
             if not args.embed:
                 best = max(range(len(row)), key=row.__getitem__)
-                record["label"] = labels.get(str(best), str(best))
+                record["label"] = spec.config.id2label.get(str(best), str(best))
             print(json.dumps(record))
     return 0
 
@@ -118,8 +117,9 @@ def _serve(args) -> int:
         from tandem.engine.multiproc import run_node
 
         ec = config.engine_config()
-        print(f"node {args.node_rank}/{ec.nnodes}: joining the engine at "
-              f"{ec.master_addr}:{ec.master_port}", flush=True)  # fmt: skip
+        p = ec.parallel
+        print(f"node {args.node_rank}/{p.nnodes}: joining the engine at "
+              f"{p.master_addr}:{p.master_port}", flush=True)  # fmt: skip
         return run_node(ec, args.node_rank)
     from tandem.engine.executor import EngineDeadError
     from tandem.server.launch import serve

@@ -51,7 +51,7 @@ class LLM:
         if self.engine.config.task != task:
             raise ValueError(f"{task} needs LLM(..., task={task!r}); this LLM's task is "
                              f"{self.engine.config.task!r}")  # fmt: skip
-        if getattr(self.engine.spec.cls, "inputs", "tokens") == "pixels":
+        if self.engine.spec.cls.inputs == "pixels":
             return self._encode_images(inputs, pooling)
         ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
         return self.engine.encode(ids, types, pooling)

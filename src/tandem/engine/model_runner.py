@@ -8,6 +8,7 @@ sampling rank turns logits into a `StepResult`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ from tandem.layers.attention import (
 )
 from tandem.layers.moe import SparseMoE
 from tandem.layers.sampler import Sampler, SamplingBatch
+from tandem.models.base import Pooling
 from tandem.models.loader import ModelSpec, build_model, load_weights
 from tandem.models.stages import Stage
 from tandem.parallel import SINGLE, TPGroup
@@ -44,7 +46,7 @@ MAX_DECODE_GROUPS = 4
 PROMPT_SCORE_ROWS = 256  # prompt rows scored per logits matrix (rows x vocab floats)
 
 
-POOLINGS = ("cls", "last", "mean")
+POOLINGS = get_args(Pooling)
 
 
 def _pool(rows: torch.Tensor, how: str) -> torch.Tensor:
@@ -179,10 +181,10 @@ class ModelRunner:
         self.layers = list(self.stage.layers(self.model))
         # mixture-of-experts layers (routing replay): this stage's, and how many come before it
         self.moe = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
-        moe_layers = getattr(spec.cls, "moe_layers", lambda config: [])(spec.config)
+        moe_layers = spec.cls.moe_layers(spec.config)
         self.moe_before = sum(1 for i in moe_layers if i < self.stage.start)
-        self.moe_top_k = getattr(spec.config, "num_experts_per_tok", 0)
         self.has_moe = bool(moe_layers)
+        self.moe_top_k = spec.config.num_experts_per_tok if self.has_moe else 0
         self.hidden_size = spec.hidden_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache: torch.Tensor | None = None

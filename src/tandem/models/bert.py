@@ -20,6 +20,7 @@ from tandem.layers.embedding import PositionEmbedding, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
 from tandem.layers.placement import replicated
+from tandem.models.base import TandemModel
 from tandem.models.labels import Labels
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
@@ -109,7 +110,7 @@ class BertEmbeddings(nn.Module):
 
 
 @register_model("BertModel")
-class BertModel(nn.Module):
+class BertModel(TandemModel):
     """Embeddings only: pooling picks a row of the last hidden states ([CLS] by default)."""
 
     config_class = BertConfig
@@ -150,6 +151,7 @@ class BertForSequenceClassification(BertModel):
     """``classify``: the classifier's logits over tanh(pooler([CLS] hidden state))."""
 
     pipeline = PipelineLayout(layers="layers", first=("embeddings",), last=("pooler", "classifier"))
+    tasks = frozenset({"embed", "classify"})
 
     def __init__(self, cfg: BertConfig, tp: TPGroup = SINGLE):
         super().__init__(cfg, tp)

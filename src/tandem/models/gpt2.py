@@ -12,6 +12,7 @@ from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, PositionEmbedding, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
+from tandem.models.base import TandemModel
 from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
@@ -105,8 +106,9 @@ class GPT2Block(nn.Module):
 
 
 @register_model("GPT2LMHeadModel")
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(TandemModel):
     config_class = GPT2Config
+    tasks = frozenset({"generate", "embed"})
     pipeline = PipelineLayout(layers="h", first=("wte", "wpe"), last=("ln_f", "lm_head"))
     optional_prefix = "transformer."  # original hub checkpoints name tensors without it
 

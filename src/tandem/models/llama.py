@@ -17,6 +17,7 @@ from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, apply_rotary
+from tandem.models.base import TandemModel
 from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
@@ -155,8 +156,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 @register_model("LlamaForCausalLM")
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(TandemModel):
     config_class = LlamaConfig
+    tasks = frozenset({"generate", "embed"})
     pipeline = PipelineLayout(layers="layers", first=("embed_tokens",), last=("norm", "lm_head"))
     qkv_bias: ClassVar[bool | None] = None  # None: follow config ``attention_bias``
     qk_norm: ClassVar[bool] = False

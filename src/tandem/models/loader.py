@@ -20,6 +20,7 @@ import tandem.models  # noqa: F401  (registers the built-in architectures)
 from tandem.errors import ModelLoadError, UnsupportedModelError
 from tandem.layers.placement import canonical_shapes, unique_parameters
 from tandem.layers.rotary import RopeParameters
+from tandem.models.base import TandemModel
 from tandem.models.registry import model_class, registered_architectures
 from tandem.models.stages import Stage, prune_to_stage
 from tandem.parallel import SINGLE, TPGroup
@@ -34,7 +35,7 @@ class ModelSpec:
 
     path: Path
     architecture: str
-    cls: type[nn.Module]
+    cls: type[TandemModel]
     config: BaseModel
     eos_token_ids: tuple[int, ...]
 
@@ -182,7 +183,7 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
     with torch.device("meta"):  # the whole model's names: other stages read the rest
         known = canonical_shapes(spec.cls(spec.config, SINGLE))
     stored = _canonical_names(checkpoint_files(spec.path), spec.cls, known)
-    ignorable = set(getattr(spec.cls, "unused_checkpoint_tensors", lambda c: set())(spec.config))
+    ignorable = spec.cls.unused_checkpoint_tensors(spec.config)
     problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored]
     problems += [
         f"unexpected tensor {stored[n][0]}"
@@ -210,11 +211,11 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
 
 
 def _canonical_names(
-    files: dict[str, Path], cls: type[nn.Module], known: dict
+    files: dict[str, Path], cls: type[TandemModel], known: dict
 ) -> dict[str, tuple[str, Path]]:
     """Canonical name -> (name on disk, file). A model may declare ``optional_prefix``: a
     checkpoint that omits it (GPT-2 hub files lack ``transformer.``) still maps exactly."""
-    prefix = getattr(cls, "optional_prefix", None)
+    prefix = cls.optional_prefix
     out = {}
     for disk_name, fname in files.items():
         canonical = disk_name

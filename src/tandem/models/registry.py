@@ -3,48 +3,23 @@
 from __future__ import annotations
 
 import importlib
-from typing import Protocol
 
-import torch
-from pydantic import BaseModel
-from torch import nn
+from tandem.models.base import TandemModel, contract_problems
 
-from tandem.models.stages import PipelineLayout
-from tandem.parallel import TPGroup
-
-
-class CausalLM(Protocol):
-    """What the engine needs from a model class (an ``nn.Module``).
-
-    Decoder layers are called as ``layer(hidden, context, meta)``; the engine runs the layers of
-    its pipeline stage between ``embed`` (first stage) and ``final_norm`` (last stage).
-    """
-
-    config_class: type[BaseModel]  # parses config.json; has num_layers, hidden_size, vocab_size
-    pipeline: PipelineLayout
-
-    def __init__(self, config: BaseModel, tp: TPGroup): ...
-
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
-
-    def layer_context(self, positions: torch.Tensor, dtype: torch.dtype) -> object:
-        """Per-step values every layer shares (e.g. rotary tables)."""
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    @staticmethod
-    def max_context_len(config: BaseModel) -> int: ...
-
-
-_MODELS: dict[str, type[nn.Module]] = {}
+_MODELS: dict[str, type[TandemModel]] = {}
 
 
 def register_model(*architectures: str):
-    """Class decorator: serve checkpoints whose ``config.json`` ``architectures`` names these."""
+    """Class decorator: serve checkpoints whose ``config.json`` ``architectures`` names these.
 
-    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+    The class must subclass `TandemModel` and declare what it does; a ``TypeError`` naming the
+    class lists what is missing or inconsistent."""
+
+    def wrap(cls: type[TandemModel]) -> type[TandemModel]:
+        problems = contract_problems(cls)
+        if problems:
+            name = f"{cls.__module__}.{cls.__qualname__}" if isinstance(cls, type) else repr(cls)
+            raise TypeError(f"cannot register {name}: " + "; ".join(problems))
         for arch in architectures:
             if arch in _MODELS and _MODELS[arch] is not cls:
                 raise ValueError(f"architecture {arch!r} already registered by {_MODELS[arch]}")
@@ -54,7 +29,7 @@ def register_model(*architectures: str):
     return wrap
 
 
-def model_class(architecture: str) -> type[nn.Module] | None:
+def model_class(architecture: str) -> type[TandemModel] | None:
     return _MODELS.get(architecture)
 
 

@@ -29,8 +29,8 @@ class _ScoreHead:
 
     config_class = ClassifierConfig
     pipeline = PipelineLayout(layers="layers", first=("embed_tokens",), last=("norm", "score"))
-    default_pooling = "last"
-    compute_logits = None  # not a generator: LLM(task="generate") refuses it
+    tasks = frozenset({"embed", "classify"})
+    compute_logits = None  # the LM head is replaced by ``score``: no logits to generate from
 
     def __init__(self, cfg: ClassifierConfig, tp: TPGroup = SINGLE):
         super().__init__(cfg, tp)

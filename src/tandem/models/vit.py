@@ -21,6 +21,7 @@ from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import LayerNorm
 from tandem.layers.placement import replicated
+from tandem.models.base import TandemModel
 from tandem.models.labels import Labels
 from tandem.models.registry import register_model
 from tandem.models.stages import PipelineLayout
@@ -113,11 +114,12 @@ class PatchEmbedding(nn.Module):
 
 
 @register_model("ViTForImageClassification")
-class ViTForImageClassification(nn.Module):
+class ViTForImageClassification(TandemModel):
     config_class = ViTConfig
     pipeline = PipelineLayout(
         layers="layers", first=("embeddings",), last=("layernorm", "classifier")
     )
+    tasks = frozenset({"embed", "classify"})
     default_pooling = "cls"
     inputs = "pixels"  # LLM.classify takes image tensors, not text
 

@@ -43,7 +43,7 @@ async def embeddings(request: Request):
 async def classify(request: Request):
     s, req = await _read(request, ClassifyRequest, "classify", "/v1/classify")
     rows, tokens = await _encode(s, req.inputs(), None)
-    labels = getattr(s.engine.model_config, "id2label", {})
+    labels = s.engine.model_config.id2label
     data = []
     for i, row in enumerate(rows):
         probs = torch.softmax(torch.tensor(row, dtype=torch.float64), dim=-1).tolist()
