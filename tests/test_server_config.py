@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,7 +20,7 @@ def test_file_and_flags_merge(tmp_path):
                   "max_num_seqs = 8\n")  # fmt: skip
     config = load_config(path, {"port": 9100, "engine": {"max_num_seqs": 4}})
     assert (config.model, config.tp, config.port, config.host) == ("m", 2, 9100, "127.0.0.1")
-    engine = config.engine_config()
+    engine = SimpleNamespace(**config.engine_config().flat())
     assert engine.tensor_parallel_size == 2 and engine.max_num_seqs == 4
     assert engine.dtype == "float32"
     assert config.admin_key is None  # admin routes off unless a key is given
@@ -31,10 +32,11 @@ def test_engine_flags_reach_the_engine_config():
 
     args = parser().parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64",
                                 "--no-enable-prefix-caching", "--batching", "static"])  # fmt: skip
-    engine = serve_config(args).engine_config()
+    engine = SimpleNamespace(**serve_config(args).engine_config().flat())
     assert engine.max_num_batched_tokens == 64 and engine.enable_prefix_caching is False
     assert engine.batching == "static"
-    default = serve_config(parser().parse_args(["serve", "--model", "m"])).engine_config()
+    default = serve_config(parser().parse_args(["serve", "--model", "m"])).engine_config().flat()
+    default = SimpleNamespace(**default)
     assert default.enable_prefix_caching is True and default.max_num_batched_tokens is None
 
 
@@ -101,7 +103,7 @@ def test_vllm_spellings_give_the_same_settings(capsys):
         "--distributed-executor-backend", "mp", "--host", "127.0.0.1", "--shutdown-timeout", "5",
     ])  # fmt: skip
     assert vllm == tandem
-    engine = vllm.engine_config()
+    engine = SimpleNamespace(**vllm.engine_config().flat())
     assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)
     assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (
         256, 8, 64)  # fmt: skip

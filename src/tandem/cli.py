@@ -117,8 +117,9 @@ def _serve(args) -> int:
         from tandem.engine.multiproc import run_node
 
         ec = config.engine_config()
-        print(f"node {args.node_rank}/{ec.nnodes}: joining the engine at "
-              f"{ec.master_addr}:{ec.master_port}", flush=True)  # fmt: skip
+        p = ec.parallel
+        print(f"node {args.node_rank}/{p.nnodes}: joining the engine at "
+              f"{p.master_addr}:{p.master_port}", flush=True)  # fmt: skip
         return run_node(ec, args.node_rank)
     from tandem.engine.executor import EngineDeadError
     from tandem.server.launch import serve

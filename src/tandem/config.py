@@ -1,47 +1,38 @@
-"""Typed engine configuration; every check names the field to change."""
+"""Typed engine configuration, grouped by the component that reads it; every check names the
+field to change.
+
+`EngineConfig` holds what defines the model being served (model, task, dtype, device, seed,
+context length) and one group per component: `SchedulerConfig`, `CacheConfig`,
+`ParallelConfig` (the degrees and where the ranks run; its `dims` does the rank arithmetic)
+and `RayConfig`. Users write the options flat, by vLLM's names (``LLM(model,
+tensor_parallel_size=2, max_num_seqs=64)``, ``tandem serve`` flags, the TOML ``[engine]``
+table): each flat name belongs to exactly one group and is moved there; an unknown name is an
+error naming it. The nested form (``parallel={"tensor_parallel_size": 2}``) is taken too.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.dtypes import DTYPES
+from tandem.parallel import ParallelDims
 
 ENCODE_KV_CACHE_BYTES = 4 << 20
 
 
-class EngineConfig(BaseModel):
-    """Options of `LLM` (and later `tandem serve`). Unknown options are errors."""
-
+class _Group(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str
-    task: Literal["generate", "embed", "classify"] = Field(
-        "generate",
-        description="generate: sampling (LLM.generate); embed: pooled hidden states "
-        "(LLM.embed); classify: a classification or reward head's logits (LLM.classify)",
-    )
-    model_modules: list[str] = Field(
-        default_factory=list,
-        description="modules to import first: they register custom architectures",
-    )
-    tensor_parallel_size: int = Field(1, ge=1)
-    pipeline_parallel_size: int = Field(1, ge=1)
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    seed: int = Field(0, ge=0)
-    max_model_len: int | None = Field(None, ge=2)
+
+class SchedulerConfig(_Group):
+    """What each step takes (`tandem.engine.scheduler`)."""
+
     max_num_seqs: int = Field(256, ge=1)
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="tokens per step (decodes first, then prompt chunks); default 2048"
-    )
-    block_size: int = Field(16, ge=1)
-    enable_prefix_caching: bool = Field(
-        True,
-        description="reuse the KV blocks of a cached prompt prefix across requests, and prefill "
-        "a request's n samples once (they share the prompt's blocks)",
     )
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     max_wait_s: float = Field(
@@ -56,41 +47,20 @@ class EngineConfig(BaseModel):
         description="static batching in a server: an idle engine lets a burst gather this long "
         "(or until max_num_seqs are queued) before starting a batch",
     )
-    pipeline_layer_split: list[int] | None = Field(
-        None, description="decoder layers per pipeline stage (uneven allowed); default: even"
+
+
+class CacheConfig(_Group):
+    """The paged KV cache (`tandem.engine.kv_cache`)."""
+
+    block_size: int = Field(16, ge=1)
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV blocks of a cached prompt prefix across requests, and prefill "
+        "a request's n samples once (they share the prompt's blocks)",
     )
-    nnodes: int = Field(1, ge=1, description="hosts the TP x PP ranks are spread over")
-    master_addr: str = Field("127.0.0.1", description="this (the engine's) host, for workers")
-    master_port: int | None = Field(
-        None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
-    )
-    exchange_host: str = Field(
-        "127.0.0.1", description="address the weight-exchange server listens on (trainers dial it)"
-    )
-    distributed_executor_backend: Literal["mp", "ray"] = Field(
-        "mp", description="mp: worker processes on this host (and nodes that join); ray: each "
-        "rank a Ray actor in one placement group",
-    )  # fmt: skip
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="ray: how the placement group spreads the ranks over nodes"
-    )
-    ray_address: str | None = Field(
-        None, description="ray: the cluster to join when not connected yet (default 'auto')"
-    )
-    ray_cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs in each rank's bundle")
-    worker_start_timeout_s: float = Field(300.0, gt=0)
-    collective_timeout_s: float = Field(120.0, gt=0)
     kv_cache_memory: int | float = Field(
         1 << 30, description="bytes (int) or a fraction (0, 1] of free device memory (float)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _encode_budget(cls, values):
-        """embed / classify engines keep no KV cache: a small default budget."""
-        if isinstance(values, dict) and values.get("task", "generate") != "generate":
-            values = {"kv_cache_memory": ENCODE_KV_CACHE_BYTES, **values}
-        return values
 
     @field_validator("kv_cache_memory")
     @classmethod
@@ -98,6 +68,109 @@ class EngineConfig(BaseModel):
         if isinstance(v, bool) or v <= 0 or (isinstance(v, float) and v > 1):
             raise ValueError("must be a byte count > 0 or a fraction in (0, 1]")
         return v
+
+
+class ParallelConfig(_Group):
+    """The parallel degrees and where the ranks run (executors, workers)."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    pipeline_layer_split: list[int] | None = Field(
+        None, description="decoder layers per pipeline stage (uneven allowed); default: even"
+    )
+    distributed_executor_backend: Literal["mp", "ray"] = Field(
+        "mp", description="mp: worker processes on this host (and nodes that join); ray: each "
+        "rank a Ray actor in one placement group",
+    )  # fmt: skip
+    nnodes: int = Field(1, ge=1, description="hosts the TP x PP ranks are spread over")
+    master_addr: str = Field("127.0.0.1", description="this (the engine's) host, for workers")
+    master_port: int | None = Field(
+        None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
+    )
+    worker_start_timeout_s: float = Field(300.0, gt=0)
+    collective_timeout_s: float = Field(120.0, gt=0)
+
+    @property
+    def dims(self) -> ParallelDims:
+        """The degrees and the rank arithmetic (rank = pp_rank * tp + tp_rank)."""
+        return ParallelDims(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
+
+
+class RayConfig(_Group):
+    """``distributed_executor_backend="ray"``: the placement group of rank actors."""
+
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="ray: how the placement group spreads the ranks over nodes"
+    )
+    ray_address: str | None = Field(
+        None, description="ray: the cluster to join when not connected yet (default 'auto')"
+    )
+    ray_cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs in each rank's bundle")
+
+
+GROUPS: dict[str, type[_Group]] = {
+    "scheduler": SchedulerConfig,
+    "cache": CacheConfig,
+    "parallel": ParallelConfig,
+    "ray": RayConfig,
+}
+_GROUP_OF = {name: group for group, cls in GROUPS.items() for name in cls.model_fields}
+
+
+class EngineConfig(BaseModel):
+    """Options of `LLM` and `tandem serve`, flat by vLLM's names or nested by group. Unknown
+    options are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    task: Literal["generate", "embed", "classify"] = Field(
+        "generate",
+        description="generate: sampling (LLM.generate); embed: pooled hidden states "
+        "(LLM.embed); classify: a classification or reward head's logits (LLM.classify)",
+    )
+    model_modules: list[str] = Field(
+        default_factory=list,
+        description="modules to import first: they register custom architectures",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    seed: int = Field(0, ge=0)
+    max_model_len: int | None = Field(None, ge=2)
+    exchange_host: str = Field(
+        "127.0.0.1", description="address the weight-exchange server listens on (trainers dial it)"
+    )
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _group_flat_options(cls, values: Any):
+        """Flat options into their groups; embed / classify engines keep no KV cache, so a
+        small default budget."""
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        for name in [n for n in values if n in _GROUP_OF]:
+            group = _GROUP_OF[name]
+            nested = values.get(group, {})
+            if isinstance(nested, BaseModel):
+                nested = nested.model_dump(exclude_unset=True)
+            if not isinstance(nested, dict):
+                break  # the group's own validation names the problem
+            if name in nested:
+                raise ValueError(f"{name} is given both flat and in {group}")
+            values[group] = {**nested, name: values.pop(name)}
+        cache = values.get("cache", {})
+        if values.get("task", "generate") != "generate" and isinstance(cache, dict):
+            values["cache"] = {"kv_cache_memory": ENCODE_KV_CACHE_BYTES, **cache}
+        return values
 
     @field_validator("device")
     @classmethod
@@ -108,9 +181,12 @@ class EngineConfig(BaseModel):
             raise ValueError(f"not a torch device: {v!r}") from None
         return v
 
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+    def flat(self) -> dict[str, Any]:
+        """Every option by its flat (vLLM) name."""
+        out = self.model_dump(exclude=set(GROUPS))
+        for group in GROUPS:
+            out.update(getattr(self, group).model_dump())
+        return out
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,3 +195,11 @@ class EngineConfig(BaseModel):
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def flat_location(loc: tuple) -> tuple:
+    """A validation error's location as the user wrote it: ``("parallel", "nnodes")`` ->
+    ``("nnodes",)`` (flat names are unique across groups)."""
+    if len(loc) >= 2 and loc[0] in GROUPS and _GROUP_OF.get(loc[1]) == loc[0]:
+        return loc[1:]
+    return loc

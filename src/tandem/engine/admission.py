@@ -27,13 +27,14 @@ class Limits:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's {limit}")
         self.max_model_len: int = config.max_model_len or limit
+        scheduler = config.scheduler
         self.max_num_batched_tokens: int = (
-            config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+            scheduler.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         )
-        if self.max_num_batched_tokens < config.max_num_seqs:
+        if self.max_num_batched_tokens < scheduler.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({config.max_num_seqs}): every running sequence decodes a token each step"
+                f"({scheduler.max_num_seqs}): every running sequence decodes a token each step"
             )
 
 
@@ -64,14 +65,14 @@ class Admission:
                 i, t = list(item), [0] * len(item)
             ids.append(i)
             types.append(t)
-        return ids, types if getattr(self.spec.cls, "token_types", False) else None
+        return ids, types if self.spec.cls.token_types else None
 
     def check_encode(self, inputs: list[list[int]], pooling: str | None) -> str:
         """Check inputs for `encode`; the pooling to use (the model's unless given)."""
         if self.task == "generate":
             raise ValueError("this engine's task is 'generate': embed / classify need "
                              "task='embed' or 'classify'")  # fmt: skip
-        pooling = pooling or getattr(self.spec.cls, "default_pooling", "last")
+        pooling = pooling or self.spec.cls.default_pooling
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
         max_len = self.limits.max_model_len
@@ -126,10 +127,9 @@ class Admission:
 
 
 def _check_task(task: str, spec) -> None:
-    """The model class can do what the task asks."""
-    needs = {"generate": "compute_logits", "classify": "classify"}.get(task)
-    if needs is not None and getattr(spec.cls, needs, None) is None:
+    """The model class can do what the task asks (`TandemModel.tasks`)."""
+    if task not in spec.cls.tasks:
         raise ValueError(
-            f"task={task!r}: {spec.architecture} has no {needs} (a causal LM generates; "
-            "a *ForSequenceClassification classifies)"
+            f"task={task!r}: {spec.architecture} does {sorted(spec.cls.tasks)}, not {task!r} "
+            "(a causal LM generates; a *ForSequenceClassification classifies)"
         )

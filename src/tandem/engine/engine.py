@@ -55,18 +55,18 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
         self.executor: Executor = _make_executor(self.spec, config)
         self.blocks = BlockManager(
             self.executor.num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
+            config.cache.block_size,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.admission = Admission(self.spec, config.task, self.limits, self.tokenizer,
                                    self.blocks)  # fmt: skip
         self.scheduler = Scheduler(
             self.blocks,
-            config.max_num_seqs,
+            config.scheduler.max_num_seqs,
             self.limits.max_num_batched_tokens,
-            policy=config.scheduling_policy,
-            max_wait_s=config.max_wait_s,
-            batching=config.batching,
+            policy=config.scheduler.scheduling_policy,
+            max_wait_s=config.scheduler.max_wait_s,
+            batching=config.scheduler.batching,
         )
         self.weight_version = 0
         self.lifecycle = EngineLifecycle()
@@ -178,7 +178,7 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
         """Seconds an idle static-batching engine should still let a burst gather before its
         next batch starts (0: step now). A server calls it; offline, every request is queued
         before the first step."""
-        window = self.config.static_batch_window_s
+        window = self.config.scheduler.static_batch_window_s
         return self.scheduler.static_batch_window_left(window) if window else 0.0
 
     def reset_prefix_cache(self) -> None:
@@ -227,11 +227,11 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
 
 
 def _make_executor(spec, config: EngineConfig) -> Executor:
-    if config.distributed_executor_backend == "ray":
+    if config.parallel.distributed_executor_backend == "ray":
         from tandem.engine.ray_executor import RayExecutor
 
         return RayExecutor(spec, config)
-    if config.world_size == 1:
+    if config.parallel.world_size == 1:
         return InProcessExecutor(spec, config)
     from tandem.engine.multiproc import MultiprocExecutor
 

@@ -79,10 +79,10 @@ class InProcessExecutor:
             spec,
             dtype=config.torch_dtype,
             device=config.torch_device,
-            block_size=config.block_size,
+            block_size=config.cache.block_size,
             seed=config.seed,
         )
-        self.num_blocks = kv_blocks([self.runner.kv_capacity(config.kv_cache_memory)])
+        self.num_blocks = kv_blocks([self.runner.kv_capacity(config.cache.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)
         self.layouts = [engine_layout(self.runner.model, 0, self.runner.arena)]
         self.receiver = RankReceiver(self.runner.model, 0, config.torch_device)

@@ -60,26 +60,27 @@ class MultiprocExecutor:
     ranks_elsewhere = False  # True: ranks may run on other hosts (TCP rendezvous)
 
     def __init__(self, spec: ModelSpec, config: EngineConfig):
-        dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+        dims = config.parallel.dims
         check_layout(spec, config, dims)
         self.max_in_flight = dims.pp
         self._token = secrets.token_hex(16)
-        self._server = ControlServer(config.master_addr, self._token, dims.world_size)
+        self._server = ControlServer(config.parallel.master_addr, self._token, dims.world_size)
         self._store = None
         self._tmpdir = None
-        if config.nnodes == 1 and not self.ranks_elsewhere:
+        if config.parallel.nnodes == 1 and not self.ranks_elsewhere:
             self._tmpdir = tempfile.mkdtemp(prefix="tandem-rdzv-")  # private (0700)
             rendezvous = f"file://{self._tmpdir}/store"
         else:
             default_port = 0 if self.ranks_elsewhere else 29500  # 0: any free port
             self._store = dist.TCPStore(
-                config.master_addr, config.master_port or default_port, dims.world_size + 1,
+                config.parallel.master_addr, config.parallel.master_port or default_port,
+                dims.world_size + 1,
                 is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
             )  # fmt: skip
             host, port = self._server.address
             self._store.set(CONTROL_KEY, msgpack.packb([host, port, self._token]))
-            rendezvous = f"tcp://{config.master_addr}:{self._store.port}"
-        local = dims.world_size // config.nnodes
+            rendezvous = f"tcp://{config.parallel.master_addr}:{self._store.port}"
+        local = dims.world_size // config.parallel.nnodes
         self._procs = self._spawn(
             config, range(local), rendezvous, self._server.address, self._token, spec
         )
@@ -87,7 +88,7 @@ class MultiprocExecutor:
             self, _release, self._procs, self._server, self._store, self._tmpdir
         )
         try:
-            deadline = time.monotonic() + config.worker_start_timeout_s
+            deadline = time.monotonic() + config.parallel.worker_start_timeout_s
             self._server.accept_all(deadline, self.check_alive)
             loaded = [self._receive(Capacity, deadline) for _ in range(dims.world_size)]
             self.num_blocks = kv_blocks([m.num_blocks for m in loaded])
@@ -205,12 +206,12 @@ class MultiprocExecutor:
 
 def check_layout(spec: ModelSpec, config: EngineConfig, dims: ParallelDims) -> None:
     """Fail at start-up, in this process, on sizes that cannot be split."""
-    if dims.world_size % config.nnodes:
+    if dims.world_size % config.parallel.nnodes:
         raise ValueError(
             f"tensor_parallel_size x pipeline_parallel_size ({dims.world_size}) must be a "
-            f"multiple of nnodes ({config.nnodes})"
+            f"multiple of nnodes ({config.parallel.nnodes})"
         )
-    split_layers(spec.num_layers, dims.pp, config.pipeline_layer_split)
+    split_layers(spec.num_layers, dims.pp, config.parallel.pipeline_layer_split)
     with torch.device("meta"):
         spec.cls(spec.config, TPGroup(0, dims.tp))  # raises ValueError naming the field
 
@@ -226,7 +227,7 @@ def spawn_workers(
         )
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    if config.nnodes == 1 and sys.platform == "linux":
+    if config.parallel.nnodes == 1 and sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = []
     ranks = list(ranks)
@@ -270,22 +271,24 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
 
     Finds the engine through the c10d store at ``master_addr:master_port``, starts the local
     workers and returns when they exit (the engine shut down or failed)."""
-    if not 1 <= node_rank < config.nnodes:
-        raise ValueError(f"node_rank must be in [1, {config.nnodes}) here, got {node_rank}")
-    if config.master_port is None:
+    if not 1 <= node_rank < config.parallel.nnodes:
+        raise ValueError(
+            f"node_rank must be in [1, {config.parallel.nnodes}) here, got {node_rank}"
+        )
+    if config.parallel.master_port is None:
         raise ValueError("master_port is required to join an engine on another node")
-    dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+    dims = config.parallel.dims
     import_model_modules(config.model_modules)
     spec = read_model_spec(config.model)
     check_layout(spec, config, dims)
     store = dist.TCPStore(
-        config.master_addr, config.master_port, is_master=False,
-        timeout=timedelta(seconds=config.worker_start_timeout_s),
+        config.parallel.master_addr, config.parallel.master_port, is_master=False,
+        timeout=timedelta(seconds=config.parallel.worker_start_timeout_s),
     )  # fmt: skip
     host, port, token = msgpack.unpackb(store.get(CONTROL_KEY))
-    per_node = dims.world_size // config.nnodes
+    per_node = dims.world_size // config.parallel.nnodes
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
-    rendezvous = f"tcp://{config.master_addr}:{config.master_port}"
+    rendezvous = f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}"
     procs = spawn_workers(config, ranks, rendezvous, (host, port), token, spec)
     del store
     try:

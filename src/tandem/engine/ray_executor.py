@@ -90,9 +90,12 @@ class RayExecutor(MultiprocExecutor):
     def __init__(self, spec: ModelSpec, config: EngineConfig):
         ray = _ray()
         if not ray.is_initialized():
-            ray.init(address=config.ray_address or "auto", log_to_driver=False)
-        if "master_addr" not in config.model_fields_set:  # where the actors find the driver
-            config = config.model_copy(update={"master_addr": ray.util.get_node_ip_address()})
+            ray.init(address=config.ray.ray_address or "auto", log_to_driver=False)
+        if "master_addr" not in config.parallel.model_fields_set:  # where actors find the driver
+            parallel = config.parallel.model_copy(
+                update={"master_addr": ray.util.get_node_ip_address()}
+            )
+            config = config.model_copy(update={"parallel": parallel})
         self._placement = None
         super().__init__(spec, config)
 
@@ -103,15 +106,15 @@ class RayExecutor(MultiprocExecutor):
 
         ranks = list(ranks)
         gpus = 1 if config.torch_device.type == "cuda" else 0
-        bundle = {"CPU": config.ray_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        bundle = {"CPU": config.ray.ray_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         self._placement = placement_group([bundle] * len(ranks),
-                                          strategy=config.placement_strategy)  # fmt: skip
+                                          strategy=config.ray.placement_strategy)  # fmt: skip
         try:
-            ray.get(self._placement.ready(), timeout=config.worker_start_timeout_s)
+            ray.get(self._placement.ready(), timeout=config.parallel.worker_start_timeout_s)
         except Exception as exc:
             self._remove_placement()
             raise RuntimeError(f"Ray could not place {len(ranks)} ranks ({bundle} each, "
-                               f"{config.placement_strategy}): {exc}") from None  # fmt: skip
+                               f"{config.ray.placement_strategy}): {exc}") from None  # fmt: skip
         actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=gpus)(_RankActor)
         actors = [
             actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -133,7 +136,7 @@ class RayExecutor(MultiprocExecutor):
                 model_modules=[*config.model_modules, module],
             )  # fmt: skip
             env = {ENV: args.to_env()}
-            if config.master_addr.startswith("127."):
+            if config.parallel.master_addr.startswith("127."):
                 env["GLOO_SOCKET_IFNAME"] = "lo"  # a one-host cluster: keep gloo on loopback
             proc.start(env)
         return procs

@@ -43,7 +43,7 @@ from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
-from tandem.parallel import ParallelDims, TPGroup
+from tandem.parallel import TPGroup
 
 ENV = "TANDEM_WORKER"
 
@@ -117,7 +117,7 @@ def main() -> int:
 def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.local_world_size))
     import_model_modules(args.model_modules)
-    dims = ParallelDims(config.tensor_parallel_size, config.pipeline_parallel_size)
+    dims = config.parallel.dims
     device = torch.device(config.device)
     if device.type == "cuda":
         device = torch.device("cuda", args.local_rank)
@@ -127,24 +127,25 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         store=_rendezvous_store(args.rendezvous, dims.world_size, config),
         rank=args.rank,
         world_size=dims.world_size,
-        timeout=timedelta(seconds=config.collective_timeout_s),
+        timeout=timedelta(seconds=config.parallel.collective_timeout_s),
     )
     pp_rank, tp_rank = dims.coords(args.rank)
     tp_groups = [dist.new_group(dims.tp_ranks(p)) for p in range(dims.pp)]
     tp = TPGroup(tp_rank, dims.tp, tp_groups[pp_rank])
     spec = read_model_spec(config.model)
-    stage = split_layers(spec.num_layers, dims.pp, config.pipeline_layer_split)[pp_rank]
+    stage = split_layers(spec.num_layers, dims.pp, config.parallel.pipeline_layer_split)[pp_rank]
     pipe = PipeChannel(
         dims.rank(pp_rank - 1, tp_rank) if not stage.is_first else None,
         dims.rank(pp_rank + 1, tp_rank) if not stage.is_last else None,
         device,
     )
     runner = ModelRunner(
-        spec, dtype=config.torch_dtype, device=device, block_size=config.block_size,
+        spec, dtype=config.torch_dtype, device=device, block_size=config.cache.block_size,
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
     )  # fmt: skip
     layout = engine_layout(runner.model, args.rank, runner.arena).to_wire()
-    control.send(sock, Capacity(args.rank, runner.kv_capacity(config.kv_cache_memory), layout))
+    capacity = runner.kv_capacity(config.cache.kv_cache_memory)
+    control.send(sock, Capacity(args.rank, capacity, layout))
     start = control.recv(sock)
     if not isinstance(start, Start):
         raise RuntimeError(f"expected Start, got {type(start).__name__}")
@@ -190,7 +191,7 @@ def _rendezvous_store(address: str, world_size: int, config: EngineConfig) -> di
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(
             host, int(port), is_master=False,
-            timeout=timedelta(seconds=config.worker_start_timeout_s),
+            timeout=timedelta(seconds=config.parallel.worker_start_timeout_s),
         )  # fmt: skip
     return dist.PrefixStore("process_group", store)
 

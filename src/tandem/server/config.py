@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, flat_location
 
 
 class ConfigError(ValueError):
@@ -95,7 +95,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
 def _describe(errors: list[dict], prefix: str = "") -> str:
     out = []
     for error in errors:
-        loc = prefix + ".".join(str(p) for p in error["loc"])
+        loc = prefix + ".".join(str(p) for p in flat_location(error["loc"]))
         if error["type"] == "extra_forbidden":
             out.append(f"unknown key `{loc}`")
         elif error["type"] == "missing":
