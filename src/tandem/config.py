@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tandem.dtypes import DTYPES
+from tandem.models.base import Task
 from tandem.parallel import ParallelDims
 
 ENCODE_KV_CACHE_BYTES = 4 << 20
@@ -128,7 +129,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str
-    task: Literal["generate", "embed", "classify"] = Field(
+    task: Task = Field(
         "generate",
         description="generate: sampling (LLM.generate); embed: pooled hidden states "
         "(LLM.embed); classify: a classification or reward head's logits (LLM.classify)",
