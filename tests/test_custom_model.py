@@ -71,7 +71,7 @@ def test_tensor_parallel_generation_matches_single_process(model_dir):
     with LLM(model_dir) as llm:
         expected = llm.generate(PROMPTS, GREEDY)
     with LLM(model_dir, tensor_parallel_size=2) as llm:
-        assert len(llm.engine.executor.worker_pids) == 2
+        assert len(llm.worker_locations()) == 2
         got = llm.generate(PROMPTS, GREEDY)
     for e, g in zip(expected, got, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids

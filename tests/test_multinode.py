@@ -29,7 +29,7 @@ def test_two_nodes_on_loopback_match_single_process(llama_dir):
             llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
             master_port=port,
         ) as llm:  # fmt: skip
-            assert len(llm.engine.executor.worker_pids) == 2  # ranks 0-1 here, 2-3 on node 1
+            assert len(llm.worker_locations()) == 2  # ranks 0-1 here, 2-3 on node 1
             got = llm.generate(prompts, params)
         assert node1.wait(timeout=30) == 0
     finally:

@@ -69,7 +69,7 @@ def test_parallel_layouts_match_single_process(reference, family, tp, pp):
     path, expected = reference[family]
     with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         got = llm.generate(PROMPTS, GREEDY)
-        pids = llm.engine.executor.worker_pids
+        pids = [w["pid"] for w in llm.worker_locations()]
         assert len(pids) == tp * pp
     for e, g in zip(expected, got, strict=True):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
@@ -133,7 +133,7 @@ def test_killed_worker_makes_generate_fail_fast(llama_dir):
     llm = LLM(llama_dir, tensor_parallel_size=2)
     try:
         llm.generate("warm up", SamplingParams(max_tokens=2))
-        pids = llm.engine.executor.worker_pids
+        pids = [w["pid"] for w in llm.worker_locations()]
         os.kill(pids[1], signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(EngineDeadError, match="rank 1"):
@@ -159,7 +159,8 @@ def test_engine_process_ending_leaves_no_workers(llama_dir, ending):
         "import os, sys, time; from tandem import LLM, SamplingParams; "
         f"llm = LLM({llama_dir!r}, tensor_parallel_size=2); "
         "llm.generate('hi', SamplingParams(max_tokens=2)); "
-        "print(*llm.engine.executor.worker_pids, llm.engine.executor._tmpdir, flush=True); "
+        "print(*[w['pid'] for w in llm.worker_locations()], llm.engine.executor._tmpdir, "
+        "flush=True); "
         + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -166,13 +166,13 @@ def test_chunked_prefill_puts_decodes_first_then_prompt_chunks():
     blocks = BlockManager(64, BS)
     sched = Scheduler(blocks, 8, 10)  # 10 tokens per step
     short = _seq(0, [1, 2, 3])
-    sched.add(short)
+    sched.add_request([short])
     batch = sched.schedule()
     assert batch.num_new_tokens == [3] and batch.samples == [True]
     short.token_ids.append(5)
     sched.finish_step(batch)
     long = _seq(1, list(range(100, 125)))  # 25 tokens: 9 + 10 + 6 over three steps
-    sched.add(long)
+    sched.add_request([long])
     chunks = []
     for _ in range(3):
         batch = sched.schedule()

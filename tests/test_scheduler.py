@@ -36,15 +36,15 @@ def test_priority_order_and_head_of_line_for_long_requests():
     clock = Clock()
     sched = Scheduler(BlockManager(8, 4), 16, 1000, policy="priority", clock=clock)
     for seq in [_seq(0, 4, 0.0, priority=5), _seq(1, 4, 0.1, priority=1), _seq(2, 4, 0.2, 1)]:
-        sched.add(seq)
+        sched.add_request([seq])
     assert _ids(sched.schedule()) == [1, 2, 0]
     # A long request (needs 6 of the 8 blocks) queued before short ones is not overtaken.
     sched = Scheduler(BlockManager(8, 4), 16, 1000, clock=clock)
-    sched.add(_seq(10, 12, 0.0))
+    sched.add_request([_seq(10, 12, 0.0)])
     first = sched.schedule()
-    sched.add(_seq(11, 24, 0.1))
+    sched.add_request([_seq(11, 24, 0.1)])
     for i in range(5):
-        sched.add(_seq(20 + i, 2, 0.2 + i))
+        sched.add_request([_seq(20 + i, 2, 0.2 + i)])
     second = sched.schedule()
     assert _ids(second) == [10], "short requests must not overtake the long one waiting"
     _finish(sched, first, done=set())
@@ -55,12 +55,12 @@ def test_priority_order_and_head_of_line_for_long_requests():
 def test_starvation_bound_lets_a_low_priority_request_in():
     clock = Clock()
     sched = Scheduler(BlockManager(4, 4), 1, 1000, policy="priority", max_wait_s=5.0, clock=clock)
-    sched.add(_seq(0, 3, 0.0, priority=9))
+    sched.add_request([_seq(0, 3, 0.0, priority=9)])
     next_id = 1
     admitted = []
     for step in range(12):
         clock.now = float(step)
-        sched.add(_seq(next_id, 3, clock.now, priority=0))  # a steady stream of urgent work
+        sched.add_request([_seq(next_id, 3, clock.now, priority=0)])  # steady urgent work
         next_id += 1
         batch = sched.schedule()
         admitted += _ids(batch)
@@ -73,7 +73,7 @@ def test_starvation_bound_lets_a_low_priority_request_in():
 def test_static_batching_waits_for_the_whole_batch():
     sched = Scheduler(BlockManager(64, 4), 2, 1000, batching="static")
     for i in range(4):
-        sched.add(_seq(i, 3, float(i)))
+        sched.add_request([_seq(i, 3, float(i))])
     first = sched.schedule()
     assert _ids(first) == [0, 1]
     _finish(sched, first, done={0})
@@ -86,14 +86,14 @@ def test_static_batching_waits_for_the_whole_batch():
 def test_preempted_sequences_are_readmitted_first():
     sched = Scheduler(BlockManager(3, 4), 8, 1000)
     a, b = _seq(0, 4, 0.0), _seq(1, 4, 1.0)
-    sched.add(a)
-    sched.add(b)
+    sched.add_request([a])
+    sched.add_request([b])
     batch = sched.schedule()
     assert _ids(batch) == [0, 1]
     _finish(sched, batch, done=set())  # both now need a second block; only one is free
     batch = sched.schedule()
     assert _ids(batch) == [0] and b.preempted and sched.num_preemptions == 1
-    sched.add(_seq(2, 1, 0.5))
+    sched.add_request([_seq(2, 1, 0.5)])
     _finish(sched, batch, done={0})
     assert _ids(sched.schedule())[0] == 1
 
@@ -103,7 +103,7 @@ def test_static_batches_are_length_sorted_split_over_steps_in_flight_and_wait_fo
     sched = Scheduler(BlockManager(64, 4), 4, 1000, batching="static", clock=clock)
     lengths = [9, 2, 7, 3, 5, 8]
     for i, n in enumerate(lengths):
-        sched.add(_seq(i, n, 0.0))
+        sched.add_request([_seq(i, n, 0.0)])
     first = sched.schedule(max_seqs=2)  # a pipeline's first slot takes half the batch
     second = sched.schedule(busy=set(_ids(first)), max_seqs=2)  # the batch is still open
     assert _ids(first) + _ids(second) == [1, 3, 4, 2], "the 4 shortest, shortest first"
@@ -113,9 +113,9 @@ def test_static_batches_are_length_sorted_split_over_steps_in_flight_and_wait_fo
     assert sched.schedule().seqs == first.seqs, "nothing joins a static batch once it ran"
     # a server's idle engine lets a burst gather before a batch starts
     sched = Scheduler(BlockManager(64, 4), 3, 1000, batching="static", clock=clock)
-    sched.add(_seq(10, 3, 0.0))
+    sched.add_request([_seq(10, 3, 0.0)])
     clock.now = 0.03
     assert abs(sched.static_batch_window_left(0.05) - 0.02) < 1e-9
-    sched.add(_seq(11, 3, 0.03))
-    sched.add(_seq(12, 3, 0.03))
+    sched.add_request([_seq(11, 3, 0.03)])
+    sched.add_request([_seq(12, 3, 0.03)])
     assert sched.static_batch_window_left(0.05) == 0.0, "the batch is full"

@@ -181,10 +181,6 @@ class MultiprocExecutor:
             time.sleep(0.05)
         return reported
 
-    @property
-    def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     def worker_locations(self) -> list[dict]:
         """Where each local rank runs: ``{rank, node_id, pid}`` (node_id: this host's name)."""
         host = socket.gethostname()

@@ -89,9 +89,6 @@ class Scheduler:
         self.admitting = True  # False while the engine is paused: waiting sequences stay put
         self._static_closed = False  # the static batch running has had a step land
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
     def add_request(self, seqs: list[Sequence]) -> None:
         """Queue one request's samples; with prefix caching they share one prefill."""
         if self.blocks.enable_prefix_caching and len(seqs) > 1:
