@@ -20,14 +20,14 @@ from tandem.exchange import WeightSender, WeightSyncError
 
 
 class _DiesMidPush(WeightSender):
-    def _before_ready(self, delivery):
-        os._exit(17)
+    """Delivers, then dies before telling the engine the push is ready."""
 
     def _deliver(self, plan, tensors):
         if self.transport == "dist":  # only the first engine rank gets its boxes
             first = min(item.dst for item in plan.items)
             plan.items = [item for item in plan.items if item.dst == first]
-        return super()._deliver(plan, tensors)
+        super()._deliver(plan, tensors)
+        os._exit(17)
 
 
 def main() -> int:

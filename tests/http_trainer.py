@@ -19,22 +19,24 @@ import torch
 import transformers
 
 from tandem.exchange import WeightSender, WeightSyncError
+from tandem.exchange.transports.memory import MappedMemory
 
 
 class _Faulty(WeightSender):
-    fault: str | None = None
+    """Delivers, then fails before telling the engine the push is ready."""
 
-    def _before_ready(self, delivery):
-        if self.fault == "die":
-            os._exit(17)
-        if self.fault == "corrupt" and self.transport == "shm" and delivery.staging is not None:
-            self._half.staging.data[:1] ^= 0xFF
+    fault: str | None = None
 
     def _deliver(self, plan, tensors):
         if self.fault == "die" and self.transport == "dist":  # only the first engine rank
             first = min(item.dst for item in plan.items)
             plan.items = [item for item in plan.items if item.dst == first]
-        return super()._deliver(plan, tensors)
+        delivery = super()._deliver(plan, tensors)
+        if self.fault == "die":
+            os._exit(17)
+        if self.fault == "corrupt" and self.transport == "shm" and delivery.staging is not None:
+            MappedMemory(delivery.staging).data[:1] ^= 0xFF  # as the engine will map it
+        return delivery
 
 
 def main() -> int:

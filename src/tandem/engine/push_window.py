@@ -1,11 +1,13 @@
-"""The engine as a weight-push target: its ranks' layouts, and the window in which one push's
-phases run while no step does (`tandem.engine.weight_update`, driven by the exchange server)."""
+"""The engine as a weight-push target (`tandem.exchange.WeightTarget`): its ranks' layouts,
+dtype and device, and the window in which one push's phases run while no step does
+(`tandem.engine.weight_update`, driven by the exchange server)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tandem.engine.executor import InProcessExecutor
 from tandem.engine.messages import RestoreWeights
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
@@ -13,7 +15,8 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
 class PushWindow:
-    """Mixed into `LLMEngine`: its lock, lifecycle, blocks and executor."""
+    """Mixed into `LLMEngine`: its lock, lifecycle, blocks and executor. With the engine's
+    ``weight_version`` and ``update_listeners`` it makes the engine a `WeightTarget`."""
 
     _exchange = None
 
@@ -24,9 +27,24 @@ class PushWindow:
             self._exchange = ExchangeServer(self, host=self.config.exchange_host)
         return self._exchange
 
+    @property
+    def weight_dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def weight_device_type(self) -> str:
+        return self.config.torch_device.type
+
+    @property
+    def receivers_in_process(self) -> bool:
+        return isinstance(self.executor, InProcessExecutor)
+
     def weight_layouts(self) -> list[RankLayout]:
         """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
         return self.executor.layouts
+
+    def unavailable(self) -> str | None:
+        return self.lifecycle.unavailable()
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:

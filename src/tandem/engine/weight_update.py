@@ -18,7 +18,8 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 
 class WeightUpdate:
     """Drives the phases of one push on every engine rank (``engine.apply_phase``); what a
-    failure means depends on whether the live weights were already touched."""
+    failure means depends on whether the live weights were already touched. The engine's
+    `tandem.exchange.UpdateWindow`."""
 
     def __init__(self, engine, spec: UpdateSpec, serving: int):
         self.engine = engine

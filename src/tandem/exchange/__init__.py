@@ -1,12 +1,15 @@
 """Weight exchange: trainer layouts -> plan -> transports -> the engine's live parameters."""
 
+from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.layout import LayoutMismatch, RankLayout, Region
 from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.sender import PushStats, WeightSender
 from tandem.exchange.settings import PushSettings
+from tandem.exchange.target import UpdateWindow, WeightTarget
 
 __all__ = [
+    "ExchangeAddress",
     "LayoutMismatch",
     "Plan",
     "PlanCache",
@@ -15,7 +18,9 @@ __all__ = [
     "RankLayout",
     "Region",
     "Transfer",
+    "UpdateWindow",
     "WeightSender",
     "WeightSyncError",
+    "WeightTarget",
     "plan_transfers",
 ]

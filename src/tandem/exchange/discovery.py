@@ -14,6 +14,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
+from tandem.exchange.address import ExchangeAddress
+
 ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
 
 
@@ -21,9 +23,13 @@ class DiscoveryError(RuntimeError):
     """The server could not be asked for its exchange endpoint (names the URL and why)."""
 
 
-def exchange_address(target: str, admin_key: str | None = None, timeout_s: float = 30.0) -> str:
+def exchange_address(
+    target: str, admin_key: str | None = None, timeout_s: float = 30.0
+) -> ExchangeAddress:
+    """``target`` parsed as ``host:port/token``, or the exchange endpoint of the `tandem serve`
+    at ``target``."""
     if "/" in target and not target.startswith(("http://", "https://")):
-        return target  # host:port/token
+        return ExchangeAddress.parse(target)
     if not target.startswith(("http://", "https://")):
         target = "http://" + target  # host:port of a server
     url = target.rstrip("/") + "/admin/weights"
@@ -40,8 +46,7 @@ def exchange_address(target: str, admin_key: str | None = None, timeout_s: float
         raise DiscoveryError(f"{url}: HTTP {exc.code}: {detail}") from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise DiscoveryError(f"{url}: {exc}") from None
-    endpoint = info["exchange"]
-    host, port, token = endpoint["host"], endpoint["port"], endpoint["token"]
-    if host in ("0.0.0.0", "::", ""):  # listening everywhere: dial the host we reached
-        host = urlsplit(target).hostname
-    return f"{host}:{port}/{token}"
+    address = ExchangeAddress(**info["exchange"])  # its fields, as `/admin/weights` lists them
+    if address.host in ("0.0.0.0", "::", ""):  # listening everywhere: dial the host we reached
+        address = ExchangeAddress(urlsplit(target).hostname, address.port, address.token)
+    return address

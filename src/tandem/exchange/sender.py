@@ -21,10 +21,12 @@ from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
+from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import TRANSPORTS, p2p
 from tandem.exchange.transports.base import Delivery
@@ -101,20 +103,16 @@ class WeightSender:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, "
                              f"got {transport!r}")  # fmt: skip
         if isinstance(target, str):
-            address = exchange_address(target, admin_key)
+            self._address = exchange_address(target, admin_key)
         else:
-            address = target.exchange_address
-        hostport, _, self._token = address.rpartition("/")
-        host, _, port = hostport.rpartition(":")
-        if not (host and port.isdigit() and self._token):
-            raise ValueError(f"not an exchange address (host:port/token): {address!r}")
-        self._endpoint = (host, int(port))
+            self._address = ExchangeAddress.parse(target.exchange_address)
         self.model = model
         if transport == "auto":
             on_gpu = any(local_tensor(t).is_cuda for _, t in named_tensors(model))
             # CUDA IPC cannot map a buffer in the process that made it
-            local_engine = not isinstance(target, str) and target.engine.config.world_size == 1
-            transport = "cuda_ipc" if on_gpu and not local_engine else "shm"
+            here = target_here(self._address)
+            in_process = here is not None and here.receivers_in_process
+            transport = "cuda_ipc" if on_gpu and not in_process else "shm"
         self.settings = PushSettings(transport, mode, verify)
         self.ignore = list(ignore)
         default = dist.is_available() and dist.is_initialized()
@@ -136,9 +134,10 @@ class WeightSender:
         hello = PushHello(self.rank, self.world_size, version, layout.to_wire(), self.ignore,
                           self.settings)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
-        with socket.create_connection(self._endpoint, timeout=self.timeout_s) as sock:
+        endpoint = (self._address.host, self._address.port)
+        with socket.create_connection(endpoint, timeout=self.timeout_s) as sock:
             try:
-                send_token(sock, self._token)
+                send_token(sock, self._address.token)
                 send_frame(sock, encode(hello))
                 reply = decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
@@ -146,7 +145,6 @@ class WeightSender:
                         delivery = self._deliver(reply, tensors)
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
-                    self._before_ready(delivery)
                     ready = PushReady(delivery.crcs, delivery.bytes_moved, delivery.staging)
                     send_frame(sock, encode(ready))
                     reply = decode(recv_frame(sock))
@@ -191,6 +189,3 @@ class WeightSender:
     def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
         """This rank's part of the plan, through its transport's sender half."""
         return self._half.deliver(plan, tensors)
-
-    def _before_ready(self, delivery: Delivery) -> None:
-        """Test hook: runs after delivery, before the engine is told to check it."""

@@ -1,12 +1,14 @@
-"""An engine's door for weight pushes from trainer processes (`llm.exchange_address`).
+"""A `WeightTarget`'s door for weight pushes from trainer processes (`llm.exchange_address`).
 
 A background thread accepts trainer ranks, plans (cached while layouts are unchanged), and runs
 each push as a session: staged transports whose senders deliver on their own (shm, cuda_ipc)
-are delivered while the engine keeps serving, and only verify and commit pause it; pushes that
-write into the live parameters (``in_place``) or need the engine's ranks to receive (dist) pause
-the engine first (`LLMEngine.weight_update`). All socket I/O happens on this thread, never under
-the engine lock. A trainer rank that disconnects before the commit aborts the push: the old
-weights keep serving, unless it was writing them in place, in which case the engine refuses
+are delivered while the target keeps serving, and only verify and commit pause it; pushes that
+write into the live parameters (``in_place``) or need the receiving ranks to take part (dist)
+pause it first (`Transport.pauses_to_deliver`, `WeightTarget.weight_update`). What a transport
+adds to a push (dist: its process group; shm in place: the arenas) its `Coordinator` adds; the
+server never tests a transport's name. All socket I/O happens on this thread, never inside
+a phase. A trainer rank that disconnects before the commit aborts the push: the old
+weights keep serving, unless it was writing them in place, in which case the target refuses
 requests until a complete push lands.
 """
 
@@ -18,44 +20,66 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections import defaultdict
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from tandem.dtypes import DTYPES
+from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, numel
 from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.exchange.target import WeightTarget
 from tandem.exchange.transports import TRANSPORTS
-from tandem.exchange.transports.p2p import DEFAULT_BUCKET_BYTES, GroupInfo
+from tandem.exchange.transports.base import Coordinator
 from tandem.wire import PeerGone, check_token, recv_frame, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
 MAX_HANDSHAKES = 64  # connections saying hello at once; more are dropped
 
+_SERVING_HERE: weakref.WeakValueDictionary[ExchangeAddress, ExchangeServer] = (
+    weakref.WeakValueDictionary()
+)
+
+
+def target_here(address: ExchangeAddress) -> WeightTarget | None:
+    """The target behind ``address`` when its exchange server runs in this process."""
+    server = _SERVING_HERE.get(address)
+    return None if server is None else server.target
+
 
 class ExchangeServer:
-    def __init__(self, engine, host: str = "127.0.0.1", stage_timeout_s: float = 600.0):
-        self.engine = engine
+    """Pushes into ``target``, reached at `endpoint` (`address`: its string form)."""
+
+    def __init__(self, target: WeightTarget, host: str = "127.0.0.1",
+                 stage_timeout_s: float = 600.0):  # fmt: skip
+        self.target = target
         self.token = secrets.token_hex(16)
         self.stage_timeout_s = stage_timeout_s
         self.plans = PlanCache()
-        self.bucket_bytes = DEFAULT_BUCKET_BYTES
-        self._store = None  # c10d store for the dist transport's groups, made on first use
-        self._generation = 0
-        self._group_trainers = None
+        self._coordinators: dict[str, Coordinator] = {}  # by transport, made on first use
         self._listener = socket.create_server((host, 0))
-        self.address = "{}:{}/{}".format(*self._listener.getsockname()[:2], self.token)
+        self.endpoint = ExchangeAddress(*self._listener.getsockname()[:2], self.token)
+        _SERVING_HERE[self.endpoint] = self
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="tandem-exchange", daemon=True)
         self._thread.start()
 
+    @property
+    def address(self) -> str:
+        """``host:port/token``, what `WeightSender` takes (`ExchangeAddress.parse`)."""
+        return str(self.endpoint)
+
+    def transports(self) -> list[str]:
+        """The transports that reach the target's ranks (`Transport.device_types`)."""
+        device_type = self.target.weight_device_type
+        return [name for name, t in TRANSPORTS.items() if device_type in t.device_types]
+
     def close(self) -> None:
         self._closed = True
+        _SERVING_HERE.pop(self.endpoint, None)
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -142,7 +166,7 @@ class ExchangeServer:
         except Exception as exc:  # report any other failure to the trainers, never hang them
             self._retire_group()
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
-        for listener in self.engine.update_listeners:
+        for listener in self.target.update_listeners:
             listener(done.version, time.perf_counter() - start, done.error)
         for sock in socks:
             try:
@@ -152,26 +176,26 @@ class ExchangeServer:
             sock.close()
 
     def _serving(self) -> str:
-        reason = self.engine.lifecycle.unavailable()
+        reason = self.target.unavailable()
         if reason is not None:
             return f"requests are refused until a complete push lands ({reason})"
-        return f"version {self.engine.weight_version} keeps serving"
+        return f"version {self.target.weight_version} keeps serving"
 
     def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: list) -> int:
         """Deliver, verify and commit one push; the bytes the trainers moved (as counted)."""
-        moves_itself = TRANSPORTS[spec.settings.transport].engine_receives
-        if not (spec.settings.in_place or moves_itself):
-            self._send_plans(socks, plans)  # trainers stage while the engine serves
+        transport = TRANSPORTS[spec.settings.transport]
+        if not transport.pauses_to_deliver(spec.settings):
+            self._send_plans(socks, plans)  # trainers stage while the target serves
             spec, by_receiver, moved = self._readies(spec, socks, records)
-            with self.engine.weight_update(spec) as update:
+            with self.target.weight_update(spec) as update:
                 update.run(PushPhase.VERIFY, by_receiver)
                 update.run(PushPhase.COMMIT, by_receiver)
             return moved
-        with self.engine.weight_update(spec) as update:
+        with self.target.weight_update(spec) as update:
             if spec.settings.in_place:
-                update.expose()  # from here trainers (or the engine's ranks) write live weights
+                update.expose()  # from here trainers (or the target's ranks) write live weights
             self._send_plans(socks, plans)
-            if moves_itself:
+            if transport.engine_receives:
                 update.run(PushPhase.RECEIVE, self._by_receiver(records))
             spec, by_receiver, moved = self._readies(spec, socks, records)
             update.spec = spec
@@ -212,24 +236,16 @@ class ExchangeServer:
                 by_receiver[dst].append(record)
         return by_receiver
 
-    def _group(self, trainers: int) -> GroupInfo:
-        """The process group of trainer ranks and engine ranks (made once per generation)."""
-        host = self._listener.getsockname()[0]
-        if self._store is None:
-            timeout = timedelta(seconds=self.stage_timeout_s)
-            self._store = dist.TCPStore(
-                host, 0, is_master=True, wait_for_workers=False, timeout=timeout
-            )
-        if self._group_trainers != trainers:
-            self._retire_group()
-            self._group_trainers = trainers
-        world = trainers + len(self.engine.weight_layouts())
-        backend = "nccl" if self.engine.config.torch_device.type == "cuda" else "gloo"
-        return GroupInfo(host, self._store.port, f"exchange/{self._generation}", world, backend)
+    def _coordinator(self, name: str) -> Coordinator:
+        if name not in self._coordinators:
+            host = self._listener.getsockname()[0]
+            self._coordinators[name] = TRANSPORTS[name].coordinator(host, self.stage_timeout_s)
+        return self._coordinators[name]
 
     def _retire_group(self) -> None:
-        """After a failure the group may hold half-done operations: the next push makes anew."""
-        self._generation += 1
+        """A push failed: no transport reuses what it may have left half-done."""
+        for coordinator in self._coordinators.values():
+            coordinator.retire()
 
     def _plan(self, hellos: list[PushHello]):
         """(the spec every engine rank gets, each trainer rank's plan, its (engine rank,
@@ -244,39 +260,23 @@ class ExchangeServer:
         settings = hellos[0].settings
         version = hellos[0].version
         if version is None:
-            version = self.engine.weight_version + 1
+            version = self.target.weight_version + 1
         senders = [RankLayout.from_wire(h.layout) for h in hellos]
         for h, layout in zip(hellos, senders, strict=True):
             layout.rank = h.rank
-        receivers = self.engine.weight_layouts()
+        receivers = self.target.weight_layouts()
         ignore = frozenset(name for h in hellos for name in h.ignore)
         plan = self.plans.get(senders, receivers, ignore)
-        dtype = self.engine.config.dtype
-        per_stream = settings.transport == "dist"  # offsets per (sender, receiver) stream
+        dtype = self.target.weight_dtype
+        per_stream = TRANSPORTS[settings.transport].per_stream_offsets
         key = (dtype, per_stream)  # what follows is the same every push of this plan
         if key not in plan.derived:
             plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream)
         sizes, items, records, needed = plan.derived[key]
         plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
         spec = UpdateSpec(version, settings, dtype, len(hellos))
-        if settings.transport == "dist":
-            spec = dataclasses.replace(spec, group=tuple(self._group(len(hellos)).to_wire()),
-                                       bucket_bytes=self.bucket_bytes)  # fmt: skip
-            for p in plans:
-                p.group, p.trainers, p.bucket_bytes = (
-                    list(spec.group),
-                    len(hellos),
-                    spec.bucket_bytes,
-                )
-        if settings.transport == "shm" and settings.in_place:
-            missing = [lay.rank for lay in receivers if lay.arena is None]
-            if missing:
-                raise ValueError(
-                    "mode='in_place' over shm needs every engine rank's parameters in shared "
-                    f"memory (an engine on CPU); ranks {missing} have none"
-                )
-            for p in plans:
-                p.arenas = [lay.arena for lay in receivers]
+        coordinator = self._coordinator(settings.transport)
+        spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
         return spec, plans, records, needed
 
 

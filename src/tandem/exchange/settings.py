@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from tandem.exchange.transports import TRANSPORTS
+
 
 class PushPhase(Enum):
     """What an engine rank does in one step of a push (`tandem.exchange.receiver`); every rank
@@ -18,7 +20,7 @@ class PushPhase(Enum):
     ABORT = "abort"  # drop whatever the push held
 
 
-MODES = ("staged", "in_place")
+MODES = ("staged", "in_place")  # every transport supports some of these (`Transport.modes`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +36,6 @@ class PushSettings:
     verify: bool = True
 
     def __post_init__(self):
-        from tandem.exchange.transports import TRANSPORTS  # the registry imports this module
-
         if self.transport not in TRANSPORTS:
             raise ValueError(
                 f"transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}"

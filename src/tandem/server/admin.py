@@ -2,17 +2,20 @@
 controls, sleep / wake-up included, are in `tandem.server.rl_controls`).
 
 Without an admin key the routes answer 403 (disabled). Weight sync: ``GET /admin/weights``
-returns the version being served and the endpoint of the engine's exchange server, which a
-`WeightSender(model, "http://host:port", admin_key=...)` then pushes to over a transport
-(shared memory or torch.distributed); no tensor byte travels over HTTP.
+returns the version being served, the endpoint of the engine's exchange server (the fields of
+an `ExchangeAddress`) and the transports that reach its ranks (`TRANSPORTS`), which a
+`WeightSender(model, "http://host:port", admin_key=...)` then pushes over; no tensor byte
+travels over HTTP.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 
+from tandem.exchange.settings import MODES
 from tandem.server.state import require_admin, state
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -22,15 +25,11 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 async def weights(request: Request):
     engine = state(request).engine
     server = await asyncio.to_thread(engine.exchange_server)
-    hostport, _, token = server.address.rpartition("/")
-    host, _, port = hostport.rpartition(":")
-    transports = ["shm", "dist"] + (["cuda_ipc"] if engine.config.torch_device.type == "cuda"
-                                    else [])  # fmt: skip
     return {
         "version": engine.weight_version,
         "torn": engine.torn_reason,
-        "exchange": {"host": host, "port": int(port), "token": token},
-        "transports": transports,
-        "modes": ["staged", "in_place"],
-        "dtype": engine.config.dtype,
+        "exchange": dataclasses.asdict(server.endpoint),  # {host, port, token}
+        "transports": server.transports(),
+        "modes": list(MODES),
+        "dtype": server.target.weight_dtype,
     }

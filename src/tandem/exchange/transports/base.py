@@ -13,12 +13,18 @@ A push, per transport (`UpdateSpec` tells every engine rank which):
 - receiver ``commit``: staged transports copy staging into the live parameters (then the
   parameters are checksummed again); ``abort`` drops whatever the push held.
 
-A new transport (RDMA, say) is one module with the two halves and an entry in `TRANSPORTS`.
+- the exchange server's `Coordinator` (one per server): what the halves need beyond the plan,
+  added to every push's spec and plans (dist: the process group; shm in place: the arenas).
+
+What sets a transport apart is said by its `Transport` entry (its attributes and its
+coordinator), never by testing its name. A new transport (RDMA, say) is one module with the
+two halves, a `Transport` subclass and an entry in `TRANSPORTS`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,7 +32,11 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import checked_copy, tensor_crc32
 from tandem.exchange.items import Record, SendItem
-from tandem.exchange.settings import PushSettings, UpdateSpec
+
+if TYPE_CHECKING:  # settings name transports (it checks them against `TRANSPORTS`), not back
+    from tandem.exchange.layout import RankLayout
+    from tandem.exchange.protocol import PushPlan
+    from tandem.exchange.settings import PushSettings, UpdateSpec
 
 
 @dataclass(slots=True)
@@ -142,14 +152,48 @@ class ReceiverHalf:
         """The push failed: forget whatever it holds."""
 
 
-@dataclass(frozen=True, slots=True)
+class Coordinator:
+    """The exchange server's part of a transport (one per server, kept across pushes): what
+    the two halves need beyond the plan. ``host``: the server's; ``timeout_s``: how long a
+    push may take to stage."""
+
+    def __init__(self, host: str, timeout_s: float):
+        self.host = host
+        self.timeout_s = timeout_s
+
+    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
+                device_type: str) -> UpdateSpec:  # fmt: skip
+        """Fill in each trainer rank's plan (in place) for a push to ``receivers`` (held on
+        ``device_type``); the spec every receiving rank gets. ValueError if this transport
+        cannot carry it."""
+        return spec
+
+    def retire(self) -> None:
+        """A push failed: nothing it may have left half-done is used again."""
+
+
 class Transport:
-    """A registry entry: the transport's name, the modes it supports and its two halves."""
+    """A registry entry (`TRANSPORTS`): the transport's name, the modes it supports, its two
+    halves and its coordinator, and the facts the exchange server plans by."""
 
     name: str
-    modes: tuple[str, ...]
+    modes: tuple[str, ...]  # of `tandem.exchange.settings.MODES`
     sender: type[SenderHalf]
     receiver: type[ReceiverHalf]
-    # the engine's ranks take part in moving the bytes (`ReceiverHalf.receive`): the engine
+    coordinator: type[Coordinator] = Coordinator
+    # the receiving ranks take part in moving the bytes (`ReceiverHalf.receive`): the target
     # pauses before the senders deliver
     engine_receives: bool = False
+    # a box's offset counts within its (sender, receiving rank) stream, not within the
+    # sender's staging memory
+    per_stream_offsets: bool = False
+    # where the receiving ranks may hold their weights (`WeightTarget.weight_device_type`)
+    device_types: tuple[str, ...] = ("cpu", "cuda")
+
+    def pauses_to_deliver(self, settings: PushSettings) -> bool:
+        """Whether the target must stop stepping before the senders deliver (bytes land in
+        the live weights, or the receiving ranks take part), not only to verify and commit."""
+        return settings.in_place or self.engine_receives
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, modes={self.modes})"

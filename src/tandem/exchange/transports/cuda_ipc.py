@@ -7,12 +7,16 @@ exercised by the `gpu` tests when a GPU is present.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from tandem.exchange.items import Record
-from tandem.exchange.settings import UpdateSpec
-from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
+from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf, Transport
+
+if TYPE_CHECKING:
+    from tandem.exchange.settings import UpdateSpec
 
 
 class CudaIpcSender(SenderHalf):
@@ -82,3 +86,11 @@ class CudaStaging:
     def close(self) -> None:
         torch.cuda.synchronize(self.data.device)  # our copies finish before the trainer frees it
         self.data = None
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+    modes = ("staged",)
+    sender = CudaIpcSender
+    receiver = CudaIpcReceiver
+    device_types = ("cuda",)

@@ -6,12 +6,27 @@ parameters (``in_place``). Works across hosts; gloo on CPU, NCCL on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
 
 from tandem.exchange.items import Record
-from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports import p2p
-from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
+from tandem.exchange.transports.base import (
+    Coordinator,
+    Delivery,
+    ReceiverHalf,
+    SenderHalf,
+    Transport,
+)
+
+if TYPE_CHECKING:
+    from tandem.exchange.layout import RankLayout
+    from tandem.exchange.protocol import PushPlan
+    from tandem.exchange.settings import UpdateSpec
 
 
 class DistSender(SenderHalf):
@@ -122,3 +137,54 @@ class DistReceiver(ReceiverHalf):
         self._received = {}
         if spec.group is not None:
             p2p.abandon(p2p.GroupInfo.from_wire(list(spec.group)))
+
+
+class DistCoordinator(Coordinator):
+    """The process group of trainer ranks and receiving ranks: it rendezvouses through a c10d
+    store hosted by the exchange server (made on first use); a group lasts while the number of
+    trainer ranks stays the same and no push fails (then the next push makes a new one)."""
+
+    def __init__(self, host: str, timeout_s: float):
+        super().__init__(host, timeout_s)
+        self.bucket_bytes = p2p.DEFAULT_BUCKET_BYTES
+        self._store: dist.TCPStore | None = None
+        self._generation = 0
+        self._trainers: int | None = None
+
+    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
+                device_type: str) -> UpdateSpec:  # fmt: skip
+        group = self._group(spec.trainers, len(receivers), device_type)
+        spec = dataclasses.replace(spec, group=tuple(group.to_wire()),
+                                   bucket_bytes=self.bucket_bytes)  # fmt: skip
+        for plan in plans:
+            plan.group, plan.trainers, plan.bucket_bytes = (
+                list(spec.group),
+                spec.trainers,
+                spec.bucket_bytes,
+            )
+        return spec
+
+    def _group(self, trainers: int, receivers: int, device_type: str) -> p2p.GroupInfo:
+        if self._store is None:
+            self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+        if self._trainers != trainers:
+            self.retire()
+            self._trainers = trainers
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        return p2p.GroupInfo(self.host, self._store.port, f"exchange/{self._generation}",
+                             trainers + receivers, backend)  # fmt: skip
+
+    def retire(self) -> None:
+        """After a failure the group may hold half-done operations: the next push makes anew."""
+        self._generation += 1
+
+
+class DistTransport(Transport):
+    name = "dist"
+    modes = ("staged", "in_place")
+    sender = DistSender
+    receiver = DistReceiver
+    coordinator = DistCoordinator
+    engine_receives = True
+    per_stream_offsets = True

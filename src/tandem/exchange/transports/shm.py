@@ -10,12 +10,24 @@ parameters.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from tandem.exchange.items import Record
-from tandem.exchange.settings import UpdateSpec
-from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf
+from tandem.exchange.transports.base import (
+    Coordinator,
+    Delivery,
+    ReceiverHalf,
+    SenderHalf,
+    Transport,
+)
 from tandem.exchange.transports.memory import MappedArena, MappedMemory, SharedMemory
+
+if TYPE_CHECKING:
+    from tandem.exchange.layout import RankLayout
+    from tandem.exchange.protocol import PushPlan
+    from tandem.exchange.settings import UpdateSpec
 
 
 class ShmSender(SenderHalf):
@@ -82,3 +94,28 @@ class ShmReceiver(ReceiverHalf):
 
     def abort(self, spec: UpdateSpec) -> None:
         self._shared = {}
+
+
+class ShmCoordinator(Coordinator):
+    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
+                device_type: str) -> UpdateSpec:  # fmt: skip
+        """In place: every trainer rank gets every receiving rank's arena to write into."""
+        if not spec.settings.in_place:
+            return spec
+        missing = [lay.rank for lay in receivers if lay.arena is None]
+        if missing:
+            raise ValueError(
+                "mode='in_place' over shm needs every engine rank's parameters in shared "
+                f"memory (an engine on CPU); ranks {missing} have none"
+            )
+        for plan in plans:
+            plan.arenas = [lay.arena for lay in receivers]
+        return spec
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    modes = ("staged", "in_place")
+    sender = ShmSender
+    receiver = ShmReceiver
+    coordinator = ShmCoordinator

@@ -1,0 +1,77 @@
+"""What a push needs of whatever it updates (`WeightTarget`), and of the window one push runs
+in (`UpdateWindow`). The exchange server (`tandem.exchange.server`) and `WeightSender` use
+only these members: one engine implements them (`tandem.engine.push_window`), and so can a
+fleet of engines behind one front or another project's engine.
+
+Receiving ranks are numbered across the whole target, ``0 .. len(weight_layouts()) - 1``: the
+plan, the records by rank and every phase use that numbering, however the target spreads its
+ranks over engines and processes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
+
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import PushPhase, UpdateSpec
+
+# called after every push: (the version pushed, -1 if unknown; seconds it took; the error, or
+# None when it was committed)
+UpdateListener = Callable[[int, float, str | None], None]
+
+
+@runtime_checkable
+class UpdateWindow(Protocol):
+    """One push, open on the target: no step runs on the receiving ranks until it closes.
+    Leaving the window with an exception aborts the push on every rank."""
+
+    spec: UpdateSpec  # the spec the phases run with (the server adds the senders' staging)
+
+    def expose(self) -> None:
+        """From now on bytes may land in the live parameters (``in_place`` delivery begins):
+        a failure leaves the target refusing requests until a complete push lands."""
+
+    def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
+        """``phase`` on every receiving rank, each finishing before any starts the next; the
+        bytes they moved. Raises `WeightSyncError` (saying what still serves) on any error."""
+
+
+@runtime_checkable
+class WeightTarget(Protocol):
+    """Whatever a push updates: its receiving ranks and the window a push runs in."""
+
+    @property
+    def weight_version(self) -> int:
+        """The version the target serves (committed); a push without one gets this + 1."""
+
+    @property
+    def weight_dtype(self) -> str:
+        """The dtype its ranks hold weights in (a name in `tandem.dtypes.DTYPES`): senders
+        convert to it."""
+
+    @property
+    def weight_device_type(self) -> str:
+        """``"cpu"`` or ``"cuda"``: where its ranks hold weights (which transports reach
+        them, and the dist transport's backend)."""
+
+    @property
+    def receivers_in_process(self) -> bool:
+        """Whether some receiving rank lives in the process that holds this object (CUDA IPC
+        cannot map memory into the process that made it)."""
+
+    @property
+    def update_listeners(self) -> list[UpdateListener]:
+        """Called after every push, committed or not."""
+
+    def weight_layouts(self) -> list[RankLayout]:
+        """What every receiving rank holds, as canonical boxes (``layouts[i].rank == i``)."""
+
+    def weight_update(self, spec: UpdateSpec) -> AbstractContextManager[UpdateWindow]:
+        """Open the window for one push (waits for the steps in flight)."""
+
+    def unavailable(self) -> str | None:
+        """Why the target refuses every request now (dead, torn weights, none loaded), or
+        None; for the messages of a failed push."""
