@@ -14,7 +14,7 @@ def test_parameters_move_into_the_arena_and_a_mapping_writes_the_live_tensors():
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n])  # the values moved with them
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    mapped = MappedArena(arena.to_wire())
+    mapped = MappedArena(arena.handle())
     mapped.param("0.weight", torch.float32)[1:3].fill_(7.0)
     assert (model[0].weight[1:3] == 7.0).all() and not (model[0].weight[0] == 7.0).any()
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == ptrs
@@ -31,6 +31,6 @@ def test_tied_parameters_stay_one_tensor():
 
 def test_a_recycled_descriptor_is_refused():
     arena = ParamArena(nn.Linear(4, 4))
-    pid, fd, inode, size, entries = arena.to_wire()
+    pid, fd, inode, size, entries = arena.handle()
     with pytest.raises(RuntimeError, match="not the peer's parameter arena"):
         MappedArena([pid, fd, inode + 1, size, entries])

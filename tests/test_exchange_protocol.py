@@ -1,13 +1,18 @@
-"""The exchange's typed messages: settings checked by field, named types round-trip msgpack."""
+"""The exchange's typed messages: settings checked by field, nested types round-trip the one
+codec (`tandem.wire.Codec`) as themselves."""
 
+import msgpack
 import pytest
 
+from tandem.engine.messages import CONTROL, ApplyResult, ApplyWeights, Capacity
 from tandem.exchange.items import Record, SendItem
-from tandem.exchange.protocol import PushHello, PushPlan, PushReady, decode, encode
-from tandem.exchange.settings import PushSettings, UpdateSpec
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.protocol import PUSH, PushHello, PushPlan, PushReady
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf, SenderHalf
-from tandem.layers.placement import LocalRegion
+from tandem.exchange.transports.p2p import GroupInfo
+from tandem.layers.placement import LocalRegion, Piece
 
 
 @pytest.mark.parametrize(
@@ -27,27 +32,46 @@ def test_every_registered_transport_has_both_halves():
         assert issubclass(t.sender, SenderHalf) and issubclass(t.receiver, ReceiverHalf)
 
 
+def layout() -> RankLayout:
+    out = RankLayout(1, dtype="bfloat16", arena=[7, 3, 99, 4096, [["w", 0, [4, 8]]]])
+    out.add("model.qkv", (6, 8), [Piece("q", (4, 8), ((0, 4), (0, 8)), (0, 0)),
+                                  Piece("k", (2, 8), ((0, 2), (0, 8)), (4, 0), True)])  # fmt: skip
+    return out
+
+
 def test_messages_round_trip_with_their_named_types():
     region = LocalRegion(((2, 5), (0, 8)), transposed=True)
     item = SendItem("w", region, (3, 8), 96, 96, 1, "model.w", LocalRegion(((0, 3), (0, 8))))
     settings = PushSettings("dist", "in_place", False)
+    group = GroupInfo("h", 1, "p", 4, "gloo")
     for msg in (
-        PushHello(0, 2, None, [0, "float32", [], [], None], ["v_head"], settings),
-        PushPlan("bfloat16", 96, [item], group=["h", 1, "p", 4, "gloo"], trainers=2),
+        PushHello(0, 2, None, layout(), ["v_head"], settings),
+        PushPlan("bfloat16", 96, [item], group=group, trainers=2),
         PushReady([123, None], [96, 0], None),
     ):
-        assert decode(encode(msg)) == msg
+        back = PUSH.decode(PUSH.encode(msg))
+        assert back == msg
+    assert type(back.crcs) is list
+    hello = PUSH.decode(PUSH.encode(PushHello(0, 2, None, layout(), [], settings)))
+    assert hello.layout.local_shapes == {"model.qkv": (6, 8)}  # tuples again, not lists
+    assert hello.layout.regions[1].piece.box == ((0, 2), (0, 8)) and hello.settings == settings
     record = Record(1, 96, 96, "model.w", region, (3, 8), crc=7)
-    assert Record.from_wire(record.to_wire()) == record
-    spec = UpdateSpec(3, settings, "float32", 2, staging=None, group=("h", 1, "p", 4, "gloo"))
-    assert UpdateSpec.from_wire(spec.to_wire()) == spec
+    spec = UpdateSpec(3, settings, "float32", 2, staging=([1, 2, 3, 4], None), group=group)
+    apply = CONTROL.decode(CONTROL.encode(ApplyWeights(PushPhase.COMMIT, spec, [record] * 3)))
+    assert apply == ApplyWeights(PushPhase.COMMIT, spec, [record] * 3)
+    assert apply.update.group == group and apply.records[2].region.slices == ((2, 5), (0, 8))
+    capacity = CONTROL.decode(CONTROL.encode(Capacity(1, 10, layout())))
+    assert capacity.layout == layout()
 
 
 def test_a_hello_with_untyped_settings_is_malformed():
-    bad = encode(PushHello(0, 1, None, [], [], PushSettings("shm")))
+    bad = PUSH.encode(PushHello(0, 1, None, RankLayout(0), [], PushSettings("shm")))
     bad = bad.replace(b"\xa3shm", b"\xa3xyz")  # an unknown transport on the wire
-    with pytest.raises(ValueError, match="malformed hello"):
-        decode(bad)
+    with pytest.raises(ValueError, match="malformed exchange hello message: transport must be"):
+        PUSH.decode(bad)
+    old_wire = ["hello", 0, 1, None, [0, "float32", [], [], None], [], ["shm", "staged", True]]
+    with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
+        PUSH.decode(msgpack.packb(old_wire))
 
 
 def test_weight_sender_layout_is_checked_and_auto_reads_plain_modules_by_hf_names():
@@ -64,19 +88,14 @@ def test_weight_sender_layout_is_checked_and_auto_reads_plain_modules_by_hf_name
 def test_push_phases_are_a_type_on_the_engine_control_channel():
     """A phase crosses to every engine rank as a `PushPhase`; one no rank knows cannot be
     expressed, and a frame that spells one is refused when it is decoded."""
-    import msgpack
-
-    from tandem.engine.messages import ApplyResult, ApplyWeights
-    from tandem.engine.messages import decode as decode_control
-    from tandem.engine.messages import encode as encode_control
-    from tandem.exchange.settings import PushPhase
-
     spec = UpdateSpec(3, PushSettings("shm"), "float32", 1)
     for phase in PushPhase:
-        msg = ApplyWeights(phase, spec.to_wire(), [])
-        back = decode_control(encode_control(msg))
+        msg = ApplyWeights(phase, spec, [])
+        back = CONTROL.decode(CONTROL.encode(msg))
         assert back == msg and back.phase is phase
-        result = decode_control(encode_control(ApplyResult(1, phase, None, 8)))
+        result = CONTROL.decode(CONTROL.encode(ApplyResult(1, phase, None, 8)))
         assert result.phase is phase
+    wire = msgpack.unpackb(CONTROL.encode(ApplyWeights(PushPhase.COMMIT, spec, [])))
+    wire[1] = "reboot"
     with pytest.raises(ValueError, match="'reboot' is not a valid PushPhase"):
-        decode_control(msgpack.packb(["apply", "reboot", spec.to_wire(), []]))
+        CONTROL.decode(msgpack.packb(wire))

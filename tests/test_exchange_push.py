@@ -88,7 +88,7 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
                     for p in trainer.parameters():
                         p.mul_(1.5)
             sender.push(version=version)
-            staging.append(sender._half.staging.to_wire())
+            staging.append(sender._half.staging.handle())
             for ids in PROMPTS:
                 assert (runner.score([ids])[0] - _logits(trainer, ids)).abs().max() <= 1e-4
         assert staging[0] == staging[1]  # the same memfd (pid, fd, inode, size): no new pages

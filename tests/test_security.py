@@ -3,6 +3,7 @@ payloads smuggled to every port of a running server), shared-memory segments are
 unguessable names, everything binds loopback by default, and /admin needs the admin key."""
 
 import ast
+import dataclasses
 import fcntl
 import hmac
 import os
@@ -23,8 +24,10 @@ from starlette.requests import Request
 from serving import ADMIN_KEY, Server, children
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, connect
-from tandem.engine.messages import Hello
-from tandem.exchange.protocol import PushDone, decode
+from tandem.engine.messages import CONTROL, Hello, Start
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.protocol import PUSH, PushDone, PushHello
+from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import shm
 from tandem.server import state as server_state
 from tandem.server.config import ServeConfig
@@ -197,11 +200,14 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
         for payload in payloads:
             send_raw("127.0.0.1", port, payload)
             send_raw("127.0.0.1", port, frame(payload))
-    # The right token, then a hello with a pickle for a layout: the push fails, nothing unpickled
-    hello = ["hello", 0, 1, None, payloads[2], [], ["shm", "staged", False]]
+    # The right token, then a hello with a pickle for a layout: refused as it is decoded
     token = frame(ex["token"].encode())
-    reply = send_raw(ex["host"], ex["port"], token + frame(msgpack.packb(hello)))
-    done = decode(reply[4:])
+    hello = ["hello", 0, 1, None, payloads[2], [], ["shm", "staged", False]]
+    assert send_raw(ex["host"], ex["port"], token + frame(msgpack.packb(hello))) == b""
+    # ... and inside plain data the hello may carry (a layout's arena handle): the push fails
+    hello = PushHello(0, 1, None, RankLayout(0, arena=[payloads[2]]), [], PushSettings("shm"))
+    reply = send_raw(ex["host"], ex["port"], token + frame(PUSH.encode(hello)))
+    done = PUSH.decode(reply[4:])
     assert isinstance(done, PushDone) and done.error, done
     assert not marker.exists()
     assert server.get("/health").json()["status"] == "ok"
@@ -213,7 +219,8 @@ JUNK = [  # each used to kill the exchange server's thread: later pushes hung
     msgpack.packb(5), "ключ".encode(), msgpack.packb({"hello": 1}), b"\xc1", b"",
 ]  # fmt: skip
 # ... and a well-formed hello sent without the token first
-MALFORMED = [*JUNK, msgpack.packb(["hello", 0, 1, None, [], [], ["shm", "staged", False]])]
+HELLO = PushHello(0, 1, None, RankLayout(0), [], PushSettings("shm", "staged", False))
+MALFORMED = [*JUNK, PUSH.encode(HELLO)]
 
 
 def test_malformed_frames_do_not_stop_the_exchange_server(server):
@@ -223,8 +230,10 @@ def test_malformed_frames_do_not_stop_the_exchange_server(server):
         assert send_raw(ex["host"], ex["port"], frame(data)) == b""  # dropped, no reply
     for data in JUNK:
         assert send_raw(ex["host"], ex["port"], token + frame(data)) == b""  # token, then junk
-    bad_rank = ["hello", [0], 1, None, [], [], ["shm", "staged", False]]
+    bad_rank = ["hello", [0], 1, None, [0, [], {}, "float32", None], [], ["shm", "staged", False]]
     assert send_raw(ex["host"], ex["port"], token + frame(msgpack.packb(bad_rank))) == b""
+    out_of_world = dataclasses.replace(HELLO, rank=1)
+    assert send_raw(ex["host"], ex["port"], token + frame(PUSH.encode(out_of_world))) == b""
     version = server.admin("GET", "/admin/weights").json()["version"]
     legitimate_push_still_works(server, version=version + 1)
 
@@ -266,9 +275,9 @@ def test_control_server_drops_strangers_and_accepts_its_worker():
     def strangers(host, port):
         for data in [*MALFORMED, pickle.dumps(_CreatesFile("/nonexistent/x"))]:
             send_raw(host, port, frame(data))
-        for data in [*MALFORMED, msgpack.packb(["hello", 7, 1])]:  # token, then junk / rank 7
+        for data in [*MALFORMED, CONTROL.encode(Hello(7, 1))]:  # token, then junk / rank 7
             send_raw(host, port, frame(b"control-token") + frame(data))
-        send_raw(host, port, frame(b"wrong-token") + frame(msgpack.packb(["hello", 0, 1])))
+        send_raw(host, port, frame(b"wrong-token") + frame(CONTROL.encode(Hello(0, 1))))
 
     accepts_its_worker_after(strangers)
 
@@ -281,7 +290,7 @@ def test_shared_memory_is_nameless_and_a_mapping_checks_what_it_opens():
     memory = shm.SharedMemory(4096)
     assert set(os.listdir("/dev/shm")) == before  # no name: nothing to plant, guess or leave
     assert os.readlink(f"/proc/self/fd/{memory.fd}").startswith("/memfd:")
-    pid, fd, inode, size = memory.to_wire()
+    pid, fd, inode, size = memory.handle()
     memory.data[:4].copy_(memory.data.new_tensor([1, 2, 3, 4]))
     mapped = shm.MappedMemory([pid, fd, inode, size])
     assert mapped.data[:4].tolist() == [1, 2, 3, 4]
@@ -393,7 +402,7 @@ def test_frames_grow_with_what_arrives_not_with_what_the_header_announces():
 
 
 def test_a_listener_reads_only_a_small_token_frame_before_authentication():
-    from tandem.wire import TOKEN_FRAME_MAX, accept_peer, send_token
+    from tandem.wire import MAX_HELLO, TOKEN_FRAME_MAX, accept_hello, send_frame, send_token
 
     listener = socket.create_server(("127.0.0.1", 0))
     listener.settimeout(10)
@@ -402,19 +411,27 @@ def test_a_listener_reads_only_a_small_token_frame_before_authentication():
         result: dict = {}
         thread = threading.Thread(target=lambda: result.update(sent=flood(host, port)))
         thread.start()
-        assert accept_peer(listener, "tok", timeout=10) is None
+        assert accept_hello(listener, "tok", CONTROL, Hello, timeout=10) is None
         thread.join(60)
         assert result["sent"] < CUT_OFF, f"the listener read {result['sent'] >> 20} MiB"
         too_long = frame(b"x" * (TOKEN_FRAME_MAX + 1))
         for first in (too_long, frame(b"tok" + b"\0"), frame(b"to")):
             client = socket.create_connection((host, port))
             client.sendall(first)
-            assert accept_peer(listener, "tok", timeout=10) is None
+            assert accept_hello(listener, "tok", CONTROL, Hello, timeout=10) is None
+            client.close()
+        too_big = CONTROL.encode(Hello(0, 1)) + bytes(MAX_HELLO)  # after the token: capped too
+        for hello in (CONTROL.encode(Start(1)), too_big, b"junk"):
+            client = socket.create_connection((host, port))
+            send_token(client, "tok")
+            send_frame(client, hello)
+            assert accept_hello(listener, "tok", CONTROL, Hello, timeout=10) is None
             client.close()
         client = socket.create_connection((host, port))
         send_token(client, "tok")
-        sock = accept_peer(listener, "tok", timeout=10)
-        assert sock is not None and sock.gettimeout() is None
+        send_frame(client, CONTROL.encode(Hello(0, 1)))
+        sock, hello = accept_hello(listener, "tok", CONTROL, Hello, timeout=10)
+        assert hello == Hello(0, 1) and sock.gettimeout() is None
         sock.close()
         client.close()
 

@@ -1,36 +1,28 @@
-"""The control channel between the engine core and its workers: length-prefixed msgpack frames
-over TCP (no pickle). Data flows down as step messages and back as results; a closed connection
-means the worker is gone, which the engine notices at once."""
+"""The control channel between the engine core and its workers: `CONTROL` messages in
+length-prefixed frames over TCP (`tandem.wire`, no pickle). Data flows down as step messages
+and back as results; a closed connection means the worker is gone, which the engine notices at
+once."""
 
 from __future__ import annotations
 
 import selectors
 import socket
-import time
 
-from tandem.engine.messages import Failure, Hello, Message, decode, encode
-from tandem.wire import (
-    MAX_HELLO,
-    PeerGone,
-    accept_peer,
-    frame,
-    recv_frame,
-    send_frame,
-    send_token,
-)
+from tandem.engine.messages import CONTROL, Failure, Hello, Message
+from tandem.wire import PeerGone, frame, gather_hellos, recv_frame, send_frame, send_token
 
 __all__ = ["ControlServer", "PeerGone", "connect", "recv", "send"]
 
 
 def send(sock: socket.socket, msg: Message) -> None:
-    send_frame(sock, encode(msg))
+    send_frame(sock, CONTROL.encode(msg))
 
 
 HELLO_TIMEOUT_S = 10.0  # a connection that has not proved the token by then is dropped
 
 
 def recv(sock: socket.socket, max_size: int | None = None) -> Message:
-    return decode(recv_frame(sock) if max_size is None else recv_frame(sock, max_size))
+    return CONTROL.decode(recv_frame(sock) if max_size is None else recv_frame(sock, max_size))
 
 
 def connect(host: str, port: int, token: str, hello: Hello, timeout: float = 60.0
@@ -58,33 +50,20 @@ class ControlServer:
 
     def accept_all(self, deadline: float, check_alive) -> None:
         """Wait until every rank has connected; ``check_alive`` raises if a local worker died."""
-        self.listener.settimeout(0.5)
-        while len(self.peers) < self.world_size:
-            check_alive()
-            if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(self.peers))
-                raise TimeoutError(f"worker ranks {missing} did not connect in time")
-            if (sock := accept_peer(self.listener, self.token, HELLO_TIMEOUT_S)) is None:
-                continue  # nobody, or not one of ours
-            sock.settimeout(HELLO_TIMEOUT_S)
-            try:
-                hello = recv(sock, MAX_HELLO)
-            except (OSError, ValueError, TypeError, KeyError):  # not a worker's frame
-                sock.close()
-                continue
-            if not (isinstance(hello, Hello) and hello.rank in range(self.world_size)
-                    and hello.rank not in self.peers):  # fmt: skip
-                sock.close()
-                continue
-            sock.settimeout(None)
+        try:
+            peers = gather_hellos(self.listener, self.token, CONTROL, Hello, self.world_size,
+                                  deadline, check_alive, HELLO_TIMEOUT_S)  # fmt: skip
+        except TimeoutError as exc:
+            raise TimeoutError(f"worker {exc}") from None
+        for rank, (sock, hello) in sorted(peers.items()):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self.peers[hello.rank] = sock
-            self.pids[hello.rank] = hello.pid
-            self._selector.register(sock, selectors.EVENT_READ, hello.rank)
+            self.peers[rank] = sock
+            self.pids[rank] = hello.pid
+            self._selector.register(sock, selectors.EVENT_READ, rank)
         self.listener.close()
 
     def broadcast(self, msg: Message) -> None:
-        data = frame(encode(msg))
+        data = frame(CONTROL.encode(msg))
         for rank, sock in self.peers.items():
             try:
                 sock.sendall(data)

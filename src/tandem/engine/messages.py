@@ -1,4 +1,5 @@
-"""Typed messages between the engine core and model workers, encoded with msgpack (no pickle).
+"""Typed messages between the engine core and model workers, in the `CONTROL` codec
+(`tandem.wire.Codec`: msgpack, no pickle).
 
 The core sends one `StepMessage` per model step to every rank; the sampling rank answers with a
 `StepResult` (one row per sampled sequence, in step order). A step carries only what changed: new
@@ -9,11 +10,13 @@ and sampling settings the first time a sequence is seen (rule: send the minimum 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-import msgpack
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.wire import Codec
 
-from tandem.exchange.settings import PushPhase
+CONTROL = Codec("engine control")
 
 
 @dataclass(slots=True)
@@ -43,6 +46,7 @@ class SeqStep:
     logits_from: int = -1  # >= 0: sample from that step's last row (a forked sample, no tokens)
 
 
+@CONTROL.register("step")
 @dataclass(slots=True)
 class StepMessage:
     step_id: int
@@ -52,11 +56,24 @@ class StepMessage:
     # copied before the step runs (a shared block about to be written)
 
 
+@CONTROL.register("shutdown")
 @dataclass(slots=True)
 class Shutdown:
     reason: str = "shutdown"
 
 
+@CONTROL.register("control_address")
+@dataclass(slots=True)
+class ControlAddress:
+    """Where workers started on other nodes find the engine's control server (a value in the
+    engine's c10d store)."""
+
+    host: str
+    port: int
+    token: str
+
+
+@CONTROL.register("hello")
 @dataclass(slots=True)
 class Hello:
     """A worker's first frame on the control connection after the engine's token."""
@@ -65,16 +82,18 @@ class Hello:
     pid: int
 
 
+@CONTROL.register("capacity")
 @dataclass(slots=True)
 class Capacity:
     """Reported once after loading: the KV blocks a rank can hold within the budget, and what it
-    holds as canonical boxes (`RankLayout.to_wire`, for weight-exchange plans)."""
+    holds as canonical boxes (for weight-exchange plans)."""
 
     rank: int
     num_blocks: int
-    layout: list
+    layout: RankLayout
 
 
+@CONTROL.register("start")
 @dataclass(slots=True)
 class Start:
     """The engine's answer to all capacities: the block count every rank allocates."""
@@ -82,6 +101,7 @@ class Start:
     num_blocks: int
 
 
+@CONTROL.register("failure")
 @dataclass(slots=True)
 class Failure:
     """A worker's last words before it exits on an error."""
@@ -90,6 +110,7 @@ class Failure:
     error: str
 
 
+@CONTROL.register("result")
 @dataclass(slots=True)
 class StepResult:
     step_id: int
@@ -113,10 +134,8 @@ class PromptLogprobs:
     top_ids: list[list[int]]  # empty lists without alternatives
     top_logprobs: list[list[float]]
 
-    def to_wire(self) -> list:
-        return [self.seq_id, self.first, self.logprobs, self.top_ids, self.top_logprobs]
 
-
+@CONTROL.register("encode")
 @dataclass(slots=True)
 class EncodeMessage:
     """Run whole sequences through the model (no KV cache, nothing sampled) and pool each:
@@ -131,22 +150,25 @@ class EncodeMessage:
     # one placeholder id per row it becomes)
 
 
+@CONTROL.register("encoded")
 @dataclass(slots=True)
 class EncodeResult:
     step_id: int
     rows: list[list[float]]  # one per sequence: its pooled vector or logits
 
 
+@CONTROL.register("apply")
 @dataclass(slots=True)
 class ApplyWeights:
     """Between steps, one phase of a weight push on this rank (see
     `tandem.exchange.receiver.RankReceiver`): the push's settings and this rank's records."""
 
-    phase: PushPhase  # on the wire: its value
-    update: list  # UpdateSpec.to_wire(): version, settings, dtype, staging or group, ...
-    records: list  # Record.to_wire() of this rank's boxes
+    phase: PushPhase
+    update: UpdateSpec
+    records: list[Record]  # this rank's boxes
 
 
+@CONTROL.register("applied")
 @dataclass(slots=True)
 class ApplyResult:
     rank: int
@@ -155,6 +177,7 @@ class ApplyResult:
     nbytes: int = 0
 
 
+@CONTROL.register("kv_cache")
 @dataclass(slots=True)
 class KVCache:
     """Release (``allocate=False``, the engine sleeps) or re-allocate the KV cache."""
@@ -162,27 +185,32 @@ class KVCache:
     allocate: bool
 
 
+@CONTROL.register("kv_cache_done")
 @dataclass(slots=True)
 class KVCacheDone:
     rank: int
     allocate: bool
 
 
+@CONTROL.register("release_weights")
 @dataclass(slots=True)
 class ReleaseWeights:
     """Free the parameters' memory (the engine sleeps at level 2)."""
 
 
+@CONTROL.register("restore_weights")
 @dataclass(slots=True)
 class RestoreWeights:
     """Give the parameters memory again (zeroed) before a push writes them."""
 
 
+@CONTROL.register("reload_weights")
 @dataclass(slots=True)
 class ReloadWeights:
     """Read every parameter from the checkpoint again."""
 
 
+@CONTROL.register("weights_done")
 @dataclass(slots=True)
 class WeightsDone:
     rank: int
@@ -208,65 +236,3 @@ Message = (
     | WeightMemoryMessage
     | WeightsDone
 )
-_SIMPLE = {"shutdown": Shutdown, "hello": Hello, "capacity": Capacity, "start": Start,
-           "failure": Failure, "apply": ApplyWeights,
-           "applied": ApplyResult, "kv_cache": KVCache,
-           "kv_cache_done": KVCacheDone, "encode": EncodeMessage,
-           "encoded": EncodeResult, "release_weights": ReleaseWeights,
-           "restore_weights": RestoreWeights, "reload_weights": ReloadWeights,
-           "weights_done": WeightsDone}  # fmt: skip
-_KIND = {cls: kind for kind, cls in _SIMPLE.items()}
-
-
-def encode(msg: Message) -> bytes:
-    if isinstance(msg, StepMessage):
-        seqs = [
-            [
-                s.seq_id,
-                s.start,
-                s.token_ids,
-                s.blocks,
-                None if s.params is None else _params(s.params),
-                s.replace_table,
-                s.sample,
-                s.logits_from,
-            ]
-            for s in msg.seqs
-        ]
-        return msgpack.packb(["step", msg.step_id, seqs, msg.released, msg.copies])
-    if isinstance(msg, StepResult):
-        prompt = [p.to_wire() for p in msg.prompt_logprobs]
-        return msgpack.packb(
-            ["result", msg.step_id, msg.token_ids, msg.logprobs, msg.top_ids, msg.top_logprobs,
-             prompt, msg.routed_experts]
-        )  # fmt: skip
-    if type(msg) in _KIND:
-        fields = (getattr(msg, f) for f in msg.__slots__)
-        return msgpack.packb([_KIND[type(msg)], *(f.value if isinstance(f, Enum) else f
-                                                 for f in fields)])  # fmt: skip
-    raise TypeError(f"not a message: {type(msg).__name__}")
-
-
-def decode(data: bytes) -> Message:
-    kind, *body = msgpack.unpackb(data)
-    if kind == "step":
-        step_id, seqs, released, copies = body
-        steps = [
-            SeqStep(i, s, t, b, None if p is None else SeqParams(*p), r, x, f)
-            for i, s, t, b, p, r, x, f in seqs
-        ]
-        return StepMessage(step_id, steps, released, copies)
-    if kind == "result":
-        *fields, prompt, routed = body
-        return StepResult(*fields, [PromptLogprobs(*p) for p in prompt], routed)
-    if kind in ("apply", "applied"):
-        field = 0 if kind == "apply" else 1
-        body[field] = PushPhase(body[field])  # ValueError for a phase no rank knows
-    if kind in _SIMPLE:
-        return _SIMPLE[kind](*body)
-    raise ValueError(f"unknown message kind {kind!r}")
-
-
-def _params(p: SeqParams) -> list:
-    return [p.temperature, p.top_k, p.top_p, p.seed, p.logprobs, p.processed_logprobs,
-            p.prompt_logprobs, p.num_prompt_tokens, p.return_routed_experts]  # fmt: skip

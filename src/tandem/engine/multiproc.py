@@ -18,7 +18,6 @@ import time
 import weakref
 from datetime import timedelta
 
-import msgpack
 import torch
 import torch.distributed as dist
 
@@ -26,9 +25,11 @@ from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, PeerGone
 from tandem.engine.executor import EngineDeadError, kv_blocks
 from tandem.engine.messages import (
+    CONTROL,
     ApplyResult,
     ApplyWeights,
     Capacity,
+    ControlAddress,
     EncodeMessage,
     EncodeResult,
     KVCache,
@@ -42,7 +43,6 @@ from tandem.engine.messages import (
 )
 from tandem.engine.worker import ENV, WorkerArgs
 from tandem.exchange.items import Record
-from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.models.loader import ModelSpec, read_model_spec
 from tandem.models.registry import import_model_modules
@@ -78,7 +78,7 @@ class MultiprocExecutor:
                 is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
             )  # fmt: skip
             host, port = self._server.address
-            self._store.set(CONTROL_KEY, msgpack.packb([host, port, self._token]))
+            self._store.set(CONTROL_KEY, CONTROL.encode(ControlAddress(host, port, self._token)))
             rendezvous = f"tcp://{config.parallel.master_addr}:{self._store.port}"
         local = dims.world_size // config.parallel.nnodes
         self._procs = self._spawn(
@@ -92,9 +92,7 @@ class MultiprocExecutor:
             self._server.accept_all(deadline, self.check_alive)
             loaded = [self._receive(Capacity, deadline) for _ in range(dims.world_size)]
             self.num_blocks = kv_blocks([m.num_blocks for m in loaded])
-            self.layouts = sorted(
-                (RankLayout.from_wire(m.layout) for m in loaded), key=lambda lay: lay.rank
-            )
+            self.layouts = sorted((m.layout for m in loaded), key=lambda lay: lay.rank)
             self._server.broadcast(Start(self.num_blocks))
         except BaseException:
             self.shutdown()
@@ -110,8 +108,8 @@ class MultiprocExecutor:
         """One phase of a push on every rank: (errors, bytes moved)."""
         try:
             for rank in range(len(self.layouts)):
-                records = [r.to_wire() for r in records_by_rank.get(rank, [])]
-                self._server.send_to(rank, ApplyWeights(phase, spec.to_wire(), records))
+                records = records_by_rank.get(rank, [])
+                self._server.send_to(rank, ApplyWeights(phase, spec, records))
         except PeerGone as exc:
             raise EngineDeadError(self._root_cause(str(exc))) from None
         results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
@@ -281,11 +279,14 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
         config.parallel.master_addr, config.parallel.master_port, is_master=False,
         timeout=timedelta(seconds=config.parallel.worker_start_timeout_s),
     )  # fmt: skip
-    host, port, token = msgpack.unpackb(store.get(CONTROL_KEY))
+    control = CONTROL.decode(store.get(CONTROL_KEY))
+    if not isinstance(control, ControlAddress):
+        raise RuntimeError(f"the engine's store holds {type(control).__name__} at {CONTROL_KEY}")
     per_node = dims.world_size // config.parallel.nnodes
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     rendezvous = f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}"
-    procs = spawn_workers(config, ranks, rendezvous, (host, port), token, spec)
+    address = (control.host, control.port)
+    procs = spawn_workers(config, ranks, rendezvous, address, control.token, spec)
     del store
     try:
         return max(proc.wait() for proc in procs)

@@ -37,9 +37,7 @@ from tandem.engine.messages import (
 )
 from tandem.engine.model_runner import ModelRunner
 from tandem.exchange.adapters.engine import engine_layout
-from tandem.exchange.items import Record
 from tandem.exchange.receiver import RankReceiver
-from tandem.exchange.settings import UpdateSpec
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 from tandem.models.stages import split_layers
@@ -143,7 +141,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         spec, dtype=config.torch_dtype, device=device, block_size=config.cache.block_size,
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
     )  # fmt: skip
-    layout = engine_layout(runner.model, args.rank, runner.arena).to_wire()
+    layout = engine_layout(runner.model, args.rank, runner.arena)
     capacity = runner.kv_capacity(config.cache.kv_cache_memory)
     control.send(sock, Capacity(args.rank, capacity, layout))
     start = control.recv(sock)
@@ -157,9 +155,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
             pipe.flush()
             return
         if isinstance(msg, ApplyWeights):
-            spec = UpdateSpec.from_wire(msg.update)
-            records = [Record.from_wire(w) for w in msg.records]
-            error, nbytes = receiver.handle(msg.phase, spec, records)
+            error, nbytes = receiver.handle(msg.phase, msg.update, msg.records)
             control.send(sock, ApplyResult(args.rank, msg.phase, error, nbytes))
             continue
         if isinstance(msg, WeightMemoryMessage):

@@ -1,5 +1,6 @@
 """The two halves of one planned box: what a trainer rank sends (`SendItem`) and what an engine
-rank receives (`Record`). Named fields in memory, msgpack lists on the wire (no pickle)."""
+rank receives (`Record`); plain typed data, sent inside the exchange's and the engine's
+messages (`tandem.wire.Codec`)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,6 @@ class SendItem:
     dst_key: str
     dst_region: LocalRegion
 
-    def to_wire(self) -> list:
-        return [self.key, self.src.to_wire(), list(self.box_shape), self.offset, self.nbytes,
-                self.dst, self.dst_key, self.dst_region.to_wire()]  # fmt: skip
-
-    @classmethod
-    def from_wire(cls, w: list) -> SendItem:
-        key, src, box_shape, offset, nbytes, dst, dst_key, dst_region = w
-        return cls(key, LocalRegion.from_wire(src), tuple(box_shape), offset, nbytes, dst,
-                   dst_key, LocalRegion.from_wire(dst_region))  # fmt: skip
-
 
 @dataclass(frozen=True, slots=True)
 class Record:
@@ -55,13 +46,3 @@ class Record:
 
     def with_crc(self, crc: int | None) -> Record:
         return replace(self, crc=crc)
-
-    def to_wire(self) -> list:
-        return [self.source, self.offset, self.nbytes, self.key, self.region.to_wire(),
-                list(self.box_shape), self.crc]  # fmt: skip
-
-    @classmethod
-    def from_wire(cls, w: list) -> Record:
-        source, offset, nbytes, key, region, box_shape, crc = w
-        return cls(source, offset, nbytes, key, LocalRegion.from_wire(region), tuple(box_shape),
-                   crc)  # fmt: skip

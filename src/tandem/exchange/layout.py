@@ -4,7 +4,7 @@ A canonical tensor is a Hugging Face name with its full shape. A rank's local te
 by pieces (`tandem.layers.placement.Piece`): "this region of local tensor K is that box of
 canonical tensor X". A fused local tensor (qkv, gate_up, Megatron's grouped qkv) is several
 pieces; nothing is ever gathered to be converted. Layouts are plain data: they cross processes
-as msgpack and are all the planner sees.
+inside typed messages (`tandem.wire.Codec`) and are all the planner sees.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ class RankLayout:
     regions: list[Region] = field(default_factory=list)
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtype: str = "float32"  # of its local tensors
-    arena: list | None = None  # engine ranks on CPU: `ParamArena.to_wire()` (shm in_place)
+    arena: list | None = None  # engine ranks on CPU: `ParamArena.handle()` (shm in_place)
 
     def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
         self.local_shapes[key] = tuple(local_shape)
@@ -38,24 +38,6 @@ class RankLayout:
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         return {r.piece.name: r.piece.full_shape for r in self.regions}
-
-    def to_wire(self) -> list:
-        """Plain lists for msgpack."""
-        regions = [
-            [r.key, p.name, p.full_shape, p.box, p.offset, p.transposed]
-            for r in self.regions
-            for p in (r.piece,)
-        ]
-        return [self.rank, self.dtype, list(self.local_shapes.items()), regions, self.arena]
-
-    @classmethod
-    def from_wire(cls, wire: list) -> RankLayout:
-        rank, dtype, shapes, regions, arena = wire
-        out = cls(rank, dtype=dtype, local_shapes={k: tuple(v) for k, v in shapes}, arena=arena)
-        for key, name, full, box, offset, transposed in regions:
-            piece = Piece(name, tuple(full), tuple(map(tuple, box)), tuple(offset), transposed)
-            out.regions.append(Region(key, piece))
-        return out
 
 
 class LayoutMismatch(ValueError):

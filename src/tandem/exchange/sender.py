@@ -24,7 +24,7 @@ from tandem.exchange.adapters.megatron import is_megatron_module, megatron_modul
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.discovery import exchange_address
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
+from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
@@ -131,23 +131,23 @@ class WeightSender:
         """Send this rank's boxes and wait until the engine committed (or rejected) them."""
         start = time.perf_counter()
         layout, tensors = self._local()
-        hello = PushHello(self.rank, self.world_size, version, layout.to_wire(), self.ignore,
+        hello = PushHello(self.rank, self.world_size, version, layout, self.ignore,
                           self.settings)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         with socket.create_connection(endpoint, timeout=self.timeout_s) as sock:
             try:
                 send_token(sock, self._address.token)
-                send_frame(sock, encode(hello))
-                reply = decode(recv_frame(sock))
+                send_frame(sock, PUSH.encode(hello))
+                reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     try:
                         delivery = self._deliver(reply, tensors)
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
                     ready = PushReady(delivery.crcs, delivery.bytes_moved, delivery.staging)
-                    send_frame(sock, encode(ready))
-                    reply = decode(recv_frame(sock))
+                    send_frame(sock, PUSH.encode(ready))
+                    reply = PUSH.decode(recv_frame(sock))
             except (PeerGone, OSError) as exc:
                 # the engine may still be reading the staging memory: never write it again
                 self._half.close()
@@ -169,7 +169,7 @@ class WeightSender:
         """The engine's account of a push whose transport broke under this rank (it answers
         once every engine rank has stopped receiving), else the transport's error."""
         try:
-            reply = decode(recv_frame(sock))
+            reply = PUSH.decode(recv_frame(sock))
         except (PeerGone, OSError, ValueError):
             reply = None
         if isinstance(reply, PushDone) and reply.error is not None:

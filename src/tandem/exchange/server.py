@@ -28,13 +28,13 @@ from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, numel
-from tandem.exchange.protocol import PushDone, PushHello, PushPlan, PushReady, decode, encode
+from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import WeightTarget
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import Coordinator
-from tandem.wire import PeerGone, check_token, recv_frame, send_frame
+from tandem.wire import MAX_FRAME, PeerGone, read_hello, recv_frame, send_frame
 
 HANDSHAKE_TIMEOUT_S = 30.0
 MAX_HANDSHAKES = 64  # connections saying hello at once; more are dropped
@@ -106,12 +106,19 @@ class ExchangeServer:
                              daemon=True).start()  # fmt: skip
 
     def _greet(self, sock: socket.socket, hellos: queue.Queue, greeting) -> None:
+        """Queue the trainer rank's hello once it proved the token (`tandem.wire.read_hello`: a
+        stranger can make this read no more than a small first frame); close anyone else's
+        connection. A hello holds the rank's whole layout: it may be as large as any frame."""
         try:
-            hello = self._handshake(sock)
+            hello = read_hello(sock, self.token, PUSH, PushHello, HANDSHAKE_TIMEOUT_S, MAX_FRAME)
         finally:
             greeting.release()
-        if hello is not None:
-            hellos.put((sock, hello))
+        if hello is None:
+            return
+        if not 0 <= hello.rank < hello.world:
+            sock.close()
+            return
+        hellos.put((sock, hello))
 
     def _sessions(self, hellos: queue.Queue) -> None:
         gathering: dict[int, tuple[socket.socket, PushHello]] = {}  # by trainer rank
@@ -124,27 +131,6 @@ class ExchangeServer:
             if len(gathering) >= hello.world:
                 session, gathering = gathering, {}
                 self._run([session[r] for r in sorted(session)])
-
-    def _handshake(self, sock: socket.socket) -> PushHello | None:
-        """The trainer rank's hello, once it proved the token (alone, in a small first frame:
-        a stranger can make this read no more than that); None, and the connection closed,
-        for anyone else."""
-        if not check_token(sock, self.token, HANDSHAKE_TIMEOUT_S):
-            sock.close()  # not a trainer of ours
-            return None
-        try:
-            hello = decode(recv_frame(sock))
-        except (OSError, ValueError):
-            sock.close()
-            return None
-        if not isinstance(hello, PushHello):
-            sock.close()
-            return None
-        if not (isinstance(hello.rank, int) and isinstance(hello.world, int)
-                and 0 <= hello.rank < hello.world):  # fmt: skip
-            sock.close()
-            return None
-        return hello
 
     def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
         socks = [s for s, _ in conns]
@@ -170,7 +156,7 @@ class ExchangeServer:
             listener(done.version, time.perf_counter() - start, done.error)
         for sock in socks:
             try:
-                send_frame(sock, encode(done))
+                send_frame(sock, PUSH.encode(done))
             except OSError:
                 pass
             sock.close()
@@ -206,7 +192,7 @@ class ExchangeServer:
     def _send_plans(self, socks: list, plans: list[PushPlan]) -> None:
         for sock, plan in zip(socks, plans, strict=True):
             sock.settimeout(self.stage_timeout_s)
-            send_frame(sock, encode(plan))
+            send_frame(sock, PUSH.encode(plan))
 
     def _readies(self, spec: UpdateSpec, socks: list, records: list):
         """Every trainer rank's `PushReady`: (the spec with their staging handles, records by
@@ -214,7 +200,7 @@ class ExchangeServer:
         staging, moved = [], 0
         with_crcs: list[list] = []
         for rank, sock in enumerate(socks):
-            ready = decode(recv_frame(sock))
+            ready = PUSH.decode(recv_frame(sock))
             if not isinstance(ready, PushReady):
                 raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
             if len(ready.crcs) != len(records[rank]):
@@ -261,7 +247,7 @@ class ExchangeServer:
         version = hellos[0].version
         if version is None:
             version = self.target.weight_version + 1
-        senders = [RankLayout.from_wire(h.layout) for h in hellos]
+        senders = [h.layout for h in hellos]
         for h, layout in zip(hellos, senders, strict=True):
             layout.rank = h.rank
         receivers = self.target.weight_layouts()

@@ -1,6 +1,6 @@
 """Typed settings of one push: what the trainer asks for (`PushSettings`), what every engine
 rank is told when it takes part (`UpdateSpec`), and the phases it runs (`PushPhase`). They
-cross processes as msgpack lists (a phase as its value)."""
+cross processes inside typed messages (`tandem.wire.Codec`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tandem.exchange.transports import TRANSPORTS
+from tandem.exchange.transports.p2p import GroupInfo
 
 
 class PushPhase(Enum):
@@ -52,36 +53,17 @@ class PushSettings:
     def in_place(self) -> bool:
         return self.mode == "in_place"
 
-    def to_wire(self) -> list:
-        return [self.transport, self.mode, self.verify]
-
-    @classmethod
-    def from_wire(cls, wire: list) -> PushSettings:
-        transport, mode, verify = wire
-        return cls(transport, mode, verify)
-
 
 @dataclass(frozen=True, slots=True)
 class UpdateSpec:
     """One push as every engine rank sees it: its settings, the engine's dtype, how many trainer
     ranks send, and where to find their bytes (``staging``: per trainer rank, the handle of its
-    staged memory; ``group``: the dist transport's `GroupInfo` wire)."""
+    staged memory, as its transport made it; ``group``: the dist transport's process group)."""
 
     version: int
     settings: PushSettings
     dtype: str
     trainers: int
-    staging: tuple | None = None
-    group: tuple | None = None
+    staging: tuple[list | None, ...] | None = None
+    group: GroupInfo | None = None
     bucket_bytes: int = 0
-
-    def to_wire(self) -> list:
-        return [self.version, self.settings.to_wire(), self.dtype, self.trainers,
-                self.staging, self.group, self.bucket_bytes]  # fmt: skip
-
-    @classmethod
-    def from_wire(cls, wire: list) -> UpdateSpec:
-        version, settings, dtype, trainers, staging, group, bucket_bytes = wire
-        return cls(version, PushSettings.from_wire(settings), dtype, trainers,
-                   None if staging is None else tuple(staging),
-                   None if group is None else tuple(group), bucket_bytes)  # fmt: skip

@@ -31,14 +31,6 @@ class LocalRegion:
         view = tensor[tuple(slice(a, b) for a, b in self.slices)]
         return view.t() if self.transposed else view
 
-    def to_wire(self) -> list:
-        return [[list(s) for s in self.slices], self.transposed]
-
-    @classmethod
-    def from_wire(cls, wire: list) -> LocalRegion:
-        slices, transposed = wire
-        return cls(tuple((int(a), int(b)) for a, b in slices), bool(transposed))
-
 
 @dataclass(frozen=True, slots=True)
 class Piece:

@@ -1,12 +1,16 @@
-"""Typed messages between the demo's controller and its trainer ranks (msgpack, no pickle)."""
+"""Typed messages between the demo's controller and its trainer ranks, in the `TRAINERS` codec
+(`tandem.wire.Codec`: msgpack, no pickle)."""
 
 from __future__ import annotations
 
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 
-import msgpack
+from tandem.wire import Codec
+
+TRAINERS = Codec("trainer")
 
 
+@TRAINERS.register("hello")
 @dataclass(slots=True)
 class TrainerHello:
     """A trainer rank's first message, after the controller's token."""
@@ -24,6 +28,7 @@ class Sample:
     fresh: bool  # produced by exactly the trainer's current version: compare log-probs
 
 
+@TRAINERS.register("batch")
 @dataclass(slots=True)
 class TrainBatch:
     """One rank's share of a step. ``update=False``: only recompute log-probs (a check)."""
@@ -35,6 +40,7 @@ class TrainBatch:
     samples: list[Sample]
 
 
+@TRAINERS.register("warmup")
 @dataclass(slots=True)
 class WarmupBatch:
     """One rank's share of a supervised warm-up step: cross-entropy on each example's target
@@ -47,6 +53,7 @@ class WarmupBatch:
     examples: list[list[list[int]]]  # [prompt_ids, target_ids] per example
 
 
+@TRAINERS.register("score")
 @dataclass(slots=True)
 class ScoreBatch:
     """Recompute next-token distributions (no update): the trainer's full log-softmax at
@@ -57,6 +64,7 @@ class ScoreBatch:
     positions: list[list[int]]
 
 
+@TRAINERS.register("score_report")
 @dataclass(slots=True)
 class ScoreReport:
     rank: int
@@ -65,6 +73,7 @@ class ScoreReport:
     error: str | None = None
 
 
+@TRAINERS.register("report")
 @dataclass(slots=True)
 class TrainReport:
     rank: int
@@ -79,37 +88,7 @@ class TrainReport:
     error: str | None = None
 
 
+@TRAINERS.register("stop")
 @dataclass(slots=True)
 class Stop:
     pass
-
-
-_KINDS = {
-    "hello": TrainerHello,
-    "batch": TrainBatch,
-    "warmup": WarmupBatch,
-    "score": ScoreBatch,
-    "report": TrainReport,
-    "score_report": ScoreReport,
-    "stop": Stop,
-}
-_NAMES = {cls: name for name, cls in _KINDS.items()}
-
-
-def encode(msg) -> bytes:
-    if isinstance(msg, TrainBatch):
-        samples = [list(astuple(s)) for s in msg.samples]
-        body = [msg.step, msg.version, msg.update, msg.lr, samples]
-    else:
-        body = list(astuple(msg))
-    return msgpack.packb([_NAMES[type(msg)], *body])
-
-
-def decode(data: bytes):
-    kind, *body = msgpack.unpackb(data)
-    if kind not in _KINDS:
-        raise ValueError(f"unknown message kind {kind!r}")
-    if kind == "batch":
-        step, version, update, lr, samples = body
-        return TrainBatch(step, version, update, lr, [Sample(*s) for s in samples])
-    return _KINDS[kind](*body)

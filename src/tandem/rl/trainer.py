@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from tandem.rl.grpo import policy_loss
 from tandem.rl.messages import (
+    TRAINERS,
     ScoreBatch,
     ScoreReport,
     Stop,
@@ -30,8 +31,6 @@ from tandem.rl.messages import (
     TrainerHello,
     TrainReport,
     WarmupBatch,
-    decode,
-    encode,
 )
 from tandem.wire import recv_frame, send_frame, send_token
 
@@ -182,9 +181,9 @@ def main() -> int:
     sock = socket.create_connection(tuple(args.controller), timeout=60)
     sock.settimeout(None)
     send_token(sock, args.token)
-    send_frame(sock, encode(TrainerHello(args.rank, os.getpid())))
+    send_frame(sock, TRAINERS.encode(TrainerHello(args.rank, os.getpid())))
     while True:
-        msg = decode(recv_frame(sock))
+        msg = TRAINERS.decode(recv_frame(sock))
         if isinstance(msg, Stop):
             break
         try:
@@ -197,9 +196,9 @@ def main() -> int:
         except Exception as exc:
             traceback.print_exc()
             report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, f"{exc}")
-            send_frame(sock, encode(report))
+            send_frame(sock, TRAINERS.encode(report))
             return 1
-        send_frame(sock, encode(report))
+        send_frame(sock, TRAINERS.encode(report))
     dist.destroy_process_group()
     return 0
 

@@ -1,6 +1,7 @@
-"""The demo's trainer ranks as subprocesses, driven over one authenticated msgpack connection
-each. A trainer that dies is noticed while waiting for its report (its socket closes or its
-process exits): the demo stops with an error instead of hanging."""
+"""The demo's trainer ranks as subprocesses, driven over one authenticated connection each
+(`TRAINERS` messages, `tandem.wire`). A trainer that dies is noticed while waiting for its
+report (its socket closes or its process exits): the demo stops with an error instead of
+hanging."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import time
 
 from tandem.rl.messages import (
+    TRAINERS,
     Sample,
     ScoreBatch,
     ScoreReport,
@@ -21,11 +23,9 @@ from tandem.rl.messages import (
     TrainerHello,
     TrainReport,
     WarmupBatch,
-    decode,
-    encode,
 )
 from tandem.rl.trainer import ENV, TrainerArgs
-from tandem.wire import MAX_HELLO, PeerGone, accept_peer, free_port, recv_frame, send_frame
+from tandem.wire import PeerGone, free_port, gather_hellos, recv_frame, send_frame
 
 HELLO_TIMEOUT_S = 30.0  # a trainer that has not proved the token by then is dropped
 
@@ -59,24 +59,14 @@ class TrainerGroup:
             raise
 
     def _accept(self, world_size: int, deadline: float) -> None:
-        self._listener.settimeout(0.5)
-        while len(self.socks) < world_size:
-            self._check_alive()
-            if time.monotonic() > deadline:
-                raise TrainerError("trainer ranks did not connect in time")
-            if (sock := accept_peer(self._listener, self._token, HELLO_TIMEOUT_S)) is None:
-                continue  # nobody, or not one of ours
-            sock.settimeout(HELLO_TIMEOUT_S)
-            try:
-                hello = decode(recv_frame(sock, MAX_HELLO))
-            except (OSError, ValueError, TypeError, KeyError):
-                sock.close()
-                continue
-            if not (isinstance(hello, TrainerHello) and hello.rank in range(world_size)):
-                sock.close()
-                continue
+        try:
+            peers = gather_hellos(self._listener, self._token, TRAINERS, TrainerHello, world_size,
+                                  deadline, self._check_alive, HELLO_TIMEOUT_S)  # fmt: skip
+        except TimeoutError as exc:
+            raise TrainerError(f"trainer {exc}") from None
+        for rank, (sock, _) in peers.items():
             sock.settimeout(120)
-            self.socks[hello.rank] = sock
+            self.socks[rank] = sock
 
     def _check_alive(self) -> None:
         for rank, proc in enumerate(self.procs):
@@ -109,7 +99,7 @@ class TrainerGroup:
 
     def _exchange(self, messages: list) -> list[TrainReport | ScoreReport]:
         for rank, msg in zip(self._ranks, messages, strict=True):
-            send_frame(self.socks[rank], encode(msg))
+            send_frame(self.socks[rank], TRAINERS.encode(msg))
         reports = [self._report(rank) for rank in self._ranks]
         errors = [f"rank {r.rank}: {r.error}" for r in reports if r.error]
         if errors:
@@ -121,14 +111,14 @@ class TrainerGroup:
         while not select.select([sock], [], [], 0.5)[0]:  # a whole frame is read at once below
             self._check_alive()
         try:
-            return decode(recv_frame(sock))
+            return TRAINERS.decode(recv_frame(sock))
         except (PeerGone, OSError) as exc:
             raise TrainerError(f"trainer rank {rank} is gone ({exc})") from None
 
     def close(self) -> None:
         for sock in self.socks.values():
             try:
-                send_frame(sock, encode(Stop()))
+                send_frame(sock, TRAINERS.encode(Stop()))
             except OSError:
                 pass
         for proc in self.procs:

@@ -4,14 +4,16 @@ A channel declares its messages as dataclasses and registers each under an expli
 (`Codec.register`). A message is sent as ``[kind, field, ...]`` and any dataclass inside it as
 ``[field, ...]``, fields in the order the class declares them; an enum travels as its value, a
 tuple as an array, a dict as a map. Decoding follows the class's type hints: the kind must be
-registered, every dataclass must arrive with exactly its fields, each value of its declared type
-(an int is also a float; a bare ``list`` or ``tuple`` is plain data of any shape), and enum
-values and ``__post_init__`` checks apply; anything else raises ValueError.
+registered, every dataclass must arrive with exactly its fields, each of its declared type (an
+int is also a float; a bare ``list`` or ``tuple`` is plain data of any shape), down through
+nested dataclasses, tuples, dicts and optionals; enum values and ``__post_init__`` checks apply;
+anything else raises ValueError. The items of a list of plain values (``list[int]``: token ids,
+log-probs) are not checked one by one: that would cost a pass over every token of every step,
+and whatever msgpack made of them is inert data (a wrong one fails where it is used).
 
-Frames are decoded every model step, so each dataclass's encoder and decoder are written once,
-from its fields and type hints, as one small Python function (as `dataclasses` writes
-``__init__``): a frame then costs what hand-written unpacking would. Only type hints of our own
-classes ever reach that source; a frame's content is only compared and copied.
+Frames are decoded every model step, so the work per dataclass is laid out once per class from
+its type hints, and a list of dataclasses (a step's sequences) is checked and built in bulk,
+column by column: each field's types in all rows at once, the objects by one ``map``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import threading
 import types
 import typing
 from collections.abc import Callable
+from itertools import repeat
 from operator import attrgetter
 
 import msgpack
@@ -30,8 +33,8 @@ Convert = Callable[[typing.Any], typing.Any]
 
 _LEAVES = {int: {int}, float: {float, int}, bool: {bool}, str: {str}, bytes: {bytes},
            type(None): {type(None)}, list: {list}}  # fmt: skip
-_decoders: dict[type, Convert] = {}
-_encoders: dict[type, Convert] = {}
+_LIST = frozenset({list})
+_classes: dict[type, _Class] = {}
 _compiling = threading.RLock()  # the exchange server decodes on several threads
 
 
@@ -61,7 +64,7 @@ class Codec:
         kind = self._kinds.get(type(msg))
         if kind is None:
             raise TypeError(f"not a {self.channel} message: {type(msg).__name__}")
-        return msgpack.packb([kind, *_encoder(type(msg))(msg)])
+        return msgpack.packb([kind, *_class(type(msg)).encode(msg)], default=_default)
 
     def decode(self, data: bytes):
         """The message in ``data``; ValueError for anything else (the peer may be anyone)."""
@@ -73,114 +76,153 @@ class Codec:
             kind = wire[0]
             if kind not in self._classes:
                 raise ValueError(f"unknown kind {kind!r}")
-            return _decoder(self._classes[kind])(wire[1:])
+            del wire[0]
+            return _class(self._classes[kind]).decode(wire)
         except (ValueError, TypeError, KeyError) as exc:  # msgpack's errors are ValueErrors
             what = f"{kind} message" if kind in self._classes else "frame"
             why = str(exc) or type(exc).__name__
             raise ValueError(f"malformed {self.channel} {what}: {why}") from None
 
 
+def _default(value):
+    """msgpack's hook for what it cannot pack by itself: a dataclass, an enum."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _class(type(value)).encode(value)
+    raise TypeError(f"cannot encode a {type(value).__name__}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Decoding:
     """How a value declared as some type is decoded: the Python types msgpack may hand over for
-    it, the types of its items if it is a list of plain values, and a function that converts
-    (and checks) it further (None: the value is already what it should be)."""
+    it, and a function that converts and checks it further (None: the value is already what it
+    should be; ``optional``: that function applies only to a value that is not None)."""
 
     allowed: frozenset
     convert: Convert | None = None
-    items: frozenset | None = None
-
-    def finish(self) -> Convert | None:
-        """The rest of the work once the value's own type was checked (None: nothing)."""
-        items, convert = self.items, self.convert
-        if items is None:
-            return convert
-
-        def finish(value):
-            if not items.issuperset(map(type, value)):
-                raise ValueError(f"unexpected {_names(set(map(type, value)) - items)} in a list")
-            return value if convert is None else convert(value)
-
-        return finish
+    optional: bool = False
+    checks_itself: bool = False  # ``convert`` refuses a value of any other type
+    many: Convert | None = None  # a dataclass: decodes a list of them at once
 
     def checked(self) -> Convert:
-        allowed, finish = self.allowed, self.finish()
+        """The whole decoding, its type check included."""
+        allowed, convert, optional = self.allowed, self.convert, self.optional
 
         def checked(value):
             if type(value) not in allowed:
                 raise ValueError(f"unexpected {type(value).__name__}")
-            return value if finish is None else finish(value)
+            if convert is None or (optional and value is None):
+                return value
+            return convert(value)
 
         return checked
 
 
-def _decoder(cls: type) -> Convert:
-    decode = _decoders.get(cls)
-    if decode is None:
+class _Class:
+    """A dataclass's encoding and decoding, laid out once from its fields and type hints."""
+
+    def __init__(self, cls: type):
+        fields = dataclasses.fields(cls)
+        if any(not f.init for f in fields):
+            raise TypeError(f"{cls.__name__}: every field must be an __init__ argument")
+        self.cls = cls
+        self.names = [f.name for f in fields]
+        hints = typing.get_type_hints(cls)
+        self.specs = [_decoding(hints[n], f"{cls.__name__}.{n}") for n in self.names]
+        self._converts = [(i, s) for i, s in enumerate(self.specs) if s.convert is not None]
+        self._allowed = [s.allowed for s in self.specs]
+        self._length = frozenset({len(self.names)})
+        get = attrgetter(*self.names) if self.names else (lambda _: ())
+        self._get = get if len(self.names) != 1 else (lambda value: (get(value),))
+        self._bulk = [(i, _class(item).get_many) for i, name in enumerate(self.names)
+                      if (item := _dataclass_items(hints[name])) is not None]  # fmt: skip
+
+    def encode(self, value) -> tuple | list:
+        """Its fields in order; lists of dataclasses as lists of their fields (the rest of what
+        msgpack cannot pack, `_default` converts as msgpack meets it)."""
+        if not self._bulk:
+            return self._get(value)
+        fields = list(self._get(value))
+        for i, get_many in self._bulk:
+            fields[i] = get_many(fields[i])
+        return fields
+
+    def get_many(self, values) -> list:
+        return list(map(self._get, values)) if not self._bulk else list(map(self.encode, values))
+
+    def decode(self, wire):
+        """``[field, ...]`` as an instance."""
+        if not (type(wire) is list and len(wire) == len(self.names)
+                and all(map(frozenset.__contains__, self._allowed, map(type, wire)))):  # fmt: skip
+            raise self._wrong([wire])
+        for i, spec in self._converts:
+            value = wire[i]
+            if not (spec.optional and value is None):
+                wire[i] = spec.convert(value)
+        return self.cls(*wire)
+
+    def decode_many(self, rows) -> list:
+        """``rows`` (each ``[field, ...]``) as instances, column by column: each field's types
+        in all rows checked at once, then converted (a column of dataclasses in bulk too),
+        then the instances built."""
+        if type(rows) is not list:
+            raise ValueError(f"expected an array of {self.cls.__name__}, got {type(rows).__name__}")
+        if not (_LIST.issuperset(map(type, rows)) and self._length.issuperset(map(len, rows))):
+            raise self._wrong(rows)
+        if not rows or not self.names:
+            return [self.cls() for _ in rows]
+        columns = list(zip(*rows, strict=True))
+        if not all(map(frozenset.issuperset, self._allowed, map(map, repeat(type), columns))):
+            raise self._wrong(rows)
+        for i, spec in self._converts:
+            columns[i] = _convert_column(spec, columns[i])
+        return list(map(self.cls, *columns))
+
+    def _wrong(self, rows: list) -> ValueError:
+        """Why ``rows`` are not all instances (the slow path)."""
+        name = self.cls.__name__
+        for row in rows:
+            if type(row) is not list:
+                return ValueError(f"{name}: expected an array, got {type(row).__name__}")
+            if len(row) != len(self.names):
+                return ValueError(f"{name} has {len(self.names)} fields, got {len(row)}")
+            for field, allowed, value in zip(self.names, self._allowed, row, strict=True):
+                if type(value) not in allowed:
+                    return ValueError(f"{name}.{field}: unexpected {type(value).__name__}")
+        return ValueError(f"{name}: unexpected field types")
+
+
+def _convert_column(spec: _Decoding, column: tuple) -> tuple | list:
+    if not spec.optional:
+        return spec.many(list(column)) if spec.many else list(map(spec.convert, column))
+    if column.count(None) == len(column):  # the usual case: e.g. a step's settled sequences
+        return column
+    if spec.many is None:
+        return [None if v is None else spec.convert(v) for v in column]
+    present = [i for i, v in enumerate(column) if v is not None]
+    out = list(column)
+    for i, value in zip(present, spec.many([column[i] for i in present]), strict=True):
+        out[i] = value
+    return out
+
+
+def _class(cls: type) -> _Class:
+    found = _classes.get(cls)
+    if found is None:
         with _compiling:
-            decode = _decoders.get(cls) or _write(cls, _decode_source)
-            _decoders[cls] = decode
-    return decode
+            found = _classes.get(cls) or _Class(cls)
+            _classes[cls] = found
+    return found
 
 
-def _encoder(cls: type) -> Convert:
-    encode = _encoders.get(cls)
-    if encode is None:
-        with _compiling:
-            encode = _encoders.get(cls) or _write(cls, _encode_source)
-            _encoders[cls] = encode
-    return encode
-
-
-def _write(cls: type, source) -> Convert:
-    fields = dataclasses.fields(cls)
-    if any(not f.init for f in fields):
-        raise TypeError(f"{cls.__name__}: every field must be an __init__ argument")
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields]
-    namespace = {"_cls": cls}
-    text = source(cls, names, [hints[n] for n in names], namespace)
-    exec(compile(text, f"<tandem.wire {cls.__name__}>", "exec"), namespace)
-    return namespace["_convert"]
-
-
-def _decode_source(cls: type, names: list[str], hints: list, namespace: dict) -> str:
-    """``[field, ...]`` -> ``cls``: the array's length and each field's type in one test, then
-    the conversions its hints call for, then ``cls(...)``."""
-    specs = [_decoding(h, f"{cls.__name__}.{n}") for n, h in zip(names, hints, strict=True)]
-    namespace["_wrong"] = lambda wire: _wrong(cls, names, specs, wire)
-    local = [f"f{i}" for i in range(len(names))]
-    tests, values = [], []
-    for i, (f, spec) in enumerate(zip(local, specs, strict=True)):
-        namespace[f"_A{i}"] = spec.allowed
-        (only,) = spec.allowed if len(spec.allowed) == 1 else (None,)
-        namespace[f"_T{i}"] = only
-        tests.append(f"type({f}) is _T{i}" if only is not None else f"type({f}) in _A{i}")
-        if spec.items is not None:
-            namespace[f"_I{i}"] = spec.items
-            tests.append(f"_I{i}.issuperset(map(type, {f}))")
-        namespace[f"_C{i}"] = spec.convert
-        values.append(f"_C{i}({f})" if spec.convert is not None else f)
-    unpack = f"    {', '.join(local)}, = wire\n" if local else ""
-    test = f"    if not ({' and '.join(tests)}):\n        raise _wrong(wire)\n" if tests else ""
-    return (f"def _convert(wire):\n"
-            f"    if type(wire) is not list or len(wire) != {len(names)}:\n"
-            f"        raise _wrong(wire)\n{unpack}{test}"
-            f"    return _cls({', '.join(values)})\n")  # fmt: skip
-
-
-def _wrong(cls: type, names: list[str], specs: list[_Decoding], wire) -> ValueError:
-    """Why ``wire`` is not a ``cls`` (the slow path of a decoder)."""
-    if type(wire) is not list:
-        return ValueError(f"{cls.__name__}: expected an array, got {type(wire).__name__}")
-    if len(wire) != len(names):
-        return ValueError(f"{cls.__name__} has {len(names)} fields, got {len(wire)}")
-    for name, spec, value in zip(names, specs, wire, strict=True):
-        try:
-            spec.checked()(value)
-        except ValueError as exc:
-            return ValueError(f"{cls.__name__}.{name}: {exc}")
-    return ValueError(f"{cls.__name__}: unexpected field types")
+def _dataclass_items(hint) -> type | None:
+    """The item class of a list (or tuple) of dataclasses, which is encoded in bulk."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is list or (origin is tuple and args[1:] == (Ellipsis,)):
+        if dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
 
 
 def _decoding(hint, where: str) -> _Decoding:
@@ -189,28 +231,43 @@ def _decoding(hint, where: str) -> _Decoding:
     if hint in _LEAVES:
         return _Decoding(frozenset(_LEAVES[hint]))
     if isinstance(hint, enum.EnumMeta):
-        return _Decoding(frozenset(type(m.value) for m in hint), hint)
+        return _Decoding(frozenset(type(m.value) for m in hint), hint, checks_itself=True)
     if dataclasses.is_dataclass(hint):
-        return _Decoding(frozenset({list}), _decoder(hint))
+        lazy = _Lazy(hint)
+        return _Decoding(_LIST, lazy.decode, checks_itself=True, many=lazy.decode_many)
     if hint is tuple:  # plain data of any shape
-        return _Decoding(frozenset({list}), tuple)
-    if origin is list or (origin is tuple and len(args) == 2 and args[1] is Ellipsis):
+        return _Decoding(_LIST, tuple)
+    if origin is list or (origin is tuple and args[1:] == (Ellipsis,)):
+        to = list if origin is list else tuple
+        if dataclasses.is_dataclass(args[0]):
+            many = _Lazy(args[0]).decode_many
+            return _Decoding(_LIST, many if to is list else (lambda wire: tuple(many(wire))))
         item = _decoding(args[0], where)
-        to = tuple if origin is tuple else None
-        if item.convert is None and item.items is None:
-            return _Decoding(frozenset({list}), to, item.allowed)
-        convert = item.checked()
-        if to is tuple:
-            return _Decoding(frozenset({list}), lambda wire: tuple(map(convert, wire)))
-        return _Decoding(frozenset({list}), lambda wire: list(map(convert, wire)))
+        if item.convert is None:  # plain values (see the module's docstring)
+            return _Decoding(_LIST, None if to is list else tuple)
+        convert = item.convert if item.checks_itself else item.checked()
+        return _Decoding(_LIST, lambda wire: to(map(convert, wire)))
     if origin is tuple:
-        return _Decoding(frozenset({list}), _fixed([_decoding(a, where).checked() for a in args]))
+        return _Decoding(_LIST, _fixed([_decoding(a, where).checked() for a in args]))
     if origin is dict:
         key, value = _decoding(args[0], where).checked(), _decoding(args[1], where).checked()
         return _Decoding(frozenset({dict}), lambda w: {key(k): value(v) for k, v in w.items()})
     if origin in (typing.Union, types.UnionType):
         return _union([_decoding(a, where) for a in args], where)
     raise TypeError(f"{where}: cannot decode {hint!r}")
+
+
+class _Lazy:
+    """A dataclass's decoding, laid out when first used (a class may name ones defined later)."""
+
+    def __init__(self, cls: type):
+        self.cls = cls
+
+    def decode(self, wire):
+        return _class(self.cls).decode(wire)
+
+    def decode_many(self, rows) -> list:
+        return _class(self.cls).decode_many(rows)
 
 
 def _fixed(items: list[Convert]) -> Convert:
@@ -223,68 +280,24 @@ def _fixed(items: list[Convert]) -> Convert:
 
 
 def _union(members: list[_Decoding], where: str) -> _Decoding:
-    finish: dict[type, Convert | None] = {}
+    by_type: dict[type, _Decoding] = {}
     for member in members:
         for t in member.allowed:
-            if t in finish:
+            if t in by_type:
                 raise TypeError(f"{where}: two members of the union arrive as {t.__name__}")
-            finish[t] = member.finish()
-    steps = {t: f for t, f in finish.items() if f is not None}
-    if not steps:
-        return _Decoding(frozenset(finish))
+            by_type[t] = member
+    allowed = frozenset(by_type)
+    converting = [m for m in members if m.convert is not None]
+    if not converting:
+        return _Decoding(allowed)
+    others = [m for m in members if m.convert is None]
+    if len(converting) == 1 and [m.allowed for m in others] == [frozenset({type(None)})]:
+        (member,) = converting  # X | None
+        return _Decoding(allowed, member.convert, optional=True, many=member.many)
+    steps = {t: m.convert for t, m in by_type.items() if m.convert is not None}
 
     def convert(value):
         step = steps.get(type(value))
         return value if step is None else step(value)
 
-    return _Decoding(frozenset(finish), convert)
-
-
-def _encode_source(cls: type, names: list[str], hints: list, namespace: dict) -> str:
-    """``cls`` -> ``(field, ...)``: plain fields as they are, the others converted."""
-    values = []
-    for i, (name, hint) in enumerate(zip(names, hints, strict=True)):
-        encode = _encoding(hint, f"{cls.__name__}.{name}")
-        namespace[f"_E{i}"] = encode
-        values.append(f"m.{name}" if encode is None else f"_E{i}(m.{name})")
-    return f"def _convert(m):\n    return ({''.join(v + ', ' for v in values)})\n"
-
-
-def _encoding(hint, where: str) -> Convert | None:
-    """How to encode a value declared as ``hint`` (None: msgpack packs it as it is)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint in _LEAVES or hint is tuple:
-        return None
-    if isinstance(hint, enum.EnumMeta):
-        return attrgetter("value")
-    if dataclasses.is_dataclass(hint):
-        return _encoder(hint)
-    if origin in (list, tuple) and (origin is list or args[1:] == (Ellipsis,)):
-        item = _encoding(args[0], where)
-        return None if item is None else (lambda value: [item(v) for v in value])
-    if origin is tuple:
-        items = [_encoding(a, where) or (lambda v: v) for a in args]
-        return lambda value: [item(v) for item, v in zip(items, value, strict=True)]
-    if origin is dict:
-        key, value_ = _encoding(args[0], where), _encoding(args[1], where)
-        if key is None and value_ is None:
-            return None
-        key, value_ = key or (lambda v: v), value_ or (lambda v: v)
-        return lambda value: {key(k): value_(v) for k, v in value.items()}
-    if origin in (typing.Union, types.UnionType):
-        by_class = {}
-        for member in args:
-            encode = _encoding(member, where)
-            if encode is not None and not (dataclasses.is_dataclass(member)
-                                           or isinstance(member, enum.EnumMeta)):  # fmt: skip
-                raise TypeError(f"{where}: cannot encode {member!r} inside a union")
-            by_class[member] = encode
-        steps = {t: e for t, e in by_class.items() if e is not None}
-        if not steps:
-            return None
-        return lambda value: steps[type(value)](value) if type(value) in steps else value
-    raise TypeError(f"{where}: cannot encode {hint!r}")
-
-
-def _names(types_: set) -> str:
-    return ", ".join(sorted(t.__name__ for t in types_))
+    return _Decoding(allowed, convert)

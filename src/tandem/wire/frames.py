@@ -65,21 +65,6 @@ def check_token(sock: socket.socket, token: str, timeout: float) -> bool:
     return hmac.compare_digest(given, token.encode())
 
 
-def accept_peer(listener: socket.socket, token: str, timeout: float) -> socket.socket | None:
-    """One connection from ``listener`` whose peer proves ``token`` within ``timeout`` seconds
-    (its socket then blocks without a timeout), or None: nobody connected within the
-    listener's own timeout, or the peer failed the check (its connection is closed)."""
-    try:
-        sock, _ = listener.accept()
-    except TimeoutError:
-        return None
-    if not check_token(sock, token, timeout):
-        sock.close()
-        return None
-    sock.settimeout(None)
-    return sock
-
-
 def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:

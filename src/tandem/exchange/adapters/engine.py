@@ -16,7 +16,7 @@ def engine_layout(model: nn.Module, rank: int, arena: ParamArena | None = None) 
     missing = [name for name, param in params if not hasattr(param, "pieces")]
     if missing:
         raise TypeError(f"parameters without placement pieces: {missing}")
-    layout = RankLayout(rank, dtype=dtype_name(params), arena=arena and arena.to_wire())
+    layout = RankLayout(rank, dtype=dtype_name(params), arena=arena and arena.handle())
     for name, param in params:
         layout.add(name, tuple(param.shape), list(param.pieces))
     return layout

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 class DistSender(SenderHalf):
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send each engine rank its boxes, engine ranks in `p2p.stream_order`."""
-        info = p2p.GroupInfo.from_wire(plan.group)
+        info = plan.group
         group = p2p.join(info, self.rank)
         dtype = self.dtype(plan)
         by_dst: dict[int, list[int]] = {}
@@ -70,7 +70,7 @@ class DistReceiver(ReceiverHalf):
         parameters (in_place), checksumming each box as it lands: in place, read back through
         each record's own region (`live`), not the receive's target, so a misplaced write
         cannot pass."""
-        info = p2p.GroupInfo.from_wire(list(spec.group))
+        info = spec.group
         group = p2p.join(info, spec.trainers + self.rank)
         dtype = self.dtype(spec)
         by_src = [[i for i, r in enumerate(records) if r.source == s] for s in range(spec.trainers)]
@@ -136,7 +136,7 @@ class DistReceiver(ReceiverHalf):
     def abort(self, spec: UpdateSpec) -> None:
         self._received = {}
         if spec.group is not None:
-            p2p.abandon(p2p.GroupInfo.from_wire(list(spec.group)))
+            p2p.abandon(spec.group)
 
 
 class DistCoordinator(Coordinator):
@@ -154,11 +154,11 @@ class DistCoordinator(Coordinator):
     def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
                 device_type: str) -> UpdateSpec:  # fmt: skip
         group = self._group(spec.trainers, len(receivers), device_type)
-        spec = dataclasses.replace(spec, group=tuple(group.to_wire()),
+        spec = dataclasses.replace(spec, group=group,
                                    bucket_bytes=self.bucket_bytes)  # fmt: skip
         for plan in plans:
             plan.group, plan.trainers, plan.bucket_bytes = (
-                list(spec.group),
+                group,
                 spec.trainers,
                 spec.bucket_bytes,
             )

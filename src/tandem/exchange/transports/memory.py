@@ -35,7 +35,7 @@ class SharedMemory:
         """The whole buffer as a uint8 tensor (no copy)."""
         return _bytes(self.map, self.size)
 
-    def to_wire(self) -> list:
+    def handle(self) -> list:
         """[pid, fd, inode, size]: what `MappedMemory` needs to map it in another process."""
         return [os.getpid(), self.fd, os.fstat(self.fd).st_ino, self.size]
 
@@ -115,9 +115,9 @@ class ParamArena:
         if self.memory.size:
             self.memory.map.madvise(mmap.MADV_REMOVE)
 
-    def to_wire(self) -> list:
+    def handle(self) -> list:
         """[pid, fd, inode, size, [[key, offset, shape], ...]] for `MappedArena`."""
-        return [*self.memory.to_wire(), self.entries]
+        return [*self.memory.handle(), self.entries]
 
 
 class MappedArena:

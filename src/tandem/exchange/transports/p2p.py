@@ -30,20 +30,13 @@ _groups: dict[tuple, dist.ProcessGroup] = {}
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    """Where and how to join a push's process group (sent in the plan, as a list)."""
+    """Where and how to join a push's process group (in the plan and the engine's spec)."""
 
     host: str
     port: int
     prefix: str  # one per group generation: a failed push retires its group
     world: int  # trainer ranks + engine ranks
     backend: str
-
-    def to_wire(self) -> list:
-        return [self.host, self.port, self.prefix, self.world, self.backend]
-
-    @classmethod
-    def from_wire(cls, w: list) -> GroupInfo:
-        return cls(*w)
 
 
 def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:

@@ -48,7 +48,7 @@ class ShmSender(SenderHalf):
                 self.staging = SharedMemory(plan.size, "tandem-staging")
             targets = self.staged(plan, self.staging.data)
         crcs, moved = self.write_items(plan, tensors, targets)
-        staging = None if self.settings.in_place else self.staging.to_wire()
+        staging = None if self.settings.in_place else self.staging.handle()
         return Delivery(crcs, moved, staging)
 
     def _map_arenas(self, wires: list) -> list[MappedArena]:
