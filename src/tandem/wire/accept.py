@@ -14,8 +14,14 @@ from tandem.wire.codec import Codec
 from tandem.wire.frames import MAX_HELLO, check_token, recv_frame
 
 
-def read_hello(sock: socket.socket, token: str, codec: Codec, hello_type: type, timeout: float,
-               max_size: int = MAX_HELLO):  # fmt: skip
+def read_hello(
+    sock: socket.socket,
+    token: str,
+    codec: Codec,
+    hello_type: type,
+    timeout: float,
+    max_size: int = MAX_HELLO,
+):
     """The hello of the peer on ``sock`` once it proved ``token``: a ``hello_type`` message of
     at most ``max_size`` bytes, each frame within ``timeout`` seconds (the socket then blocks
     without a timeout). None, and the connection closed, for anyone else."""
@@ -31,8 +37,14 @@ def read_hello(sock: socket.socket, token: str, codec: Codec, hello_type: type, 
     return None
 
 
-def accept_hello(listener: socket.socket, token: str, codec: Codec, hello_type: type,
-                 timeout: float, max_size: int = MAX_HELLO):  # fmt: skip
+def accept_hello(
+    listener: socket.socket,
+    token: str,
+    codec: Codec,
+    hello_type: type,
+    timeout: float,
+    max_size: int = MAX_HELLO,
+):
     """(socket, hello) of one connection from ``listener`` (`read_hello`), or None: nobody
     connected within the listener's own timeout, or the peer was not one of ours."""
     try:
@@ -43,9 +55,16 @@ def accept_hello(listener: socket.socket, token: str, codec: Codec, hello_type: 
     return None if hello is None else (sock, hello)
 
 
-def gather_hellos(listener: socket.socket, token: str, codec: Codec, hello_type: type,
-                  world: int, deadline: float, check_alive: Callable[[], None], timeout: float
-                  ) -> dict[int, tuple[socket.socket, object]]:  # fmt: skip
+def gather_hellos(
+    listener: socket.socket,
+    token: str,
+    codec: Codec,
+    hello_type: type,
+    world: int,
+    deadline: float,
+    check_alive: Callable[[], None],
+    timeout: float,
+) -> dict[int, tuple[socket.socket, object]]:
     """(socket, hello) of ranks ``0 .. world - 1``, each the first to say hello with its
     ``rank`` (a hello naming another rank, or one already taken, is closed), accepted until
     ``deadline`` (`time.monotonic`; then TimeoutError naming the missing ranks).

@@ -135,8 +135,8 @@ class _Class:
         self._length = frozenset({len(self.names)})
         get = attrgetter(*self.names) if self.names else (lambda _: ())
         self._get = get if len(self.names) != 1 else (lambda value: (get(value),))
-        self._bulk = [(i, _class(item).get_many) for i, name in enumerate(self.names)
-                      if (item := _dataclass_items(hints[name])) is not None]  # fmt: skip
+        items = [_dataclass_items(hints[name]) for name in self.names]
+        self._bulk = [(i, _class(item).get_many) for i, item in enumerate(items) if item]
 
     def encode(self, value) -> tuple | list:
         """Its fields in order; lists of dataclasses as lists of their fields (the rest of what
@@ -153,8 +153,9 @@ class _Class:
 
     def decode(self, wire):
         """``[field, ...]`` as an instance."""
-        if not (type(wire) is list and len(wire) == len(self.names)
-                and all(map(frozenset.__contains__, self._allowed, map(type, wire)))):  # fmt: skip
+        if type(wire) is not list or len(wire) != len(self.names):
+            raise self._wrong([wire])
+        if not all(map(frozenset.__contains__, self._allowed, map(type, wire))):
             raise self._wrong([wire])
         for i, spec in self._converts:
             value = wire[i]
