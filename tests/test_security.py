@@ -323,7 +323,7 @@ def non_loopback_ipv4() -> str | None:
 def test_everything_binds_loopback_by_default(server):
     assert ServeConfig.model_fields["host"].default == "127.0.0.1"
     assert EngineConfig.model_fields["exchange_host"].default == "127.0.0.1"
-    assert EngineConfig.model_fields["master_addr"].default == "127.0.0.1"
+    assert EngineConfig(model="m").parallel.master_addr == "127.0.0.1"
     server.admin("GET", "/admin/weights")  # the exchange server is listening now
     bound = listening([server.proc.pid, *children(server.proc.pid)])
     assert len(bound) == 2 and all(addr == "127.0.0.1" for addr, _ in bound), bound
