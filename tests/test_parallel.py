@@ -160,8 +160,7 @@ def test_engine_process_ending_leaves_no_workers(llama_dir, ending):
         f"llm = LLM({llama_dir!r}, tensor_parallel_size=2); "
         "llm.generate('hi', SamplingParams(max_tokens=2)); "
         "print(*[w['pid'] for w in llm.worker_locations()], llm.engine.executor._tmpdir, "
-        "flush=True); "
-        + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
+        "flush=True); " + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     *pids, rendezvous = proc.stdout.readline().split()
