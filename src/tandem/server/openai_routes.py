@@ -90,7 +90,7 @@ async def chat_completions(request: Request):
     messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
     text = s.chat.render(messages, req.add_generation_prompt)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    ids = s.tokenizer.encode(text)
+    ids = s.engine.prompt_ids(text)
     request_id = prompt_request_id(rid, 0)
     seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, req.priority))
     call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
