@@ -140,7 +140,7 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
     def _process_outputs(self, result: StepResult) -> list[Sequence]:
         """The oldest step's results onto its sequences; the ones that finished."""
         batch = self._in_flight.popleft()
-        self.outputs.record_step(batch, result, self.weight_version)
+        self.outputs.record_step(batch.seqs, batch.samples, result, self.weight_version)
         self.scheduler.finish_step(batch)
         finished = [s for s in batch.seqs if s.finished]
         self._released.extend(s.seq_id for s in finished)

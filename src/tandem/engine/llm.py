@@ -9,7 +9,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
-from tandem.engine.outputs import RequestMetrics, RequestOutput, completion_output
+from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
@@ -126,7 +126,7 @@ class LLM:
         return self.engine.encode(rows, None, pooling, pixels)
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
-        completions = [completion_output(s, self.engine.outputs.text(s)) for s in seqs]
+        completions = [s.output(self.engine.outputs.text(s)) for s in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=min(s.arrival for s in seqs),

@@ -48,7 +48,6 @@ from tandem.engine.sequence import Sequence
 
 if TYPE_CHECKING:
     from tandem.engine.messages import StepResult
-    from tandem.engine.scheduler import ScheduledBatch
 
 _PARTIAL = "\ufffd"  # what the decoders make of an incomplete (or invalid) UTF-8 sequence
 
@@ -167,18 +166,20 @@ class OutputProcessor:
             )
         return seq.detok
 
-    def record_step(self, batch: ScheduledBatch, out: StepResult, version: int) -> None:
-        """One finished step's results (rows in step order, one per sampled sequence) onto
-        its sequences; ``version`` is the weight version the step ran under."""
+    def record_step(self, seqs: list[Sequence], samples: list[bool], out: StepResult,
+                    version: int) -> None:  # fmt: skip
+        """One finished step's results onto its sequences (``samples``: whether each one's
+        last row was sampled; ``out`` has one row per sampled sequence, in step order);
+        ``version`` is the weight version the step ran under."""
         now = time.monotonic()
         if out.prompt_logprobs:
-            by_id = {seq.seq_id: seq for seq in batch.seqs}
+            by_id = {seq.seq_id: seq for seq in seqs}
             for p in out.prompt_logprobs:
                 by_id[p.seq_id].record_prompt_logprobs(
                     p.first, p.logprobs, p.top_ids, p.top_logprobs
                 )
         rows = itertools.count()
-        for seq, sampled in zip(batch.seqs, batch.samples, strict=True):
+        for seq, sampled in zip(seqs, samples, strict=True):
             if not sampled:  # a prompt chunk: nothing to sample yet
                 continue
             row = next(rows)

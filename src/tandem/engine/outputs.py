@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tandem.engine.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -38,26 +34,6 @@ class CompletionOutput:
     @property
     def cumulative_logprob(self) -> float | None:
         return None if self.logprobs is None else float(sum(self.logprobs))
-
-
-def completion_output(seq: Sequence, text: str, start: int = 0) -> CompletionOutput:
-    """A sample's output from output token ``start`` on (0: all of it; later: what a stream
-    has not sent yet); ``text``: that part's text. Version spans index the whole output."""
-    k = seq.params.logprobs
-    end = seq.num_output_tokens
-    return CompletionOutput(
-        index=seq.index,
-        text=text,
-        token_ids=seq.output_token_ids[start:],
-        logprobs=list(seq.logprobs[start:]) if k is not None else None,
-        finish_reason=seq.finish_reason,
-        stop_reason=seq.stop_reason,
-        top_logprobs=list(seq.top_logprobs[start:]) if k else None,
-        weight_versions=seq.spans(start, end),
-        routed_experts=list(seq.routed_experts[start:])
-        if seq.params.return_routed_experts
-        else None,
-    )
 
 
 @dataclass

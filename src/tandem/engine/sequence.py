@@ -6,7 +6,7 @@ import time
 from enum import Enum, auto
 from typing import TYPE_CHECKING
 
-from tandem.engine.outputs import VersionSpan
+from tandem.engine.outputs import CompletionOutput, VersionSpan
 from tandem.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,6 +90,24 @@ class Sequence:
         cut = (VersionSpan(s.version, max(s.start, start), min(s.end, end))
                for s in self.version_spans)  # fmt: skip
         return [s for s in cut if s.start < s.end]
+
+    def output(self, text: str, start: int = 0) -> CompletionOutput:
+        """Its output from output token ``start`` on (0: all of it; later: what a stream has
+        not sent yet); ``text``: that part's text. Version spans index the whole output."""
+        k = self.params.logprobs
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.output_token_ids[start:],
+            logprobs=list(self.logprobs[start:]) if k is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            top_logprobs=list(self.top_logprobs[start:]) if k else None,
+            weight_versions=self.spans(start, self.num_output_tokens),
+            routed_experts=list(self.routed_experts[start:])
+            if self.params.return_routed_experts
+            else None,
+        )
 
     @property
     def weight_versions(self) -> set[int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
-from tandem.engine.outputs import CompletionOutput, completion_output
+from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineAsleepError, EngineState
@@ -444,7 +444,7 @@ class AsyncEngine:
         cut = len(text)
         start = t.sent_tokens[i]
         chars = t.sent_chars[i]
-        delta = completion_output(seq, text[chars:cut] if cut > chars else "", start)
+        delta = seq.output(text[chars:cut] if cut > chars else "", start)
         t.sent_chars[i] = max(chars, cut)
         t.sent_tokens[i] = seq.num_output_tokens
         t.done[i] = seq.finished

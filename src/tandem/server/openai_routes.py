@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from tandem.engine.outputs import CompletionOutput, completion_output
+from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sequence import Sequence
 from tandem.server.async_engine import (
     EngineUnavailable,
@@ -196,7 +196,7 @@ class _Call:
 
 def _final(s: ServerState, seq: Sequence) -> CompletionOutput:
     """A whole sample as one delta (for non-streamed answers)."""
-    return completion_output(seq, s.engine.text(seq))
+    return seq.output(s.engine.text(seq))
 
 
 def _spans(d: CompletionOutput) -> list[dict]:
