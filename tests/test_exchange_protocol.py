@@ -8,10 +8,9 @@ from tandem.engine.messages import CONTROL, ApplyResult, ApplyWeights, Capacity
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PUSH, PushHello, PushPlan, PushReady
-from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
-from tandem.exchange.transports import TRANSPORTS
+from tandem.exchange.settings import GroupInfo, PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import ReceiverHalf, SenderHalf
-from tandem.exchange.transports.p2p import GroupInfo
 from tandem.layers.placement import LocalRegion, Piece
 
 
@@ -23,7 +22,7 @@ from tandem.layers.placement import LocalRegion, Piece
 )  # fmt: skip
 def test_push_settings_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} must be"):
-        PushSettings(**kwargs)
+        check(PushSettings(**kwargs))
 
 
 def test_every_registered_transport_has_both_halves():
@@ -65,10 +64,13 @@ def test_messages_round_trip_with_their_named_types():
 
 
 def test_a_hello_with_untyped_settings_is_malformed():
-    bad = PUSH.encode(PushHello(0, 1, None, RankLayout(0), [], PushSettings("shm")))
-    bad = bad.replace(b"\xa3shm", b"\xa3xyz")  # an unknown transport on the wire
-    with pytest.raises(ValueError, match="malformed exchange hello message: transport must be"):
+    hello = PUSH.encode(PushHello(0, 1, None, RankLayout(0), [], PushSettings("shm")))
+    bad = hello.replace(b"\xa6staged", b"\xa6eager!")  # a mode no transport has
+    with pytest.raises(ValueError, match="malformed exchange hello message: mode must be"):
         PUSH.decode(bad)
+    unknown = PUSH.decode(hello.replace(b"\xa3shm", b"\xa3xyz"))  # the exchange server's check
+    with pytest.raises(ValueError, match="transport must be one of"):
+        check(unknown.settings)
     old_wire = ["hello", 0, 1, None, [0, "float32", [], [], None], [], ["shm", "staged", True]]
     with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
         PUSH.decode(msgpack.packb(old_wire))

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from tandem.exchange.items import SendItem
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushSettings
-from tandem.exchange.transports.p2p import GroupInfo
+from tandem.exchange.settings import GroupInfo, PushSettings
 from tandem.wire import Codec
 
 PUSH = Codec("exchange")

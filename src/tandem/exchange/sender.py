@@ -28,7 +28,7 @@ from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushRe
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
-from tandem.exchange.transports import TRANSPORTS, p2p
+from tandem.exchange.transports import TRANSPORTS, check, p2p
 from tandem.exchange.transports.base import Delivery
 from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
@@ -113,7 +113,7 @@ class WeightSender:
             here = target_here(self._address)
             in_process = here is not None and here.receivers_in_process
             transport = "cuda_ipc" if on_gpu and not in_process else "shm"
-        self.settings = PushSettings(transport, mode, verify)
+        self.settings = check(PushSettings(transport, mode, verify))
         self.ignore = list(ignore)
         default = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if default else 0)

@@ -32,7 +32,7 @@ from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushRe
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import WeightTarget
-from tandem.exchange.transports import TRANSPORTS
+from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import Coordinator
 from tandem.wire import MAX_FRAME, PeerGone, read_hello, recv_frame, send_frame
 
@@ -243,7 +243,7 @@ class ExchangeServer:
             values = {repr(getattr(h, field)) for h in hellos}
             if len(values) != 1:
                 raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
-        settings = hellos[0].settings
+        settings = check(hellos[0].settings)
         version = hellos[0].version
         if version is None:
             version = self.target.weight_version + 1

@@ -1,14 +1,13 @@
 """Typed settings of one push: what the trainer asks for (`PushSettings`), what every engine
 rank is told when it takes part (`UpdateSpec`), and the phases it runs (`PushPhase`). They
-cross processes inside typed messages (`tandem.wire.Codec`)."""
+cross processes inside typed messages (`tandem.wire.Codec`). Plain data: transports read it,
+and the registry (`tandem.exchange.transports.check`) says which transport names and modes
+exist."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-
-from tandem.exchange.transports import TRANSPORTS
-from tandem.exchange.transports.p2p import GroupInfo
 
 
 class PushPhase(Enum):
@@ -37,21 +36,28 @@ class PushSettings:
     verify: bool = True
 
     def __post_init__(self):
-        if self.transport not in TRANSPORTS:
-            raise ValueError(
-                f"transport must be one of {sorted(TRANSPORTS)}, got {self.transport!r}"
-            )
-        if self.mode not in TRANSPORTS[self.transport].modes:
-            raise ValueError(
-                f"mode must be one of {TRANSPORTS[self.transport].modes} for transport "
-                f"{self.transport!r}, got {self.mode!r}"
-            )
+        if not isinstance(self.transport, str) or not self.transport:
+            raise ValueError(f"transport must be a transport's name, got {self.transport!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be a bool, got {self.verify!r}")
 
     @property
     def in_place(self) -> bool:
         return self.mode == "in_place"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """Where and how to join a push's process group (the dist transport: in the plan and the
+    engine's spec)."""
+
+    host: str
+    port: int
+    prefix: str  # one per group generation: a failed push retires its group
+    world: int  # trainer ranks + engine ranks
+    backend: str
 
 
 @dataclass(frozen=True, slots=True)

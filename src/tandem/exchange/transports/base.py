@@ -24,7 +24,6 @@ two halves, a `Transport` subclass and an entry in `TRANSPORTS`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -32,11 +31,9 @@ from torch import nn
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import checked_copy, tensor_crc32
 from tandem.exchange.items import Record, SendItem
-
-if TYPE_CHECKING:  # settings name transports (it checks them against `TRANSPORTS`), not back
-    from tandem.exchange.layout import RankLayout
-    from tandem.exchange.protocol import PushPlan
-    from tandem.exchange.settings import PushSettings, UpdateSpec
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.protocol import PushPlan
+from tandem.exchange.settings import PushSettings, UpdateSpec
 
 
 @dataclass(slots=True)

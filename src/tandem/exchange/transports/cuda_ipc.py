@@ -7,16 +7,12 @@ exercised by the `gpu` tests when a GPU is present.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from tandem.exchange.items import Record
+from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf, Transport
-
-if TYPE_CHECKING:
-    from tandem.exchange.settings import UpdateSpec
 
 
 class CudaIpcSender(SenderHalf):

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.protocol import PushPlan
+from tandem.exchange.settings import GroupInfo, UpdateSpec
 from tandem.exchange.transports import p2p
 from tandem.exchange.transports.base import (
     Coordinator,
@@ -22,11 +24,6 @@ from tandem.exchange.transports.base import (
     SenderHalf,
     Transport,
 )
-
-if TYPE_CHECKING:
-    from tandem.exchange.layout import RankLayout
-    from tandem.exchange.protocol import PushPlan
-    from tandem.exchange.settings import UpdateSpec
 
 
 class DistSender(SenderHalf):
@@ -164,7 +161,7 @@ class DistCoordinator(Coordinator):
             )
         return spec
 
-    def _group(self, trainers: int, receivers: int, device_type: str) -> p2p.GroupInfo:
+    def _group(self, trainers: int, receivers: int, device_type: str) -> GroupInfo:
         if self._store is None:
             self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
@@ -172,7 +169,7 @@ class DistCoordinator(Coordinator):
             self.retire()
             self._trainers = trainers
         backend = "nccl" if device_type == "cuda" else "gloo"
-        return p2p.GroupInfo(self.host, self._store.port, f"exchange/{self._generation}",
+        return GroupInfo(self.host, self._store.port, f"exchange/{self._generation}",
                              trainers + receivers, backend)  # fmt: skip
 
     def retire(self) -> None:

@@ -15,28 +15,17 @@ the point-to-point operations can never wait in a cycle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tandem.exchange.checksum import source_crc32, tensor_crc32
+from tandem.exchange.settings import GroupInfo
 
 DEFAULT_BUCKET_BYTES = 4 << 20
 
 _groups: dict[tuple, dist.ProcessGroup] = {}
-
-
-@dataclass(frozen=True, slots=True)
-class GroupInfo:
-    """Where and how to join a push's process group (in the plan and the engine's spec)."""
-
-    host: str
-    port: int
-    prefix: str  # one per group generation: a failed push retires its group
-    world: int  # trainer ranks + engine ranks
-    backend: str
 
 
 def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGroup:

@@ -10,11 +10,12 @@ parameters.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.protocol import PushPlan
+from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports.base import (
     Coordinator,
     Delivery,
@@ -23,11 +24,6 @@ from tandem.exchange.transports.base import (
     Transport,
 )
 from tandem.exchange.transports.memory import MappedArena, MappedMemory, SharedMemory
-
-if TYPE_CHECKING:
-    from tandem.exchange.layout import RankLayout
-    from tandem.exchange.protocol import PushPlan
-    from tandem.exchange.settings import UpdateSpec
 
 
 class ShmSender(SenderHalf):
