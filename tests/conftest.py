@@ -4,6 +4,11 @@ import os
 # is not running a real cluster: keep every local Ray cluster on loopback. Set before Ray is
 # imported anywhere; subprocesses (Ray workers, `tandem serve`) inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Engines built with the default dtype="auto" run float32 on every machine (no start-up probe):
+# most tests compare with transformers in float32 at 1e-4, and bfloat16 is ~200x slower on
+# CPUs without bfloat16 units. The bfloat16 tests ask for it by name; the probe's own tests
+# clear this. Subprocesses (workers, `tandem serve`) inherit it.
+os.environ.setdefault("TANDEM_AUTO_DTYPE", "float32")
 
 import pytest  # noqa: E402
 import torch

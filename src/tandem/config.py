@@ -138,7 +138,12 @@ class EngineConfig(BaseModel):
         default_factory=list,
         description="modules to import first: they register custom architectures",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="auto: bfloat16 where a start-up probe finds this machine's bfloat16 "
+        "matmuls clearly faster than float32 (always on GPUs), else float32 "
+        "(`tandem.engine.dtype_probe`)",
+    )
     device: str = "cpu"
     seed: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, ge=2)
@@ -191,6 +196,8 @@ class EngineConfig(BaseModel):
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' has no torch dtype until the engine resolves it")
         return DTYPES[self.dtype]
 
     @property

@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from tandem.config import EngineConfig
 from tandem.engine.admission import Admission, Limits
 from tandem.engine.controls import EngineControls
+from tandem.engine.dtype_probe import resolve_dtype
 from tandem.engine.encode import EngineEncode
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager
@@ -41,9 +42,10 @@ CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits fo
 
 class LLMEngine(EngineControls, EngineEncode, PushWindow):
     def __init__(self, config: EngineConfig):
-        self.config = config
         import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model)
+        self.dtype_choice = resolve_dtype(config, self.spec)  # once: every rank gets the name
+        self.config = config = config.model_copy(update={"dtype": self.dtype_choice.dtype})
         self.limits = Limits(self.spec, config)
         self.tokenizer, self.outputs = None, None  # an image model has no tokenizer
         if config.task == "generate" or (self.spec.path / "tokenizer.json").is_file():

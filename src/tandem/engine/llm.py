@@ -19,7 +19,7 @@ Prompt = str | list[int]
 class LLM:
     """Generate from a local Hugging Face model directory.
 
-    ``LLM(model, tensor_parallel_size=1, pipeline_parallel_size=1, dtype="float32",
+    ``LLM(model, tensor_parallel_size=1, pipeline_parallel_size=1, dtype="auto",
     device="cpu", seed=0, max_model_len=None, max_num_seqs=256, kv_cache_memory=1 << 30, ...)``;
     see `tandem.config.EngineConfig` for every option. Usable as a context manager.
     """
@@ -55,6 +55,13 @@ class LLM:
             return self._encode_images(inputs, pooling)
         ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
         return self.engine.encode(ids, types, pooling)
+
+    @property
+    def dtype(self) -> str:
+        """The dtype the engine runs in (``"bfloat16"``, ``"float32"``, ...): ``dtype="auto"``
+        resolved at start-up (`tandem.engine.dtype_probe`; ``llm.engine.dtype_choice`` says
+        why)."""
+        return self.engine.config.dtype
 
     @property
     def weight_version(self) -> int:

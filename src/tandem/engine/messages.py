@@ -66,11 +66,12 @@ class Shutdown:
 @dataclass(slots=True)
 class ControlAddress:
     """Where workers started on other nodes find the engine's control server (a value in the
-    engine's c10d store)."""
+    engine's c10d store), and the dtype the engine resolved (they run it too)."""
 
     host: str
     port: int
     token: str
+    dtype: str
 
 
 @CONTROL.register("hello")

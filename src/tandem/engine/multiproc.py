@@ -78,7 +78,8 @@ class MultiprocExecutor:
                 is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
             )  # fmt: skip
             host, port = self._server.address
-            self._store.set(CONTROL_KEY, CONTROL.encode(ControlAddress(host, port, self._token)))
+            address = ControlAddress(host, port, self._token, config.dtype)
+            self._store.set(CONTROL_KEY, CONTROL.encode(address))
             rendezvous = f"tcp://{config.parallel.master_addr}:{self._store.port}"
         local = dims.world_size // config.parallel.nnodes
         self._procs = self._spawn(
@@ -264,7 +265,8 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
     """Host this node's share of the ranks for an engine on another host (``node_rank`` >= 1).
 
     Finds the engine through the c10d store at ``master_addr:master_port``, starts the local
-    workers and returns when they exit (the engine shut down or failed)."""
+    workers in the dtype the engine resolved and returns when they exit (the engine shut down
+    or failed)."""
     if not 1 <= node_rank < config.parallel.nnodes:
         raise ValueError(
             f"node_rank must be in [1, {config.parallel.nnodes}) here, got {node_rank}"
@@ -282,6 +284,9 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
     control = CONTROL.decode(store.get(CONTROL_KEY))
     if not isinstance(control, ControlAddress):
         raise RuntimeError(f"the engine's store holds {type(control).__name__} at {CONTROL_KEY}")
+    if config.dtype not in ("auto", control.dtype):
+        raise ValueError(f"dtype {config.dtype!r} given here, the engine runs {control.dtype!r}")
+    config = config.model_copy(update={"dtype": control.dtype})
     per_node = dims.world_size // config.parallel.nnodes
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     rendezvous = f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}"

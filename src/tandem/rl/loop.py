@@ -144,8 +144,10 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
     started = time.perf_counter()
     logs: list[StepLog] = []
     evals: list[EvalPoint] = []
+    # float32 like the trainers, so a sample's importance ratio starts at 1 (a bfloat16
+    # engine's log-probs differ from a float32 trainer's by its rounding)
     with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
-             seed=config.seed) as llm:  # fmt: skip
+             seed=config.seed, dtype="float32") as llm:  # fmt: skip
         with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
                           config.transport, config.seed) as trainers:  # fmt: skip
             evaluator = Evaluator(llm, trainers, task)
