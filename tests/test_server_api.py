@@ -173,6 +173,12 @@ def test_admin_routes_need_the_key(server):
     assert "shm" in info["transports"]
 
 
+def test_the_resolved_dtype_is_reported(server):
+    """dtype "auto" (the default), pinned to float32 for the tests (conftest)."""
+    assert server.admin("GET", "/admin/weights").json()["dtype"] == "float32"
+    assert server.metric("tandem_dtype_info", dtype="float32", source="environment") == 1
+
+
 def test_sleep_releases_kv_and_wake_resumes(server, client):
     assert server.admin("POST", "/sleep").json()["is_sleeping"] is True
     assert server.get("/health").json()["sleeping"] is True

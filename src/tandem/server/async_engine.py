@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.config import EngineConfig
+from tandem.engine.dtype_probe import DtypeChoice
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
 from tandem.engine.outputs import CompletionOutput
@@ -156,6 +157,10 @@ class AsyncEngine:
     @property
     def config(self) -> EngineConfig:
         return self._core.config
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        return self._core.dtype_choice
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -43,8 +43,8 @@ def serve(config: ServeConfig) -> int:
         )  # fmt: skip
         server = _Server(uv, async_engine, config.shutdown_timeout_s)
         print(f"tandem serve: {config.model_name} on http://{host}:{port} "
-              f"(tp={config.tp}, pp={config.pp}, weight version {engine.weight_version})",
-              flush=True)  # fmt: skip
+              f"(tp={config.tp}, pp={config.pp}, {engine.config.dtype}, weight version "
+              f"{engine.weight_version})", flush=True)  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
         # place that is a no-op, so the engine and its workers are shut down below.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

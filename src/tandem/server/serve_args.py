@@ -50,7 +50,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--ray-address", help="ray: the cluster to join (default: 'auto')")
     s.add_argument("--placement-strategy", choices=["PACK", "SPREAD", "STRICT_PACK",
                                                      "STRICT_SPREAD"])  # fmt: skip
-    s.add_argument("--dtype", help="float32 (default), bfloat16, float16 (vLLM's float, half)")
+    s.add_argument("--dtype", help="auto (default: bfloat16 where a start-up probe finds it "
+                   "faster, else float32), float32, bfloat16, float16 (vLLM's float, "
+                   "half)")  # fmt: skip
     s.add_argument("--device")
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-model-len", type=int)
