@@ -188,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--logprobs", action="store_true")
-    g.add_argument("--dtype", default="float32")
+    g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default="cpu")
     g.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
                    help="tensor parallel size")  # fmt: skip
@@ -204,7 +204,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--image", action="append", default=[],
                    help="an image file (ViT; read with Pillow); repeat for several")  # fmt: skip
     c.add_argument("--embed", action="store_true", help="embeddings instead of logits")
-    c.add_argument("--dtype", default="float32")
+    c.add_argument("--dtype", default="auto")
     c.add_argument("--device", default="cpu")
     c.add_argument("--tensor-parallel-size", "-tp", "--tp", dest="tp", type=int, default=1,
                    help="tensor parallel size")  # fmt: skip
