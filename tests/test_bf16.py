@@ -1,7 +1,7 @@
 """``dtype="bfloat16"`` against transformers run in bfloat16, on tiny models (hidden 64, a few
-dozen tokens: fast on CPUs without bfloat16 units too): decoders single process, TP=2, PP=2,
-with the prefix cache hit, mixture-of-experts models, and encoders (BERT classify and embed, a
-decoder reward model).
+dozen tokens: fast on CPUs without bfloat16 units too): decoders single process (logits,
+generated and prompt log-probs), TP=2, PP=2, with the prefix cache hit, mixture-of-experts
+models, and encoders (BERT classify and embed, a decoder reward model).
 
 Tolerance (`bf16_tolerance`): `ULPS` units in the last place of bfloat16 at the reference
 output's largest magnitude (at least 1). bfloat16 keeps 8 significant bits, so a value in
@@ -81,6 +81,12 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
             expected = _ref_logits(ref, ids)
             assert (logits.float() - expected).abs().max().item() <= bf16_tolerance(expected)
         _check_generation(llm, ref)
+        scored = llm.generate(PROMPTS[1:], SamplingParams(max_tokens=1, prompt_logprobs=0))
+        for ids, out in zip(PROMPTS[1:], scored, strict=True):
+            logits = _ref_logits(ref, ids)[:-1]
+            lp = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+            got = torch.tensor(out.prompt_logprobs[1:])
+            assert (got - lp.squeeze(1)).abs().max().item() <= 2 * bf16_tolerance(logits)
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
