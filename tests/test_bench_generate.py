@@ -9,6 +9,7 @@ import pytest
 
 from tandem.bench.generate import SETUPS, run
 from tandem.bench.generate_peers import STATIC_BATCH_SIZES
+from tandem.bench.generate_vllm import vllm_python
 
 
 def _positive(x: object) -> bool:
@@ -18,7 +19,7 @@ def _positive(x: object) -> bool:
 @pytest.mark.timeout(300)
 def test_quick_generate_bench_shape(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the model is cached under ./.tandem
-    result = run(quick=True)
+    result = run(quick=True, vllm=False)  # with vLLM: test_quick_generate_bench_with_vllm
     json.dumps(result)  # serialisable as the CLI prints it
     assert result["benchmark"] == "generate" and result["quick"] is True
     assert (tmp_path / ".tandem/bench-llama-quick/config.json").is_file()
@@ -62,6 +63,44 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
     assert result["ratios"]["prefix_sharing"] == pytest.approx(ratio, rel=1e-2)
     ratio = result["batch1"]["tandem_tokens_per_s"] / result["batch1"]["transformers_tokens_per_s"]
     assert result["ratios"]["batch1_vs_transformers"] == pytest.approx(ratio, rel=1e-2)
+    assert result["vllm"] == {"skipped": "--no-vllm"}
+    for name, names in sides.items():
+        compute = result[name]["compute"]
+        assert _positive(compute["peak_gflops"]) and _positive(compute["model_flops"])
+        assert compute["dtype"] == "float32"
+        assert all(_positive(compute[f"{side}_fraction_of_peak"]) for side in names)
+    bf16 = result["bf16"]
+    if "skipped" in bf16:  # a CPU without native bf16
+        assert "bf16" in bf16["skipped"]
+    else:
+        for name in sides:
+            assert bf16[name]["tandem_tokens_counted"] == result[name]["tokens"]
+            assert bf16[name]["compute"]["dtype"] == "bfloat16"
+            assert "vllm_tokens_per_s" not in bf16[name]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
+def test_quick_generate_bench_with_vllm(tmp_path, monkeypatch):
+    """vLLM as one more side of every scenario, in float32 and, where the CPU has it, bf16."""
+    monkeypatch.chdir(tmp_path)
+    result = run(quick=True)
+    json.dumps(result)
+    assert result["vllm"]["enable_prefix_caching"] is True
+    assert result["vllm"]["dtype"] == "float32"
+    scenarios = [result]
+    if "skipped" not in result["bf16"]:
+        scenarios.append(result["bf16"])
+        assert result["bf16"]["vllm"]["dtype"] == "bfloat16"
+    for scenario, suffix in zip(scenarios, ("", "_bf16"), strict=False):
+        for name in ("batch1", "mixed", "grpo"):
+            entry = scenario[name]
+            assert entry["vllm_tokens_counted"] == entry["tokens"]
+            assert 0 < entry["vllm_seconds"] <= entry["vllm_round_trip_seconds"]
+            assert _positive(entry["compute"]["vllm_fraction_of_peak"])
+            ratio = entry["tandem_tokens_per_s"] / entry["vllm_tokens_per_s"]
+            assert result["ratios"][f"{name}_vs_vllm{suffix}"] == pytest.approx(ratio, rel=1e-2)
 
 
 def test_transformers_cb_checks_token_counts():

@@ -139,7 +139,7 @@ def _bench(args) -> int:
     elif args.what == "generate":
         from tandem.bench.generate import run
 
-        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+        result = run(quick=args.quick, tp=args.tp, pp=args.pp, vllm=not args.no_vllm)
     elif args.what == "encode":
         from tandem.bench.encode import run
 
@@ -252,6 +252,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
                    help="generate: the dense Llama workloads, or a Qwen3-MoE model")  # fmt: skip
+    b.add_argument("--no-vllm", action="store_true",
+                   help="generate: leave out the vLLM peer (made by `make vllm`)")  # fmt: skip
     b.set_defaults(func=_bench)
     return p
 

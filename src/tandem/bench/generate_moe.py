@@ -25,17 +25,10 @@ from typing import Any
 import torch
 
 from tandem import LLM
-from tandem.bench.generate import (
-    _entry,
-    _keyed,
-    _ratio,
-    _time_sides,
-    fresh_runs,
-    greedy_workloads,
-    read_bench_model,
-)
 from tandem.bench.generate_peers import StaticBatches, load
 from tandem.bench.generate_tandem import tandem
+from tandem.bench.generate_timing import keyed, ratio, scenario_entry, time_sides
+from tandem.bench.generate_workloads import fresh_runs, greedy_workloads, read_bench_model
 from tandem.models.tiny import make_tiny_model
 
 FULL: dict[str, Any] = {
@@ -97,16 +90,16 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         tandem(llm, batch1)  # warm-ups
         static(batch1)
         sides = {"tandem": lambda reqs: tandem(llm, reqs), "transformers": static}
-        result["batch1"] = _time_sides(_entry(batch1), sides, runs["batch1"])
+        result["batch1"] = time_sides(scenario_entry(batch1), sides, runs["batch1"])
         tandem(llm, warm)
         static(warm, 8)
-        entry = _entry(mixed)
-        entry["transformers_batch_seconds"] = _keyed(static.tune(mixed))
-        entry["transformers_batch_size"] = static.batch_size
-        result["mixed"] = _time_sides(entry, sides, runs["mixed"])
+        mixed_entry = scenario_entry(mixed)
+        mixed_entry["transformers_batch_seconds"] = keyed(static.tune(mixed))
+        mixed_entry["transformers_batch_size"] = static.batch_size
+        result["mixed"] = time_sides(mixed_entry, sides, runs["mixed"])
     result["ratios"] = {
-        "moe_batch1_vs_transformers": _ratio(result["batch1"], "tandem", "transformers"),
-        "moe_mixed_vs_transformers": _ratio(result["mixed"], "tandem", "transformers"),
+        "moe_batch1_vs_transformers": ratio(result["batch1"], "tandem", "transformers"),
+        "moe_mixed_vs_transformers": ratio(result["mixed"], "tandem", "transformers"),
     }
     return result
 
