@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.gemm import linear
 from tandem.layers.placement import rows, set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
 
@@ -70,7 +71,7 @@ class ParallelLMHead(nn.Module):
             )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight, self.bias)
+        logits = linear(hidden, self.weight, self.bias)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 

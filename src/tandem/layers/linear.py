@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.gemm import linear
 from tandem.layers.placement import Piece, cols, rows, set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
 
@@ -74,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
             set_pieces(self.bias, b_pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -130,7 +130,7 @@ class QKVParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -162,7 +162,7 @@ class RowParallelLinear(nn.Module):
             self.bias = set_pieces(_empty(out_features), [whole(bias_name, (out_features,))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.gemm import linear
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.placement import set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
@@ -93,7 +94,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), both [tokens, top_k], ids in descending probability."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        probs = torch.softmax(linear(x, self.router).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
