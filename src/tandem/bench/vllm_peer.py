@@ -124,6 +124,7 @@ def main() -> int:
         "compilation_backend": config.compilation_config.backend,
         "dtype": str(config.model_config.dtype).removeprefix("torch."),
         "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
     }
     ready = Ready(
         vllm.__version__, torch.__version__, round(time.perf_counter() - began, 3), settings
