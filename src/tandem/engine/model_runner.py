@@ -24,6 +24,8 @@ from tandem.engine.messages import (
 )
 from tandem.engine.weight_memory import WeightMemory
 from tandem.exchange.transports.memory import ParamArena
+from tandem.kernels import paged
+from tandem.kernels.paged import PagedDecode
 from tandem.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -187,6 +189,9 @@ class ModelRunner:
         self.moe_top_k = spec.config.num_experts_per_tok if self.has_moe else 0
         self.hidden_size = spec.hidden_size
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        a = self.attention_layers[0] if self.attention_layers else None
+        # decode attention in place from the paged cache (tandem.kernels.paged) where it serves
+        self.paged = a is not None and paged.supports(dtype, device, a.num_heads, a.num_kv_heads)
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.seqs: dict[int, _SeqState] = {}
@@ -247,14 +252,8 @@ class ModelRunner:
                 if start > 0:
                     context = self._tensor(self._slots(state.block_table, 0, stop))
                 prefills.append(PrefillSpan(row, row + stop - start, context))
-        shared, rest = shared_prefix_groups(decodes, self.block_size)
-        rest_decodes = [decodes[i] for i in rest]
-        groups = group_by_length([n for _, n, _ in rest_decodes], DECODE_GROUP_OVERHEAD)
-        meta = AttentionMetadata(
-            self._tensor(slot_mapping),
-            prefills,
-            [self._decode_group([rest_decodes[i] for i in members]) for members in groups],
-            [self._shared_group([decodes[i] for i in m], blocks) for m, blocks in shared],
+        meta = self._decode_metadata(
+            AttentionMetadata(self._tensor(slot_mapping), prefills), decodes
         )
         routing = None
         if self.has_moe and any(s.params.return_routed_experts for s in states):
@@ -288,6 +287,25 @@ class ModelRunner:
             prompt_logprobs,
             routed_experts,
         )
+
+    def _decode_metadata(
+        self, meta: AttentionMetadata, decodes: list[tuple[int, int, list[int]]]
+    ) -> AttentionMetadata:
+        """The step's decode sequences (flat row, context length, block table): all of them for
+        the in-place kernel where it serves, else in gather groups for the torch path."""
+        if not decodes:
+            return meta
+        if self.paged:
+            meta.paged = PagedDecode.of(decodes, self.block_size)
+            return meta
+        shared, rest = shared_prefix_groups(decodes, self.block_size)
+        rest_decodes = [decodes[i] for i in rest]
+        groups = group_by_length([n for _, n, _ in rest_decodes], DECODE_GROUP_OVERHEAD)
+        meta.decodes = [self._decode_group([rest_decodes[i] for i in m]) for m in groups]
+        meta.shared_decodes = [
+            self._shared_group([decodes[i] for i in m], blocks) for m, blocks in shared
+        ]
+        return meta
 
     def _prompt_score(self, step, state: _SeqState, row: int) -> _PromptScore | None:
         """Which rows of this step score which prompt tokens (positions start..stop-1 are the

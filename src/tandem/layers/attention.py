@@ -5,7 +5,9 @@ The batch is one flat run of tokens. Each layer writes the new keys/values into 
 single-token (decode) sequences attend in a few groups of similar context length, each through
 one gather of their cached keys/values (grouping bounds the padding to the group's longest).
 Decoding sequences whose contexts begin with the same cached blocks (a request's samples share
-their prompt's) attend as one group that gathers the shared prefix once.
+their prompt's) attend as one group that gathers the shared prefix once. Where tandem's C
+kernel serves (`tandem.kernels.paged`: CPU, float32 or bfloat16), every decode sequence of the
+step attends in one call that reads the paged cache in place instead (``paged``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.kernels.paged import PagedDecode, paged_decode
 
 
 @dataclass(slots=True)
@@ -54,6 +58,7 @@ class AttentionMetadata:
     prefills: list[PrefillSpan]
     decodes: list[DecodeGroup] = field(default_factory=list)
     shared_decodes: list[SharedPrefixGroup] = field(default_factory=list)
+    paged: PagedDecode | None = None  # every decode sequence, for the in-place kernel
 
 
 class Attention(nn.Module):
@@ -93,6 +98,8 @@ class Attention(nn.Module):
                 mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
                 o = self._sdpa(qs, ks, vs, mask, False)
             out[span.start : span.end] = o[0].transpose(0, 1)
+        if meta.paged is not None:
+            paged_decode(q, self.k_cache, self.v_cache, out, meta.paged, self.scale)
         for group in meta.decodes:
             qd = q[group.rows].unsqueeze(2)  # [B, H, 1, D]
             kd, vd = self._gather(self.k_cache, group), self._gather(self.v_cache, group)

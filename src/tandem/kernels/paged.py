@@ -1,0 +1,160 @@
+"""Decode attention read in place from the paged KV cache, by tandem's own C kernel.
+
+The torch path (`tandem.layers.attention`) gathers each decode group's cached keys and values
+into a padded batch before ``scaled_dot_product_attention``: every step, every layer, every
+context is copied once more than it is read, and each group costs a handful of small ops. On
+CPU that was as much time as the model's matmuls in the GRPO bench (docs/benchmarks.md).
+vLLM's CPU build reads its paged cache in place with its own kernels; so does this one
+(`paged_decode.c`: one call per layer for every decode sequence, no gather, no padding,
+float32 softmax, OpenMP over (sequence, kv head) on torch's threads).
+
+The source ships with the package and is compiled at first use with the machine's C compiler
+(``cc``/``gcc``, ``-O3 -march=native -ffast-math -fopenmp``) into a cache keyed by the source,
+the flags and the CPU feature flags (``TANDEM_KERNEL_CACHE``, default ~/.cache/tandem/kernels).
+No compiler, a failed build, or ``TANDEM_ATTENTION=torch`` leaves the torch path serving; the
+reason is logged once. The library links the ``libgomp.so.1`` torch already loaded, so both
+share one OpenMP thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_GROUP = 64  # query heads per kv head (paged_decode.c)
+
+
+@dataclass(frozen=True, slots=True)
+class PagedDecode:
+    """Every decode sequence of one step, for `paged_decode` (built once, used by each layer)."""
+
+    rows: torch.Tensor  # [B] int64: each sequence's row in the flat batch
+    tables: torch.Tensor  # [B, max_blocks] int32: block tables, zero-padded
+    lens: torch.Tensor  # [B] int32: context lengths (the new token included)
+    block_size: int
+
+    @classmethod
+    def of(cls, decodes: list[tuple[int, int, list[int]]], block_size: int) -> PagedDecode:
+        """From each sequence's (flat row, context length, block table), sorted by first block:
+        sequences sharing a prompt's blocks run one after another on one thread (read once)."""
+        decodes = sorted(decodes, key=lambda d: (d[2][0], d[0]))
+        width = max(-(-n // block_size) for _, n, _ in decodes)
+        return cls(
+            torch.tensor([row for row, _, _ in decodes], dtype=torch.int64),
+            torch.tensor(
+                [t[:width] + [0] * (width - len(t[:width])) for _, _, t in decodes],
+                dtype=torch.int32,
+            ),
+            torch.tensor([n for _, n, _ in decodes], dtype=torch.int32),
+            block_size,
+        )
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or reuse) the kernel library; raises RuntimeError saying why not."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((cc, *FLAGS, _cpu_flags())).encode()).hexdigest()
+    cache = Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache/tandem/kernels"))
+    lib = cache / f"paged_decode-{key[:16]}.so"
+    if not lib.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            out = Path(tmp) / lib.name
+            done = subprocess.run(
+                [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True
+            )
+            if done.returncode:
+                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(out, lib)  # atomic: processes building at once each land a whole file
+    dll = ctypes.CDLL(str(lib))
+    fn = dll.paged_decode
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+    return dll
+
+
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+
+
+def available() -> bool:
+    """Whether the kernel serves this process (built on first call; the reason logged if not)."""
+    global _lib, _why_not
+    if _lib is None and _why_not is None:
+        if os.environ.get("TANDEM_ATTENTION", "") == "torch":
+            _why_not = "TANDEM_ATTENTION=torch"
+        else:
+            try:
+                _lib = _build()
+            except (RuntimeError, OSError) as exc:
+                _why_not = str(exc)
+        if _why_not is not None:
+            logger.warning("paged decode kernel off, torch attention serves: %s", _why_not)
+    return _lib is not None
+
+
+def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int) -> bool:
+    """Whether decode attention of this shape runs on the kernel here."""
+    fits = heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+    return device.type == "cpu" and dtype in DTYPES and fits and available()
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    batch: PagedDecode,
+    scale: float,
+) -> None:
+    """Write attention of ``batch``'s rows of q ([T, H, D]) over their cached contexts
+    (k/v_cache [slots, KV, D]) into the same rows of ``out`` ([T, H, D], contiguous)."""
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.contiguous()
+    assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
+    rc = _lib.paged_decode(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        batch.rows.data_ptr(), batch.tables.data_ptr(), batch.lens.data_ptr(),
+        len(batch.rows), batch.tables.shape[1], batch.block_size, heads, kv_heads, dim, scale,
+        DTYPES[q.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise RuntimeError(
+            f"paged decode kernel refused {heads} heads over {kv_heads} kv heads of size {dim}"
+        )

@@ -1,0 +1,105 @@
+"""tandem's C decode kernel (tandem.kernels.paged) against attention over each sequence's
+context gathered by hand, and the engine on it against the engine on the torch path."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tandem import LLM, SamplingParams
+from tandem.kernels import paged
+
+pytestmark = pytest.mark.skipif(not paged.available(), reason="no C compiler here")
+
+BS = 4
+
+
+def _case(dtype, heads, kv_heads, dim, lens, seed=0):
+    """Random caches, scattered block tables (two sequences sharing their first block), rows
+    out of order in a batch with rows that are not decodes."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = 64
+    k = torch.randn(blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    v = torch.randn(blocks * BS, kv_heads, dim, generator=gen).to(dtype)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    tables = []
+    for n in lens:
+        need = -(-n // BS)
+        tables.append([order.pop() for _ in range(need)])
+    tables[1][0] = tables[0][0]  # a shared prompt block
+    rows = torch.randperm(len(lens) + 3, generator=gen)[: len(lens)].tolist()
+    q = torch.randn(len(lens) + 3, heads, dim, generator=gen).to(dtype)
+    return q, k, v, [(r, n, t) for r, n, t in zip(rows, lens, tables, strict=True)]
+
+
+def _expected(q, k, v, decodes, scale):
+    out = {}
+    for row, n, table in decodes:
+        slots = torch.tensor([table[t // BS] * BS + t % BS for t in range(n)])
+        ks, vs = k[slots].float().transpose(0, 1)[None], v[slots].float().transpose(0, 1)[None]
+        qs = q[row].float()[None, :, None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True)
+        out[row] = o[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize(
+    "dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
+)  # bf16: the output is rounded once to bfloat16 (values below 4 in magnitude)
+@pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (6, 6, 128), (8, 1, 24)])
+def test_kernel_matches_attention_over_the_gathered_context(dtype, atol, heads, kv_heads, dim):
+    lens = [5, 8, 1, 13, 4, 30]
+    q, k, v, decodes = _case(dtype, heads, kv_heads, dim, lens)
+    out = torch.full_like(q, 7.0)
+    paged.paged_decode(q, k, v, out, paged.PagedDecode.of(decodes, BS), dim**-0.5)
+    expected = _expected(q, k, v, decodes, dim**-0.5)
+    for row in range(len(q)):
+        if row in expected:
+            torch.testing.assert_close(out[row].float(), expected[row], atol=atol, rtol=0)
+        else:
+            assert (out[row] == 7.0).all()  # rows that are not decodes are left alone
+
+
+def test_kernel_reads_the_block_table_not_the_slot_order():
+    """A wrong slot (the table of another sequence) shows: the check can fail."""
+    q, k, v, decodes = _case(torch.float32, 4, 2, 64, [9, 9, 9])
+    out = torch.zeros_like(q)
+    swapped = [(decodes[0][0], 9, decodes[2][2])] + decodes[1:]
+    paged.paged_decode(q, k, v, out, paged.PagedDecode.of(swapped, BS), 0.125)
+    expected = _expected(q, k, v, decodes, 0.125)
+    assert not torch.allclose(out[decodes[0][0]], expected[decodes[0][0]], atol=1e-3)
+
+
+def test_refuses_a_head_grouping_it_cannot_serve():
+    q, k, v, decodes = _case(torch.float32, 4, 2, 64, [3, 3])
+    with pytest.raises(RuntimeError, match="refused"):
+        paged.paged_decode(
+            q,
+            k[:, :1].expand(-1, 3, -1).contiguous(),
+            v[:, :1].expand(-1, 3, -1).contiguous(),
+            torch.zeros_like(q),
+            paged.PagedDecode.of(decodes, BS),
+            1.0,
+        )
+    assert not paged.supports(torch.float32, torch.device("cpu"), 130, 2)
+    assert not paged.supports(torch.float16, torch.device("cpu"), 4, 2)
+
+
+@pytest.mark.timeout(300)
+def test_engine_on_the_kernel_matches_the_torch_path(model_factory):
+    """Greedy tokens and their log-probs, with samples sharing a prompt (the prefix cache) and
+    requests of different lengths, equal the gather path's."""
+    path = model_factory("llama")
+    prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 12], [3] * 21]
+    params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    results = []
+    with LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=True) as llm:
+        runner = llm.engine.executor.runner
+        assert runner.paged
+        for on in (True, False):
+            runner.paged = on
+            results.append(llm.generate(prompts, params))
+    for a, b in zip(*results, strict=True):
+        for x, y in zip(a.outputs, b.outputs, strict=True):
+            assert x.token_ids == y.token_ids
+            assert len(x.logprobs) == 12
+            assert max(abs(p - r) for p, r in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
