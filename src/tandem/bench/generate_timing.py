@@ -14,11 +14,12 @@ from tandem.bench.generate_peers import Request
 
 @dataclass(frozen=True)
 class SelfTimed:
-    """What a side in another process returns: the tokens produced and the seconds it timed
-    itself there (its own cost, without the transfer to and from this process)."""
+    """What a side in another process returns: the tokens produced, the seconds it timed
+    itself there (its own cost), and the round trip from here (with the transfer)."""
 
     tokens: int
     seconds: float
+    round_trip_seconds: float
 
 
 Side = Callable[[Any], int | SelfTimed]
@@ -42,7 +43,7 @@ def time_sides(
     noisy moment hits all alike; run r of each side gets ``runs[r]``, inside ``started[side]()``
     when given (set up and torn down untimed). Each side checks its requests' token counts;
     their sum is checked against the entry's here. A side returning `SelfTimed` is timed by
-    its own figure; the round trip seen from here goes to ``<side>_round_trip_seconds``."""
+    its own figure, its round trip going to ``<side>_round_trip_seconds``."""
     started = started or {}
     times: dict[str, list[float]] = {side: [] for side in sides}
     round_trips: dict[str, list[float]] = {}
@@ -53,7 +54,7 @@ def time_sides(
                 produced = fn(reqs)
                 seconds = time.perf_counter() - start
             if isinstance(produced, SelfTimed):
-                round_trips.setdefault(side, []).append(seconds)
+                round_trips.setdefault(side, []).append(produced.round_trip_seconds)
                 produced, seconds = produced.tokens, produced.seconds
             times[side].append(seconds)
             if produced != entry["tokens"]:
