@@ -59,6 +59,15 @@ def test_kernel_matches_attention_over_the_gathered_context(dtype, atol, heads, 
             assert (out[row] == 7.0).all()  # rows that are not decodes are left alone
 
 
+def test_loading_the_kernel_keeps_subnormal_floats():
+    """Built with -ffast-math but linked without it: no flush-to-zero set for the process
+    (hypothesis, numpy and torch all see subnormals)."""
+    assert paged.available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() > 0
+    assert float.fromhex("0x1p-1070") * 1.0 > 0
+
+
 def test_kernel_reads_the_block_table_not_the_slot_order():
     """A wrong slot (the table of another sequence) shows: the check can fail."""
     q, k, v, decodes = _case(torch.float32, 4, 2, 64, [9, 9, 9])

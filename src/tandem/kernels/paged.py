@@ -33,7 +33,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# -ffast-math compiles only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
+# flush-to-zero for the whole process when the library loads (subnormals would vanish in torch
+# and Python too). The link step below leaves it out.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+LINK = ("-shared", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP = 64  # query heads per kv head (paged_decode.c)
 
@@ -87,18 +91,20 @@ def _build() -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS, _cpu_flags())).encode()).hexdigest()
+    key = hashlib.sha256(source + " ".join((cc, *FLAGS, *LINK, _cpu_flags())).encode()).hexdigest()
     cache = Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache/tandem/kernels"))
     lib = cache / f"paged_decode-{key[:16]}.so"
     if not lib.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            out = Path(tmp) / lib.name
-            done = subprocess.run(
-                [cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True
-            )
-            if done.returncode:
-                raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
+            obj, out = Path(tmp) / "paged_decode.o", Path(tmp) / lib.name
+            for step in (
+                [cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                [cc, *LINK, str(obj), "-o", str(out), "-lm"],
+            ):
+                done = subprocess.run(step, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
             os.replace(out, lib)  # atomic: processes building at once each land a whole file
     dll = ctypes.CDLL(str(lib))
     fn = dll.paged_decode
