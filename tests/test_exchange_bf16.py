@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
+from faulty_writes import faulty_sender, shifted
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
-from tandem.exchange.checksum import source_crc32
 from tandem.exchange.transports.base import SenderHalf
 
 pytestmark = pytest.mark.timeout(300)
@@ -27,20 +27,7 @@ def _truncated(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(bits.view(torch.float32))
 
 
-def _shifted(src: torch.Tensor, dst: torch.Tensor) -> None:
-    dst.copy_(src.roll(1, 0) if src.dim() and src.shape[0] > 1 else src)
-
-
-FAULTS = {"truncated": _truncated, "shifted": _shifted}
-
-
-def _faulty_sender(fault):
-    def write_box(self, src, dst):
-        crc = source_crc32(src, dst.dtype) if self.settings.verify else None  # honest CRC
-        fault(src, dst)
-        return crc
-
-    return write_box
+FAULTS = {"truncated": _truncated, "shifted": shifted}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +77,7 @@ def test_a_wrong_bfloat16_copy_is_rejected_and_the_old_version_keeps_serving(
     with LLM(dirs[0], dtype="bfloat16") as llm:
         before = _outputs(llm)
         with monkeypatch.context() as m:
-            m.setattr(SenderHalf, "write_box", _faulty_sender(FAULTS[fault]))
+            m.setattr(SenderHalf, "write_box", faulty_sender(FAULTS[fault]))
             with pytest.raises(WeightSyncError, match="checksum mismatch.*as staged"):
                 WeightSender(trainer, llm, transport="shm").push(version=1)
         assert llm.weight_version == 0 and _outputs(llm) == before
@@ -104,7 +91,7 @@ def test_tensor_parallel_ranks_in_place_reject_truncation_then_land_exactly(dirs
         expected = _outputs(llm)
     with LLM(dirs[0], dtype="bfloat16", tensor_parallel_size=2) as llm:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(SenderHalf, "write_box", _faulty_sender(_truncated))
+            m.setattr(SenderHalf, "write_box", faulty_sender(_truncated))
             with pytest.raises(WeightSyncError, match="checksum mismatch.*live parameter"):
                 WeightSender(trainer, llm, transport="shm", mode="in_place").push(version=1)
         with pytest.raises(WeightSyncError, match="refused until a complete push"):

@@ -14,9 +14,9 @@ import pytest
 import torch
 import transformers
 
+from faulty_writes import faulty_sender, shifted
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
-from tandem.exchange.checksum import source_crc32
 from tandem.exchange.transports.base import ReceiverHalf, SenderHalf
 from tandem.exchange.transports.dist import DistReceiver
 from tandem.layers.placement import LocalRegion
@@ -25,11 +25,6 @@ pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
-
-
-def _shifted(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """Every row one place down (the last wraps to the top): an off-by-one-row offset."""
-    dst.copy_(src.roll(1, 0) if src.dim() and src.shape[0] > 1 else src)
 
 
 def _transposed(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -42,16 +37,7 @@ def _wrong_dtype(src: torch.Tensor, dst: torch.Tensor) -> None:
     dst.copy_(src.to(torch.bfloat16))
 
 
-FAULTS = {"shifted": _shifted, "transposed": _transposed, "dtype": _wrong_dtype}
-
-
-def _faulty_sender(fault):
-    def write_box(self, src, dst):
-        crc = source_crc32(src, dst.dtype) if self.settings.verify else None  # honest CRC
-        fault(src, dst)
-        return crc
-
-    return write_box
+FAULTS = {"shifted": shifted, "transposed": _transposed, "dtype": _wrong_dtype}
 
 
 def _trainer(path: str) -> torch.nn.Module:
@@ -85,7 +71,7 @@ def test_shm_staged_wrong_copy_is_rejected_and_the_old_version_keeps_serving(
     with LLM(engine_dir) as llm:
         before = _tokens(llm)
         with monkeypatch.context() as m:
-            m.setattr(SenderHalf, "write_box", _faulty_sender(FAULTS[fault]))
+            m.setattr(SenderHalf, "write_box", faulty_sender(FAULTS[fault]))
             with pytest.raises(WeightSyncError, match="checksum mismatch.*as staged") as err:
                 WeightSender(trainer, llm, transport="shm").push(version=1)
         assert "version 0 keeps serving" in str(err.value) and llm.weight_version == 0
@@ -99,7 +85,7 @@ def test_shm_in_place_wrong_copy_tears_the_engine_until_a_complete_push(models, 
     engine_dir, trainer = models
     with LLM(engine_dir, tensor_parallel_size=2) as llm:
         with monkeypatch.context() as m:
-            m.setattr(SenderHalf, "write_box", _faulty_sender(FAULTS[fault]))
+            m.setattr(SenderHalf, "write_box", faulty_sender(FAULTS[fault]))
             with pytest.raises(WeightSyncError, match="checksum mismatch.*live parameter"):
                 WeightSender(trainer, llm, transport="shm", mode="in_place").push(version=1)
         assert llm.weight_version == 0
@@ -113,7 +99,7 @@ def test_unverified_push_serves_the_wrong_copy(models, monkeypatch):
     engine_dir, trainer = models
     with LLM(engine_dir) as llm:
         with monkeypatch.context() as m:
-            m.setattr(SenderHalf, "write_box", _faulty_sender(_shifted))
+            m.setattr(SenderHalf, "write_box", faulty_sender(shifted))
             WeightSender(trainer, llm, transport="shm", verify=False).push(version=1)
         assert llm.weight_version == 1
         with torch.no_grad():
@@ -131,7 +117,7 @@ def test_staged_commit_that_writes_wrong_is_caught_after_commit_and_tears(
     engine_dir, trainer = models
     with LLM(engine_dir) as llm:
         with monkeypatch.context() as m:
-            m.setattr(ReceiverHalf, "write_box", lambda self, src, dst: _shifted(src, dst))
+            m.setattr(ReceiverHalf, "write_box", lambda self, src, dst: shifted(src, dst))
             with pytest.raises(WeightSyncError, match="after commit.*|refused until"):
                 WeightSender(trainer, llm, transport=transport).push(version=1)
         with pytest.raises(WeightSyncError, match="refused until a complete push"):
