@@ -6,7 +6,8 @@ built, so every rank (worker processes, Ray actors, other nodes) is handed the c
   probe (the test suite sets ``float32``);
 - on a device other than the CPU, ``auto`` is ``bfloat16`` (as vLLM's ``auto`` casts a float32
   checkpoint to the device's half type);
-- on the CPU a short probe times `torch.nn.functional.linear` at this rank's largest weight
+- on the CPU a short probe times the engine's matmul (`tandem.layers.gemm.linear`: oneDNN in
+  float32 where it won its own probe) at this rank's largest weight
   matrix (clipped to `MAX_DIM`) for a decode batch of `DECODE_ROWS` rows, in float32 and in
   bfloat16, best of `SAMPLES`, on the thread count each rank runs with, and picks bfloat16
   when its GFLOP/s are at least `MARGIN` times float32's. A small screening matmul goes
@@ -25,10 +26,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
 from tandem.config import EngineConfig
 from tandem.dtypes import DTYPES
+from tandem.layers.gemm import linear
 from tandem.models.loader import ModelSpec
 from tandem.parallel import TPGroup
 
@@ -61,19 +62,21 @@ class DtypeChoice:
     shape: Shape | None = None
 
 
+@torch.inference_mode()
 def time_linear(dtype: torch.dtype, shape: Shape) -> float:
-    """Best seconds per ``F.linear`` call of ``shape`` in ``dtype`` over up to `SAMPLES`
-    samples (after one warm-up call)."""
+    """Best seconds per call of the engine's own matmul (`tandem.layers.gemm.linear`, as the
+    engine runs it: no autograd) of ``shape`` in ``dtype`` over up to `SAMPLES` samples
+    (after one warm-up call)."""
     rows, k, n = shape
     x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
-    F.linear(x, w)
+    linear(x, w)
     calls = max(1, round(SAMPLE_FLOPS / _flops(shape)))
     best = math.inf
     deadline = time.perf_counter() + TIMING_BUDGET_S
     for _ in range(SAMPLES):
         start = time.perf_counter()
         for _ in range(calls):
-            F.linear(x, w)
+            linear(x, w)
         best = min(best, (time.perf_counter() - start) / calls)
         if time.perf_counter() > deadline:
             break
