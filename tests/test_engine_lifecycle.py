@@ -8,6 +8,7 @@ import transformers
 from tandem import LLM, SamplingParams
 from tandem.engine.state import EngineAsleepError, EngineState, WeightsReleasedError
 from tandem.exchange import WeightSender
+from tandem.layers import gemm
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
 PROMPTS = ["The quick dog", "12 + 7 ="]
@@ -140,6 +141,27 @@ def test_a_push_after_sleep_level_2_serves_the_trainers_weights(model_factory):
         assert llm.engine.state is EngineState.RUNNING and llm.weight_version == 1
         out = llm.generate([ids], greedy)[0]
     assert out.outputs[0].token_ids == expected and out.weight_version == 1
+
+
+def test_packed_weight_copies_go_with_the_weights(llama_dir):
+    """The blocked copies of the matmul weights (`tandem.layers.gemm`) are made on use, freed
+    by sleep level 2 with the weights, and remade after the reload; ``packed_weights=False``
+    keeps none and serves the same tokens."""
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(llama_dir, kv_cache_memory=8 << 20) as llm:
+        packs = gemm.packed_weights(llm.engine.executor.runner.model)
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        onednn = gemm.kernel() == "onednn"
+        assert packs and all(p.held == onednn for p in packs)
+        llm.sleep(level=2)
+        assert not any(p.held for p in packs), "sleep level 2 keeps packed copies alive"
+        llm.wake()
+        llm.reload_weights()
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
+        assert all(p.held == onednn for p in packs)
+    with LLM(llama_dir, kv_cache_memory=8 << 20, packed_weights=False) as llm:
+        assert gemm.packed_weights(llm.engine.executor.runner.model) == []
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
 
 
 def test_sleep_level_is_checked(llama_dir):

@@ -71,3 +71,62 @@ def test_forced_kernel_and_bad_value(monkeypatch):
     monkeypatch.setenv("TANDEM_GEMM", "mkl")
     with pytest.raises(ValueError, match="TANDEM_GEMM"):
         gemm._kernel()
+
+
+@pytest.mark.parametrize("rows", [1, 7, 96, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_copy_matches_f_linear(kernel, rows, bias):
+    """The blocked copy serves every row count (it is packed for PACK_ROWS), 2-D and 3-D."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen)
+    w = torch.randn(80, 96, generator=gen)
+    b = torch.randn(80, generator=gen) if bias else None
+    packed = gemm.PackedWeight()
+    with torch.inference_mode():
+        got = gemm.linear(x, w, b, packed)
+        got_3d = gemm.linear(x.view(1, rows, 96), w, b, packed)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_3d[0], got)
+    assert packed.held == (kernel == "onednn")
+
+
+def test_packed_copy_follows_torch_writes(kernel):
+    """An in-place torch write bumps the weight's version counter: the next call repacks."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=gen), torch.randn(32, 64, generator=gen)
+    packed = gemm.PackedWeight()
+    with torch.inference_mode():
+        gemm.linear(x, w, packed=packed)
+        w[3:9].mul_(-2.0)  # a push's box written through a view of the live weight
+        got = gemm.linear(x, w, packed=packed)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_writes_torch_cannot_see_need_drop_packed(kernel):
+    """A write through another mapping (the shared arena a trainer writes) leaves torch's
+    version counter alone: the copy stays stale until `drop_packed`, which the engine's
+    receiver and weight memory call."""
+    if kernel != "onednn":
+        pytest.skip("F.linear keeps no copy")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 64, generator=gen)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.randn(32, 64, generator=gen), requires_grad=False)
+    layer.packed = gemm.PackedWeight()
+    with torch.inference_mode():
+        before = gemm.linear(x, layer.weight, packed=layer.packed)
+        layer.weight.numpy()[:] *= -1.0  # no torch op: the version counter does not move
+        stale = gemm.linear(x, layer.weight, packed=layer.packed)
+        gemm.drop_packed(layer)
+        assert not layer.packed.held
+        fresh = gemm.linear(x, layer.weight, packed=layer.packed)
+    torch.testing.assert_close(stale, before)  # why drop_packed exists
+    torch.testing.assert_close(fresh, -before, rtol=1e-5, atol=1e-5)
+
+
+def test_disable_packing_keeps_no_copy(kernel):
+    layer = torch.nn.Linear(64, 32)
+    layer.packed = gemm.PackedWeight()
+    model = torch.nn.Sequential(layer)
+    gemm.disable_packing(model)
+    assert layer.packed is None and gemm.packed_weights(model) == []

@@ -145,6 +145,12 @@ class EngineConfig(BaseModel):
         "(`tandem.engine.dtype_probe`)",
     )
     device: str = "cpu"
+    packed_weights: bool = Field(
+        True,
+        description="CPU, float32: keep each matmul weight a second time in oneDNN's blocked "
+        "layout (2x the weights' memory) for faster matmuls; remade after every write into the "
+        "live weights (`tandem.layers.gemm`)",
+    )
     seed: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, ge=2)
     exchange_host: str = Field(

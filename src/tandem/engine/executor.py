@@ -81,6 +81,7 @@ class InProcessExecutor:
             device=config.torch_device,
             block_size=config.cache.block_size,
             seed=config.seed,
+            packed_weights=config.packed_weights,
         )
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.cache.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)

@@ -33,6 +33,7 @@ from tandem.layers.attention import (
     PrefillSpan,
     SharedPrefixGroup,
 )
+from tandem.layers.gemm import disable_packing
 from tandem.layers.moe import SparseMoE
 from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.base import Pooling
@@ -168,6 +169,7 @@ class ModelRunner:
         stage: Stage | None = None,
         pipe=None,
         samples: bool = True,
+        packed_weights: bool = True,
     ):
         self.device = device
         self.dtype = dtype
@@ -176,6 +178,8 @@ class ModelRunner:
         self.pipe = pipe  # PipeChannel to the neighbouring stages; None without pipelining
         self.samples = samples and self.stage.is_last
         self.model = build_model(spec, tp, dtype, device, self.stage)
+        if not packed_weights:
+            disable_packing(self.model)
         load_weights(self.model, spec)
         # on CPU the parameters live in shared memory: a trainer on this host writes into them
         self.arena = ParamArena(self.model) if device.type == "cpu" else None

@@ -15,6 +15,7 @@ from torch import nn
 from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
 from tandem.errors import ModelLoadError
 from tandem.exchange.transports.memory import ParamArena
+from tandem.layers.gemm import drop_packed
 from tandem.layers.placement import unique_parameters
 from tandem.models.loader import ModelSpec, load_weights
 
@@ -27,6 +28,7 @@ class WeightMemory:
 
     def handle(self, msg: ReleaseWeights | RestoreWeights | ReloadWeights) -> str | None:
         """Carry out one control message; the error to report, or None."""
+        error = None
         if isinstance(msg, ReleaseWeights):
             self.release()
         elif isinstance(msg, RestoreWeights):
@@ -35,8 +37,9 @@ class WeightMemory:
             try:
                 self.reload()
             except ModelLoadError as exc:
-                return str(exc)
-        return None
+                error = str(exc)
+        drop_packed(self.model)  # released (their memory too), zeroed or read again
+        return error
 
     def release(self) -> None:
         if self.released:

@@ -25,6 +25,7 @@ from tandem.exchange.items import Record
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
+from tandem.layers.gemm import drop_packed
 
 
 class WeightSyncError(RuntimeError):
@@ -92,6 +93,7 @@ class RankReceiver:
                 half.abort(spec)
             except Exception:  # the push already failed; nothing more to report
                 pass
+        drop_packed(self.model)  # the phase may have written the live weights
         return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, nbytes
 
     def _run(self, half: ReceiverHalf, phase: PushPhase, spec: UpdateSpec, records: list[Record]):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.layers.gemm import linear
+from tandem.layers.gemm import PackedWeight, linear
 from tandem.layers.placement import rows, set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
 
@@ -63,6 +63,7 @@ class ParallelLMHead(nn.Module):
             set_pieces(
                 self.weight, [rows(name, (vocab_size, dim), start, start + real)] if real else []
             )
+        self.packed = PackedWeight()
         self.bias = None
         if bias_name is not None:
             self.bias = nn.Parameter(torch.zeros(per_rank), requires_grad=False)
@@ -71,7 +72,7 @@ class ParallelLMHead(nn.Module):
             )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.weight, self.bias)
+        logits = linear(hidden, self.weight, self.bias, self.packed)
         return self.tp.all_gather_last_dim(logits)[..., : self.vocab_size]
 
 

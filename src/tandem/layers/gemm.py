@@ -4,18 +4,26 @@ On CPU, ``F.linear`` in float32 calls MKL's sgemm. On the AMD EPYC VMs this proj
 that ran at about 40% of one core's float32 peak at every decode and prefill shape of the
 bench model (86-94 GFLOP/s on one thread), while oneDNN's matmul (torch's
 ``mkldnn._linear_pointwise``, the library vLLM's CPU build calls through its own ``onednn_mm``)
-ran 1.8x faster with the weight as it is, and 2.3x with the weight reordered into oneDNN's
-blocked layout (docs/benchmarks.md, "GEMM kernels"). tandem keeps the weight as it is: a
-reordered copy would have to be rebuilt after every write into the live parameters (pushes,
-reloads, a trainer on the same host writing the shared arena), and a stale copy serves wrong
-tokens silently. In bfloat16 ``F.linear`` already runs oneDNN.
+ran 1.8x faster with the weight as it is (docs/benchmarks.md, "GEMM kernels").
+
+oneDNN is faster still on a copy of the weight reordered into its blocked layout (vLLM's CPU
+build packs every weight at load and drops the original): 1.2-1.6x at decode batches of 7-64
+rows, ~1.05x at prefill sizes (docs/benchmarks.md, "Packed weights"). tandem keeps the live
+weight where it is, in its canonical layout (pushes and reloads write into it; a trainer on the
+same host writes the shared arena) and keeps the blocked copy beside it (`PackedWeight`: 2x
+the weights' memory, ``packed_weights=False`` turns it off). A copy is remade on its first use
+after the weight may have changed: whoever writes the live weights calls `drop_packed` (the
+engine's push receiver after every phase, sleep / wake / reload), and each use also checks the
+weight's storage and torch's version counter, which catches in-process writes through torch.
+A stale copy would serve wrong tokens silently, so both guards stay.
 
 Which kernel runs float32 is measured, not assumed: the first call times both at a decode
 batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms) and keeps oneDNN unless
 ``F.linear`` is clearly faster (`choose`); ``TANDEM_GEMM=onednn|torch`` skips the probe. The
 choice is per process and logged. bfloat16 and other dtypes, and tensors off the CPU, always
 take ``F.linear`` (bfloat16 ``F.linear`` already runs oneDNN where the CPU has bf16 units,
-and oneDNN's float32-exact inner product is the one that MKL loses to here).
+and oneDNN's float32-exact inner product is the one that MKL loses to here); only float32
+weights are packed (packing bfloat16 is untested: no machine here has had it and been free).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +44,7 @@ KERNELS: tuple[Kernel, ...] = ("onednn", "torch")
 PROBE_SHAPE = (64, 512, 1280)  # rows, in, out: a decode batch through an MLP projection
 PROBE_REPEATS = 5
 ONEDNN_MARGIN = 1.1  # F.linear must be this much faster to be chosen
+PACK_ROWS = 64  # the batch size oneDNN picks a packed layout for (it serves every row count)
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -93,9 +103,8 @@ def kernel() -> Kernel:
     return _chosen
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight.T + bias`` for x of shape [..., in] and weight [out, in]."""
-    if (
+def _onednn_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
         and x.device.type == "cpu"
@@ -103,6 +112,63 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and x.numel()
         and not torch.is_grad_enabled()
         and kernel() == "onednn"
-    ):
-        return _onednn(x, weight, bias)
+    )
+
+
+class PackedWeight:
+    """A live weight's copy in oneDNN's blocked layout, remade on first use after the weight
+    may have changed (`drop`, or a new storage or version counter value). Owned by the layer
+    that holds the weight; the layer passes it to `linear`."""
+
+    __slots__ = ("_copy", "_key")
+
+    def __init__(self) -> None:
+        self._copy: torch.Tensor | None = None
+        self._key: tuple[int, int] = (0, -1)  # the weight's (data_ptr, _version) when packed
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if self._copy is None or key != self._key:
+            self._copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            self._key = key
+        return self._copy
+
+    def drop(self) -> None:
+        self._copy = None
+
+    @property
+    def held(self) -> bool:
+        return self._copy is not None
+
+
+def packed_weights(model: nn.Module) -> list[PackedWeight]:
+    """The model's packed copies (one per layer that keeps one)."""
+    return [
+        m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), PackedWeight)
+    ]
+
+
+def drop_packed(model: nn.Module) -> None:
+    """Forget every packed copy of ``model``'s weights (they were or may be rewritten)."""
+    for packed in packed_weights(model):
+        packed.drop()
+
+
+def disable_packing(model: nn.Module) -> None:
+    """Run ``model``'s matmuls on the live weights only (no second copy in memory)."""
+    for m in model.modules():
+        if isinstance(getattr(m, "packed", None), PackedWeight):
+            m.packed = None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: PackedWeight | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` for x of shape [..., in] and weight [out, in]; ``packed`` is the
+    layer's blocked copy of ``weight`` (used where oneDNN serves float32)."""
+    if _onednn_serves(x, weight):
+        return _onednn(x, packed.get(weight) if packed is not None else weight, bias)
     return F.linear(x, weight, bias)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tandem.layers.gemm import linear
+from tandem.layers.gemm import PackedWeight, linear
 from tandem.layers.placement import Piece, cols, rows, set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
 
@@ -58,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         if any(has_bias) and not all(has_bias):
             raise ValueError(f"fused outputs {[s.weight for s in outputs]} mix bias and no bias")
         self.bias = _empty(sum(out_local)) if all(has_bias) else None
+        self.packed = PackedWeight()
         w_pieces, b_pieces, at = [], [], 0
         for sec, local in zip(outputs, out_local, strict=True):
             start = sec.start + tp.rank * local
@@ -74,7 +75,7 @@ class ColumnParallelLinear(nn.Module):
             set_pieces(self.bias, b_pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class QKVParallelLinear(nn.Module):
@@ -110,6 +111,7 @@ class QKVParallelLinear(nn.Module):
         out = self.q_size + 2 * self.kv_size
         self.weight = _empty(out, hidden_size)
         self.bias = _empty(out) if bias else None
+        self.packed = PackedWeight()
         sections = [
             (names[0], num_heads * head_dim, tp.rank * self.q_size, self.q_size, 0),
             (names[1], num_kv_heads * head_dim, kv_first * head_dim, self.kv_size, self.q_size),
@@ -130,7 +132,7 @@ class QKVParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias, self.packed)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -152,6 +154,7 @@ class RowParallelLinear(nn.Module):
         local = _divide(in_features, tp.size, f"{weight_name} input features")
         start = tp.rank * local
         self.weight = _empty(out_features, local)
+        self.packed = PackedWeight()
         if conv1d:
             piece = _conv1d_rows(weight_name, (in_features, out_features), start, start + local)
         else:
@@ -162,7 +165,7 @@ class RowParallelLinear(nn.Module):
             self.bias = set_pieces(_empty(out_features), [whole(bias_name, (out_features,))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight))
+        y = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
         return y if self.bias is None else y + self.bias
 
 
