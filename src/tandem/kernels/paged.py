@@ -8,36 +8,26 @@ vLLM's CPU build reads its paged cache in place with its own kernels; so does th
 (`paged_decode.c`: one call per layer for every decode sequence, no gather, no padding,
 float32 softmax, OpenMP over (sequence, kv head) on torch's threads).
 
-The source ships with the package and is compiled at first use with the machine's C compiler
-(``cc``/``gcc``, ``-O3 -march=native -ffast-math -fopenmp``) into a cache keyed by the source,
-the flags and the CPU feature flags (``TANDEM_KERNEL_CACHE``, default ~/.cache/tandem/kernels).
-No compiler, a failed build, or ``TANDEM_ATTENTION=torch`` leaves the torch path serving; the
-reason is logged once. The library links the ``libgomp.so.1`` torch already loaded, so both
-share one OpenMP thread pool.
+The source ships with the package and is compiled at first use (`tandem.kernels.build`). No
+compiler, a failed build, or ``TANDEM_ATTENTION=torch`` leaves the torch path serving; the
+reason is logged once.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from tandem.kernels.build import build
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
-# -ffast-math compiles only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
-# flush-to-zero for the whole process when the library loads (subnormals would vanish in torch
-# and Python too). The link step below leaves it out.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-LINK = ("-shared", "-fopenmp")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP = 64  # query heads per kv head (paged_decode.c)
 
@@ -68,45 +58,9 @@ class PagedDecode:
         )
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return os.uname().machine
-
-
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 def _build() -> ctypes.CDLL:
     """Compile (or reuse) the kernel library; raises RuntimeError saying why not."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS, *LINK, _cpu_flags())).encode()).hexdigest()
-    cache = Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache/tandem/kernels"))
-    lib = cache / f"paged_decode-{key[:16]}.so"
-    if not lib.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            obj, out = Path(tmp) / "paged_decode.o", Path(tmp) / lib.name
-            for step in (
-                [cc, *FLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                [cc, *LINK, str(obj), "-o", str(out), "-lm"],
-            ):
-                done = subprocess.run(step, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(out, lib)  # atomic: processes building at once each land a whole file
-    dll = ctypes.CDLL(str(lib))
+    dll = build(SOURCE)
     fn = dll.paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2

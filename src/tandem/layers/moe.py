@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tandem.layers.activation import silu_and_mul
 from tandem.layers.gemm import linear
 from tandem.layers.linear import ColumnParallelLinear, RowParallelLinear, Section
 from tandem.layers.placement import set_pieces, whole
@@ -55,8 +55,7 @@ class Expert(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, down, None, SINGLE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class SparseMoE(nn.Module):

@@ -9,6 +9,8 @@ import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from tandem.kernels import pointwise
+
 
 class RopeParameters(BaseModel):
     """The rope fields of an HF config (``rope_parameters`` in transformers >= 5, else
@@ -84,3 +86,11 @@ def apply_rotary(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """x: [T, heads, D]. Same values as HF's ``x * cos + rotate_half(x) * sin``."""
     cos, signed_sin = tables
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rotate_(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """`apply_rotary`, in place where tandem's kernel serves (float32 on CPU: x is
+    overwritten, e.g. the q or k part of a fresh qkv projection); else a new tensor."""
+    if pointwise.serves(x) and x.shape[-1] <= pointwise.MAX_HEAD_DIM:
+        return pointwise.rotary_(x, *tables)
+    return apply_rotary(x, tables)

@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import model_validator
 from torch import nn
 
+from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, apply_rotary
+from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, rotate_
 from tandem.models.base import TandemModel
 from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
@@ -108,7 +108,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        q, k = rotate_(q, rope), rotate_(k, rope)  # q, k: views of this step's fresh qkv
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
@@ -134,8 +134,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

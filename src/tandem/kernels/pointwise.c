@@ -1,0 +1,62 @@
+/* Row-wise float32 ops of a decoder layer, one pass each (tandem.kernels.pointwise).
+ *
+ * torch runs each of these as several ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; the MLP's
+ * activation: chunk, silu, mul; rotary: mul, roll, mul, add), each a dispatch, an allocation
+ * and a pass over memory. At a decode step's sizes (a few rows of 512) the dispatches cost
+ * more than the arithmetic. Rows go to OpenMP threads in contiguous runs when there are
+ * enough of them; below PARALLEL_MIN elements one thread does all (waking threads costs more).
+ * Arithmetic follows torch's and Hugging Face's order: RMSNorm is x * (1 / sqrt(mean(x^2) +
+ * eps)) * w, silu(g) = g / (1 + exp(-g)), rotary is x * cos + roll(x, D/2) * signed_sin.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN 32768 /* elements */
+#define MAX_HEAD_DIM 1024
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; x rows `x_stride` apart, out contiguous. */
+void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
+                  int64_t dim, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * x_stride;
+        float *o = out + r * dim;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < dim; i++) ss += xr[i] * xr[i];
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+        for (int64_t i = 0; i < dim; i++) o[i] = (xr[i] * inv) * w[i];
+    }
+}
+
+/* out[r] = silu(gu[r, :n]) * gu[r, n:2n]; gu rows `gu_stride` apart, out contiguous [rows, n]. */
+void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t rows, int64_t n,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * gu_stride, *u = g + n;
+        float *o = out + r * n;
+        for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* In place: x[t, h] = x[t, h] * cos[t] + roll(x[t, h], dim / 2) * sin[t] for every token t
+ * and head h; x's tokens `t_stride` apart, heads `h_stride` apart, each head contiguous;
+ * cos / sin contiguous [tokens, dim] (sin already signed: -sin on the first half). */
+int rotary_f32(float *x, int64_t t_stride, int64_t h_stride, const float *cos_t,
+               const float *sin_t, int64_t tokens, int64_t heads, int64_t dim, int threads) {
+    if (dim > MAX_HEAD_DIM || dim % 2) return 1;
+    const int64_t half = dim / 2;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens * heads * dim >= PARALLEL_MIN)
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *c = cos_t + t * dim, *s = sin_t + t * dim;
+        float buf[MAX_HEAD_DIM];
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * t_stride + h * h_stride;
+            memcpy(buf, v, sizeof(float) * dim);
+            for (int64_t i = 0; i < half; i++) v[i] = buf[i] * c[i] + buf[i + half] * s[i];
+            for (int64_t i = half; i < dim; i++) v[i] = buf[i] * c[i] + buf[i - half] * s[i];
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,109 @@
+"""A decoder layer's row-wise float32 ops (RMSNorm, the MLP's silu-and-multiply, rotary
+embedding) in one pass each, by tandem's own C kernels (`pointwise.c`).
+
+torch runs each as several ops; at a decode step's sizes their dispatches and allocations cost
+more than the arithmetic (docs/benchmarks.md, "Pointwise kernels"). vLLM's CPU build fuses
+the same three (its ``rms_norm``, ``silu_and_mul`` and ``rotary_embedding`` ops). Compiled at
+first use (`tandem.kernels.build`); no compiler, a failed build, or
+``TANDEM_POINTWISE=torch`` leaves torch's ops serving (the reason logged once). Only float32
+CPU tensors outside autograd take the kernels (`serves`); the layers check that and call torch
+otherwise, so numerics elsewhere (bfloat16's rounding steps, training) are torch's own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tandem.kernels.build import build
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("pointwise.c")
+MAX_HEAD_DIM = 1024  # pointwise.c
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+
+
+def _build() -> ctypes.CDLL:
+    dll = build(SOURCE)
+    dll.rms_norm_f32.restype = None
+    dll.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
+    dll.silu_mul_f32.restype = None
+    dll.silu_mul_f32.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
+    dll.rotary_f32.restype = _INT
+    dll.rotary_f32.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
+    return dll
+
+
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None
+
+
+def available() -> bool:
+    """Whether the kernels serve this process (built on first call; the reason logged if not)."""
+    global _lib, _why_not
+    if _lib is None and _why_not is None:
+        if os.environ.get("TANDEM_POINTWISE", "") == "torch":
+            _why_not = "TANDEM_POINTWISE=torch"
+        else:
+            try:
+                _lib = _build()
+            except (RuntimeError, OSError) as exc:
+                _why_not = str(exc)
+        if _why_not is not None:
+            logger.warning("pointwise kernels off, torch's ops serve: %s", _why_not)
+    return _lib is not None
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether ``x`` (rows in its last dim, contiguous) takes the kernels here."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(-1) == 1
+        and not torch.is_grad_enabled()
+        and available()
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / sqrt(mean(x**2, -1) + eps) * weight`` of x [..., D] (rows may be strided)."""
+    dim = x.shape[-1]
+    rows = x.reshape(-1, dim) if x.dim() != 2 else x
+    out = torch.empty(x.shape, dtype=x.dtype)
+    weight = weight.contiguous()
+    _lib.rms_norm_f32(
+        rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], dim,
+        eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of gate_up [T, 2n] ([gate | up]) as [T, n]."""
+    rows, width = gate_up.shape
+    n = width // 2
+    out = torch.empty(rows, n, dtype=gate_up.dtype)
+    _lib.silu_mul_f32(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n, torch.get_num_threads()
+    )
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] in place by the tables [T, 1, D] (`tandem.layers.rotary`)."""
+    tokens, heads, dim = x.shape
+    cos, signed_sin = cos.reshape(tokens, dim).contiguous(), signed_sin.reshape(tokens, dim)
+    signed_sin = signed_sin.contiguous()
+    rc = _lib.rotary_f32(
+        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
+        heads, dim, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"rotary kernel takes an even head size up to {MAX_HEAD_DIM}, got {dim}")
+    return x
