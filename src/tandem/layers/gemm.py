@@ -7,11 +7,12 @@ bench model (86-94 GFLOP/s on one thread), while oneDNN's matmul (torch's
 ran 1.8x faster with the weight as it is (docs/benchmarks.md, "GEMM kernels").
 
 oneDNN is faster still on a copy of the weight reordered into its blocked layout (vLLM's CPU
-build packs every weight at load and drops the original): 1.2-1.6x at decode batches of 7-64
-rows, ~1.05x at prefill sizes (docs/benchmarks.md, "Packed weights"). tandem keeps the live
-weight where it is, in its canonical layout (pushes and reloads write into it; a trainer on the
-same host writes the shared arena) and keeps the blocked copy beside it (`PackedWeight`: 2x
-the weights' memory, ``packed_weights=False`` turns it off). A copy is remade on its first use
+build packs every weight at load and drops the original): 1.2-2.5x at decode batches of 7-64
+rows, within 10% at prefill sizes (docs/benchmarks.md, "Packed weights and pointwise
+kernels"). tandem keeps the live weight where it is, in its canonical layout (pushes and
+reloads write into it; a trainer on the same host writes the shared arena), and the blocked
+copy beside it (`PackedWeight`: 2x the weights' memory, ``packed_weights=False`` turns it
+off). A copy is remade on its first use
 after the weight may have changed: whoever writes the live weights calls `drop_packed` (the
 engine's push receiver after every phase, sleep / wake / reload), and each use also checks the
 weight's storage and torch's version counter, which catches in-process writes through torch.
