@@ -130,3 +130,20 @@ def test_disable_packing_keeps_no_copy(kernel):
     model = torch.nn.Sequential(layer)
     gemm.disable_packing(model)
     assert layer.packed is None and gemm.packed_weights(model) == []
+
+
+def test_a_weight_onednn_will_not_reorder_runs_unpacked(kernel, monkeypatch):
+    if kernel != "onednn":
+        pytest.skip("F.linear keeps no copy")
+
+    def refuse(weight, rows):
+        raise RuntimeError("unsupported layout")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    packed = gemm.PackedWeight()
+    with torch.inference_mode():
+        got = gemm.linear(x, w, packed=packed)
+    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert not packed.held and packed.get(w) is w

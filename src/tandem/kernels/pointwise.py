@@ -2,7 +2,8 @@
 embedding) in one pass each, by tandem's own C kernels (`pointwise.c`).
 
 torch runs each as several ops; at a decode step's sizes their dispatches and allocations cost
-more than the arithmetic (docs/benchmarks.md, "Packed weights and pointwise kernels"). vLLM's CPU build fuses
+more than the arithmetic, and at a prefill's its silu and mul of a strided gate/up ran 9x the
+kernel (docs/benchmarks.md, "Packed weights and pointwise kernels"). vLLM's CPU build fuses
 the same three (its ``rms_norm``, ``silu_and_mul`` and ``rotary_embedding`` ops). Compiled at
 first use (`tandem.kernels.build`); no compiler, a failed build, or
 ``TANDEM_POINTWISE=torch`` leaves torch's ops serving (the reason logged once). Only float32

@@ -12,11 +12,11 @@ rows, within 10% at prefill sizes (docs/benchmarks.md, "Packed weights and point
 kernels"). tandem keeps the live weight where it is, in its canonical layout (pushes and
 reloads write into it; a trainer on the same host writes the shared arena), and the blocked
 copy beside it (`PackedWeight`: 2x the weights' memory, ``packed_weights=False`` turns it
-off). A copy is remade on its first use
-after the weight may have changed: whoever writes the live weights calls `drop_packed` (the
-engine's push receiver after every phase, sleep / wake / reload), and each use also checks the
-weight's storage and torch's version counter, which catches in-process writes through torch.
-A stale copy would serve wrong tokens silently, so both guards stay.
+off). A copy is remade on its first use after the weight may have changed: whoever writes the
+live weights calls `drop_packed` (the engine's push receiver after every phase, sleep / wake /
+reload), and each use also checks the weight's storage and torch's version counter, which
+catches in-process writes through torch. A stale copy would serve wrong tokens silently, so
+both guards stay. A weight oneDNN will not reorder runs as it is (logged once).
 
 Which kernel runs float32 is measured, not assumed: the first call times both at a decode
 batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms) and keeps oneDNN unless
@@ -121,16 +121,26 @@ class PackedWeight:
     may have changed (`drop`, or a new storage or version counter value). Owned by the layer
     that holds the weight; the layer passes it to `linear`."""
 
-    __slots__ = ("_copy", "_key")
+    __slots__ = ("_copy", "_key", "_refused")
 
     def __init__(self) -> None:
         self._copy: torch.Tensor | None = None
         self._key: tuple[int, int] = (0, -1)  # the weight's (data_ptr, _version) when packed
+        self._refused = False
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
+        """The packed copy of ``weight`` (made now if missing or stale), or ``weight`` itself
+        where oneDNN refuses to reorder it."""
+        if self._refused:
+            return weight
         key = (weight.data_ptr(), weight._version)
         if self._copy is None or key != self._key:
-            self._copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            try:
+                self._copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+            except RuntimeError as exc:
+                self._refused = True
+                logger.warning("a %s weight runs unpacked: %s", tuple(weight.shape), exc)
+                return weight
             self._key = key
         return self._copy
 
