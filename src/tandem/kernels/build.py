@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # -ffast-math compiles only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process when the library loads (subnormals would vanish in torch
@@ -64,3 +68,30 @@ def build(source: Path) -> ctypes.CDLL:
                     raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-2000:]}")
             os.replace(out, lib)  # atomic: processes building at once each land a whole file
     return ctypes.CDLL(str(lib))
+
+
+class Library:
+    """One kernel source, built on first need: ``available()`` says whether it serves this
+    process, ``dll`` is the loaded library once it does. ``setup`` declares the C signatures;
+    ``off`` is the environment variable whose value ``torch`` turns the kernels off."""
+
+    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], off: str, what: str):
+        self.source, self.setup, self.off, self.what = source, setup, off, what
+        self.dll: ctypes.CDLL | None = None
+        self.why_not: str | None = None
+
+    def available(self) -> bool:
+        """Whether the kernels serve (built on the first call; the reason logged if not)."""
+        if self.dll is None and self.why_not is None:
+            if os.environ.get(self.off, "") == "torch":
+                self.why_not = f"{self.off}=torch"
+            else:
+                try:
+                    dll = build(self.source)
+                    self.setup(dll)
+                    self.dll = dll
+                except (RuntimeError, OSError, AttributeError) as exc:
+                    self.why_not = str(exc)
+            if self.why_not is not None:
+                logger.warning("%s off, torch serves: %s", self.what, self.why_not)
+        return self.dll is not None

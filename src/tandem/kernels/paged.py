@@ -16,16 +16,12 @@ reason is logged once.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tandem.kernels.build import build
-
-logger = logging.getLogger(__name__)
+from tandem.kernels.build import Library
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -58,33 +54,14 @@ class PagedDecode:
         )
 
 
-def _build() -> ctypes.CDLL:
-    """Compile (or reuse) the kernel library; raises RuntimeError saying why not."""
-    dll = build(SOURCE)
+def _declare(dll: ctypes.CDLL) -> None:
     fn = dll.paged_decode
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
-    return dll
 
 
-_lib: ctypes.CDLL | None = None
-_why_not: str | None = None
-
-
-def available() -> bool:
-    """Whether the kernel serves this process (built on first call; the reason logged if not)."""
-    global _lib, _why_not
-    if _lib is None and _why_not is None:
-        if os.environ.get("TANDEM_ATTENTION", "") == "torch":
-            _why_not = "TANDEM_ATTENTION=torch"
-        else:
-            try:
-                _lib = _build()
-            except (RuntimeError, OSError) as exc:
-                _why_not = str(exc)
-        if _why_not is not None:
-            logger.warning("paged decode kernel off, torch attention serves: %s", _why_not)
-    return _lib is not None
+_library = Library(SOURCE, _declare, "TANDEM_ATTENTION", "paged decode kernel")
+available = _library.available
 
 
 def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int) -> bool:
@@ -108,7 +85,7 @@ def paged_decode(
     q = q.contiguous()
     assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
-    rc = _lib.paged_decode(
+    rc = _library.dll.paged_decode(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         batch.rows.data_ptr(), batch.tables.data_ptr(), batch.lens.data_ptr(),
         len(batch.rows), batch.tables.shape[1], batch.block_size, heads, kv_heads, dim, scale,

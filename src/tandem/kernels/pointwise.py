@@ -14,15 +14,11 @@ otherwise, so numerics elsewhere (bfloat16's rounding steps, training) are torch
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-from tandem.kernels.build import build
-
-logger = logging.getLogger(__name__)
+from tandem.kernels.build import Library
 
 SOURCE = Path(__file__).with_name("pointwise.c")
 MAX_HEAD_DIM = 1024  # pointwise.c
@@ -30,35 +26,17 @@ MAX_HEAD_DIM = 1024  # pointwise.c
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
-def _build() -> ctypes.CDLL:
-    dll = build(SOURCE)
+def _declare(dll: ctypes.CDLL) -> None:
     dll.rms_norm_f32.restype = None
     dll.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
     dll.silu_mul_f32.restype = None
     dll.silu_mul_f32.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
     dll.rotary_f32.restype = _INT
     dll.rotary_f32.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
-    return dll
 
 
-_lib: ctypes.CDLL | None = None
-_why_not: str | None = None
-
-
-def available() -> bool:
-    """Whether the kernels serve this process (built on first call; the reason logged if not)."""
-    global _lib, _why_not
-    if _lib is None and _why_not is None:
-        if os.environ.get("TANDEM_POINTWISE", "") == "torch":
-            _why_not = "TANDEM_POINTWISE=torch"
-        else:
-            try:
-                _lib = _build()
-            except (RuntimeError, OSError) as exc:
-                _why_not = str(exc)
-        if _why_not is not None:
-            logger.warning("pointwise kernels off, torch's ops serve: %s", _why_not)
-    return _lib is not None
+_library = Library(SOURCE, _declare, "TANDEM_POINTWISE", "pointwise kernels")
+available = _library.available
 
 
 def serves(x: torch.Tensor) -> bool:
@@ -78,7 +56,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.reshape(-1, dim) if x.dim() != 2 else x
     out = torch.empty(x.shape, dtype=x.dtype)
     weight = weight.contiguous()
-    _lib.rms_norm_f32(
+    _library.dll.rms_norm_f32(
         rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], dim,
         eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -90,7 +68,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
-    _lib.silu_mul_f32(
+    _library.dll.silu_mul_f32(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n, torch.get_num_threads()
     )
     return out
@@ -101,7 +79,7 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     tokens, heads, dim = x.shape
     cos, signed_sin = cos.reshape(tokens, dim).contiguous(), signed_sin.reshape(tokens, dim)
     signed_sin = signed_sin.contiguous()
-    rc = _lib.rotary_f32(
+    rc = _library.dll.rotary_f32(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
         heads, dim, torch.get_num_threads(),
     )  # fmt: skip
