@@ -77,8 +77,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] in place by the tables [T, 1, D] (`tandem.layers.rotary`)."""
     tokens, heads, dim = x.shape
-    cos, signed_sin = cos.reshape(tokens, dim).contiguous(), signed_sin.reshape(tokens, dim)
-    signed_sin = signed_sin.contiguous()
+    cos = cos.reshape(tokens, dim).contiguous()
+    signed_sin = signed_sin.reshape(tokens, dim).contiguous()
     rc = _library.dll.rotary_f32(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
         heads, dim, torch.get_num_threads(),

@@ -152,11 +152,14 @@ class PackedWeight:
         return self._copy is not None
 
 
+def _packing_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers of ``model`` that keep a packed copy of their weight."""
+    return [m for m in model.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]
+
+
 def packed_weights(model: nn.Module) -> list[PackedWeight]:
     """The model's packed copies (one per layer that keeps one)."""
-    return [
-        m.packed for m in model.modules() if isinstance(getattr(m, "packed", None), PackedWeight)
-    ]
+    return [m.packed for m in _packing_layers(model)]
 
 
 def drop_packed(model: nn.Module) -> None:
@@ -167,9 +170,8 @@ def drop_packed(model: nn.Module) -> None:
 
 def disable_packing(model: nn.Module) -> None:
     """Run ``model``'s matmuls on the live weights only (no second copy in memory)."""
-    for m in model.modules():
-        if isinstance(getattr(m, "packed", None), PackedWeight):
-            m.packed = None
+    for m in _packing_layers(model):
+        m.packed = None
 
 
 def linear(
