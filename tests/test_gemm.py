@@ -38,19 +38,43 @@ def test_linear_takes_views(kernel):
     torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_bfloat16_and_grad_take_f_linear(monkeypatch):
-    """Only float32 without autograd goes to oneDNN's inner product."""
+def test_grad_and_other_dtypes_take_f_linear(monkeypatch):
+    """float32 without autograd goes to oneDNN's inner product, and bfloat16 where oneDNN
+    runs it natively; autograd and float16 take F.linear."""
     monkeypatch.setattr(gemm, "_chosen", "onednn")
+    monkeypatch.setattr(gemm, "_bf16", False)
     calls = []
     monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(a) or F.linear(*a))
     x, w = torch.randn(3, 8), torch.randn(4, 8)
     with torch.inference_mode():
-        gemm.linear(x.bfloat16(), w.bfloat16())
+        gemm.linear(x.bfloat16(), w.bfloat16())  # no native bf16 (as patched)
+        gemm.linear(x.half(), w.half())
     gemm.linear(x, w)  # grad mode on
     assert calls == []
     with torch.inference_mode():
         gemm.linear(x, w)
-    assert len(calls) == 1
+        monkeypatch.setattr(gemm, "_bf16", True)
+        gemm.linear(x.bfloat16(), w.bfloat16())
+    assert [a[0].dtype for a in calls] == [torch.float32, torch.bfloat16]
+
+
+BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@pytest.mark.skipif(not BF16, reason="oneDNN has no native bfloat16 on this CPU")
+@pytest.mark.parametrize("rows", [1, 7, 96, 300])
+def test_bfloat16_packed_copy_equals_f_linear(rows):
+    """Packed bfloat16 accumulates in float32 and rounds once, as F.linear does: equal."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    w = torch.randn(80, 96, generator=gen).bfloat16()
+    b = torch.randn(80, generator=gen).bfloat16()
+    packed = gemm.PackedWeight()
+    with torch.inference_mode():
+        got = gemm.linear(x, w, b, packed)
+    assert packed.held
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=2**-7, atol=1e-6)
+    assert (got == F.linear(x, w, b)).float().mean() >= 0.99
 
 
 def test_choose_keeps_onednn_unless_f_linear_is_clearly_faster():

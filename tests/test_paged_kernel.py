@@ -46,11 +46,20 @@ def _expected(q, k, v, decodes, scale):
     "dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 )  # bf16: the output is rounded once to bfloat16 (values below 4 in magnitude)
 @pytest.mark.parametrize("heads, kv_heads, dim", [(4, 2, 64), (6, 6, 128), (8, 1, 24)])
-def test_kernel_matches_attention_over_the_gathered_context(dtype, atol, heads, kv_heads, dim):
-    lens = [5, 8, 1, 13, 4, 30]
+@pytest.mark.parametrize("lens, threads", [([5, 8, 1, 13, 4, 30], 2), ([17, 30], 3)])
+def test_kernel_matches_attention_over_the_gathered_context(
+    dtype, atol, heads, kv_heads, dim, lens, threads
+):
+    """Six sequences run with all of a sequence's kv heads on one thread; two on three
+    threads split each sequence's kv heads into slices."""
     q, k, v, decodes = _case(dtype, heads, kv_heads, dim, lens)
     out = torch.full_like(q, 7.0)
-    paged.paged_decode(q, k, v, out, paged.PagedDecode.of(decodes, BS), dim**-0.5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        paged.paged_decode(q, k, v, out, paged.PagedDecode.of(decodes, BS), dim**-0.5)
+    finally:
+        torch.set_num_threads(before)
     expected = _expected(q, k, v, decodes, dim**-0.5)
     for row in range(len(q)):
         if row in expected:
@@ -89,8 +98,9 @@ def test_refuses_a_head_grouping_it_cannot_serve():
             paged.PagedDecode.of(decodes, BS),
             1.0,
         )
-    assert not paged.supports(torch.float32, torch.device("cpu"), 130, 2)
-    assert not paged.supports(torch.float16, torch.device("cpu"), 4, 2)
+    assert not paged.supports(torch.float32, torch.device("cpu"), 130, 2, 64)
+    assert not paged.supports(torch.float32, torch.device("cpu"), 4, 2, 2048)
+    assert not paged.supports(torch.float16, torch.device("cpu"), 4, 2, 64)
 
 
 @pytest.mark.timeout(300)

@@ -195,7 +195,9 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         a = self.attention_layers[0] if self.attention_layers else None
         # decode attention in place from the paged cache (tandem.kernels.paged) where it serves
-        self.paged = a is not None and paged.supports(dtype, device, a.num_heads, a.num_kv_heads)
+        self.paged = a is not None and paged.supports(
+            dtype, device, a.num_heads, a.num_kv_heads, a.head_dim
+        )
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.seqs: dict[int, _SeqState] = {}

@@ -24,8 +24,12 @@ logger = logging.getLogger(__name__)
 
 # -ffast-math compiles only: linked with it, gcc adds crtfastmath.o, whose constructor turns on
 # flush-to-zero for the whole process when the library loads (subnormals would vanish in torch
-# and Python too). The link step below leaves it out.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# and Python too). The link step below leaves it out. 512-bit vectors where the CPU has them
+# (gcc prefers 256 on AVX-512 CPUs): the decode kernel ran 1.2x faster with them.
+FLAGS = (
+    "-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC",
+    "-std=c11",
+)  # fmt: skip
 LINK = ("-shared", "-fopenmp")
 
 

@@ -26,6 +26,7 @@ from tandem.kernels.build import Library
 SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_GROUP = 64  # query heads per kv head (paged_decode.c)
+MAX_HEAD_DIM = 1024  # paged_decode.c
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,9 +65,11 @@ _library = Library(SOURCE, _declare, "TANDEM_ATTENTION", "paged decode kernel")
 available = _library.available
 
 
-def supports(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int) -> bool:
+def supports(
+    dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int
+) -> bool:
     """Whether decode attention of this shape runs on the kernel here."""
-    fits = heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP
+    fits = heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
     return device.type == "cpu" and dtype in DTYPES and fits and available()
 
 

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #define MAX_GROUP 64 /* query heads per kv head (tandem.kernels.paged.MAX_GROUP) */
+#define MAX_DIM 1024 /* head size (tandem.kernels.paged.MAX_HEAD_DIM) */
 
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
@@ -42,90 +43,116 @@ static inline void store_bf16(uint16_t *o, const float *acc, int D) {
     for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[d]);
 }
 
-/* One (sequence, kv head): G query heads of dimension DIM over n context tokens. `scores`
- * holds G * n floats, `qf` and `acc` G * DIM. */
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, DIM)                                              \
+/* A cached row as float32: bfloat16 widened into `buf` (D floats), float32 read in place. */
+#define WIDEN_F32(src, buf, D) (src)
+
+static inline const float *widen_bf16(const uint16_t *src, float *buf, int D) {
+    for (int d = 0; d < D; d++) buf[d] = bf16_to_f32(src[d]);
+    return buf;
+}
+
+/* One sequence, kv heads kv0 <= kvh < kv1 (each with its G query heads) of dimension DIM,
+ * over n context tokens. Each cached token's heads are read together, front to back: a
+ * block's rows are contiguous, so the loads stream. `scores` holds (kv1 - kv0) * G * n
+ * floats, `qf` and `acc` (kv1 - kv0) * G * DIM. */
+#define DEFINE_DECODE(NAME, T, LOAD, WIDEN, STORE, DIM)                                       \
     static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *table,    \
-                     int n, int bs, int KV, int G, int kvh, int Dr, float scale,               \
+                     int n, int bs, int KV, int G, int kv0, int kv1, int Dr, float scale,     \
                      float *scores, float *qf, float *acc, T *out) {                           \
         const int D = DIM > 0 ? DIM : Dr;                                                     \
-        for (int g = 0; g < G; g++)                                                           \
-            for (int d = 0; d < D; d++) qf[g * D + d] = LOAD(q[(kvh * G + g) * D + d]) * scale; \
+        const int heads = (kv1 - kv0) * G; /* query heads served, from head kv0 * G */        \
+        float row[DIM > 0 ? DIM : MAX_DIM];                                                   \
+        for (int h = 0; h < heads; h++)                                                       \
+            for (int d = 0; d < D; d++) qf[h * D + d] = LOAD(q[(kv0 * G + h) * D + d]) * scale; \
         const int blocks = (n + bs - 1) / bs;                                                 \
         for (int b = 0; b < blocks; b++) {                                                    \
             const int64_t first = (int64_t)table[b] * bs;                                     \
             const int m = n - b * bs < bs ? n - b * bs : bs;                                  \
             for (int j = 0; j < m; j++) {                                                     \
-                const T *k = k_cache + ((first + j) * KV + kvh) * D;                          \
-                for (int g = 0; g < G; g++) {                                                 \
-                    const float *qg = qf + g * D;                                             \
-                    float s = 0.f;                                                            \
-                    _Pragma("omp simd reduction(+ : s)") for (int d = 0; d < D; d++) s +=     \
-                        qg[d] * LOAD(k[d]);                                                   \
-                    scores[g * n + b * bs + j] = s;                                           \
+                for (int kvh = kv0; kvh < kv1; kvh++) {                                       \
+                    const float *k = WIDEN(k_cache + ((first + j) * KV + kvh) * D, row, D);   \
+                    for (int h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; h++) {             \
+                        const float *qh = qf + h * D;                                         \
+                        float s = 0.f;                                                        \
+                        _Pragma("omp simd reduction(+ : s)") for (int d = 0; d < D; d++) s += \
+                            qh[d] * k[d];                                                     \
+                        scores[h * n + b * bs + j] = s;                                       \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int g = 0; g < G; g++) {                                                         \
-            float *sg = scores + g * n;                                                       \
+        for (int h = 0; h < heads; h++) {                                                     \
+            float *sh = scores + h * n;                                                       \
             float mx = -FLT_MAX;                                                              \
-            for (int t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;                         \
+            for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;                         \
             float sum = 0.f;                                                                  \
             _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {              \
-                sg[t] = expf(sg[t] - mx);                                                     \
-                sum += sg[t];                                                                 \
+                sh[t] = expf(sh[t] - mx);                                                     \
+                sum += sh[t];                                                                 \
             }                                                                                 \
             const float inv = 1.f / sum;                                                      \
-            _Pragma("omp simd") for (int t = 0; t < n; t++) sg[t] *= inv;                     \
+            _Pragma("omp simd") for (int t = 0; t < n; t++) sh[t] *= inv;                     \
         }                                                                                     \
-        memset(acc, 0, sizeof(float) * G * D);                                                \
+        memset(acc, 0, sizeof(float) * heads * D);                                            \
         for (int b = 0; b < blocks; b++) {                                                    \
             const int64_t first = (int64_t)table[b] * bs;                                     \
             const int m = n - b * bs < bs ? n - b * bs : bs;                                  \
             for (int j = 0; j < m; j++) {                                                     \
-                const T *v = v_cache + ((first + j) * KV + kvh) * D;                          \
-                for (int g = 0; g < G; g++) {                                                 \
-                    const float p = scores[g * n + b * bs + j];                               \
-                    float *ag = acc + g * D;                                                  \
-                    _Pragma("omp simd") for (int d = 0; d < D; d++) ag[d] += p * LOAD(v[d]);  \
+                for (int kvh = kv0; kvh < kv1; kvh++) {                                       \
+                    const float *v = WIDEN(v_cache + ((first + j) * KV + kvh) * D, row, D);   \
+                    for (int h = (kvh - kv0) * G; h < (kvh - kv0 + 1) * G; h++) {             \
+                        const float p = scores[h * n + b * bs + j];                           \
+                        float *ah = acc + h * D;                                              \
+                        _Pragma("omp simd") for (int d = 0; d < D; d++) ah[d] += p * v[d];    \
+                    }                                                                         \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int g = 0; g < G; g++) STORE(out + (kvh * G + g) * D, acc + g * D, D);           \
+        for (int h = 0; h < heads; h++) STORE(out + (kv0 * G + h) * D, acc + h * D, D);       \
     }
 
 #define LOAD_F32(x) (x)
 #define LOAD_BF16(x) bf16_to_f32(x)
-DEFINE_DECODE(f32_64, float, LOAD_F32, store_f32, 64)
-DEFINE_DECODE(f32_128, float, LOAD_F32, store_f32, 128)
-DEFINE_DECODE(f32_any, float, LOAD_F32, store_f32, 0)
-DEFINE_DECODE(bf16_64, uint16_t, LOAD_BF16, store_bf16, 64)
-DEFINE_DECODE(bf16_128, uint16_t, LOAD_BF16, store_bf16, 128)
-DEFINE_DECODE(bf16_any, uint16_t, LOAD_BF16, store_bf16, 0)
+DEFINE_DECODE(f32_64, float, LOAD_F32, WIDEN_F32, store_f32, 64)
+DEFINE_DECODE(f32_128, float, LOAD_F32, WIDEN_F32, store_f32, 128)
+DEFINE_DECODE(f32_any, float, LOAD_F32, WIDEN_F32, store_f32, 0)
+DEFINE_DECODE(bf16_64, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 64)
+DEFINE_DECODE(bf16_128, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 128)
+DEFINE_DECODE(bf16_any, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 0)
 
 typedef void (*decode_f32_fn)(const float *, const float *, const float *, const int32_t *, int,
-                              int, int, int, int, int, float, float *, float *, float *, float *);
+                              int, int, int, int, int, int, float, float *, float *, float *,
+                              float *);
 typedef void (*decode_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *,
-                               const int32_t *, int, int, int, int, int, int, float, float *,
+                               const int32_t *, int, int, int, int, int, int, int, float, float *,
                                float *, float *, uint16_t *);
 
-/* Returns 0, or -1 when the arguments cannot be served (the caller raises). */
+/* Returns 0, or -1 when the arguments cannot be served (the caller raises). Work items are
+ * (sequence, slice of kv heads): every kv head of a sequence together when there are enough
+ * sequences to keep the threads busy, else the heads split so that one sequence (batch 1)
+ * still runs on every thread. */
 int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
                  const int64_t *rows, const int32_t *tables, const int32_t *lens, int B,
                  int max_blocks, int bs, int H, int KV, int D, float scale, int bf16,
                  int nthreads) {
-    if (KV <= 0 || H % KV || H / KV > MAX_GROUP || D <= 0 || bs <= 0) return -1;
+    if (KV <= 0 || H % KV || H / KV > MAX_GROUP || D <= 0 || D > MAX_DIM || bs <= 0) return -1;
+    if (nthreads < 1) nthreads = 1;
     int longest = 1;
     for (int i = 0; i < B; i++) longest = lens[i] > longest ? lens[i] : longest;
     const int G = H / KV;
+    int slices = B > 0 ? (2 * nthreads + B - 1) / B : 1; /* kv-head slices per sequence */
+    if (slices > KV) slices = KV;
+    const int per_slice = (KV + slices - 1) / slices;
+    slices = (KV + per_slice - 1) / per_slice;
     decode_f32_fn f32 = D == 64 ? f32_64 : D == 128 ? f32_128 : f32_any;
     decode_bf16_fn b16 = D == 64 ? bf16_64 : D == 128 ? bf16_128 : bf16_any;
     int failed = 0;
-#pragma omp parallel num_threads(nthreads > 0 ? nthreads : 1)
+#pragma omp parallel num_threads(nthreads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)G * longest);
-        float *qf = malloc(sizeof(float) * (size_t)G * D);
-        float *acc = malloc(sizeof(float) * (size_t)G * D);
+        const size_t heads = (size_t)per_slice * G;
+        float *scores = malloc(sizeof(float) * heads * longest);
+        float *qf = malloc(sizeof(float) * heads * D);
+        float *acc = malloc(sizeof(float) * heads * D);
         const int ok = scores && qf && acc;
         if (!ok) {
 #pragma omp atomic write
@@ -133,16 +160,17 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
         }
 #pragma omp for collapse(2) schedule(static)
         for (int i = 0; i < B; i++) {
-            for (int kvh = 0; kvh < KV; kvh++) {
+            for (int s = 0; s < slices; s++) {
                 if (!ok || lens[i] <= 0) continue;
+                const int kv0 = s * per_slice, kv1 = kv0 + per_slice < KV ? kv0 + per_slice : KV;
                 const int32_t *table = tables + (int64_t)i * max_blocks;
                 const int64_t row = rows[i] * H * D;
                 if (bf16)
                     b16((const uint16_t *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G,
-                        kvh, D, scale, scores, qf, acc, (uint16_t *)out + row);
+                        kv0, kv1, D, scale, scores, qf, acc, (uint16_t *)out + row);
                 else
-                    f32((const float *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kvh,
-                        D, scale, scores, qf, acc, (float *)out + row);
+                    f32((const float *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
+                        kv1, D, scale, scores, qf, acc, (float *)out + row);
             }
         }
         free(scores);

@@ -1,5 +1,5 @@
-"""A decoder layer's row-wise float32 ops (RMSNorm, the MLP's silu-and-multiply, rotary
-embedding) in one pass each, by tandem's own C kernels (`pointwise.c`).
+"""A decoder layer's row-wise ops (RMSNorm, the MLP's silu-and-multiply, rotary embedding)
+in one pass each, float32 and bfloat16, by tandem's own C kernels (`pointwise.c`).
 
 torch runs each as several ops; at a decode step's sizes their dispatches and allocations cost
 more than the arithmetic, and at a prefill's its silu and mul of a strided gate/up ran 9x the
@@ -7,8 +7,9 @@ kernel (docs/benchmarks.md, "Packed weights and pointwise kernels"). vLLM's CPU 
 the same three (its ``rms_norm``, ``silu_and_mul`` and ``rotary_embedding`` ops). Compiled at
 first use (`tandem.kernels.build`); no compiler, a failed build, or
 ``TANDEM_POINTWISE=torch`` leaves torch's ops serving (the reason logged once). Only float32
-CPU tensors outside autograd take the kernels (`serves`); the layers check that and call torch
-otherwise, so numerics elsewhere (bfloat16's rounding steps, training) are torch's own.
+and bfloat16 CPU tensors outside autograd take the kernels (`serves`); the layers check that
+and call torch otherwise (training keeps torch's own ops). bfloat16 rounds each step where
+torch's bfloat16 ops round (the kernel source says where), so it gives torch's values.
 """
 
 from __future__ import annotations
@@ -26,23 +27,34 @@ MAX_HEAD_DIM = 1024  # pointwise.c
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 def _declare(dll: ctypes.CDLL) -> None:
-    dll.rms_norm_f32.restype = None
-    dll.rms_norm_f32.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
-    dll.silu_mul_f32.restype = None
-    dll.silu_mul_f32.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
-    dll.rotary_f32.restype = _INT
-    dll.rotary_f32.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
+    for suffix in SUFFIX.values():
+        rms_norm, silu_mul, rotary = (
+            getattr(dll, f"{op}_{suffix}") for op in ("rms_norm", "silu_mul", "rotary")
+        )
+        rms_norm.restype = None
+        rms_norm.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
+        silu_mul.restype = None
+        silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
+        rotary.restype = _INT
+        rotary.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
 
 
 _library = Library(SOURCE, _declare, "TANDEM_POINTWISE", "pointwise kernels")
 available = _library.available
 
 
+def _fn(op: str, dtype: torch.dtype):
+    return getattr(_library.dll, f"{op}_{SUFFIX[dtype]}")
+
+
 def serves(x: torch.Tensor) -> bool:
     """Whether ``x`` (rows in its last dim, contiguous) takes the kernels here."""
     return (
-        x.dtype == torch.float32
+        x.dtype in SUFFIX
         and x.device.type == "cpu"
         and x.stride(-1) == 1
         and not torch.is_grad_enabled()
@@ -55,8 +67,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     dim = x.shape[-1]
     rows = x.reshape(-1, dim) if x.dim() != 2 else x
     out = torch.empty(x.shape, dtype=x.dtype)
+    assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     weight = weight.contiguous()
-    _library.dll.rms_norm_f32(
+    _fn("rms_norm", x.dtype)(
         rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], dim,
         eps, torch.get_num_threads(),
     )  # fmt: skip
@@ -68,7 +81,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype)
-    _library.dll.silu_mul_f32(
+    _fn("silu_mul", gate_up.dtype)(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, n, torch.get_num_threads()
     )
     return out
@@ -77,9 +90,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] in place by the tables [T, 1, D] (`tandem.layers.rotary`)."""
     tokens, heads, dim = x.shape
-    cos = cos.reshape(tokens, dim).contiguous()
-    signed_sin = signed_sin.reshape(tokens, dim).contiguous()
-    rc = _library.dll.rotary_f32(
+    cos = cos.reshape(tokens, dim).to(x.dtype).contiguous()
+    signed_sin = signed_sin.reshape(tokens, dim).to(x.dtype).contiguous()
+    rc = _fn("rotary", x.dtype)(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
         heads, dim, torch.get_num_threads(),
     )  # fmt: skip

@@ -21,10 +21,11 @@ both guards stay. A weight oneDNN will not reorder runs as it is (logged once).
 Which kernel runs float32 is measured, not assumed: the first call times both at a decode
 batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms) and keeps oneDNN unless
 ``F.linear`` is clearly faster (`choose`); ``TANDEM_GEMM=onednn|torch`` skips the probe. The
-choice is per process and logged. bfloat16 and other dtypes, and tensors off the CPU, always
-take ``F.linear`` (bfloat16 ``F.linear`` already runs oneDNN where the CPU has bf16 units,
-and oneDNN's float32-exact inner product is the one that MKL loses to here); only float32
-weights are packed (packing bfloat16 is untested: no machine here has had it and been free).
+choice is per process and logged. bfloat16 takes oneDNN on a packed copy wherever oneDNN runs
+bfloat16 natively (AVX512-BF16 or AMX; ``F.linear`` there runs oneDNN on the plain weight,
+re-packing it each call): on an AMX VM packed ran 1.7-2.5x ``F.linear`` at 1-96 rows and the
+same at 2048, the output equal (docs/benchmarks.md, "bfloat16 on an AMX VM"). Other dtypes,
+autograd and tensors off the CPU take ``F.linear``.
 """
 
 from __future__ import annotations
@@ -104,16 +105,26 @@ def kernel() -> Kernel:
     return _chosen
 
 
+def _bf16_supported() -> bool:
+    """Whether oneDNN runs bfloat16 on this CPU (native bf16 units: AVX512-BF16 or AMX)."""
+    global _bf16
+    if _bf16 is None:
+        mkldnn = torch.backends.mkldnn.is_available()
+        _bf16 = mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return _bf16
+
+
+_bf16: bool | None = None
+
+
 def _onednn_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and x.device.type == "cpu"
-        and weight.numel()
-        and x.numel()
-        and not torch.is_grad_enabled()
-        and kernel() == "onednn"
-    )
+    if x.dtype != weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
+        return False
+    if not (weight.numel() and x.numel()):
+        return False
+    if x.dtype == torch.float32:
+        return kernel() == "onednn"
+    return x.dtype == torch.bfloat16 and _bf16_supported()
 
 
 class PackedWeight:
@@ -181,7 +192,7 @@ def linear(
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x of shape [..., in] and weight [out, in]; ``packed`` is the
-    layer's blocked copy of ``weight`` (used where oneDNN serves float32)."""
+    layer's blocked copy of ``weight`` (used where oneDNN serves the dtype)."""
     if _onednn_serves(x, weight):
         return _onednn(x, packed.get(weight) if packed is not None else weight, bias)
     return F.linear(x, weight, bias)

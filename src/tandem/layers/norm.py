@@ -22,7 +22,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if pointwise.serves(x):  # float32 on CPU: one pass (tandem.kernels.pointwise)
+        if pointwise.serves(x) and self.weight.dtype == dtype:  # one pass (tandem.kernels)
             return pointwise.rms_norm(x, self.weight, self.eps)
         if dtype == torch.float32:  # the fused kernel gives the same values in float32
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
