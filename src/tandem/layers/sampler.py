@@ -9,7 +9,6 @@ Logprobs come in two modes, per request:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -55,12 +54,15 @@ class Sampler:
         else:
             greedy = batch.temperatures == 0
             temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-            scaled = logits / temps[:, None]
-            if batch.needs_filter:
-                scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
-            processed = torch.log_softmax(scaled, dim=-1)
-            noise = self._exponential_noise(processed, batch.generators, greedy)
-            sampled = (processed.exp() / noise).argmax(dim=-1)
+            filtered = batch.needs_filter
+            if filtered or bool((temps != 1.0).any()):
+                scaled = logits / temps[:, None]
+                if filtered:
+                    scaled = _filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+                processed = torch.log_softmax(scaled, dim=-1)
+            else:  # temperature 1, no filter: the sampled distribution is the raw one
+                processed = raw
+            sampled = self._draw(processed.exp(), batch.generators, greedy.tolist())
             tokens = torch.where(greedy, greedy_tokens, sampled)
             use_processed = batch.processed_logprobs & ~greedy
             chosen = torch.where(use_processed[:, None], processed, raw)
@@ -70,11 +72,14 @@ class Sampler:
             top_lp, top_ids = chosen.topk(batch.num_top_logprobs, dim=-1)
         return SamplerOutput(tokens, logprobs, top_ids, top_lp)
 
-    def _exponential_noise(self, like, generators, greedy) -> torch.Tensor:
-        """Exp(1) noise per row: argmax(p / noise) is a sample from p (the Gumbel-max trick).
-        Drawn as -log(U) from uniforms (several times faster than ``exponential_`` on CPU): a
-        seeded row from its own stream, the unseeded rows from the shared one in one draw."""
-        uniform = torch.full_like(like, math.exp(-1.0))  # greedy rows: noise 1 (unused)
+    def _draw(self, probs, generators, greedy: list[bool]) -> torch.Tensor:
+        """One token per row from ``probs`` [B, V] by inverting the row's CDF at one uniform:
+        the first token whose cumulative mass exceeds U times the row's total. One random
+        number per row instead of one per token (Gumbel-max's noise was a [B, V] draw, two
+        passes over it and most of a sampled decode step's sampling time). A seeded row draws
+        from its own stream, the unseeded rows from the shared one in one draw; greedy rows
+        draw nothing (their result is unused)."""
+        uniform = torch.zeros(len(probs), 1, dtype=probs.dtype, device=probs.device)
         shared = []
         for row, gen in enumerate(generators):
             if greedy[row]:
@@ -84,11 +89,17 @@ class Sampler:
             else:
                 uniform[row].uniform_(generator=gen)
         if shared:
-            rows = torch.tensor(shared, device=like.device)
-            draw = torch.rand(len(shared), like.shape[-1], generator=self.shared,
-                              device=like.device, dtype=like.dtype)  # fmt: skip
+            rows = torch.tensor(shared, device=probs.device)
+            draw = torch.rand(len(shared), 1, generator=self.shared,
+                              device=probs.device, dtype=probs.dtype)  # fmt: skip
             uniform.index_copy_(0, rows, draw)
-        return -torch.log(uniform)  # U == 0 gives infinite noise: that token is never picked
+        cdf = probs.cumsum(dim=-1)
+        # kept strictly below the total (U * total can round up to it), so the first
+        # cumulative value above the target is a token's with mass: a filtered-out token
+        # (zero mass) never is
+        total = cdf[:, -1:]
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _filter_top_k_top_p(scaled, top_k, top_p) -> torch.Tensor:
