@@ -13,6 +13,7 @@ def kernel(request, monkeypatch):
     if request.param == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
     monkeypatch.setattr(gemm, "_chosen", request.param)
+    monkeypatch.setattr(gemm, "_single", request.param)
     return request.param
 
 
@@ -42,6 +43,7 @@ def test_grad_and_other_dtypes_take_f_linear(monkeypatch):
     """float32 without autograd goes to oneDNN's inner product, and bfloat16 where oneDNN
     runs it natively; autograd and float16 take F.linear."""
     monkeypatch.setattr(gemm, "_chosen", "onednn")
+    monkeypatch.setattr(gemm, "_single", "onednn")
     monkeypatch.setattr(gemm, "_bf16", False)
     calls = []
     monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(a) or F.linear(*a))
@@ -84,9 +86,28 @@ def test_choose_keeps_onednn_unless_f_linear_is_clearly_faster():
 
 
 def test_probe_times_both(monkeypatch):
-    seconds = gemm.probe()
-    assert set(seconds) == set(gemm.KERNELS)
-    assert all(0 < s < 1 for s in seconds.values())
+    for rows in (1, gemm.PROBE_SHAPE[0]):
+        seconds = gemm.probe(rows)
+        assert set(seconds) == set(gemm.KERNELS)
+        assert all(0 < s < 1 for s in seconds.values())
+
+
+def test_one_row_and_batches_take_their_own_probed_kernel(monkeypatch):
+    """A lone decode row runs the kernel probed at one row, every other count the batch's."""
+    monkeypatch.setattr(gemm, "_chosen", "onednn")
+    monkeypatch.setattr(gemm, "_single", "torch")
+    calls = []
+    monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(a) or F.linear(*a))
+    w = torch.randn(4, 8)
+    with torch.inference_mode():
+        gemm.linear(torch.randn(1, 8), w)
+        gemm.linear(torch.randn(1, 1, 8), w)
+        gemm.linear(torch.randn(2, 8), w)
+    assert [a[0].shape[0] for a in calls] == [2]
+    monkeypatch.setattr(gemm, "_single", None)
+    monkeypatch.setattr(gemm, "probe", lambda rows: {"onednn": 2.0, "torch": 1.0})
+    monkeypatch.delenv("TANDEM_GEMM", raising=False)
+    assert gemm.kernel(1) == "torch" and gemm.kernel(5) == "onednn"
 
 
 def test_forced_kernel_and_bad_value(monkeypatch):

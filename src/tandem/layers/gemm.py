@@ -18,9 +18,11 @@ reload), and each use also checks the weight's storage and torch's version count
 catches in-process writes through torch. A stale copy would serve wrong tokens silently, so
 both guards stay. A weight oneDNN will not reorder runs as it is (logged once).
 
-Which kernel runs float32 is measured, not assumed: the first call times both at a decode
-batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms) and keeps oneDNN unless
-``F.linear`` is clearly faster (`choose`); ``TANDEM_GEMM=onednn|torch`` skips the probe. The
+Which kernel runs float32 is measured, not assumed: the first call times both, oneDNN on a
+packed copy, at a decode batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms)
+and again at one row (a lone decode: on an Intel AMX VM MKL's sgemm ran 1.3x packed oneDNN
+there, and packed oneDNN 2x MKL at 16 rows), keeping oneDNN unless ``F.linear`` is clearly
+faster (`choose`); ``TANDEM_GEMM=onednn|torch`` skips the probe. The
 choice is per process and logged. bfloat16 takes oneDNN on a packed copy wherever oneDNN runs
 bfloat16 natively (AVX512-BF16 or AMX; ``F.linear`` there runs oneDNN on the plain weight,
 re-packing it each call): on an AMX VM packed ran 1.7-2.5x ``F.linear`` at 1-96 rows and the
@@ -53,12 +55,14 @@ def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
-def probe() -> dict[Kernel, float]:
-    """Best seconds per float32 call of each kernel at `PROBE_SHAPE`, the two alternating."""
-    rows, inp, out = PROBE_SHAPE
+def probe(rows: int = PROBE_SHAPE[0]) -> dict[Kernel, float]:
+    """Best seconds per float32 call of each kernel at `PROBE_SHAPE` with ``rows`` rows,
+    oneDNN on a packed copy as the layers run it, the two alternating."""
+    _, inp, out = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
-    calls = {"onednn": lambda: _onednn(x, w, None), "torch": lambda: F.linear(x, w)}
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+    calls = {"onednn": lambda: _onednn(x, packed, None), "torch": lambda: F.linear(x, w)}
     best = {name: float("inf") for name in calls}
     with torch.inference_mode():
         for fn in calls.values():
@@ -76,7 +80,7 @@ def choose(seconds: dict[Kernel, float]) -> Kernel:
     return "torch" if seconds["torch"] * ONEDNN_MARGIN < seconds["onednn"] else "onednn"
 
 
-def _kernel() -> Kernel:
+def _kernel(rows: int = PROBE_SHAPE[0]) -> Kernel:
     forced = os.environ.get("TANDEM_GEMM", "")
     if forced and forced not in KERNELS:
         raise ValueError(f"TANDEM_GEMM must be one of {KERNELS}, got {forced!r}")
@@ -84,22 +88,33 @@ def _kernel() -> Kernel:
         return "torch"
     if forced:
         return forced  # type: ignore[return-value]
-    seconds = probe()
+    try:
+        seconds = probe(rows)
+    except RuntimeError as exc:  # oneDNN will not pack here: MKL it is
+        logger.warning("float32 GEMM kernel: F.linear (oneDNN failed the probe: %s)", exc)
+        return "torch"
     chosen = choose(seconds)
-    rows, inp, out = PROBE_SHAPE
+    _, inp, out = PROBE_SHAPE
     logger.info(
-        "float32 GEMM kernel: %s (%dx%d by %dx%d: oneDNN %.0f us, F.linear %.0f us)",
-        chosen, rows, inp, inp, out, seconds["onednn"] * 1e6, seconds["torch"] * 1e6,
+        "float32 GEMM kernel at %d row(s): %s (%dx%d by %dx%d: oneDNN packed %.0f us, "
+        "F.linear %.0f us)",
+        rows, chosen, rows, inp, inp, out, seconds["onednn"] * 1e6, seconds["torch"] * 1e6,
     )  # fmt: skip
     return chosen
 
 
-_chosen: Kernel | None = None
+_chosen: Kernel | None = None  # batches (probed at PROBE_SHAPE's rows)
+_single: Kernel | None = None  # one row (a lone decode), probed apart: MKL won it on Intel
 
 
-def kernel() -> Kernel:
-    """The float32 CPU kernel of this process (probed on first use)."""
-    global _chosen
+def kernel(rows: int = PROBE_SHAPE[0]) -> Kernel:
+    """The float32 CPU kernel of this process for a call of ``rows`` rows (probed on first
+    use: one row, and batches)."""
+    global _chosen, _single
+    if rows == 1:
+        if _single is None:
+            _single = _kernel(1)
+        return _single
     if _chosen is None:
         _chosen = _kernel()
     return _chosen
@@ -123,7 +138,7 @@ def _onednn_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if not (weight.numel() and x.numel()):
         return False
     if x.dtype == torch.float32:
-        return kernel() == "onednn"
+        return kernel(x.numel() // x.shape[-1]) == "onednn"
     return x.dtype == torch.bfloat16 and _bf16_supported()
 
 
