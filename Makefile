@@ -37,7 +37,8 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
-test: $(STAMP)
+# The vLLM venv too: the tests that drive vLLM's CPU build (tests/test_bench_vllm.py) run in CI.
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest -q
