@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 from tandem.kernels import pointwise
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import apply_rotary, rotate_
+from tandem.layers.rotary import apply_rotary, rotate_, rotate_pair_
 
 pytestmark = pytest.mark.skipif(not pointwise.available(), reason="no C compiler here")
 
@@ -111,3 +111,30 @@ def test_rotary_refuses_an_odd_head_size():
     x = torch.randn(2, 1, 7)
     with torch.inference_mode(), pytest.raises(ValueError, match="even head size"):
         pointwise.rotary_(x, torch.ones(2, 1, 7), torch.zeros(2, 1, 7))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("adjacent", [True, False])
+def test_rotate_pair_equals_rotating_q_and_k_alone(dtype, adjacent):
+    """q and k from one fused qkv row take one kernel call over both; apart (q normed into
+    new tensors, as Qwen3 does) they take one each: the same values either way, v untouched."""
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, dim = 5, 4, 2, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    if not adjacent:
+        q, k = q.clone(), k.clone()
+    angles = torch.rand(tokens, dim // 2, generator=gen) * 50
+    tables = (
+        torch.cat([angles.cos()] * 2, -1)[:, None].to(dtype),
+        torch.cat([-angles.sin(), angles.sin()], -1)[:, None].to(dtype),
+    )
+    q_ref, k_ref = apply_rotary(q.clone(), tables), apply_rotary(k.clone(), tables)
+    v_before = qkv[:, (heads + kv_heads) * dim :].clone()
+    with torch.inference_mode():
+        q_got, k_got = rotate_pair_(q, k, tables)
+    assert q_got.data_ptr() == q.data_ptr() and k_got.data_ptr() == k.data_ptr()
+    assert_matches(q_got, q_ref)
+    assert_matches(k_got, k_ref)
+    assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)

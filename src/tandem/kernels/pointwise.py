@@ -87,11 +87,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _table_ready(table: torch.Tensor, x: torch.Tensor) -> bool:
+    """A rotary table the kernel reads as it is: x's dtype, contiguous, one row per token."""
+    return table.dtype == x.dtype and table.is_contiguous() and table.numel() == len(x) * x.shape[2]
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [T, heads, D] in place by the tables [T, 1, D] (`tandem.layers.rotary`)."""
     tokens, heads, dim = x.shape
-    cos = cos.reshape(tokens, dim).to(x.dtype).contiguous()
-    signed_sin = signed_sin.reshape(tokens, dim).to(x.dtype).contiguous()
+    if not _table_ready(cos, x) or not _table_ready(signed_sin, x):  # else read as [T, D]
+        cos = cos.reshape(tokens, dim).to(x.dtype).contiguous()
+        signed_sin = signed_sin.reshape(tokens, dim).to(x.dtype).contiguous()
     rc = _fn("rotary", x.dtype)(
         x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
         heads, dim, torch.get_num_threads(),

@@ -88,6 +88,26 @@ def apply_rotary(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def rotate_pair_(
+    q: torch.Tensor, k: torch.Tensor, tables: RopeTables
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotate_` of q [T, H, D] and k [T, KV, D]; in one kernel call where k's heads follow
+    q's in the same rows (both views of one fused qkv projection), a step's per-layer calls
+    halved."""
+    heads, dim = q.shape[1], q.shape[2]
+    adjacent = (
+        q.stride() == k.stride()
+        and q.stride(1) == dim
+        and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
+        and q.dtype == k.dtype
+    )
+    if adjacent and pointwise.serves(q) and dim <= pointwise.MAX_HEAD_DIM:
+        both = q.as_strided((q.shape[0], heads + k.shape[1], dim), q.stride())
+        pointwise.rotary_(both, *tables)
+        return q, k
+    return rotate_(q, tables), rotate_(k, tables)
+
+
 def rotate_(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """`apply_rotary`, in place where tandem's kernel serves (float32 on CPU: x is
     overwritten, e.g. the q or k part of a fresh qkv projection); else a new tensor."""

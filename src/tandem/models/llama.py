@@ -16,7 +16,7 @@ from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
-from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, rotate_
+from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, rotate_pair_
 from tandem.models.base import TandemModel
 from tandem.models.hf_config import HFConfig
 from tandem.models.registry import register_model
@@ -108,7 +108,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_(q, rope), rotate_(k, rope)  # q, k: views of this step's fresh qkv
+        q, k = rotate_pair_(q, k, rope)  # q, k: views of this step's fresh qkv
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.flatten(1))
 
