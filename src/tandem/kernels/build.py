@@ -3,9 +3,10 @@
 
 Each source ships with the package and is compiled with the machine's C compiler
 (``$CC``, ``cc`` or ``gcc``; ``-O3 -march=native -ffast-math -fopenmp``) into a cache keyed by
-the source, the flags and the CPU's feature flags (``TANDEM_KERNEL_CACHE``, default
-~/.cache/tandem/kernels), so a VM with other CPU features builds its own copy. The library
-links the ``libgomp.so.1`` torch already loaded, so kernels and torch share one OpenMP pool.
+the source, the headers beside it (``bf16.h``), the flags and the CPU's feature flags
+(``TANDEM_KERNEL_CACHE``, default ~/.cache/tandem/kernels), so a VM with other CPU features
+builds its own copy. The library links the ``libgomp.so.1`` torch already loaded, so kernels
+and torch share one OpenMP pool.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def build(source: Path) -> ctypes.CDLL:
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or $CC) on PATH")
     text = source.read_bytes()
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include
+        text += header.read_bytes()
     key = hashlib.sha256(text + " ".join((cc, *FLAGS, *LINK, cpu_flags())).encode()).hexdigest()
     cache = Path(os.environ.get("TANDEM_KERNEL_CACHE", Path.home() / ".cache/tandem/kernels"))
     lib = cache / f"{source.stem}-{key[:16]}.so"

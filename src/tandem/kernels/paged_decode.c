@@ -20,22 +20,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_GROUP 64 /* query heads per kv head (tandem.kernels.paged.MAX_GROUP) */
 #define MAX_DIM 1024 /* head size (tandem.kernels.paged.MAX_HEAD_DIM) */
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (values are finite) */
-    return (uint16_t)(bits >> 16);
-}
 
 static inline void store_f32(float *o, const float *acc, int D) { memcpy(o, acc, sizeof(float) * D); }
 

@@ -17,27 +17,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define PARALLEL_MIN 32768 /* elements */
 #define MAX_HEAD_DIM 1024
 
-typedef uint16_t bf16;
-
-static inline float f32(bf16 x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline bf16 to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7fffu + ((bits >> 16) & 1u); /* round to nearest even (values are finite) */
-    return (bf16)(bits >> 16);
-}
-
 /* f rounded to bfloat16 and back: where torch's bfloat16 op would round. */
-static inline float round_bf16(float f) { return f32(to_bf16(f)); }
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; x rows `x_stride` apart, out contiguous. */
 void rms_norm_f32(const float *x, int64_t x_stride, const float *w, float *out, int64_t rows,
@@ -92,9 +78,10 @@ void rms_norm_bf16(const bf16 *x, int64_t x_stride, const bf16 *w, bf16 *out, in
         const bf16 *xr = x + r * x_stride;
         bf16 *o = out + r * dim;
         float ss = 0.0f;
-        for (int64_t i = 0; i < dim; i++) ss += f32(xr[i]) * f32(xr[i]);
+        for (int64_t i = 0; i < dim; i++) ss += bf16_to_f32(xr[i]) * bf16_to_f32(xr[i]);
         const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int64_t i = 0; i < dim; i++) o[i] = to_bf16(round_bf16(f32(xr[i]) * inv) * f32(w[i]));
+        for (int64_t i = 0; i < dim; i++)
+            o[i] = f32_to_bf16(round_bf16(bf16_to_f32(xr[i]) * inv) * bf16_to_f32(w[i]));
     }
 }
 
@@ -105,8 +92,8 @@ void silu_mul_bf16(const bf16 *gu, int64_t gu_stride, bf16 *out, int64_t rows, i
         const bf16 *g = gu + r * gu_stride, *u = g + n;
         bf16 *o = out + r * n;
         for (int64_t i = 0; i < n; i++) {
-            const float gi = f32(g[i]);
-            o[i] = to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * f32(u[i]));
+            const float gi = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(round_bf16(gi / (1.0f + expf(-gi))) * bf16_to_f32(u[i]));
         }
     }
 }
@@ -121,10 +108,11 @@ int rotary_bf16(bf16 *x, int64_t t_stride, int64_t h_stride, const bf16 *cos_t,
         float buf[MAX_HEAD_DIM];
         for (int64_t h = 0; h < heads; h++) {
             bf16 *v = x + t * t_stride + h * h_stride;
-            for (int64_t i = 0; i < dim; i++) buf[i] = f32(v[i]);
+            for (int64_t i = 0; i < dim; i++) buf[i] = bf16_to_f32(v[i]);
             for (int64_t i = 0; i < dim; i++) {
                 const float rolled = buf[i < half ? i + half : i - half];
-                v[i] = to_bf16(round_bf16(buf[i] * f32(c[i])) + round_bf16(rolled * f32(s[i])));
+                v[i] = f32_to_bf16(round_bf16(buf[i] * bf16_to_f32(c[i])) +
+                                   round_bf16(rolled * bf16_to_f32(s[i])));
             }
         }
     }
