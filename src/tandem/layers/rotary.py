@@ -96,7 +96,8 @@ def rotate_pair_(
     halved."""
     heads, dim = q.shape[1], q.shape[2]
     adjacent = (
-        q.stride() == k.stride()
+        q.shape[0] == k.shape[0]
+        and q.stride() == k.stride()
         and q.stride(1) == dim
         and k.data_ptr() == q.data_ptr() + heads * dim * q.element_size()
         and q.dtype == k.dtype
@@ -109,7 +110,7 @@ def rotate_pair_(
 
 
 def rotate_(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
-    """`apply_rotary`, in place where tandem's kernel serves (float32 on CPU: x is
+    """`apply_rotary`, in place where tandem's kernel serves (float32 or bfloat16 on CPU: x is
     overwritten, e.g. the q or k part of a fresh qkv projection); else a new tensor."""
     if pointwise.serves(x) and x.shape[-1] <= pointwise.MAX_HEAD_DIM:
         return pointwise.rotary_(x, *tables)
