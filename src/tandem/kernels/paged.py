@@ -6,7 +6,8 @@ context is copied once more than it is read, and each group costs a handful of s
 CPU that was as much time as the model's matmuls in the GRPO bench (docs/benchmarks.md).
 vLLM's CPU build reads its paged cache in place with its own kernels; so does this one
 (`paged_decode.c`: one call per layer for every decode sequence, no gather, no padding,
-float32 softmax, OpenMP over (sequence, kv head) on torch's threads).
+float32 softmax, OpenMP over (sequence, kv head) on torch's threads; AVX-512 bodies for head
+sizes 64 and 128 where the CPU has it, `paged_decode_avx512.h`).
 
 The source ships with the package and is compiled at first use (`tandem.kernels.build`). No
 compiler, a failed build, or ``TANDEM_ATTENTION=torch`` leaves the torch path serving; the

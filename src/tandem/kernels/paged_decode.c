@@ -13,6 +13,9 @@
  * Sequences are split over OpenMP threads in contiguous runs (the caller sorts sequences that
  * share cached blocks next to each other, so a shared prompt is read from memory once per
  * thread); the library links the libgomp torch has loaded, so it runs on torch's threads.
+ * Head sizes 64 and 128 take the AVX-512 bodies of paged_decode_avx512.h where the compiler
+ * targets AVX-512 (16-token tiles, scores summed in registers, bf16 dot products where the CPU
+ * has AVX512-BF16); the portable bodies below serve every other case.
  */
 #include <float.h>
 #include <math.h>
@@ -108,6 +111,34 @@ DEFINE_DECODE(bf16_64, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 64)
 DEFINE_DECODE(bf16_128, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 128)
 DEFINE_DECODE(bf16_any, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 0)
 
+#if defined(__AVX512F__)
+#include "paged_decode_avx512.h"
+DEFINE_DECODE_AVX512(f32_64_v, float, float, 64, prep_scaled_f32, dot_f32, 1.f, load_f32x16,
+                     store_out_f32)
+DEFINE_DECODE_AVX512(f32_128_v, float, float, 128, prep_scaled_f32, dot_f32, 1.f, load_f32x16,
+                     store_out_f32)
+#if BF16_DOT
+DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, uint16_t, 64, prep_raw_bf16, dot_bf16, scale,
+                     load_bf16x16, store_out_bf16)
+DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, uint16_t, 128, prep_raw_bf16, dot_bf16, scale,
+                     load_bf16x16, store_out_bf16)
+#else
+DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, float, 64, prep_scaled_bf16, dot_widened, 1.f,
+                     load_bf16x16, store_out_bf16)
+DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, float, 128, prep_scaled_bf16, dot_widened, 1.f,
+                     load_bf16x16, store_out_bf16)
+#endif
+#define F32_64 f32_64_v
+#define F32_128 f32_128_v
+#define BF16_64 bf16_64_v
+#define BF16_128 bf16_128_v
+#else
+#define F32_64 f32_64
+#define F32_128 f32_128
+#define BF16_64 bf16_64
+#define BF16_128 bf16_128
+#endif
+
 typedef void (*decode_f32_fn)(const float *, const float *, const float *, const int32_t *, int,
                               int, int, int, int, int, int, float, float *, float *, float *,
                               float *);
@@ -132,8 +163,8 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     if (slices > KV) slices = KV;
     const int per_slice = (KV + slices - 1) / slices;
     slices = (KV + per_slice - 1) / per_slice;
-    decode_f32_fn f32 = D == 64 ? f32_64 : D == 128 ? f32_128 : f32_any;
-    decode_bf16_fn b16 = D == 64 ? bf16_64 : D == 128 ? bf16_128 : bf16_any;
+    decode_f32_fn f32 = D == 64 ? F32_64 : D == 128 ? F32_128 : f32_any;
+    decode_bf16_fn b16 = D == 64 ? BF16_64 : D == 128 ? BF16_128 : bf16_any;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
