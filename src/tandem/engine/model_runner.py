@@ -24,8 +24,9 @@ from tandem.engine.messages import (
 )
 from tandem.engine.weight_memory import WeightMemory
 from tandem.exchange.transports.memory import ParamArena
-from tandem.kernels import paged
+from tandem.kernels import paged, paged_prefill
 from tandem.kernels.paged import PagedDecode
+from tandem.kernels.paged_prefill import PagedPrefill
 from tandem.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -198,6 +199,12 @@ class ModelRunner:
         self.paged = a is not None and paged.supports(
             dtype, device, a.num_heads, a.num_kv_heads, a.head_dim
         )
+        # causal prompt chunks likewise, in bfloat16 (tandem.kernels.paged_prefill)
+        self.paged_prefill = (
+            a is not None
+            and all(layer.causal for layer in self.attention_layers)
+            and paged_prefill.supports(dtype, device, a.num_heads, a.num_kv_heads, a.head_dim)
+        )
         self.kv_cache: torch.Tensor | None = None
         self.sampler = Sampler(torch.Generator(device).manual_seed(seed))
         self.seqs: dict[int, _SeqState] = {}
@@ -233,7 +240,7 @@ class ModelRunner:
         if msg.copies and self.kv_cache is not None:
             self._copy_blocks(msg.copies)
         input_ids, positions, slot_mapping, step_rows, sample_rows = [], [], [], [], []
-        prefills, decodes, states, scores = [], [], [], []
+        prefills, chunks, decodes, states, scores = [], [], [], [], []
         for step in msg.seqs:
             state = self._state(step)
             start, stop = step.start, step.start + len(step.token_ids)
@@ -253,6 +260,8 @@ class ModelRunner:
             slot_mapping.extend(self._slots(state.block_table, start, stop))
             if stop - start == 1:
                 decodes.append((row, stop, state.block_table))
+            elif self.paged_prefill:
+                chunks.append((row, stop - start, stop, state.block_table))
             else:
                 context = None
                 if start > 0:
@@ -261,6 +270,8 @@ class ModelRunner:
         meta = self._decode_metadata(
             AttentionMetadata(self._tensor(slot_mapping), prefills), decodes
         )
+        if chunks:
+            meta.paged_prefill = PagedPrefill.of(chunks, self.block_size)
         routing = None
         if self.has_moe and any(s.params.return_routed_experts for s in states):
             routing = []  # this step's expert ids, layer by layer

@@ -7,7 +7,9 @@ one gather of their cached keys/values (grouping bounds the padding to the group
 Decoding sequences whose contexts begin with the same cached blocks (a request's samples share
 their prompt's) attend as one group that gathers the shared prefix once. Where tandem's C
 kernel serves (`tandem.kernels.paged`: CPU, float32 or bfloat16), every decode sequence of the
-step attends in one call that reads the paged cache in place instead (``paged``).
+step attends in one call that reads the paged cache in place instead (``paged``); where its
+bfloat16 prefill kernel serves (`tandem.kernels.paged_prefill`: AVX512-BF16, head sizes 64 and
+128), so do every causal prompt chunk of the step (``paged_prefill``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.kernels.paged import PagedDecode, paged_decode
+from tandem.kernels.paged_prefill import PagedPrefill, paged_prefill
 
 
 @dataclass(slots=True)
@@ -59,6 +62,7 @@ class AttentionMetadata:
     decodes: list[DecodeGroup] = field(default_factory=list)
     shared_decodes: list[SharedPrefixGroup] = field(default_factory=list)
     paged: PagedDecode | None = None  # every decode sequence, for the in-place kernel
+    paged_prefill: PagedPrefill | None = None  # every prompt chunk (then ``prefills`` is empty)
 
 
 class Attention(nn.Module):
@@ -98,6 +102,8 @@ class Attention(nn.Module):
                 mask = torch.arange(n_ctx, device=q.device)[None, :] <= q_pos[:, None]
                 o = self._sdpa(qs, ks, vs, mask, False)
             out[span.start : span.end] = o[0].transpose(0, 1)
+        if meta.paged_prefill is not None:
+            paged_prefill(q, self.k_cache, self.v_cache, out, meta.paged_prefill, self.scale)
         if meta.paged is not None:
             paged_decode(q, self.k_cache, self.v_cache, out, meta.paged, self.scale)
         for group in meta.decodes:
