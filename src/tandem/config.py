@@ -151,6 +151,12 @@ class EngineConfig(BaseModel):
         "layout (2x the weights' memory) for faster matmuls; remade after every write into the "
         "live weights (`tandem.layers.gemm`)",
     )
+    host_memory_reuse: bool = Field(
+        True,
+        description="CPU: glibc's malloc keeps freed blocks up to 32 MiB for the next step "
+        "instead of returning them to the OS, so step tensors do not fault their pages in "
+        "again; a sleep returns them (`tandem.engine.host_memory`)",
+    )
     seed: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, ge=2)
     exchange_host: str = Field(

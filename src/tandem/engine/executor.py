@@ -82,6 +82,7 @@ class InProcessExecutor:
             block_size=config.cache.block_size,
             seed=config.seed,
             packed_weights=config.packed_weights,
+            host_memory_reuse=config.host_memory_reuse,
         )
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.cache.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)

@@ -13,6 +13,7 @@ from typing import get_args
 import numpy as np
 import torch
 
+from tandem.engine import host_memory
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import (
     EncodeMessage,
@@ -171,7 +172,10 @@ class ModelRunner:
         pipe=None,
         samples: bool = True,
         packed_weights: bool = True,
+        host_memory_reuse: bool = True,
     ):
+        if host_memory_reuse and device.type == "cpu":
+            host_memory.keep_freed()
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -231,6 +235,7 @@ class ModelRunner:
         self.kv_cache = None
         for layer in self.attention_layers:
             layer.k_cache = layer.v_cache = None
+        host_memory.release_freed()
 
     @torch.inference_mode()
     def execute(self, msg: StepMessage) -> StepResult | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tandem.engine import host_memory
 from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
 from tandem.errors import ModelLoadError
 from tandem.exchange.transports.memory import ParamArena
@@ -39,6 +40,8 @@ class WeightMemory:
             except ModelLoadError as exc:
                 error = str(exc)
         drop_packed(self.model)  # released (their memory too), zeroed or read again
+        if isinstance(msg, ReleaseWeights):
+            host_memory.release_freed()
         return error
 
     def release(self) -> None:
