@@ -10,14 +10,15 @@
  * Softmax in float32 (scores, max, sum), values accumulated in float32; bfloat16 inputs are
  * widened on load and the output rounded to nearest even. Built with -ffast-math so that the
  * exponentials vectorize (glibc's libmvec); nothing here relies on infinities or NaNs.
- * Sequences are split over OpenMP threads in contiguous runs (the caller sorts sequences that
- * share cached blocks next to each other, so a shared prompt is read from memory once per
- * thread); the library links the libgomp torch has loaded, so it runs on torch's threads.
+ * Sequences are split over OpenMP threads in contiguous runs of about equal context tokens
+ * (the caller sorts sequences that share cached blocks next to each other, so a shared prompt
+ * is read from memory once per thread); the library links the libgomp torch has loaded, so it runs on torch's threads.
  * Head sizes 64 and 128 take the AVX-512 bodies of paged_decode_avx512.h where the compiler
  * targets AVX-512 (16-token tiles, scores summed in registers, bf16 dot products where the CPU
  * has AVX512-BF16); the portable bodies below serve every other case.
  */
 #include <float.h>
+#include <omp.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -166,6 +167,8 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
     decode_f32_fn f32 = D == 64 ? F32_64 : D == 128 ? F32_128 : f32_any;
     decode_bf16_fn b16 = D == 64 ? BF16_64 : D == 128 ? BF16_128 : bf16_any;
     int failed = 0;
+    int64_t total = 0;
+    for (int i = 0; i < B; i++) total += (int64_t)(lens[i] > 0 ? lens[i] : 0) * slices;
 #pragma omp parallel num_threads(nthreads)
     {
         const size_t heads = (size_t)per_slice * G;
@@ -177,20 +180,26 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
 #pragma omp atomic write
             failed = 1;
         }
-#pragma omp for collapse(2) schedule(static)
-        for (int i = 0; i < B; i++) {
-            for (int s = 0; s < slices; s++) {
-                if (!ok || lens[i] <= 0) continue;
-                const int kv0 = s * per_slice, kv1 = kv0 + per_slice < KV ? kv0 + per_slice : KV;
-                const int32_t *table = tables + (int64_t)i * max_blocks;
-                const int64_t row = rows[i] * H * D;
-                if (bf16)
-                    b16((const uint16_t *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G,
-                        kv0, kv1, D, scale, scores, qf, acc, (uint16_t *)out + row);
-                else
-                    f32((const float *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
-                        kv1, D, scale, scores, qf, acc, (float *)out + row);
-            }
+        /* this thread's contiguous run of work items (i, s), balanced by the tokens they read:
+         * an item belongs to the thread whose share holds its middle */
+        const int nt = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t share0 = total * me / nt, share1 = total * (me + 1) / nt;
+        int64_t before = 0;
+        for (int w = 0; w < B * slices && ok; w++) {
+            const int i = w / slices, s = w % slices;
+            if (lens[i] <= 0) continue;
+            const int64_t mid = before + lens[i] / 2;
+            before += lens[i];
+            if (mid < share0 || mid >= share1) continue;
+            const int kv0 = s * per_slice, kv1 = kv0 + per_slice < KV ? kv0 + per_slice : KV;
+            const int32_t *table = tables + (int64_t)i * max_blocks;
+            const int64_t row = rows[i] * H * D;
+            if (bf16)
+                b16((const uint16_t *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
+                    kv1, D, scale, scores, qf, acc, (uint16_t *)out + row);
+            else
+                f32((const float *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
+                    kv1, D, scale, scores, qf, acc, (float *)out + row);
         }
         free(scores);
         free(qf);
