@@ -35,6 +35,21 @@ static inline void store_bf16(uint16_t *o, const float *acc, int D) {
     for (int d = 0; d < D; d++) o[d] = f32_to_bf16(acc[d]);
 }
 
+/* In place: s[0..n) -> softmax(s) (float32, max subtracted first). */
+static inline void softmax_(float *s, int n) {
+    float mx = -FLT_MAX;
+    for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < n; t++) {
+        s[t] = expf(s[t] - mx);
+        sum += s[t];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int t = 0; t < n; t++) s[t] *= inv;
+}
+
 /* A cached row as float32: bfloat16 widened into `buf` (D floats), float32 read in place. */
 #define WIDEN_F32(src, buf, D) (src)
 
@@ -73,18 +88,7 @@ static inline const float *widen_bf16(const uint16_t *src, float *buf, int D) {
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int h = 0; h < heads; h++) {                                                     \
-            float *sh = scores + h * n;                                                       \
-            float mx = -FLT_MAX;                                                              \
-            for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;                         \
-            float sum = 0.f;                                                                  \
-            _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {              \
-                sh[t] = expf(sh[t] - mx);                                                     \
-                sum += sh[t];                                                                 \
-            }                                                                                 \
-            const float inv = 1.f / sum;                                                      \
-            _Pragma("omp simd") for (int t = 0; t < n; t++) sh[t] *= inv;                     \
-        }                                                                                     \
+        for (int h = 0; h < heads; h++) softmax_(scores + h * n, n);                        \
         memset(acc, 0, sizeof(float) * heads * D);                                            \
         for (int b = 0; b < blocks; b++) {                                                    \
             const int64_t first = (int64_t)table[b] * bs;                                     \

@@ -136,18 +136,7 @@ static inline void store_out_bf16(uint16_t *o, __m512 x) {
         }                                                                                     \
         for (int t = 0; t < PREFETCH_TILES * TILE; t += TILE)                                 \
             prefetch_tile((const char *)v_cache, table, t, n, bs, row_bytes, slice_off, slice_bytes); \
-        for (int h = 0; h < heads; h++) {                                                     \
-            float *sh = scores + h * n;                                                       \
-            float mx = -FLT_MAX;                                                              \
-            for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;                         \
-            float sum = 0.f;                                                                  \
-            _Pragma("omp simd reduction(+ : sum)") for (int t = 0; t < n; t++) {              \
-                sh[t] = expf(sh[t] - mx);                                                     \
-                sum += sh[t];                                                                 \
-            }                                                                                 \
-            const float inv = 1.f / sum;                                                      \
-            _Pragma("omp simd") for (int t = 0; t < n; t++) sh[t] *= inv;                     \
-        }                                                                                     \
+        for (int h = 0; h < heads; h++) softmax_(scores + h * n, n);                        \
         for (int i = 0; i < heads * DIM; i++) acc[i] = 0.f;                                  \
         blk = 0, off = 0;                                                                     \
         for (int t0 = 0; t0 < n; t0 += TILE) {                                                \
