@@ -3,7 +3,7 @@
 Every step allocates and frees the same activations (a prefill chunk's [2048, 2560] gate/up
 output is 10 MB in bfloat16). glibc's malloc serves blocks of that size with fresh ``mmap``
 regions, or trims them off its heap when freed, so the next step's writes fault every page
-in again: ~80,000 faults per run of the bench's mixed workload, 4-5% of its time. vLLM's CPU
+in again: ~70,000 faults per run of the bench's mixed workload, 4-5% of its time. vLLM's CPU
 docs ask for tcmalloc (``LD_PRELOAD``) for this reason. tandem asks glibc, in the process that
 holds a model runner, to keep blocks up to 32 MiB (``M_MMAP_THRESHOLD``'s ceiling on 64-bit)
 on its heap and not to trim freed memory (``mallopt``); blocks larger than that (the KV
