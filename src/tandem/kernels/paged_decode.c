@@ -12,14 +12,15 @@
  * exponentials vectorize (glibc's libmvec); nothing here relies on infinities or NaNs.
  * Sequences are split over OpenMP threads in contiguous runs of about equal context tokens
  * (the caller sorts sequences that share cached blocks next to each other, so a shared prompt
- * is read from memory once per thread); the library links the libgomp torch has loaded, so it runs on torch's threads.
+ * is read from memory once per thread); the library links the libgomp torch has loaded, so
+ * it runs on torch's threads.
  * Head sizes 64 and 128 take the AVX-512 bodies of paged_decode_avx512.h where the compiler
  * targets AVX-512 (16-token tiles, scores summed in registers, bf16 dot products where the CPU
  * has AVX512-BF16); the portable bodies below serve every other case.
  */
 #include <float.h>
-#include <omp.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
