@@ -1,23 +1,39 @@
-"""The engine's GEMM (tandem.layers.gemm): both float32 kernels compute x W^T + b as F.linear
-does (to float32 rounding), and the probe's choice follows the timings it is given."""
+"""The engine's GEMM (tandem.layers.gemm): every float32 kernel computes x W^T + b as F.linear
+does (to float32 rounding), calls go to the kernel chosen for their regime of rows, and the
+choice (tandem.layers.gemm_choice) follows the timings it is given."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tandem.layers import gemm
+from tandem.kernels import gemv
+from tandem.layers import gemm, gemm_choice
+
+REGIMES = ("one", "few", "batch")
 
 
-@pytest.fixture(params=gemm.KERNELS)
+def force(monkeypatch, one: str, few: str | None = None, batch: str | None = None) -> None:
+    """float32 calls run ``one`` at a row, ``few`` at 2..MAX_ROWS, ``batch`` past that."""
+    chosen = dict(zip(REGIMES, (one, few or one, batch or one), strict=True))
+    monkeypatch.setattr(gemm_choice, "_chosen", {(torch.float32, r): k for r, k in chosen.items()})
+
+
+@pytest.fixture(params=gemm_choice.KERNELS)
 def kernel(request, monkeypatch):
+    """Every float32 regime on one kernel (GEMV: batches on oneDNN, it takes at most a few)."""
     if request.param == "onednn" and not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr(gemm, "_chosen", request.param)
-    monkeypatch.setattr(gemm, "_single", request.param)
+    if request.param == "gemv" and not gemv.available():
+        pytest.skip("the GEMV kernel does not build here")
+    force(monkeypatch, request.param, batch="onednn" if request.param == "gemv" else None)
     return request.param
 
 
-@pytest.mark.parametrize("rows", [1, 7, 96])
+def batch_kernel(kernel: str) -> str:
+    return "onednn" if kernel == "gemv" else kernel
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 96])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(kernel, rows, bias):
     gen = torch.Generator().manual_seed(rows)
@@ -32,22 +48,22 @@ def test_linear_matches_f_linear(kernel, rows, bias):
 def test_linear_takes_views(kernel):
     """Attention hands the output projection a flattened view; TP ranks hold slices."""
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 4, 32, generator=gen).transpose(0, 1).flatten(1)[:, :64]
-    w = torch.randn(48, 128, generator=gen)[:, ::2]
-    with torch.inference_mode():
-        got = gemm.linear(x, w)
-    torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for rows in (1, 4):
+        x = torch.randn(5, rows, 32, generator=gen).transpose(0, 1).flatten(1)[:, :64]
+        w = torch.randn(48, 128, generator=gen)[:, ::2]
+        with torch.inference_mode():
+            got = gemm.linear(x, w)
+        torch.testing.assert_close(got, F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
 def test_grad_and_other_dtypes_take_f_linear(monkeypatch):
-    """float32 without autograd goes to oneDNN's inner product, and bfloat16 where oneDNN
-    runs it natively; autograd and float16 take F.linear."""
-    monkeypatch.setattr(gemm, "_chosen", "onednn")
-    monkeypatch.setattr(gemm, "_single", "onednn")
-    monkeypatch.setattr(gemm, "_bf16", False)
+    """float32 batches without autograd go to oneDNN's inner product, and bfloat16 batches
+    where oneDNN runs it natively; autograd and float16 take F.linear."""
+    force(monkeypatch, "onednn")
+    monkeypatch.setattr(gemm_choice, "_bf16", False)
     calls = []
-    monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(a) or F.linear(*a))
-    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    monkeypatch.setattr(gemm, "onednn", lambda *a: calls.append(a) or F.linear(*a))
+    x, w = torch.randn(6, 8), torch.randn(4, 8)
     with torch.inference_mode():
         gemm.linear(x.bfloat16(), w.bfloat16())  # no native bf16 (as patched)
         gemm.linear(x.half(), w.half())
@@ -55,7 +71,8 @@ def test_grad_and_other_dtypes_take_f_linear(monkeypatch):
     assert calls == []
     with torch.inference_mode():
         gemm.linear(x, w)
-        monkeypatch.setattr(gemm, "_bf16", True)
+        monkeypatch.setattr(gemm_choice, "_bf16", True)
+        del gemm_choice._chosen[torch.bfloat16, "batch"]  # decided once a process: decide again
         gemm.linear(x.bfloat16(), w.bfloat16())
     assert [a[0].dtype for a in calls] == [torch.float32, torch.bfloat16]
 
@@ -79,43 +96,83 @@ def test_bfloat16_packed_copy_equals_f_linear(rows):
     assert (got == F.linear(x, w, b)).float().mean() >= 0.99
 
 
-def test_choose_keeps_onednn_unless_f_linear_is_clearly_faster():
-    assert gemm.choose({"onednn": 1.0, "torch": 2.0}) == "onednn"
-    assert gemm.choose({"onednn": 1.05, "torch": 1.0}) == "onednn"  # within the margin
-    assert gemm.choose({"onednn": 2.0, "torch": 1.0}) == "torch"
+def test_choose_keeps_the_preferred_kernel_unless_another_is_clearly_faster():
+    choose = gemm_choice.choose
+    assert choose({"onednn": 1.0, "torch": 2.0}, "onednn") == "onednn"
+    assert choose({"onednn": 1.05, "torch": 1.0}, "onednn") == "onednn"  # within the margin
+    assert choose({"onednn": 2.0, "torch": 1.0}, "onednn") == "torch"
+    assert choose({"onednn": 1.0, "torch": 2.0, "gemv": 1.05}, "gemv") == "gemv"
+    assert choose({"onednn": 1.0, "torch": 2.0, "gemv": 1.5}, "gemv") == "onednn"
+    assert choose({"torch": 1.0, "gemv": 3.0}, "onednn") == "torch"  # not a candidate
 
 
-def test_probe_times_both(monkeypatch):
-    for rows in (1, gemm.PROBE_SHAPE[0]):
-        seconds = gemm.probe(rows)
-        assert set(seconds) == set(gemm.KERNELS)
+def test_regimes_by_rows():
+    assert gemm_choice.regime(1) == "one"
+    assert [gemm_choice.regime(r) for r in range(2, gemv.MAX_ROWS + 1)] == ["few"] * (
+        gemv.MAX_ROWS - 1
+    )
+    assert gemm_choice.regime(gemv.MAX_ROWS + 1) == "batch"
+
+
+def test_probe_times_every_candidate_past_the_cache(monkeypatch):
+    """The one/few regimes cycle through a working set past the last-level cache."""
+    assert gemm_choice.last_level_cache_bytes() > 0
+    ws = gemm_choice.working_set_bytes()
+    assert gemm_choice.MIN_WORKING_SET <= ws <= gemm_choice.MAX_WORKING_SET
+    assert ws >= min(2 * gemm_choice.last_level_cache_bytes(), gemm_choice.MAX_WORKING_SET)
+    monkeypatch.setattr(gemm_choice, "working_set_bytes", lambda: 8 << 20)  # a fast test
+    for where in REGIMES:
+        seconds = gemm_choice.probe(torch.float32, where)
+        assert set(seconds) == set(gemm_choice.candidates(torch.float32, where))
         assert all(0 < s < 1 for s in seconds.values())
+    assert "gemv" not in gemm_choice.candidates(torch.float32, "batch")
+    assert "gemv" in gemm_choice.candidates(torch.float32, "one") or not gemv.available()
 
 
-def test_one_row_and_batches_take_their_own_probed_kernel(monkeypatch):
-    """A lone decode row runs the kernel probed at one row, every other count the batch's."""
-    monkeypatch.setattr(gemm, "_chosen", "onednn")
-    monkeypatch.setattr(gemm, "_single", "torch")
+def test_each_regime_runs_its_own_kernel(monkeypatch):
+    """A lone decode row, a few rows and a batch each run the kernel chosen for them."""
+    if not gemv.available():
+        pytest.skip("the GEMV kernel does not build here")
+    force(monkeypatch, "gemv", few="torch", batch="onednn")
     calls = []
-    monkeypatch.setattr(gemm, "_onednn", lambda *a: calls.append(a) or F.linear(*a))
+    monkeypatch.setattr(gemm, "onednn", lambda *a: calls.append(("onednn", len(a[0]))))
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(("gemv", len(a[0]))))
+    monkeypatch.setattr(gemm.F, "linear", lambda *a: calls.append(("torch", len(a[0]))))
     w = torch.randn(4, 8)
     with torch.inference_mode():
-        gemm.linear(torch.randn(1, 8), w)
-        gemm.linear(torch.randn(1, 1, 8), w)
-        gemm.linear(torch.randn(2, 8), w)
-    assert [a[0].shape[0] for a in calls] == [2]
-    monkeypatch.setattr(gemm, "_single", None)
-    monkeypatch.setattr(gemm, "probe", lambda rows: {"onednn": 2.0, "torch": 1.0})
+        for rows in (1, 2, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
+            gemm.linear(torch.randn(rows, 8), w)
+    assert calls == [("gemv", 1), ("torch", 2), ("torch", gemv.MAX_ROWS), ("onednn", 5)]
+
+
+def test_choice_is_probed_once_per_dtype_and_regime(monkeypatch):
+    monkeypatch.setattr(gemm_choice, "_chosen", {})
     monkeypatch.delenv("TANDEM_GEMM", raising=False)
-    assert gemm.kernel(1) == "torch" and gemm.kernel(5) == "onednn"
+    probed = []
+
+    def probe(dtype, where):
+        probed.append((dtype, where))
+        return {k: {"onednn": 2.0, "torch": 1.0, "gemv": 3.0}[k]
+                for k in gemm_choice.candidates(dtype, where)}  # fmt: skip
+
+    monkeypatch.setattr(gemm_choice, "probe", probe)
+    assert gemm_choice.kernel(torch.float32, 1) == "torch"
+    assert gemm_choice.kernel(torch.float32, 1) == "torch"
+    assert gemm_choice.kernel(torch.float32, 3) == "torch"
+    assert gemm_choice.kernel(torch.float32, 64) == "torch"
+    assert probed == [(torch.float32, "one"), (torch.float32, "few"), (torch.float32, "batch")]
 
 
 def test_forced_kernel_and_bad_value(monkeypatch):
+    monkeypatch.setattr(gemm_choice, "_chosen", {})
+    monkeypatch.setattr(gemm_choice, "probe", lambda *a: pytest.fail("forced: no probe"))
     monkeypatch.setenv("TANDEM_GEMM", "torch")
-    assert gemm._kernel() == "torch"
+    assert gemm_choice.kernel(torch.float32, 1) == "torch"
+    assert gemm_choice.kernel(torch.float32, 64) == "torch"
     monkeypatch.setenv("TANDEM_GEMM", "mkl")
+    monkeypatch.setattr(gemm_choice, "_chosen", {})
     with pytest.raises(ValueError, match="TANDEM_GEMM"):
-        gemm._kernel()
+        gemm_choice.kernel(torch.float32, 1)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 96, 300])
@@ -132,7 +189,8 @@ def test_packed_copy_matches_f_linear(kernel, rows, bias):
         got_3d = gemm.linear(x.view(1, rows, 96), w, b, packed)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_3d[0], got)
-    assert packed.held == (kernel == "onednn")
+    ran = batch_kernel(kernel) if rows > gemv.MAX_ROWS else kernel
+    assert packed.held == (ran == "onednn")
 
 
 def test_packed_copy_follows_torch_writes(kernel):
@@ -151,7 +209,7 @@ def test_writes_torch_cannot_see_need_drop_packed(kernel):
     """A write through another mapping (the shared arena a trainer writes) leaves torch's
     version counter alone: the copy stays stale until `drop_packed`, which the engine's
     receiver and weight memory call."""
-    if kernel != "onednn":
+    if batch_kernel(kernel) != "onednn":
         pytest.skip("F.linear keeps no copy")
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(16, 64, generator=gen)
@@ -178,7 +236,7 @@ def test_disable_packing_keeps_no_copy(kernel):
 
 
 def test_a_weight_onednn_will_not_reorder_runs_unpacked(kernel, monkeypatch):
-    if kernel != "onednn":
+    if batch_kernel(kernel) != "onednn":
         pytest.skip("F.linear keeps no copy")
 
     def refuse(weight, rows):

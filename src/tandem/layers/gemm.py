@@ -18,128 +18,39 @@ reload), and each use also checks the weight's storage and torch's version count
 catches in-process writes through torch. A stale copy would serve wrong tokens silently, so
 both guards stay. A weight oneDNN will not reorder runs as it is (logged once).
 
-Which kernel runs float32 is measured, not assumed: the first call times both, oneDNN on a
-packed copy, at a decode batch's shape (64 x 512 by 512 x 1280, best of a few, about 20 ms)
-and again at one row (a lone decode: on an Intel AMX VM MKL's sgemm ran 1.3x packed oneDNN
-there, and packed oneDNN 2x MKL at 16 rows), keeping oneDNN unless ``F.linear`` is clearly
-faster (`choose`); ``TANDEM_GEMM=onednn|torch`` skips the probe. The
-choice is per process and logged. bfloat16 takes oneDNN on a packed copy wherever oneDNN runs
-bfloat16 natively (AVX512-BF16 or AMX; ``F.linear`` there runs oneDNN on the plain weight,
-re-packing it each call): on an AMX VM packed ran 1.7-2.5x ``F.linear`` at 1-96 rows and the
-same at 2048, the output equal (docs/benchmarks.md, "bfloat16 on an AMX VM"). Other dtypes,
-autograd and tensors off the CPU take ``F.linear``.
+Which kernel runs a call is measured per regime of rows (`tandem.layers.gemm_choice`):
+oneDNN, ``F.linear`` (MKL) or, at a few decode rows, tandem's own GEMV kernel, which reads the
+live weight once (`tandem.kernels.gemv`). bfloat16 batches take oneDNN on a packed copy
+wherever oneDNN runs bfloat16 natively (AVX512-BF16 or AMX; ``F.linear`` there runs oneDNN on
+the plain weight, re-packing it each call): on an AMX VM packed ran 1.7-2.5x ``F.linear`` at
+1-96 rows and the same at 2048, the output equal (docs/benchmarks.md, "bfloat16 on an AMX
+VM"). Other dtypes, autograd and tensors off the CPU take ``F.linear``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import time
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import gemv
+from tandem.layers.gemm_choice import Kernel, kernel, onednn, onednn_serves, pack
+
 logger = logging.getLogger(__name__)
 
-Kernel = Literal["onednn", "torch"]
-KERNELS: tuple[Kernel, ...] = ("onednn", "torch")
-PROBE_SHAPE = (64, 512, 1280)  # rows, in, out: a decode batch through an MLP projection
-PROBE_REPEATS = 5
-ONEDNN_MARGIN = 1.1  # F.linear must be this much faster to be chosen
-PACK_ROWS = 64  # the batch size oneDNN picks a packed layout for (it serves every row count)
 
-
-def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
-
-
-def probe(rows: int = PROBE_SHAPE[0]) -> dict[Kernel, float]:
-    """Best seconds per float32 call of each kernel at `PROBE_SHAPE` with ``rows`` rows,
-    oneDNN on a packed copy as the layers run it, the two alternating."""
-    _, inp, out = PROBE_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(rows, inp, generator=gen), torch.randn(out, inp, generator=gen)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-    calls = {"onednn": lambda: _onednn(x, packed, None), "torch": lambda: F.linear(x, w)}
-    best = {name: float("inf") for name in calls}
-    with torch.inference_mode():
-        for fn in calls.values():
-            fn()  # first calls build the primitive / touch the pages
-        for _ in range(PROBE_REPEATS):
-            for name, fn in calls.items():
-                start = time.perf_counter()
-                fn()
-                best[name] = min(best[name], time.perf_counter() - start)
-    return best
-
-
-def choose(seconds: dict[Kernel, float]) -> Kernel:
-    """oneDNN unless ``F.linear`` beats it by `ONEDNN_MARGIN`."""
-    return "torch" if seconds["torch"] * ONEDNN_MARGIN < seconds["onednn"] else "onednn"
-
-
-def _kernel(rows: int = PROBE_SHAPE[0]) -> Kernel:
-    forced = os.environ.get("TANDEM_GEMM", "")
-    if forced and forced not in KERNELS:
-        raise ValueError(f"TANDEM_GEMM must be one of {KERNELS}, got {forced!r}")
-    if not torch.backends.mkldnn.is_available():
-        return "torch"
-    if forced:
-        return forced  # type: ignore[return-value]
-    try:
-        seconds = probe(rows)
-    except RuntimeError as exc:  # oneDNN will not pack here: MKL it is
-        logger.warning("float32 GEMM kernel: F.linear (oneDNN failed the probe: %s)", exc)
-        return "torch"
-    chosen = choose(seconds)
-    _, inp, out = PROBE_SHAPE
-    logger.info(
-        "float32 GEMM kernel at %d row(s): %s (%dx%d by %dx%d: oneDNN packed %.0f us, "
-        "F.linear %.0f us)",
-        rows, chosen, rows, inp, inp, out, seconds["onednn"] * 1e6, seconds["torch"] * 1e6,
-    )  # fmt: skip
-    return chosen
-
-
-_chosen: Kernel | None = None  # batches (probed at PROBE_SHAPE's rows)
-_single: Kernel | None = None  # one row (a lone decode), probed apart: MKL won it on Intel
-
-
-def kernel(rows: int = PROBE_SHAPE[0]) -> Kernel:
-    """The float32 CPU kernel of this process for a call of ``rows`` rows (probed on first
-    use: one row, and batches)."""
-    global _chosen, _single
-    if rows == 1:
-        if _single is None:
-            _single = _kernel(1)
-        return _single
-    if _chosen is None:
-        _chosen = _kernel()
-    return _chosen
-
-
-def _bf16_supported() -> bool:
-    """Whether oneDNN runs bfloat16 on this CPU (native bf16 units: AVX512-BF16 or AMX)."""
-    global _bf16
-    if _bf16 is None:
-        mkldnn = torch.backends.mkldnn.is_available()
-        _bf16 = mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return _bf16
-
-
-_bf16: bool | None = None
-
-
-def _onednn_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _kernel(x: torch.Tensor, weight: torch.Tensor) -> Kernel:
+    """The kernel that runs ``x @ weight.T`` here (`gemm_choice` for CPU inference)."""
     if x.dtype != weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled():
-        return False
-    if not (weight.numel() and x.numel()):
-        return False
-    if x.dtype == torch.float32:
-        return kernel(x.numel() // x.shape[-1]) == "onednn"
-    return x.dtype == torch.bfloat16 and _bf16_supported()
+        return "torch"
+    if x.dtype not in (torch.float32, torch.bfloat16) or not (weight.numel() and x.numel()):
+        return "torch"
+    chosen = kernel(x.dtype, x.numel() // x.shape[-1])
+    if chosen == "gemv" and not gemv.fits(x, weight):  # a strided view: the library serves
+        return "onednn" if onednn_serves(x.dtype) else "torch"
+    return chosen
 
 
 class PackedWeight:
@@ -162,7 +73,7 @@ class PackedWeight:
         key = (weight.data_ptr(), weight._version)
         if self._copy is None or key != self._key:
             try:
-                self._copy = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+                self._copy = pack(weight)
             except RuntimeError as exc:
                 self._refused = True
                 logger.warning("a %s weight runs unpacked: %s", tuple(weight.shape), exc)
@@ -207,7 +118,10 @@ def linear(
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for x of shape [..., in] and weight [out, in]; ``packed`` is the
-    layer's blocked copy of ``weight`` (used where oneDNN serves the dtype)."""
-    if _onednn_serves(x, weight):
-        return _onednn(x, packed.get(weight) if packed is not None else weight, bias)
+    layer's blocked copy of ``weight`` (used where oneDNN runs the call)."""
+    chosen = _kernel(x, weight)
+    if chosen == "gemv":
+        return gemv.gemv(x, weight, bias)
+    if chosen == "onednn":
+        return onednn(x, packed.get(weight) if packed is not None else weight, bias)
     return F.linear(x, weight, bias)
