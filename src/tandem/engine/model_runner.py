@@ -203,7 +203,7 @@ class ModelRunner:
         self.paged = a is not None and paged.supports(
             dtype, device, a.num_heads, a.num_kv_heads, a.head_dim
         )
-        # causal prompt chunks likewise, in bfloat16 (tandem.kernels.paged_prefill)
+        # causal prompt chunks likewise (tandem.kernels.paged_prefill: AMX, or the vector kernel)
         self.paged_prefill = (
             a is not None
             and all(layer.causal for layer in self.attention_layers)

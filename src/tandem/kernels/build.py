@@ -80,10 +80,19 @@ def build(source: Path) -> ctypes.CDLL:
 class Library:
     """One kernel source, built on first need: ``available()`` says whether it serves this
     process, ``dll`` is the loaded library once it does. ``setup`` declares the C signatures;
-    ``off`` is the environment variable whose value ``torch`` turns the kernels off."""
+    ``off`` is the environment variable whose value ``torch`` turns the kernels off; ``instead``
+    names what serves when they do not (logged)."""
 
-    def __init__(self, source: Path, setup: Callable[[ctypes.CDLL], None], off: str, what: str):
+    def __init__(
+        self,
+        source: Path,
+        setup: Callable[[ctypes.CDLL], None],
+        off: str,
+        what: str,
+        instead: str = "torch",
+    ):
         self.source, self.setup, self.off, self.what = source, setup, off, what
+        self.instead = instead
         self.dll: ctypes.CDLL | None = None
         self.why_not: str | None = None
 
@@ -100,5 +109,5 @@ class Library:
                 except (RuntimeError, OSError, AttributeError) as exc:
                     self.why_not = str(exc)
             if self.why_not is not None:
-                logger.warning("%s off, torch serves: %s", self.what, self.why_not)
+                logger.warning("%s off, %s serves: %s", self.what, self.instead, self.why_not)
         return self.dll is not None

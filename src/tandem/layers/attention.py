@@ -8,8 +8,9 @@ Decoding sequences whose contexts begin with the same cached blocks (a request's
 their prompt's) attend as one group that gathers the shared prefix once. Where tandem's C
 kernel serves (`tandem.kernels.paged`: CPU, float32 or bfloat16), every decode sequence of the
 step attends in one call that reads the paged cache in place instead (``paged``); where its
-bfloat16 prefill kernel serves (`tandem.kernels.paged_prefill`: AVX512-BF16, head sizes 64 and
-128), so do every causal prompt chunk of the step (``paged_prefill``).
+prefill kernels serve (`tandem.kernels.paged_prefill`: AMX in bfloat16, else vector code in
+float32 and bfloat16; head sizes 64 and 128), so do every causal prompt chunk of the step
+(``paged_prefill``).
 """
 
 from __future__ import annotations
