@@ -282,15 +282,27 @@ class ModelRunner:
             routing = []  # this step's expert ids, layer by layer
         for moe in self.moe:
             moe.routing = routing
-        out = self._run_stage(self._tensor(input_ids), self._tensor(positions), meta, routing)
+        # forked samples share their row's logits (a Python dedupe: torch.unique's sort cost a
+        # decode step 0.5 ms); with nothing else read from the hidden states, the last layer
+        # computes past attention only the rows sampled from (AttentionMetadata.keep; one
+        # row, unread, in a step of prompt chunks that samples nothing)
+        distinct = list(dict.fromkeys(sample_rows))
+        kept = distinct or [0]
+        trim = (
+            self.model.keeps_rows and not scores and routing is None
+            and len(kept) < len(input_ids)
+        )  # fmt: skip
+        keep = self._tensor(kept) if trim else None
+        out = self._run_stage(
+            self._tensor(input_ids), self._tensor(positions), meta, routing, keep=keep
+        )
         if out is None:
             return None
         hidden, routed = out
         prompt_logprobs = [self._score_prompt(hidden, score) for score in scores]
-        # every rank of the last stage takes part (vocab-parallel head); forked samples share
-        # their row's logits (a Python dedupe: torch.unique's sort cost a decode step 0.5 ms)
-        distinct = list(dict.fromkeys(sample_rows))
-        logits = self.model.compute_logits(hidden[self._tensor(distinct)])
+        # every rank of the last stage takes part (vocab-parallel head)
+        rows = hidden[: len(distinct)] if trim else hidden[self._tensor(distinct)]
+        logits = self.model.compute_logits(rows)
         if len(distinct) < len(sample_rows):
             where = {row: i for i, row in enumerate(distinct)}
             logits = logits[self._tensor([where[row] for row in sample_rows])]
@@ -384,12 +396,14 @@ class ModelRunner:
 
     def _run_stage(
         self, input_ids, positions, meta, routing: list | None = None,
-        embed_inputs: dict | None = None,
+        embed_inputs: dict | None = None, keep: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
         """This stage's layers; hidden states come from / go to the neighbouring stages, and
         with ``routing`` the expert ids of every MoE layer so far ([rows, layers * top_k], in
         layer order); ``embed_inputs`` go to the first stage's embedding (token types,
-        pixels). The last stage returns (final hidden states, expert ids or None)."""
+        pixels). The last stage returns (final hidden states, expert ids or None): of the
+        ``keep`` rows only, in that order, where given (the model's last layer computes those
+        past attention)."""
         context = self.model.layer_context(positions, self.dtype)
         rows = len(input_ids)
         before = None
@@ -399,7 +413,9 @@ class ModelRunner:
             x = self.pipe.recv((rows, self.hidden_size), self.dtype)
             if routing is not None:
                 before = self.pipe.recv((rows, self.moe_before * self.moe_top_k), torch.long)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
+            if keep is not None and self.stage.is_last and i == len(self.layers) - 1:
+                meta.keep = keep
             x = layer(x, context, meta)
         routed = None
         if routing is not None:

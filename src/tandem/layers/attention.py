@@ -64,6 +64,13 @@ class AttentionMetadata:
     shared_decodes: list[SharedPrefixGroup] = field(default_factory=list)
     paged: PagedDecode | None = None  # every decode sequence, for the in-place kernel
     paged_prefill: PagedPrefill | None = None  # every prompt chunk (then ``prefills`` is empty)
+    # rows of the flat batch this layer's output keeps (None: all): attention runs on every
+    # row (the cache needs every key and value) and returns these rows only, so the layer's
+    # output projection and MLP skip the rest; `kept` selects them from the residual
+    keep: torch.Tensor | None = None
+
+    def kept(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.keep is None else x[self.keep]
 
 
 class Attention(nn.Module):
@@ -84,7 +91,7 @@ class Attention(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, KV, D] -> [T, H, D]."""
+        """q: [T, H, D], k/v: [T, KV, D] -> [T, H, D] (the ``meta.keep`` rows where set)."""
         if self.k_cache is not None and meta.slot_mapping is not None:
             self.k_cache.index_copy_(0, meta.slot_mapping, k)
             self.v_cache.index_copy_(0, meta.slot_mapping, v)
@@ -116,7 +123,7 @@ class Attention(nn.Module):
             kd = self.k_cache.index_select(0, group.slots).transpose(0, 1)[None]  # [1, KV, L, D]
             vd = self.v_cache.index_select(0, group.slots).transpose(0, 1)[None]
             out[group.rows] = self._sdpa(qd, kd, vd, group.mask, False)[0].transpose(0, 1)
-        return out
+        return meta.kept(out)
 
     @staticmethod
     def _gather(cache: torch.Tensor, group: DecodeGroup) -> torch.Tensor:

@@ -40,6 +40,9 @@ class TandemModel(nn.Module, ABC):
     token_types: ClassVar[bool] = False  # embed() takes token_type_ids (BERT segments)
     default_pooling: ClassVar[Pooling] = "last"  # the row embed / classify pool by default
     optional_prefix: ClassVar[str | None] = None  # a checkpoint may omit it from tensor names
+    # its decoder layers honour AttentionMetadata.keep: the engine runs the last layer past
+    # attention on the rows it samples from only (a prompt's other rows are only keys/values)
+    keeps_rows: ClassVar[bool] = False
 
     @abstractmethod
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...

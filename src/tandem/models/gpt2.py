@@ -101,7 +101,7 @@ class GPT2Block(nn.Module):
         self.mlp = GPT2MLP(cfg, f"{prefix}.mlp", tp)
 
     def forward(self, x, context: None, meta: AttentionMetadata):
-        h = x + self.attn(self.ln_1(x), meta)
+        h = meta.kept(x) + self.attn(self.ln_1(x), meta)
         return h + self.mlp(self.ln_2(h))
 
 
@@ -110,6 +110,7 @@ class GPT2LMHeadModel(TandemModel):
     config_class = GPT2Config
     tasks = frozenset({"generate", "embed"})
     pipeline = PipelineLayout(layers="h", first=("wte", "wpe"), last=("ln_f", "lm_head"))
+    keeps_rows = True
     optional_prefix = "transformer."  # original hub checkpoints name tensors without it
 
     def __init__(self, cfg: GPT2Config, tp: TPGroup = SINGLE):

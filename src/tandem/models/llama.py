@@ -150,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, rope: RopeTables, meta):
-        h = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        h = meta.kept(x) + self.self_attn(self.input_layernorm(x), rope, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -159,6 +159,7 @@ class LlamaForCausalLM(TandemModel):
     config_class = LlamaConfig
     tasks = frozenset({"generate", "embed"})
     pipeline = PipelineLayout(layers="layers", first=("embed_tokens",), last=("norm", "lm_head"))
+    keeps_rows = True
     qkv_bias: ClassVar[bool | None] = None  # None: follow config ``attention_bias``
     qk_norm: ClassVar[bool] = False
 
