@@ -93,14 +93,6 @@ def _kernel(dtype: torch.dtype):
     return None
 
 
-def kernel_name(dtype: torch.dtype) -> str | None:
-    """Which kernel serves ``dtype`` here: ``"amx"``, ``"vector"`` or None (torch's)."""
-    fn = _kernel(dtype)
-    if fn is None:
-        return None
-    return "amx" if _amx.dll is not None and fn is _amx.dll.paged_prefill else "vector"
-
-
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
     """Whether a kernel serves ``dtype`` here."""
     return _kernel(dtype) is not None
