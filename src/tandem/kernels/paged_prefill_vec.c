@@ -10,12 +10,14 @@
  *
  * Prompts in RL rollouts are short (tens to hundreds of tokens), where torch's flash attention
  * spends more on its blocking than on the products (24-34 GFLOP/s at 132 tokens on an AVX-512
- * EPYC). Here a work item is (span, kv head, QB query tokens): its R = QB * G query rows (a
- * token's G heads, then the next token's) against the keys up to its last token, in two
- * passes with every score of the item in a float32 buffer (no online rescaling):
- *   1. the item's keys are laid out once in LANES-key tiles, transposed ([d][key]), and the
- *      scores of 8 query rows x one tile are 8 vector accumulators fed by broadcast-FMAs over
- *      d (the outer-product form of a GEMM micro-kernel); the query is scaled on the way in;
+ * EPYC). Here a work item is a span and a kv head; it goes down the span in blocks of QB
+ * query tokens, each block's R = QB * G query rows (a token's G heads, then the next token's)
+ * against the keys up to its last token, in two passes with every score of the block in a
+ * float32 buffer (no online rescaling):
+ *   1. the keys are laid out in LANES-key tiles, transposed ([d][key]), as the blocks reach
+ *      them (each key once per item), and the scores of 8 query rows x one tile are 8 vector
+ *      accumulators fed by broadcast-FMAs over d (the outer-product form of a GEMM
+ *      micro-kernel); the query is scaled on the way in;
  *   2. softmax per row in float32 over the keys the row sees (exponentials vectorized by
  *      glibc's libmvec: built with -ffast-math), the rest of the row zeroed, and the values
  *      (widened once into a float32 buffer) summed with the row's weights, a few rows at a
@@ -57,7 +59,6 @@ static inline void store_f32(float *dst, const float *src, float mul, int D) {
 static inline void store_bf16(bf16 *dst, const float *src, float mul, int D) {
     for (int d = 0; d < D; d++) dst[d] = f32_to_bf16(src[d] * mul);
 }
-static inline float to_f32_f32(float x) { return x; }
 
 /* Per-thread buffers, sized for the longest context of the call. */
 typedef struct {
@@ -161,7 +162,7 @@ DEFINE_PACK(pack_bf16, bf16, widen_bf16)
 DEFINE_BLOCK(block_f32, float, widen_f32, store_f32)
 DEFINE_BLOCK(block_bf16, bf16, widen_bf16, store_bf16)
 
-/* Whether a head size has a compiled body (tandem.kernels.paged_prefill.VECTOR_HEAD_DIMS). */
+/* Whether a head size has a compiled body (tandem.kernels.paged_prefill.HEAD_DIMS). */
 static inline int fits(int D) { return (D == 64 || D == 128) && D % LANES == 0; }
 
 /* One work item: span s's query blocks in order over kv head g, each key packed once. */
