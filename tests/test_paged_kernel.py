@@ -46,8 +46,9 @@ def _expected(q, k, v, decodes, scale):
     "dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)]
 )  # bf16: the output is rounded once to bfloat16 (values below 4 in magnitude)
 @pytest.mark.parametrize(
-    "heads, kv_heads, dim", [(4, 2, 64), (6, 6, 128), (8, 1, 24), (16, 2, 128), (12, 3, 64)]
-)
+    "heads, kv_heads, dim",
+    [(4, 2, 64), (6, 6, 128), (8, 1, 24), (16, 2, 128), (12, 3, 64), (24, 8, 64), (32, 2, 64)],
+)  # 24/8: more than 16 query heads a sequence, the 17th sharing its kv head with the 16th
 @pytest.mark.parametrize("lens, threads", [([5, 8, 1, 13, 4, 30], 2), ([17, 30], 3)])
 def test_kernel_matches_attention_over_the_gathered_context(
     dtype, atol, heads, kv_heads, dim, lens, threads

@@ -119,19 +119,19 @@ DEFINE_DECODE(bf16_any, uint16_t, LOAD_BF16, widen_bf16, store_bf16, 0)
 
 #if defined(__AVX512F__)
 #include "paged_decode_avx512.h"
-DEFINE_DECODE_AVX512(f32_64_v, float, float, 64, prep_scaled_f32, dot_f32, 1.f, load_f32x16,
+DEFINE_DECODE_AVX512(f32_64_v, float, float, 64, prep_scaled_f32, keys_f32, 1.f, load_f32x16,
                      store_out_f32)
-DEFINE_DECODE_AVX512(f32_128_v, float, float, 128, prep_scaled_f32, dot_f32, 1.f, load_f32x16,
+DEFINE_DECODE_AVX512(f32_128_v, float, float, 128, prep_scaled_f32, keys_f32, 1.f, load_f32x16,
                      store_out_f32)
 #if BF16_DOT
-DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, uint16_t, 64, prep_raw_bf16, dot_bf16, scale,
+DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, uint16_t, 64, prep_raw_bf16, keys_bf16, scale,
                      load_bf16x16, store_out_bf16)
-DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, uint16_t, 128, prep_raw_bf16, dot_bf16, scale,
+DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, uint16_t, 128, prep_raw_bf16, keys_bf16, scale,
                      load_bf16x16, store_out_bf16)
 #else
-DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, float, 64, prep_scaled_bf16, dot_widened, 1.f,
+DEFINE_DECODE_AVX512(bf16_64_v, uint16_t, float, 64, prep_scaled_bf16, keys_widened, 1.f,
                      load_bf16x16, store_out_bf16)
-DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, float, 128, prep_scaled_bf16, dot_widened, 1.f,
+DEFINE_DECODE_AVX512(bf16_128_v, uint16_t, float, 128, prep_scaled_bf16, keys_widened, 1.f,
                      load_bf16x16, store_out_bf16)
 #endif
 #define F32_64 f32_64_v

@@ -2,18 +2,22 @@
  * paged_decode.c where the compiler targets AVX-512; the portable bodies serve elsewhere).
  *
  * The portable bodies compute each score as one reduced dot product (a horizontal sum per key
- * and query head) and keep the value accumulators in memory. Here a key's dot products with a
- * query head stay as 16-lane partial sums until 16 keys have them, and one transpose-and-add
- * tree turns those into 16 scores (`sum16`); the value accumulators of up to 16 registers'
- * worth of query heads stay in registers across the whole context. bfloat16 keys multiply the
- * bfloat16 query directly where the CPU has AVX512-BF16 (`vdpbf16ps`: exact products, float32
- * sums; the scale applied to the score), else they are widened to float32 as values always are.
- * Results match the portable bodies to float32 rounding (the sums run in another order).
+ * and query head) and keep the value accumulators in memory. Here the cache is read in row
+ * order: each token's row (every kv head of the work item) front to back, for the keys and
+ * again for the values, so that over a context of adjacent blocks the reads are one stream the
+ * hardware prefetchers follow (reading one kv head of 16 rows, then the next, ran ~30% slower
+ * from memory). A key's dot products with its query heads stay as 16-lane partial sums until
+ * 16 of them are there, and one transpose-and-add tree turns those into 16 scores (`sum16`);
+ * the value sums of up to 32 registers' worth of query heads (all 8 of a 64-wide row of 4 kv
+ * heads) are kept across each 16-token tile. bfloat16 keys multiply the bfloat16 query
+ * directly where the CPU has AVX512-BF16 (`vdpbf16ps`: exact products, float32 sums; the scale
+ * applied to the score), else they are widened to float32 as values always are. Results match
+ * the portable bodies to float32 rounding (the sums run in another order).
  */
 #include <immintrin.h>
 
 #ifndef PREFETCH_TILES
-#define PREFETCH_TILES 2 /* how far ahead (16-token tiles) the rows are asked for */
+#define PREFETCH_TILES 1 /* how far ahead (16-token tiles) the rows are asked for */
 #endif
 
 /* Lane j of the result = the sum of a[j]'s 16 lanes. */
@@ -36,14 +40,19 @@ static inline __m512 sum16(const __m512 *a) {
 }
 
 /* Ask for the cached rows (kv heads kv0 <= kvh < kv1) of tokens t .. t + 15 of a context of n
- * (none past n): a context's blocks are scattered over the cache, so the hardware prefetchers,
- * which stop at page edges, do not see the next block coming; without this a decode over a
- * cache larger than L3 ran at half the machine's streaming read bandwidth. */
+ * (none past n) that start a block away from the previous one. Within a block, and from a
+ * block to the one right after it, the rows are read front to back and the hardware
+ * prefetchers follow; at a jump they stop, and a context's blocks may be anywhere in the
+ * cache. 64 sequences of 170 tokens over 8 layers' caches (past L3), 2 threads: 16-17 GB/s
+ * with every row prefetched two tiles ahead, 25 with the jumps only, one tile ahead, on
+ * adjacent blocks; 17-19 on scattered or reversed ones (docs/benchmarks.md). */
 static inline void prefetch_tile(const char *cache, const int32_t *table, int t, int n, int bs,
                                  size_t row_bytes, size_t off_bytes, size_t bytes) {
     const int end = t + 16 < n ? t + 16 : n;
     for (; t < end; t++) {
-        const char *p = cache + ((int64_t)table[t / bs] * bs + t % bs) * row_bytes + off_bytes;
+        const int blk = t / bs;
+        if (blk > 0 && table[blk] == table[blk - 1] + 1) continue;
+        const char *p = cache + ((int64_t)table[blk] * bs + t % bs) * row_bytes + off_bytes;
         for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
     }
 }
@@ -55,35 +64,82 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-/* A key's partial dot products with one query head, float32 query (scaled) by float32 key. */
-static inline __m512 dot_f32(const float *qh, const float *k, int dim) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
-    for (int c = 16; c < dim; c += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), _mm512_loadu_ps(k + c), acc);
-    return acc;
-}
-
 #if defined(__AVX512BF16__)
 #define BF16_DOT 1 /* the query stays bfloat16; the scale goes on the score */
-/* Partial dot products of a bfloat16 query head and key: pairs multiplied exactly, summed
- * in float32. */
-static inline __m512 dot_bf16(const uint16_t *qh, const uint16_t *k, int dim) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int c = 0; c < dim; c += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qh + c),
-                               (__m512bh)_mm512_loadu_si512(k + c));
-    return acc;
-}
 #else
 #define BF16_DOT 0
 #endif
 
-static inline __m512 dot_widened(const float *qh, const uint16_t *k, int dim) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), load_bf16x16(k));
-    for (int c = 16; c < dim; c += 16)
-        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + c), load_bf16x16(k + c), acc);
-    return acc;
-}
+/* The scores of S <= 16 query heads (qs: S heads of DIM, contiguous; head h reads kv head
+ * (hfirst + h) / G at row offset kbase) against m <= 16 cached keys (rows[j]), head h's into
+ * dst[h * n + j]. A key's row is read front to back, each kv head once for its query heads
+ * (the hardware prefetchers follow a row-ordered read; one kv head of every row, then the next,
+ * read ~30% slower from memory). Dot products stay as 16-lane partial sums until KB = 16 / SP
+ * keys have them (SP: S rounded up to a power of two), and one `sum16` turns the 16 partial
+ * sums into 16 scores (lane h * KB + j: head h, key j). Flavours: keys_f32 (float32 query and
+ * keys), keys_widened (float32 query, bfloat16 keys widened), keys_bf16 (bfloat16 query and
+ * keys: vdpbf16ps, exact products summed in float32). */
+#define DEFINE_KEYS(NAME, T, QT, R, LANES, LOAD_Q, LOAD_K, MAC)                               \
+    static inline __attribute__((always_inline)) void NAME##_sp(                              \
+        const QT *qs, const T *const *rows, int kbase, int hfirst, int S, int G, int m,       \
+        float *dst, int n, __m512 scale, const int DIM, const int SP) {                       \
+        const int KC = DIM / LANES, KB = 16 / SP;                                             \
+        int koff[16], fresh[16]; /* head h's key offset; whether it starts a kv head */       \
+        for (int h = 0; h < S; h++) {                                                         \
+            koff[h] = kbase + (hfirst + h) / G * DIM;                                         \
+            fresh[h] = h == 0 || (hfirst + h) % G == 0;                                       \
+        }                                                                                     \
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); \
+        for (int j0 = 0; j0 < m; j0 += KB) {                                                  \
+            __m512 part[16];                                                                  \
+            for (int jj = 0; jj < KB; jj++) {                                                 \
+                const int live = j0 + jj < m;                                                 \
+                R kr[128 / LANES];                                                            \
+                for (int h = 0; h < SP; h++) {                                                \
+                    __m512 acc = _mm512_setzero_ps();                                         \
+                    if (live && h < S) {                                                      \
+                        if (fresh[h])                                                         \
+                            for (int c = 0; c < KC; c++)                                      \
+                                kr[c] = LOAD_K(rows[j0 + jj] + koff[h] + c * LANES);          \
+                        for (int c = 0; c < KC; c++)                                          \
+                            acc = MAC(acc, LOAD_Q(qs + (h * KC + c) * LANES), kr[c]);         \
+                    }                                                                         \
+                    part[h * KB + jj] = acc;                                                  \
+                }                                                                             \
+            }                                                                                 \
+            const __m512 s = _mm512_mul_ps(sum16(part), scale);                               \
+            const __mmask16 valid = (__mmask16)((1u << (m - j0 < KB ? m - j0 : KB)) - 1u);    \
+            for (int h = 0; h < SP; h++)                                                      \
+                if (h < S)                                                                    \
+                    _mm512_mask_storeu_ps(                                                    \
+                        dst + h * n + j0, valid,                                              \
+                        _mm512_permutexvar_ps(_mm512_add_epi32(lane, _mm512_set1_epi32(h * KB)), s)); \
+        }                                                                                     \
+    }                                                                                         \
+    /* All S query heads of a slice (chunks of 16) against m <= 16 keys, as NAME##_sp. */     \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const QT *qs, const T *const *rows, int kbase, int S, int G, int m, float *dst,       \
+        int n, __m512 scale, const int DIM) {                                                 \
+        for (int h0 = 0; h0 < S; h0 += 16) {                                                  \
+            const int sc = S - h0 < 16 ? S - h0 : 16;                                         \
+            const QT *qc = qs + (int64_t)h0 * DIM;                                            \
+            float *dc = dst + (int64_t)h0 * n;                                                \
+            if (sc > 8) NAME##_sp(qc, rows, kbase, h0, sc, G, m, dc, n, scale, DIM, 16);      \
+            else if (sc > 4) NAME##_sp(qc, rows, kbase, h0, sc, G, m, dc, n, scale, DIM, 8);  \
+            else if (sc > 2) NAME##_sp(qc, rows, kbase, h0, sc, G, m, dc, n, scale, DIM, 4);  \
+            else if (sc > 1) NAME##_sp(qc, rows, kbase, h0, sc, G, m, dc, n, scale, DIM, 2);  \
+            else NAME##_sp(qc, rows, kbase, h0, sc, G, m, dc, n, scale, DIM, 1);              \
+        }                                                                                     \
+    }
+
+#define MAC_F32(acc, q, k) _mm512_fmadd_ps(q, k, acc)
+DEFINE_KEYS(keys_f32, float, float, __m512, 16, _mm512_loadu_ps, _mm512_loadu_ps, MAC_F32)
+DEFINE_KEYS(keys_widened, uint16_t, float, __m512, 16, _mm512_loadu_ps, load_bf16x16, MAC_F32)
+#if BF16_DOT
+#define LOAD_BF16X32(p) ((__m512bh)_mm512_loadu_si512(p))
+DEFINE_KEYS(keys_bf16, uint16_t, uint16_t, __m512bh, 32, LOAD_BF16X32, LOAD_BF16X32,
+            _mm512_dpbf16_ps)
+#endif
 
 static inline void store_out_f32(float *o, __m512 x) { _mm512_storeu_ps(o, x); }
 
@@ -94,15 +150,16 @@ static inline void store_out_bf16(uint16_t *o, __m512 x) {
 }
 
 /* One sequence's kv heads kv0 <= kvh < kv1 over n cached tokens, as DEFINE_DECODE's bodies
- * (same arguments and buffers). QPREP fills qf (float32, scaled) for the dot flavour DOT,
- * whose score is multiplied by SCORE_SCALE; VLOAD reads 16 values; OSTORE writes 16 outputs.
- * Query heads of a kv head go through the values HCH at a time (HCH * DIM / 16 <= 16). */
-#define DEFINE_DECODE_AVX512(NAME, T, QT, DIM, QPREP, DOT, SCORE_SCALE, VLOAD, OSTORE)       \
+ * (same arguments and buffers). QPREP fills qf (float32, scaled) for KEYS (a DEFINE_KEYS
+ * flavour), whose scores are multiplied by SCORE_SCALE; VLOAD reads 16 values; OSTORE writes
+ * 16 outputs. The values go to the query heads HCH at a time (HCH * DIM / 16 = 32 sums: a
+ * few spill to the stack, which cost less than reading a row in two passes). */
+#define DEFINE_DECODE_AVX512(NAME, T, QT, DIM, QPREP, KEYS, SCORE_SCALE, VLOAD, OSTORE)       \
     static void NAME(const T *q, const T *k_cache, const T *v_cache, const int32_t *table,    \
                      int n, int bs, int KV, int G, int kv0, int kv1, int Dr, float scale,     \
                      float *scores, float *qf, float *acc, T *out) {                          \
         (void)Dr;                                                                             \
-        enum { C = DIM / 16, HCH = 16 / C, TILE = 16 };                                                  \
+        enum { C = DIM / 16, HCH = 32 / C, TILE = 16 };                                       \
         const int heads = (kv1 - kv0) * G;                                                    \
         const QT *qs = QPREP(q + (int64_t)kv0 * G * DIM, qf, heads * DIM, scale);             \
         const __m512 score_scale = _mm512_set1_ps(SCORE_SCALE);                               \
@@ -121,18 +178,7 @@ static inline void store_out_bf16(uint16_t *o, __m512 x) {
                 rows[j] = k_cache + ((int64_t)table[blk] * bs + off) * KV * DIM;              \
                 if (++off == bs) off = 0, blk++;                                              \
             }                                                                                 \
-            for (int kvh = kv0; kvh < kv1; kvh++) {                                           \
-                const int hbase = (kvh - kv0) * G;                                            \
-                for (int g = 0; g < G; g++) {                                                 \
-                    const QT *qh = qs + (hbase + g) * DIM;                                    \
-                    __m512 part[TILE];                                                        \
-                    for (int j = 0; j < TILE; j++)                                            \
-                        part[j] = j < m ? DOT(qh, rows[j] + kvh * DIM, DIM) : _mm512_setzero_ps(); \
-                    const __m512 s = _mm512_mul_ps(sum16(part), score_scale);                 \
-                    _mm512_mask_storeu_ps(scores + (hbase + g) * n + t0,                      \
-                                          (__mmask16)((1u << m) - 1u), s);                    \
-                }                                                                             \
-            }                                                                                 \
+            KEYS(qs, rows, kv0 * DIM, heads, G, m, scores + t0, n, score_scale, DIM);         \
         }                                                                                     \
         for (int t = 0; t < PREFETCH_TILES * TILE; t += TILE)                                 \
             prefetch_tile((const char *)v_cache, table, t, n, bs, row_bytes, slice_off, slice_bytes); \
@@ -148,29 +194,31 @@ static inline void store_out_bf16(uint16_t *o, __m512 x) {
                 rows[j] = v_cache + ((int64_t)table[blk] * bs + off) * KV * DIM;              \
                 if (++off == bs) off = 0, blk++;                                              \
             }                                                                                 \
-            for (int kvh = kv0; kvh < kv1; kvh++) {                                           \
-                const int hbase = (kvh - kv0) * G;                                            \
-                for (int g0 = 0; g0 < G; g0 += HCH) {                                         \
-                    const int hc = G - g0 < HCH ? G - g0 : HCH;                               \
-                    float *ah = acc + (hbase + g0) * DIM;                                     \
-                    __m512 a[HCH][C];                                                         \
-                    for (int i = 0; i < HCH; i++)                                             \
-                        for (int c = 0; c < C; c++)                                           \
-                            a[i][c] = i < hc ? _mm512_loadu_ps(ah + i * DIM + 16 * c) : _mm512_setzero_ps(); \
-                    const float *p = scores + (hbase + g0) * n + t0;                          \
-                    for (int j = 0; j < m; j++) {                                             \
-                        const T *v = rows[j] + kvh * DIM;                                     \
-                        __m512 vf[C];                                                         \
-                        for (int c = 0; c < C; c++) vf[c] = VLOAD(v + 16 * c);                \
-                        for (int i = 0; i < HCH; i++) {                                       \
-                            if (i >= hc) break;                                               \
-                            const __m512 pi = _mm512_set1_ps(p[i * n + j]);                   \
-                            for (int c = 0; c < C; c++) a[i][c] = _mm512_fmadd_ps(pi, vf[c], a[i][c]); \
-                        }                                                                     \
-                    }                                                                         \
-                    for (int i = 0; i < hc; i++)                                              \
-                        for (int c = 0; c < C; c++) _mm512_storeu_ps(ah + i * DIM + 16 * c, a[i][c]); \
+            for (int h0 = 0; h0 < heads; h0 += HCH) { /* HCH heads' sums in registers */     \
+                const int hc = heads - h0 < HCH ? heads - h0 : HCH;                           \
+                float *ah = acc + h0 * DIM;                                                   \
+                int voff[HCH], fresh[HCH]; /* head's value offset; starts a kv head */        \
+                for (int i = 0; i < hc; i++) {                                                \
+                    voff[i] = (kv0 + (h0 + i) / G) * DIM;                                     \
+                    fresh[i] = i == 0 || (h0 + i) % G == 0;                                   \
                 }                                                                             \
+                __m512 a[HCH][C];                                                             \
+                for (int i = 0; i < HCH; i++)                                                 \
+                    for (int c = 0; c < C; c++)                                               \
+                        a[i][c] = i < hc ? _mm512_loadu_ps(ah + i * DIM + 16 * c) : _mm512_setzero_ps(); \
+                const float *p = scores + (int64_t)h0 * n + t0;                               \
+                for (int j = 0; j < m; j++) {                                                 \
+                    __m512 vf[C];                                                             \
+                    for (int i = 0; i < HCH; i++) {                                           \
+                        if (i >= hc) break;                                                   \
+                        if (fresh[i])                                                         \
+                            for (int c = 0; c < C; c++) vf[c] = VLOAD(rows[j] + voff[i] + 16 * c); \
+                        const __m512 pi = _mm512_set1_ps(p[i * n + j]);                       \
+                        for (int c = 0; c < C; c++) a[i][c] = _mm512_fmadd_ps(pi, vf[c], a[i][c]); \
+                    }                                                                         \
+                }                                                                             \
+                for (int i = 0; i < hc; i++)                                                  \
+                    for (int c = 0; c < C; c++) _mm512_storeu_ps(ah + i * DIM + 16 * c, a[i][c]); \
             }                                                                                 \
         }                                                                                     \
         for (int h = 0; h < heads; h++)                                                       \
