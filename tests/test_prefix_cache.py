@@ -142,6 +142,26 @@ def test_cached_blocks_are_evicted_least_recently_used_first():
     assert miss_a.num_cached_tokens == 0, "a's block was evicted"
 
 
+def test_a_new_sequence_takes_evicted_blocks_in_ascending_order():
+    """A released prompt's cached blocks enter the free list last block first; whoever
+    evicts them lists them front to back, so a context's blocks stay adjacent in memory
+    (the decode kernel streams them)."""
+    blocks = BlockManager(6, BS)
+    a = _seq(0, list(range(24)))  # 6 full blocks: 0..5
+    blocks.allocate(a)
+    assert a.block_table == [0, 1, 2, 3, 4, 5]
+    a.num_cached_tokens = 24
+    blocks.register(a)
+    blocks.free(a)  # free list: 5, 4, 3, 2, 1, 0 (all cached)
+    b = _seq(1, list(range(100, 112)))  # 3 blocks, evicting a's last three
+    blocks.allocate(b)
+    assert b.block_table == [3, 4, 5]
+    assert blocks.num_cached == 3
+    c = _seq(2, list(range(8)))  # a's first two blocks still serve
+    blocks.allocate(c)
+    assert c.num_cached_tokens == 4 and c.block_table[0] == 0
+
+
 def test_reset_forgets_cached_blocks_and_older_sequences_never_register():
     blocks = BlockManager(16, BS)
     old = _seq(0, list(range(9)))

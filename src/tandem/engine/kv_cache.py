@@ -218,8 +218,13 @@ class BlockManager:
         return [i for i in range(first, last) if self._blocks[seq.block_table[i]].ref_count > 1]
 
     def _extend(self, seq: Sequence, count: int) -> None:
+        """Append ``count`` blocks from the free list (eviction order) to ``seq``'s table, in
+        ascending ids: the free list holds a released sequence's blocks in descending runs
+        (last block first), and attention reads a context's rows front to back, where the
+        CPU's prefetchers follow from one block into the next only if it is the adjacent one
+        after it (docs/benchmarks.md, "Decode attention in row order")."""
         if count > 0:
-            seq.block_table.extend(self._pop_free() for _ in range(count))
+            seq.block_table.extend(sorted(self._pop_free() for _ in range(count)))
 
     def _pop_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)
