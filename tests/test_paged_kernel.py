@@ -15,7 +15,7 @@ BS = 4
 
 def _case(dtype, heads, kv_heads, dim, lens, seed=0):
     """Random caches, scattered block tables (two sequences sharing their first block), rows
-    out of order in a batch with rows that are not decodes."""
+    out of order in a batch with rows that are not decodes, q a strided view."""
     gen = torch.Generator().manual_seed(seed)
     blocks = 64
     k = torch.randn(blocks * BS, kv_heads, dim, generator=gen).to(dtype)
@@ -27,7 +27,9 @@ def _case(dtype, heads, kv_heads, dim, lens, seed=0):
         tables.append([order.pop() for _ in range(need)])
     tables[1][0] = tables[0][0]  # a shared prompt block
     rows = torch.randperm(len(lens) + 3, generator=gen)[: len(lens)].tolist()
-    q = torch.randn(len(lens) + 3, heads, dim, generator=gen).to(dtype)
+    # q a view of a wider row (the fused qkv output): its tokens further apart than H * D
+    fused = torch.randn(len(lens) + 3, heads * dim + 3 * dim, generator=gen).to(dtype)
+    q = fused[:, dim : dim + heads * dim].view(-1, heads, dim)
     return q, k, v, [(r, n, t) for r, n, t in zip(rows, lens, tables, strict=True)]
 
 

@@ -59,7 +59,13 @@ class PagedDecode:
 def _declare(dll: ctypes.CDLL) -> None:
     fn = dll.paged_decode
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+    fn.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int64]
+        + [ctypes.c_void_p] * 6
+        + [ctypes.c_int] * 6
+        + [ctypes.c_float]
+        + [ctypes.c_int] * 2
+    )
 
 
 _library = Library(SOURCE, _declare, "TANDEM_ATTENTION", "paged decode kernel")
@@ -82,15 +88,17 @@ def paged_decode(
     batch: PagedDecode,
     scale: float,
 ) -> None:
-    """Write attention of ``batch``'s rows of q ([T, H, D]) over their cached contexts
-    (k/v_cache [slots, KV, D]) into the same rows of ``out`` ([T, H, D], contiguous)."""
+    """Write attention of ``batch``'s rows of q ([T, H, D]; its rows may be strided, as in a
+    view of the fused qkv output) over their cached contexts (k/v_cache [slots, KV, D]) into
+    the same rows of ``out`` ([T, H, D], contiguous)."""
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != dim:  # each token's heads one contiguous run
+        q = q.contiguous()
     assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
     rc = _library.dll.paged_decode(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
         batch.rows.data_ptr(), batch.tables.data_ptr(), batch.lens.data_ptr(),
         len(batch.rows), batch.tables.shape[1], batch.block_size, heads, kv_heads, dim, scale,
         DTYPES[q.dtype], torch.get_num_threads(),

@@ -1,6 +1,7 @@
 /* Decode attention straight from the paged KV cache (tandem.kernels.paged).
  *
- * One query token per sequence. Sequence i's query is row rows[i] of q ([T, H, D]); its
+ * One query token per sequence. Sequence i's query is row rows[i] of q ([T, H, D], rows
+ * q_stride elements apart, each row's heads contiguous: a view of the fused qkv output); its
  * context is its first lens[i] cached tokens, token t in slot tables[i][t / bs] * bs + t % bs
  * of k_cache / v_cache ([slots, KV, D]). Its output goes to row rows[i] of out ([T, H, D]).
  * Query head h reads key/value head h / (H / KV) (grouped-query attention). Nothing is
@@ -156,8 +157,8 @@ typedef void (*decode_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_
  * (sequence, slice of kv heads): every kv head of a sequence together when there are enough
  * sequences to keep the threads busy, else the heads split so that one sequence (batch 1)
  * still runs on every thread. */
-int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out,
-                 const int64_t *rows, const int32_t *tables, const int32_t *lens, int B,
+int paged_decode(const void *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                 void *out, const int64_t *rows, const int32_t *tables, const int32_t *lens, int B,
                  int max_blocks, int bs, int H, int KV, int D, float scale, int bf16,
                  int nthreads) {
     if (KV <= 0 || H % KV || H / KV > MAX_GROUP || D <= 0 || D > MAX_DIM || bs <= 0) return -1;
@@ -198,12 +199,12 @@ int paged_decode(const void *q, const void *k_cache, const void *v_cache, void *
             if (mid < share0 || mid >= share1) continue;
             const int kv0 = s * per_slice, kv1 = kv0 + per_slice < KV ? kv0 + per_slice : KV;
             const int32_t *table = tables + (int64_t)i * max_blocks;
-            const int64_t row = rows[i] * H * D;
+            const int64_t qrow = rows[i] * q_stride, row = rows[i] * H * D;
             if (bf16)
-                b16((const uint16_t *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
+                b16((const uint16_t *)q + qrow, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
                     kv1, D, scale, scores, qf, acc, (uint16_t *)out + row);
             else
-                f32((const float *)q + row, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
+                f32((const float *)q + qrow, k_cache, v_cache, table, lens[i], bs, KV, G, kv0,
                     kv1, D, scale, scores, qf, acc, (float *)out + row);
         }
         free(scores);
