@@ -54,6 +54,34 @@ def test_rms_norm_matches_transformers(rows, strided, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("strided", [False, True])
+def test_residual_add_and_rms_norm_match_the_llama_decoder_layer(rows, strided, dtype):
+    """HF's decoder layer: ``hidden = residual + hidden`` (rounded in the model's dtype), then
+    the post-attention norm of that sum; both are returned."""
+    gen = torch.Generator().manual_seed(rows + 1)
+    wide = (torch.randn(rows, 1024, generator=gen) * 3).to(dtype)
+    x = wide[:, 256:768] if strided else wide[:, :512].contiguous()
+    residual = (torch.randn(rows, 512, generator=gen) * 2).to(dtype)
+    ref = LlamaRMSNorm(512, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(512, generator=gen))
+    ref.to(dtype)
+    ours = RMSNorm(512, 1e-6, "w").to(dtype)
+    ours.weight.data.copy_(ref.weight)
+    with torch.inference_mode():
+        h, normed = ours.add(x, residual)
+        assert pointwise.serves(x)
+        expected_h = residual + x
+        assert torch.equal(h, expected_h)  # one rounding, as torch's add
+        assert_matches(normed, ref(expected_h))
+    assert torch.is_grad_enabled()  # autograd on: torch's ops, the same values
+    h_torch, normed_torch = ours.add(x, residual)
+    assert torch.equal(h_torch, expected_h)
+    assert_matches(normed_torch, normed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
 def test_silu_and_mul_matches_llama_mlp_activation(rows, dtype):
     gen = torch.Generator().manual_seed(rows)
     gate_up = (torch.randn(rows, 2 * 640, generator=gen) * 4).to(dtype)
@@ -138,3 +166,23 @@ def test_rotate_pair_equals_rotating_q_and_k_alone(dtype, adjacent):
     assert_matches(q_got, q_ref)
     assert_matches(k_got, k_ref)
     assert torch.equal(qkv[:, (heads + kv_heads) * dim :], v_before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scatter_rows_writes_what_index_copy_writes(dtype):
+    """Keys of a step (a strided view of the fused qkv output) into their cache slots, out of
+    order: the same cache as torch's index_copy_; an index outside the cache copies nothing."""
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, 8 * 16 + 2 * 2 * 16, generator=gen).to(dtype)
+    k = qkv[:, 8 * 16 : 8 * 16 + 2 * 16].view(7, 2, 16)
+    assert not k.is_contiguous()
+    slots = torch.tensor([9, 2, 30, 31, 0, 17, 5])
+    cache = torch.randn(32, 2, 16, generator=gen).to(dtype)
+    expected = cache.clone().index_copy_(0, slots, k)
+    with torch.inference_mode():
+        pointwise.scatter_rows(cache, slots, k)
+        assert torch.equal(cache, expected)
+        before = cache.clone()
+        with pytest.raises(IndexError):
+            pointwise.scatter_rows(cache, torch.tensor([1, 2, 3, 4, 5, 6, 32]), k)
+        assert torch.equal(cache, before)

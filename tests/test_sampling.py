@@ -184,3 +184,29 @@ def test_sampler_seeded_rows_follow_their_own_stream():
     assert [r[0] for r in a] == [r[0] for r in b]  # seeded row: its stream only
     assert [r[2] for r in a] == [r[2] for r in b]
     assert [r[1] for r in a] != [r[1] for r in b]  # shared stream moved with its seed
+
+
+def test_greedy_rows_take_the_first_maximum_and_its_log_softmax():
+    """All-greedy batches run one kernel pass (tandem.kernels.pointwise.greedy): the same
+    tokens as torch.argmax (the first of tied maxima) and log_softmax's value there; a batch
+    asking for top logprobs, or outside inference, takes torch's path with the same answer."""
+    from tandem.layers.sampler import Sampler
+
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(37, 8192, generator=gen) * 4
+    logits[3, [10, 500, 8000]] = logits[3].max() + 1.0  # a tie: the first index wins
+    logits[5, -1] = logits[5].max() + 1.0  # the maximum in the last column
+    expected_tokens = logits.argmax(-1)
+    expected = torch.log_softmax(logits, -1).gather(1, expected_tokens[:, None]).squeeze(1)
+    assert expected_tokens[3] == 10 and expected_tokens[5] == 8191
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        out = sampler(logits, _batch(37, temperature=0.0))
+    assert torch.equal(out.token_ids, expected_tokens)
+    torch.testing.assert_close(out.logprobs, expected, rtol=0, atol=1e-5)
+    batch = _batch(37, temperature=0.0)
+    batch.num_top_logprobs = 2
+    with torch.inference_mode():
+        top = sampler(logits, batch)
+    assert torch.equal(top.token_ids, expected_tokens)
+    torch.testing.assert_close(top.logprobs, out.logprobs, rtol=0, atol=1e-5)

@@ -1,8 +1,9 @@
 /* Row-wise float32 and bfloat16 ops of a decoder layer, one pass each
  * (tandem.kernels.pointwise).
  *
- * torch runs each of these as several ops (RMSNorm: pow, mean, add, rsqrt, mul, mul; the MLP's
- * activation: chunk, silu, mul; rotary: mul, roll, mul, add), each a dispatch, an allocation
+ * torch runs each of these as several ops (RMSNorm: pow, mean, add, rsqrt, mul, mul, and the
+ * residual add before it; the MLP's activation: chunk, silu, mul; rotary: mul, roll, mul,
+ * add), each a dispatch, an allocation
  * and a pass over memory. At a decode step's sizes (a few rows of 512) the dispatches cost
  * more than the arithmetic. Rows go to OpenMP threads in contiguous runs when there are
  * enough of them; below PARALLEL_MIN elements one thread does all (waking threads costs more).
@@ -13,6 +14,7 @@
  * (Hugging Face's `weight * x.to(dtype)`); silu-and-multiply rounds silu(g), then the product;
  * rotary rounds both products and their sum.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -20,6 +22,7 @@
 #include "bf16.h"
 
 #define PARALLEL_MIN 32768 /* elements */
+#define PARALLEL_MIN_BYTES (1 << 20)
 #define MAX_HEAD_DIM 1024
 
 /* Each op is written once and defined for both dtypes: T the element type, LOAD widens one
@@ -43,6 +46,27 @@
             for (int64_t i = 0; i < dim; i++) ss += LOAD(xr[i]) * LOAD(xr[i]);                \
             const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                            \
             for (int64_t i = 0; i < dim; i++) o[i] = STORE(ROUND(LOAD(xr[i]) * inv) * LOAD(w[i])); \
+        }                                                                                     \
+    }
+
+/* A residual add and the RMSNorm after it, one pass: h[r] = x[r] + res[r] (rounded as torch's
+ * add in T rounds), out[r] = rms_norm(h[r]) * w as DEFINE_RMS_NORM; x and res rows `x_stride`
+ * and `res_stride` apart, h and out contiguous. */
+#define DEFINE_ADD_RMS_NORM(NAME, T, LOAD, ROUND, STORE)                                      \
+    void NAME(const T *x, int64_t x_stride, const T *res, int64_t res_stride, const T *w,     \
+              T *h, T *out, int64_t rows, int64_t dim, float eps, int threads) {              \
+        _Pragma("omp parallel for num_threads(threads) schedule(static) if (rows * dim >= PARALLEL_MIN)") \
+        for (int64_t r = 0; r < rows; r++) {                                                  \
+            const T *xr = x + r * x_stride, *rr = res + r * res_stride;                       \
+            T *hr = h + r * dim, *o = out + r * dim;                                          \
+            float ss = 0.0f;                                                                  \
+            for (int64_t i = 0; i < dim; i++) {                                               \
+                const float s = ROUND(LOAD(xr[i]) + LOAD(rr[i]));                             \
+                hr[i] = STORE(s);                                                             \
+                ss += s * s;                                                                  \
+            }                                                                                 \
+            const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                            \
+            for (int64_t i = 0; i < dim; i++) o[i] = STORE(ROUND(LOAD(hr[i]) * inv) * LOAD(w[i])); \
         }                                                                                     \
     }
 
@@ -86,7 +110,44 @@
 
 DEFINE_RMS_NORM(rms_norm_f32, float, LOAD_F32, KEEP_F32, KEEP_F32)
 DEFINE_RMS_NORM(rms_norm_bf16, bf16, LOAD_BF16, ROUND_BF16, STORE_BF16)
+DEFINE_ADD_RMS_NORM(add_rms_norm_f32, float, LOAD_F32, KEEP_F32, KEEP_F32)
+DEFINE_ADD_RMS_NORM(add_rms_norm_bf16, bf16, LOAD_BF16, ROUND_BF16, STORE_BF16)
 DEFINE_SILU_MUL(silu_mul_f32, float, LOAD_F32, KEEP_F32, KEEP_F32)
 DEFINE_SILU_MUL(silu_mul_bf16, bf16, LOAD_BF16, ROUND_BF16, STORE_BF16)
 DEFINE_ROTARY(rotary_f32, float, LOAD_F32, KEEP_F32, KEEP_F32)
 DEFINE_ROTARY(rotary_bf16, bf16, LOAD_BF16, ROUND_BF16, STORE_BF16)
+
+/* dst row index[i] = src row i, for i < rows: rows of row_bytes, src rows src_stride bytes
+ * apart, dst (dst_rows rows) dst_stride bytes apart: a step's keys or values into their cache
+ * slots, one call where torch's index_copy_ on the strided view of the fused qkv output cost
+ * ~30 us. Returns 1, copying nothing, if an index is outside dst. */
+int scatter_rows(const char *src, int64_t src_stride, const int64_t *index, char *dst,
+                 int64_t dst_stride, int64_t dst_rows, int64_t rows, int64_t row_bytes,
+                 int threads) {
+    for (int64_t r = 0; r < rows; r++)
+        if (index[r] < 0 || index[r] >= dst_rows) return 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * row_bytes >= PARALLEL_MIN_BYTES)
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(dst + index[r] * dst_stride, src + r * src_stride, (size_t)row_bytes);
+    return 0;
+}
+
+/* Greedy picks over float32 logits (rows `stride` apart): token[r] = the first index of the
+ * row's maximum (as torch.argmax), logprob[r] = log_softmax(row)[token] = -log(sum(exp(x -
+ * max))) (torch's x - max - log(sum), whose first term is 0 at the maximum). Two passes over
+ * the row and no [rows, vocab] output, where torch ran log_softmax, argmax and a gather. */
+void greedy_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, int64_t *token,
+                float *logprob, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows * vocab >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * stride;
+        float mx = -FLT_MAX;
+        for (int64_t i = 0; i < vocab; i++) mx = xr[i] > mx ? xr[i] : mx;
+        int64_t best = 0;
+        while (best < vocab - 1 && xr[best] != mx) best++;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
+        token[r] = best;
+        logprob[r] = -logf(sum);
+    }
+}

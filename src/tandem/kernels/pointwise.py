@@ -1,5 +1,6 @@
-"""A decoder layer's row-wise ops (RMSNorm, the MLP's silu-and-multiply, rotary embedding)
-in one pass each, float32 and bfloat16, by tandem's own C kernels (`pointwise.c`).
+"""A decoder layer's row-wise ops (RMSNorm, with the residual add before it or alone, the MLP's
+silu-and-multiply, rotary embedding) in one pass each, float32 and bfloat16, by tandem's own C
+kernels (`pointwise.c`).
 
 torch runs each as several ops; at a decode step's sizes their dispatches and allocations cost
 more than the arithmetic, and at a prefill's its silu and mul of a strided gate/up ran 9x the
@@ -32,15 +33,23 @@ SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def _declare(dll: ctypes.CDLL) -> None:
     for suffix in SUFFIX.values():
-        rms_norm, silu_mul, rotary = (
-            getattr(dll, f"{op}_{suffix}") for op in ("rms_norm", "silu_mul", "rotary")
+        rms_norm, add_rms_norm, silu_mul, rotary = (
+            getattr(dll, f"{op}_{suffix}")
+            for op in ("rms_norm", "add_rms_norm", "silu_mul", "rotary")
         )
         rms_norm.restype = None
         rms_norm.argtypes = [_P, _I64, _P, _P, _I64, _I64, _F, _INT]
+        add_rms_norm.restype = None
+        add_rms_norm.argtypes = [_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _F, _INT]
         silu_mul.restype = None
         silu_mul.argtypes = [_P, _I64, _P, _I64, _I64, _INT]
         rotary.restype = _INT
         rotary.argtypes = [_P, _I64, _I64, _P, _P, _I64, _I64, _I64, _INT]
+
+    dll.greedy_f32.restype = None
+    dll.greedy_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
+    dll.scatter_rows.restype = _INT
+    dll.scatter_rows.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]
 
 
 _library = Library(SOURCE, _declare, "TANDEM_POINTWISE", "pointwise kernels")
@@ -76,6 +85,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and `rms_norm` of h, in one pass, for x and residual [T, D] (rows
+    may be strided): returns (h, normed h)."""
+    rows, dim = x.shape
+    assert residual.shape == x.shape and residual.stride(-1) == 1, (residual.shape, x.shape)
+    assert weight.dtype == x.dtype == residual.dtype, (weight.dtype, x.dtype, residual.dtype)
+    h, out = torch.empty(rows, dim, dtype=x.dtype), torch.empty(rows, dim, dtype=x.dtype)
+    weight = weight.contiguous()
+    _fn("add_rms_norm", x.dtype)(
+        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+        h.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads(),
+    )  # fmt: skip
+    return h, out
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of gate_up [T, 2n] ([gate | up]) as [T, n]."""
     rows, width = gate_up.shape
@@ -105,3 +131,51 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     if rc:
         raise ValueError(f"rotary kernel takes an even head size up to {MAX_HEAD_DIM}, got {dim}")
     return x
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    """Whether each x[i] is one contiguous run (x itself may have any row stride)."""
+    return x[0].is_contiguous() if len(x) else True
+
+
+def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` for a contiguous ``dst`` whose rows ``src`` matches
+    (src's rows may be strided); torch's own op where the kernel does not serve. ``index``
+    holds distinct rows of dst (a step writes each cache slot once)."""
+    serves = (
+        available()
+        and dst.device.type == src.device.type == index.device.type == "cpu"
+        and dst.dtype == src.dtype
+        and dst.is_contiguous()
+        and src.shape[1:] == dst.shape[1:]
+        and index.dtype == torch.int64
+        and index.is_contiguous()
+        and len(index) == len(src)
+        and _rows_contiguous(src)
+        and not (torch.is_grad_enabled() and (dst.requires_grad or src.requires_grad))
+    )
+    if not serves:
+        dst.index_copy_(0, index, src)
+        return
+    row_bytes = src[0].numel() * src.element_size() if len(src) else 0
+    rc = _library.dll.scatter_rows(
+        src.data_ptr(), src.stride(0) * src.element_size(), index.data_ptr(), dst.data_ptr(),
+        dst.stride(0) * dst.element_size(), len(dst), len(src), row_bytes,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise IndexError(f"a row index is outside the {len(dst)} rows written into")
+
+
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (the first maximum) and its log-softmax value, for float32 logits
+    [B, V] (see `serves`): (tokens int64 [B], logprobs float32 [B])."""
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and vocab > 0, (logits.dtype, vocab)
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    _library.dll.greedy_f32(
+        logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(),
+        logprobs.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return tokens, logprobs

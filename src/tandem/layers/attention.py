@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tandem.kernels import pointwise
 from tandem.kernels.paged import PagedDecode, paged_decode
 from tandem.kernels.paged_prefill import PagedPrefill, paged_prefill
 
@@ -93,8 +94,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, KV, D] -> [T, H, D] (the ``meta.keep`` rows where set)."""
         if self.k_cache is not None and meta.slot_mapping is not None:
-            self.k_cache.index_copy_(0, meta.slot_mapping, k)
-            self.v_cache.index_copy_(0, meta.slot_mapping, v)
+            pointwise.scatter_rows(self.k_cache, meta.slot_mapping, k)
+            pointwise.scatter_rows(self.v_cache, meta.slot_mapping, v)
         out = torch.empty_like(q)
         for span in meta.prefills:
             qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)

@@ -30,6 +30,20 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream ``h = residual + x`` and this norm of it: (h, norm(h)). One
+        pass on the pointwise kernels where they serve (a decode step's add was a dispatch
+        and a pass of its own)."""
+        if (
+            x.dim() == 2
+            and pointwise.serves(x)
+            and pointwise.serves(residual)
+            and residual.dtype == self.weight.dtype == x.dtype
+        ):
+            return pointwise.add_rms_norm(x, residual, self.weight, self.eps)
+        h = residual + x
+        return h, self(h)
+
 
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float, name: str):

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kernels import pointwise
+
 
 @dataclass(slots=True)
 class SamplingBatch:
@@ -47,6 +49,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
+        if (
+            batch.num_top_logprobs == 0
+            and logits.dim() == 2
+            and pointwise.serves(logits)
+            and batch.all_greedy
+        ):
+            tokens, logprobs = pointwise.greedy(logits)  # one kernel call, no [B, V] output
+            return SamplerOutput(tokens, logprobs, None, None)
         raw = torch.log_softmax(logits, dim=-1)
         greedy_tokens = logits.argmax(dim=-1)
         if batch.all_greedy:

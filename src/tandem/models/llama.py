@@ -150,8 +150,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, x, rope: RopeTables, meta):
-        h = meta.kept(x) + self.self_attn(self.input_layernorm(x), rope, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(x), rope, meta)
+        h, normed = self.post_attention_layernorm.add(attn, meta.kept(x))
+        return h + self.mlp(normed)
 
 
 @register_model("LlamaForCausalLM")
