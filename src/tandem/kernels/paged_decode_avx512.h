@@ -64,6 +64,20 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+/* For query heads first .. first + count - 1 of a work item (G query heads a kv head, its kv
+ * heads' rows from offset base): off[i] = the offset of head first + i's kv head in a cached
+ * row, fresh[i] = whether that kv head differs from the previous head's (i = 0 always): where
+ * a row's next kv head is read. One division, the rest counted. */
+static inline void kv_heads_of(int first, int count, int G, int base, int dim, int *off,
+                               int *fresh) {
+    int kvh = first / G, g = first - kvh * G;
+    for (int i = 0; i < count; i++) {
+        off[i] = base + kvh * dim;
+        fresh[i] = i == 0 || g == 0;
+        if (++g == G) g = 0, kvh++;
+    }
+}
+
 #if defined(__AVX512BF16__)
 #define BF16_DOT 1 /* the query stays bfloat16; the scale goes on the score */
 #else
@@ -85,10 +99,7 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
         float *dst, int n, __m512 scale, const int DIM, const int SP) {                       \
         const int KC = DIM / LANES, KB = 16 / SP;                                             \
         int koff[16], fresh[16]; /* head h's key offset; whether it starts a kv head */       \
-        for (int h = 0; h < S; h++) {                                                         \
-            koff[h] = kbase + (hfirst + h) / G * DIM;                                         \
-            fresh[h] = h == 0 || (hfirst + h) % G == 0;                                       \
-        }                                                                                     \
+        kv_heads_of(hfirst, S, G, kbase, DIM, koff, fresh);                                   \
         const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); \
         for (int j0 = 0; j0 < m; j0 += KB) {                                                  \
             __m512 part[16];                                                                  \
@@ -198,10 +209,7 @@ static inline void store_out_bf16(uint16_t *o, __m512 x) {
                 const int hc = heads - h0 < HCH ? heads - h0 : HCH;                           \
                 float *ah = acc + h0 * DIM;                                                   \
                 int voff[HCH], fresh[HCH]; /* head's value offset; starts a kv head */        \
-                for (int i = 0; i < hc; i++) {                                                \
-                    voff[i] = (kv0 + (h0 + i) / G) * DIM;                                     \
-                    fresh[i] = i == 0 || (h0 + i) % G == 0;                                   \
-                }                                                                             \
+                kv_heads_of(h0, hc, G, kv0 * DIM, DIM, voff, fresh);                          \
                 __m512 a[HCH][C];                                                             \
                 for (int i = 0; i < HCH; i++)                                                 \
                     for (int c = 0; c < C; c++)                                               \
