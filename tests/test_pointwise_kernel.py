@@ -33,6 +33,18 @@ def assert_matches(got, ref):
     assert exact >= 0.99, f"only {exact:.2%} equal"
 
 
+def _norms(gen, dtype):
+    """transformers' LlamaRMSNorm over 512 with random weights, and tandem's RMSNorm holding
+    the same weights, both in ``dtype``."""
+    ref = LlamaRMSNorm(512, eps=1e-6)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(512, generator=gen))
+    ref.to(dtype)
+    ours = RMSNorm(512, 1e-6, "w").to(dtype)
+    ours.weight.data.copy_(ref.weight)
+    return ref, ours
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("strided", [False, True])
@@ -40,12 +52,7 @@ def test_rms_norm_matches_transformers(rows, strided, dtype):
     gen = torch.Generator().manual_seed(rows)
     wide = (torch.randn(rows, 1024, generator=gen) * 3).to(dtype)
     x = wide[:, 256:768] if strided else wide[:, :512].contiguous()  # rows 1024 apart
-    ref = LlamaRMSNorm(512, eps=1e-6)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(512, generator=gen))
-    ref.to(dtype)
-    ours = RMSNorm(512, 1e-6, "w").to(dtype)
-    ours.weight.data.copy_(ref.weight)
+    ref, ours = _norms(gen, dtype)
     with torch.inference_mode():
         got = ours(x)
         assert pointwise.serves(x)
@@ -62,12 +69,7 @@ def test_residual_add_and_rms_norm_match_the_llama_decoder_layer(rows, strided, 
     wide = (torch.randn(rows, 1024, generator=gen) * 3).to(dtype)
     x = wide[:, 256:768] if strided else wide[:, :512].contiguous()
     residual = (torch.randn(rows, 512, generator=gen) * 2).to(dtype)
-    ref = LlamaRMSNorm(512, eps=1e-6)
-    with torch.no_grad():
-        ref.weight.copy_(torch.randn(512, generator=gen))
-    ref.to(dtype)
-    ours = RMSNorm(512, 1e-6, "w").to(dtype)
-    ours.weight.data.copy_(ref.weight)
+    ref, ours = _norms(gen, dtype)
     with torch.inference_mode():
         h, normed = ours.add(x, residual)
         assert pointwise.serves(x)
