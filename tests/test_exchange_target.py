@@ -32,7 +32,7 @@ PROTOCOL = {name for name in vars(WeightTarget) if not name.startswith("_")}
 def test_the_protocol_names_no_engine_internals():
     assert PROTOCOL == {"weight_version", "weight_dtype", "weight_device_type",
                         "receivers_in_process", "update_listeners", "weight_layouts",
-                        "weight_update", "unavailable"}  # fmt: skip
+                        "weight_update", "unavailable", "refuses"}  # fmt: skip
 
 
 def test_the_engine_is_a_weight_target(llama_dir):
@@ -106,6 +106,9 @@ class _FakeTarget:
         self.weight_version = spec.version
 
     def unavailable(self):
+        return None
+
+    def refuses(self, settings):
         return None
 
 

@@ -11,7 +11,7 @@ from tandem.engine.executor import InProcessExecutor
 from tandem.engine.messages import RestoreWeights
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 
 
 class PushWindow:
@@ -45,6 +45,9 @@ class PushWindow:
 
     def unavailable(self) -> str | None:
         return self.lifecycle.unavailable()
+
+    def refuses(self, settings: PushSettings) -> str | None:
+        return None  # every transport's every mode (their coordinators check the rest)
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:

@@ -30,6 +30,7 @@ from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import TRANSPORTS, check, p2p
 from tandem.exchange.transports.base import Delivery
+from tandem.integrations.vllm import is_vllm_engine, vllm_target
 from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
 LAYOUTS = ("auto", "megatron", "hf")
@@ -50,9 +51,10 @@ class WeightSender:
     """Push a trainer model's weights into a tandem engine, in place.
 
     ``model``: an ``nn.Module`` (or state dict) whose names are the Hugging Face names, plain or
-    FSDP2/DTensor-sharded. ``target``: an `LLM`, its ``llm.exchange_address``, or the URL of a
+    FSDP2/DTensor-sharded. ``target``: an `LLM`, its ``llm.exchange_address``, the URL of a
     `tandem serve` (``http://host:port`` or ``host:port``, with ``admin_key`` or
-    ``$TANDEM_ADMIN_KEY``). With a
+    ``$TANDEM_ADMIN_KEY``), or a vLLM ``LLM`` made with tandem's worker extension
+    (`tandem.integrations.vllm`; its pushes are staged). With a
     multi-rank trainer every rank calls `push` (rank and world default to the torch.distributed
     default group's). ``verify``: every box's CRC32 is taken from the trainer's tensor as it is
     read, and every engine rank checksums the box where it landed (the staging memory, and the
@@ -102,6 +104,8 @@ class WeightSender:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, "
                              f"got {transport!r}")  # fmt: skip
+        if is_vllm_engine(target):
+            target = vllm_target(target)
         if isinstance(target, str):
             self._address = exchange_address(target, admin_key)
         else:

@@ -244,6 +244,9 @@ class ExchangeServer:
             if len(values) != 1:
                 raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
         settings = check(hellos[0].settings)
+        refused = self.target.refuses(settings)
+        if refused is not None:
+            raise ValueError(refused)
         version = hellos[0].version
         if version is None:
             version = self.target.weight_version + 1

@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 
 # called after every push: (the version pushed, -1 if unknown; seconds it took; the error, or
 # None when it was committed)
@@ -65,6 +65,10 @@ class WeightTarget(Protocol):
     @property
     def update_listeners(self) -> list[UpdateListener]:
         """Called after every push, committed or not."""
+
+    def refuses(self, settings: PushSettings) -> str | None:
+        """Why the target cannot take a push travelling with ``settings`` (said before any
+        byte moves), or None."""
 
     def weight_layouts(self) -> list[RankLayout]:
         """What every receiving rank holds, as canonical boxes (``layouts[i].rank == i``)."""

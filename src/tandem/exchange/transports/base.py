@@ -145,6 +145,9 @@ class ReceiverHalf:
         """The commit's writer: one staged box into its place in a live parameter."""
         dst.copy_(src)
 
+    def release(self, spec: UpdateSpec) -> None:
+        """The push is committed: forget what it landed (kept memory stays for the next)."""
+
     def abort(self, spec: UpdateSpec) -> None:
         """The push failed: forget whatever it holds."""
 

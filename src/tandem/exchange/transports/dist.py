@@ -128,7 +128,10 @@ class DistReceiver(ReceiverHalf):
         try:
             return super().commit(spec, records)
         finally:
-            self._received = {}
+            self.release(spec)
+
+    def release(self, spec: UpdateSpec) -> None:
+        self._received = {}
 
     def abort(self, spec: UpdateSpec) -> None:
         self._received = {}

@@ -1,0 +1,33 @@
+"""tandem's weight exchange into vLLM engines.
+
+``LLM(model, worker_extension_cls=WORKER_EXTENSION)`` gives each vLLM worker tandem's receiving
+side; `WeightSender(trainer_model, llm)` then pushes into it (`vllm_target`), as does a trainer
+in another process given ``vllm_target(llm).exchange_address``. Importing this package does not
+import vLLM.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+WORKER_EXTENSION = "tandem.integrations.vllm.worker.TandemWorkerExtension"
+
+_TARGETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def is_vllm_engine(obj) -> bool:
+    """Whether ``obj`` is a vLLM offline ``LLM`` (without importing vLLM)."""
+    return type(obj).__module__.startswith("vllm.") and hasattr(obj, "collective_rpc")
+
+
+def vllm_target(llm):
+    """The `VllmTarget` of ``llm`` (made once per engine, with its exchange server)."""
+    from tandem.integrations.vllm.target import VllmTarget
+
+    target = _TARGETS.get(llm)
+    if target is None:
+        target = _TARGETS[llm] = VllmTarget(llm)
+    return target
+
+
+__all__ = ["WORKER_EXTENSION", "is_vllm_engine", "vllm_target"]

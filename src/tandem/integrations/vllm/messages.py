@@ -1,0 +1,42 @@
+"""What tandem's vLLM target and its worker extension say to each other through vLLM's
+``collective_rpc``: typed messages (`tandem.wire.Codec`, msgpack) carried as bytes, so their
+shape is checked on arrival like every other tandem channel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.wire import Codec
+
+VLLM = Codec("vllm")
+
+
+@VLLM.register("worker")
+@dataclass(slots=True)
+class WorkerInfo:
+    """One vLLM worker as a receiving rank."""
+
+    pid: int
+    model_class: str
+    layout: RankLayout
+
+
+@VLLM.register("phase")
+@dataclass(slots=True)
+class PhaseRequest:
+    """Run ``phase`` of a push; ``records[rank]``: the boxes of worker ``rank``."""
+
+    phase: PushPhase
+    spec: UpdateSpec
+    records: list[list[Record]]
+
+
+@VLLM.register("phase-done")
+@dataclass(slots=True)
+class PhaseReply:
+    error: str | None  # None: this worker finished the phase
+    nbytes: int  # moved (receive) or loaded into vLLM (commit)
+    torn: bool = False  # the commit failed after vLLM began loading: its weights are mixed

@@ -1,0 +1,170 @@
+"""A vLLM engine as a `tandem.exchange.WeightTarget`: `WeightSender(model, vllm_llm)` pushes
+into it, and so does any trainer process given its `exchange_address`.
+
+The engine must have been made with tandem's worker extension (``LLM(...,
+worker_extension_cls=WORKER_EXTENSION)``): each vLLM worker is one receiving rank, its boxes
+declared by the table of its model class (`tandem.integrations.vllm.layouts`). The phases of a
+push run on every worker through vLLM's ``collective_rpc``, which vLLM's engine core runs
+between two steps, so no step sees a phase half done. A push is always staged (vLLM's CPU
+build keeps only repacked linear weights: see `tandem.integrations.vllm.receiver`): a push
+rejected before its commit leaves the old weights serving; a commit that fails part-way leaves
+vLLM with mixed weights, which vLLM cannot be told to refuse requests for, so the target says
+so (`unavailable`, `weight_state`, the error of that push and of every push until one lands).
+After a push lands, vLLM's prefix cache is reset.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.target import UpdateListener
+from tandem.integrations.vllm.messages import VLLM, PhaseReply, PhaseRequest, WorkerInfo
+
+
+class VllmTarget:
+    """``llm``: a vLLM ``LLM`` made with tandem's worker extension. Opens an exchange server
+    (``host``: where it listens) whose address trainers push to; it closes when `close` is
+    called or the engine is collected (the target does not keep the engine alive)."""
+
+    def __init__(self, llm, host: str = "127.0.0.1"):
+        from tandem.exchange.server import ExchangeServer
+
+        self._llm = weakref.ref(llm)
+        try:
+            infos = [_decode(b, WorkerInfo) for b in llm.collective_rpc("tandem_worker_info")]
+        except AttributeError as exc:
+            raise ValueError(
+                "the vLLM engine has no tandem worker extension: make it with "
+                "LLM(..., worker_extension_cls=tandem.integrations.vllm.WORKER_EXTENSION) "
+                f"({exc})"
+            ) from None
+        self.workers = infos
+        self._lock = threading.Lock()  # one push at a time
+        self._version = 0
+        self._torn: str | None = None
+        self.update_listeners: list[UpdateListener] = []
+        self._server = ExchangeServer(self, host=host)
+        weakref.finalize(llm, self._server.close)
+
+    @property
+    def llm(self):
+        llm = self._llm()
+        if llm is None:
+            raise WeightSyncError("the vLLM engine is gone")
+        return llm
+
+    @property
+    def exchange_address(self) -> str:
+        return self._server.address
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.workers[0].layout.dtype
+
+    @property
+    def weight_device_type(self) -> str:
+        return "cpu"
+
+    @property
+    def receivers_in_process(self) -> bool:
+        return any(w.pid == os.getpid() for w in self.workers)
+
+    def weight_layouts(self) -> list[RankLayout]:
+        return [w.layout for w in self.workers]
+
+    def unavailable(self) -> str | None:
+        return self._torn
+
+    def weight_state(self) -> dict:
+        """``{"version": v, "torn": reason or None}``: what the engine serves."""
+        return {"version": self._version, "torn": self._torn}
+
+    def close(self) -> None:
+        self._server.close()
+
+    def refuses(self, settings: PushSettings) -> str | None:
+        if settings.in_place:
+            return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
+                    "repacked for its kernels, so every push into vLLM is staged and loaded "
+                    "through vLLM's own reload (use mode='staged')")  # fmt: skip
+        return None
+
+    @contextmanager
+    def weight_update(self, spec: UpdateSpec) -> Iterator[VllmUpdate]:
+        with self._lock:
+            update = VllmUpdate(self, spec)
+            try:
+                yield update
+            except BaseException:
+                if not update.landed:
+                    try:
+                        update.call(PushPhase.ABORT, {})
+                    except Exception:  # a worker is gone: vLLM reports that itself
+                        pass
+                raise
+            finally:
+                if update.torn is not None:
+                    self._torn = update.torn
+                elif update.landed:
+                    self._torn = None
+                    self._version = spec.version
+                    self.llm.reset_prefix_cache()  # cached KV came from the old weights
+
+
+class VllmUpdate:
+    """One push's phases on every vLLM worker (`tandem.exchange.UpdateWindow`)."""
+
+    def __init__(self, target: VllmTarget, spec: UpdateSpec):
+        self.target = target
+        self.spec = spec
+        self.landed = False
+        self.torn: str | None = None
+
+    def expose(self) -> None:
+        raise WeightSyncError("pushes into vLLM are staged: nothing is written in place")
+
+    def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
+        replies = self.call(phase, records_by_rank)
+        errors = [f"worker {i}: {r.error}" for i, r in enumerate(replies) if r.error]
+        if errors:
+            detail = "; ".join(errors)
+            version = self.spec.version
+            if any(r.torn for r in replies):
+                self.torn = f"the commit of version {version} failed part-way: {detail}"
+                raise WeightSyncError(
+                    f"update to version {version} failed in {phase.value} after vLLM began "
+                    f"loading it: vLLM now holds mixed weights and keeps serving them (it "
+                    f"cannot be told to refuse requests); push again: {detail}"
+                )
+            serving = self.target.unavailable() or f"version {self.target.weight_version}"
+            raise WeightSyncError(f"update to version {version} rejected in {phase.value}; "
+                                  f"{serving} keeps serving: {detail}")  # fmt: skip
+        if phase is PushPhase.COMMIT:
+            self.landed = True
+        return sum(r.nbytes for r in replies)
+
+    def call(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> list:
+        ranks = len(self.target.workers)
+        records = [records_by_rank.get(rank, []) for rank in range(ranks)]
+        request = VLLM.encode(PhaseRequest(phase, self.spec, records))
+        answers = self.target.llm.collective_rpc("tandem_push_phase", args=(request,))
+        return [_decode(b, PhaseReply) for b in answers]
+
+
+def _decode(data: bytes, cls: type):
+    msg = VLLM.decode(data)
+    if not isinstance(msg, cls):
+        raise ValueError(f"a vLLM worker answered {type(msg).__name__}, not {cls.__name__}")
+    return msg

@@ -1,0 +1,58 @@
+"""tandem's vLLM worker extension: ``LLM(..., worker_extension_cls=WORKER_EXTENSION)`` (or
+``vllm serve --worker-extension-cls ...``) mixes these methods into every vLLM worker, and
+tandem's vLLM target calls them through vLLM's ``collective_rpc``. Arguments and answers are
+tandem's typed messages as bytes (`tandem.integrations.vllm.messages`)."""
+
+from __future__ import annotations
+
+import os
+
+from tandem.dtypes import DTYPES
+from tandem.integrations.vllm.layouts import Shapes, Split, worker_layout
+from tandem.integrations.vllm.messages import VLLM, PhaseRequest, WorkerInfo
+from tandem.integrations.vllm.receiver import VllmReceiver
+
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class TandemWorkerExtension:
+    """Methods vLLM adds to its worker class (names start with ``tandem_`` so none shadows a
+    worker's own)."""
+
+    def tandem_worker_info(self) -> bytes:
+        """This worker as a receiving rank (`WorkerInfo`)."""
+        receiver = self._tandem_receiver()
+        model = self.model_runner.get_model()
+        return VLLM.encode(WorkerInfo(os.getpid(), type(model).__name__, receiver.layout))
+
+    def tandem_push_phase(self, request: bytes) -> bytes:
+        """One phase of a push on this worker (`PhaseRequest` -> `PhaseReply`)."""
+        req = VLLM.decode(request)
+        if not isinstance(req, PhaseRequest):
+            raise ValueError(f"expected a PhaseRequest, got {type(req).__name__}")
+        receiver = self._tandem_receiver()
+        records = req.records[self.rank] if self.rank < len(req.records) else []
+        return VLLM.encode(receiver.run(req.phase, req.spec, records))
+
+    def _tandem_receiver(self) -> VllmReceiver:
+        receiver = getattr(self, "_tandem_state", None)
+        if receiver is None:
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            config = self.vllm_config
+            if config.parallel_config.pipeline_parallel_size != 1:
+                raise ValueError("tandem pushes into vLLM with pipeline_parallel_size=1 only")
+            model = self.model_runner.get_model()
+            dtype = config.model_config.dtype
+            if dtype not in _NAMES:
+                raise ValueError(f"vLLM holds weights in {dtype}; tandem sends {sorted(DTYPES)}")
+            tp = Split(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+            layout = worker_layout(type(model).__name__, [n for n, _ in model.named_parameters()],
+                                   Shapes.of(config.model_config.hf_text_config), tp, self.rank,
+                                   _NAMES[dtype])  # fmt: skip
+            receiver = VllmReceiver(model, layout, self.reload_weights, self.device)
+            self._tandem_state = receiver
+        return receiver
