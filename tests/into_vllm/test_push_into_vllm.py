@@ -187,3 +187,28 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
     assert target.weight_version == version
     # the FSDP2 trainer pushed the model directory's own weights
     assert_generates_like(llm, transformers.AutoModelForCausalLM.from_pretrained(model_dir))
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"),
+    [("qwen2", {}),  # QKV bias, tied embeddings
+     ("qwen3", {"head_dim": 32})],  # QK-norm, head_dim set apart from hidden / heads, tied
+)  # fmt: skip
+def test_qwen_families_at_two_ranks(model_factory, family, overrides):
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    vllm.envs.disable_envs_cache()
+    shape = {k: v for k, v in MODEL.items() if k != "tie_word_embeddings"}
+    model_dir = model_factory(family, vocab_size=500, **shape, **overrides)
+    llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_model_len=128,
+                   kv_cache_memory_bytes=8 << 20, enforce_eager=True, seed=0,
+                   worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+    try:
+        model = trainer(model_dir, seed=7)
+        stats = WeightSender(model, llm).push(version=4)
+        assert stats.bytes_moved == stats.bytes_needed and vllm_target(llm).weight_version == 4
+        assert_generates_like(llm, model)
+    finally:
+        vllm_target(llm).close()
+        del llm
+        gc.collect()
+        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)

@@ -58,6 +58,7 @@ class VllmReceiver:
         for region in layout.regions:
             self.pieces[region.key].append(region.piece)
         self._halves: dict[str, ReceiverHalf] = {}
+        self.users = _users(model, list(layout.local_shapes))
 
     def run(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]) -> PhaseReply:
         half = self._half(spec.settings.transport)
@@ -78,8 +79,9 @@ class VllmReceiver:
                 half.release(spec)
                 problems = []
                 if spec.settings.verify:
-                    crcs = [tensor_crc32(box) for box in self.live(records)]
-                    problems = crc_problems(records, crcs, "in vLLM's live weights after commit")
+                    problems = [f"checksum mismatch for {r.where} in vLLM's live weights after "
+                                f"commit ({how})" for r, how, box in self.live(records)
+                                if r.crc is not None and tensor_crc32(box) != r.crc]  # fmt: skip
                 return self._reply(half, spec, problems, nbytes, torn=bool(problems))
             half.abort(spec)
             return PhaseReply(None, 0)
@@ -123,6 +125,9 @@ class VllmReceiver:
                 yield name, tensor
 
         self.reload(weights_iterator=tensors())
+        for key in {r.key for r in records}:
+            for _, module, _ in self.users[key][1:]:
+                module.quant_method.process_weights_after_loading(module)
         return sum(r.nbytes for r in records)
 
     def _canonical(self, record: Record) -> tuple[Piece, tuple[tuple[int, int], ...]]:
@@ -138,39 +143,76 @@ class VllmReceiver:
                 return piece, tuple(box)
         raise ValueError(f"{record.where}: not a region this worker holds")
 
-    def live(self, records: list[Record]) -> list[torch.Tensor]:
-        """Each record's box as vLLM now computes with it, in canonical orientation."""
-        cache: dict[str, torch.Tensor] = {}
+    def live(self, records: list[Record]) -> list[tuple[Record, str, torch.Tensor]]:
+        """Each record's box as vLLM now computes with it, in canonical orientation, every way
+        a layer uses it: (record, how, box)."""
+        cache: dict[str, list[tuple[str, torch.Tensor]]] = {}
         out = []
         for r in records:
             if r.key not in cache:
-                cache[r.key] = self._read_back(r.key)
-            out.append(r.region.view(cache[r.key]))
+                cache[r.key] = [
+                    view
+                    for user in self.users[r.key]
+                    for view in _read_back(
+                        *user, tuple(self.layout.local_shapes[r.key]), self.dtype, self.device
+                    )
+                ]
+            out += [(r, how, r.region.view(tensor)) for how, tensor in cache[r.key]]
         return out
 
-    @torch.no_grad()
-    def _read_back(self, key: str) -> torch.Tensor:
-        """The local parameter ``key`` in checkpoint format, as vLLM's forward uses it: a
-        linear layer's weight (which vLLM's CPU build keeps only repacked) by running the
-        layer's own matmul on the identity; anything else as the parameter itself."""
+
+def _users(model: nn.Module, keys: list[str]) -> dict[str, list[tuple[str, nn.Module, str]]]:
+    """For each parameter, every (module name, module, attribute) holding it: the module its
+    name points at first, then any other a tied tensor is shared with (an LM head tied to the
+    token embedding). vLLM's reload re-processes only the first of a tied tensor's layers."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            owners[id(param)].append((name, module, attr))
+    users = {}
+    for key in keys:
         module_name, _, attr = key.rpartition(".")
-        module = self.model.get_submodule(module_name)
-        shape = self.layout.local_shapes[key]
-        apply = getattr(getattr(module, "quant_method", None), "apply", None)
-        if attr == "weight" and len(shape) == 2 and apply is not None and _is_matmul(module):
-            eye = torch.eye(shape[1], dtype=self.dtype, device=self.device)
-            return apply(module, eye, None).t()[: shape[0]]
-        param = getattr(module, attr)
-        if tuple(param.shape) != tuple(shape):
-            raise ValueError(f"{key}: vLLM holds shape {tuple(param.shape)}, the layout table "
-                             f"says {tuple(shape)}")  # fmt: skip
-        return param
+        param = getattr(model.get_submodule(module_name), attr)
+        found = owners[id(param)]
+        users[key] = sorted(found, key=lambda user: user[0] != module_name)
+        if len({id(m) for _, m, _ in found}) != len(found):
+            raise ValueError(f"{key}: one module holds it twice")
+        missing = [n for n, m, _ in users[key][1:] if getattr(m, "quant_method", None) is None]
+        if missing:
+            raise ValueError(f"{key}: shared with {missing}, which vLLM cannot re-process")
+    return users
 
 
-def _is_matmul(module: nn.Module) -> bool:
-    """A layer whose weight vLLM multiplies by (a linear layer, the LM head), as opposed to
-    one it looks rows up in (the token embedding)."""
+@torch.no_grad()
+def _read_back(
+    name: str,
+    module: nn.Module,
+    attr: str,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[tuple[str, torch.Tensor]]:
+    """A parameter of ``module`` in checkpoint format, every way the module's forward uses it:
+    the plain parameter where vLLM keeps it (norms, biases, the token embedding), and, for a
+    2-D weight the module multiplies by (linear layers, whose plain weight vLLM's CPU build
+    drops after repacking; the LM head, or the embedding's own matmul), the module's matmul
+    run on the identity."""
+    views = []
+    param = getattr(module, attr)
+    if tuple(param.shape) == shape:
+        views.append((f"tensor in {name}", param))
+    elif not _is_linear(module):
+        raise ValueError(f"{name}.{attr}: vLLM holds shape {tuple(param.shape)}, the layout "
+                         f"table says {shape}")  # fmt: skip
+    apply = getattr(getattr(module, "quant_method", None), "apply", None)
+    if attr == "weight" and len(shape) == 2 and apply is not None:
+        eye = torch.eye(shape[1], dtype=dtype, device=device)
+        views.append((f"matmul in {name}", apply(module, eye, None).t()[: shape[0]]))
+    return views
+
+
+def _is_linear(module: nn.Module) -> bool:
+    """A vLLM linear layer (its CPU build may drop the plain weight after repacking it)."""
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    return isinstance(module, (LinearBase, ParallelLMHead))
+    return isinstance(module, LinearBase)
