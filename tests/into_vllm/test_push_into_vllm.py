@@ -11,6 +11,7 @@ are placed; with 2, vLLM's workers are its own processes (one core each).
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -212,3 +213,40 @@ def test_qwen_families_at_two_ranks(model_factory, family, overrides):
         del llm
         gc.collect()
         os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+
+
+TANDEM_PYTHON = HERE.parents[1] / ".venv" / "bin" / "python"  # megatron-core lives there
+
+
+@pytest.mark.skipif(not TANDEM_PYTHON.exists(), reason="no .venv (megatron-core): make test")
+def test_a_megatron_trainer_from_tandems_venv_pushes_into_vllm(engine, tmp_path):
+    """tests/megatron_trainer.py (GPTModel, TP=2 over gloo, in tandem's venv: another torch
+    install's processes) pushes its own random init to the exchange address; vLLM then
+    decodes what Megatron's forward does."""
+    llm, model_dir, _ = engine
+    target = vllm_target(llm)
+    version = target.weight_version + 3
+    out = tmp_path / "megatron.json"
+    prompt = [5, 9, 33, 2, 17, 100, 3, 8]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    args = [str(free_port()), "2", "1", model_dir, target.exchange_address, str(version),
+            str(out), ",".join(map(str, prompt))]  # fmt: skip
+    script = str(HERE.parent / "megatron_trainer.py")
+    procs = [subprocess.Popen([str(TANDEM_PYTHON), script, str(r), "2", *args], env=env)
+             for r in range(2)]  # fmt: skip
+    try:
+        assert [p.wait(timeout=240) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    expected = json.loads(out.read_text())
+    assert target.weight_version == version
+    params = vllm.SamplingParams(max_tokens=len(expected["tokens"]), temperature=0.0, logprobs=0,
+                                 ignore_eos=True)  # fmt: skip
+    got = llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    got = got[0].outputs[0]
+    assert list(got.token_ids) == expected["tokens"]
+    logprobs = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
+    assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"], strict=True)) <= 1e-3
