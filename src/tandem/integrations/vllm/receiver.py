@@ -6,11 +6,15 @@ weight is repacked for oneDNN (or sgl-kernel) and the plain tensor dropped. So a
 vLLM is always staged (``mode="staged"``): the boxes land in the transport's staging memory and
 are checksummed there (``verify``); the commit hands them, as checkpoint tensors, to the
 worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload that RL engines use), which
-runs vLLM's weight loaders and repacking; then every box is read back from the live layers (a
-linear layer through its own kernel, multiplying the identity) and checksummed against the CRC32
-its trainer rank read. A worker receives only its own boxes; a canonical tensor it holds part of
-reaches vLLM's loader as a full-shape tensor whose other rows are zeros, which the loader's
-tensor-parallel slicing never reads.
+runs vLLM's weight loaders and repacking; then every box is checked where vLLM computes with
+it, through every layer that holds it: a plain parameter by its CRC32 against the one its
+trainer rank read, a repacked weight by columns read back through the layer's own matmul
+(`SAMPLED_COLUMNS` per weight, every output row, bit for bit against the landed box; reading
+all of it back would cost a matmul by the identity, K times the weight's FLOPs).
+
+A worker receives only its own boxes; a canonical tensor it holds part of reaches vLLM's loader
+as a full-shape tensor whose other rows are zeros, which the loader's tensor-parallel slicing
+never reads.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 from tandem.integrations.vllm.messages import PhaseReply
 from tandem.layers.placement import Piece
+
+SAMPLED_COLUMNS = 16  # of each repacked weight, read back through vLLM's matmul per push
 
 
 class LocalShapes:
@@ -76,12 +82,8 @@ class VllmReceiver:
                 boxes = half.landed(spec, records)
                 torn = True  # from here vLLM's live weights change
                 nbytes = self._load(records, boxes)
+                problems = self.check_live(records, boxes) if spec.settings.verify else []
                 half.release(spec)
-                problems = []
-                if spec.settings.verify:
-                    problems = [f"checksum mismatch for {r.where} in vLLM's live weights after "
-                                f"commit ({how})" for r, how, box in self.live(records)
-                                if r.crc is not None and tensor_crc32(box) != r.crc]  # fmt: skip
                 return self._reply(half, spec, problems, nbytes, torn=bool(problems))
             half.abort(spec)
             return PhaseReply(None, 0)
@@ -143,22 +145,33 @@ class VllmReceiver:
                 return piece, tuple(box)
         raise ValueError(f"{record.where}: not a region this worker holds")
 
-    def live(self, records: list[Record]) -> list[tuple[Record, str, torch.Tensor]]:
-        """Each record's box as vLLM now computes with it, in canonical orientation, every way
-        a layer uses it: (record, how, box)."""
-        cache: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        out = []
-        for r in records:
+    def check_live(self, records: list[Record], boxes: list[torch.Tensor]) -> list[str]:
+        """Every record's box as vLLM now computes with it, each way a layer uses it: a plain
+        parameter by the CRC32 its trainer rank read; a weight a layer multiplies by through
+        that layer's matmul on `SAMPLED_COLUMNS` one-hot inputs (a column each, every output
+        row), bit for bit against the same columns of the landed box, which matched its
+        trainer's CRC32 in the verify phase."""
+        problems = []
+        cache: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = {}
+        for r, box in zip(records, boxes, strict=True):
             if r.key not in cache:
-                cache[r.key] = [
-                    view
-                    for user in self.users[r.key]
-                    for view in _read_back(
-                        *user, tuple(self.layout.local_shapes[r.key]), self.dtype, self.device
-                    )
-                ]
-            out += [(r, how, r.region.view(tensor)) for how, tensor in cache[r.key]]
-        return out
+                shape = tuple(self.layout.local_shapes[r.key])
+                reads = [_read_back(*user, shape, self.dtype, self.device)
+                         for user in self.users[r.key]]  # fmt: skip
+                cache[r.key] = [view for views in reads for view in views]
+            for how, tensor, columns in cache[r.key]:
+                if columns is None:
+                    if r.crc is not None and tensor_crc32(r.region.view(tensor)) != r.crc:
+                        problems.append(f"checksum mismatch for {r.where} in vLLM's live "
+                                        f"weights after commit ({how})")  # fmt: skip
+                    continue
+                (r0, r1), (c0, c1) = r.region.slices
+                inside = (columns >= c0) & (columns < c1)
+                got = tensor[r0:r1, inside.nonzero().flatten()]
+                if not torch.equal(got, box[:, columns[inside] - c0]):
+                    problems.append(f"{r.where} differs in vLLM's live weights after commit "
+                                    f"({how}, sampled columns)")  # fmt: skip
+        return problems
 
 
 def _users(model: nn.Module, keys: list[str]) -> dict[str, list[tuple[str, nn.Module, str]]]:
@@ -191,24 +204,36 @@ def _read_back(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: torch.device,
-) -> list[tuple[str, torch.Tensor]]:
-    """A parameter of ``module`` in checkpoint format, every way the module's forward uses it:
-    the plain parameter where vLLM keeps it (norms, biases, the token embedding), and, for a
-    2-D weight the module multiplies by (linear layers, whose plain weight vLLM's CPU build
-    drops after repacking; the LM head, or the embedding's own matmul), the module's matmul
-    run on the identity."""
+) -> list:
+    """A parameter of ``module`` in checkpoint format, every way the module's forward uses it,
+    as (how, tensor, sampled columns or None): the plain parameter where vLLM keeps it (norms,
+    biases, the token embedding), and, for a 2-D weight the module multiplies by (linear
+    layers, whose plain weight vLLM's CPU build drops after repacking; the LM head, or the
+    embedding's own matmul), the module's matmul on one-hot rows: columns of the weight, read
+    back exactly (one product each)."""
     views = []
     param = getattr(module, attr)
     if tuple(param.shape) == shape:
-        views.append((f"tensor in {name}", param))
+        views.append((f"tensor in {name}", param, None))
     elif not _is_linear(module):
         raise ValueError(f"{name}.{attr}: vLLM holds shape {tuple(param.shape)}, the layout "
                          f"table says {shape}")  # fmt: skip
     apply = getattr(getattr(module, "quant_method", None), "apply", None)
     if attr == "weight" and len(shape) == 2 and apply is not None:
-        eye = torch.eye(shape[1], dtype=dtype, device=device)
-        views.append((f"matmul in {name}", apply(module, eye, None).t()[: shape[0]]))
+        columns = _sampled(shape[1])
+        one_hot = torch.zeros(len(columns), shape[1], dtype=dtype, device=device)
+        one_hot[torch.arange(len(columns)), columns] = 1
+        views.append((f"matmul in {name}", apply(module, one_hot, None).t()[: shape[0]], columns))
     return views
+
+
+def _sampled(n: int) -> torch.Tensor:
+    """`SAMPLED_COLUMNS` of ``n`` columns, the first and last among them, drawn afresh each
+    push (a fault cannot hide in the columns that are never read)."""
+    if n <= SAMPLED_COLUMNS:
+        return torch.arange(n)
+    middle = torch.randperm(n - 2)[: SAMPLED_COLUMNS - 2] + 1
+    return torch.cat([torch.tensor([0]), middle.sort().values, torch.tensor([n - 1])])
 
 
 def _is_linear(module: nn.Module) -> bool:
