@@ -54,7 +54,7 @@ import torch
 
 from tandem.bench import sync_baselines as base
 from tandem.bench.sync_baselines import REPEATS
-from tandem.bench.sync_pushes import run_pushes
+from tandem.bench.sync_pushes import check, run_pushes
 from tandem.models.tiny import make_tiny_model
 
 # ~544 MiB of float32 weights (142.6M parameters); the exact bytes are reported.
@@ -136,9 +136,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "repeats": REPEATS,
     }
-    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY) as llm:
+    # float32 named: dtype="auto" would pick bfloat16 on CPUs with bf16 units, and the checks
+    # compare with the float32 trainer at float32 tolerance
+    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY,
+             dtype="float32") as llm:  # fmt: skip
         lap("engine_start")
-        ranks, result["checks"] = run_pushes(llm, path, REPEATS, timeout)
+        ranks, result["checks"] = run_pushes(
+            llm.exchange_address, path, REPEATS, timeout, lambda ref, v: check(llm, ref, v)
+        )
         if llm.weight_version != ranks["dist-in_place-unverified"][0]["version"]:
             raise RuntimeError(f"engine at version {llm.weight_version} after the pushes")
     pushes = {mode: _push_figures(per_rank) for mode, per_rank in ranks.items()}

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ MODES: dict[str, dict[str, Any]] = {
 SCALES = (1.25, 0.8)
 PROMPT = [3, 17, 101, 42, 7, 250, 11, 64]
 TOLERANCE = 1e-3  # on a generated token's log-prob (float32, TP=2 against transformers)
+NEW_TOKENS = 4
 
 
 class Reference:
@@ -70,17 +72,14 @@ class Reference:
         return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
-def check(llm, reference: Reference, version: int) -> float:
-    """The engine's greedy tokens scored by the reference: the largest log-prob error; raises
-    if the engine serves another version or other weights."""
-    from tandem import SamplingParams
-
-    params = SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
-    out = llm.generate([PROMPT], params)[0]
-    if out.weight_version != version:
-        raise RuntimeError(f"engine served version {out.weight_version} after push {version}")
-    got = torch.tensor(out.outputs[0].logprobs)
-    error = float((got - reference.logprobs(PROMPT, out.outputs[0].token_ids)).abs().max())
+def scored(reference: Reference, tokens: list[int], logprobs: list[float], served: int | None,
+           version: int | None) -> float:  # fmt: skip
+    """The largest log-prob error of an engine's greedy ``tokens`` after push ``version``,
+    scored by the reference; raises if the engine serves another version (None: not
+    versioned) or other weights."""
+    if served != version:
+        raise RuntimeError(f"engine served version {served} after push {version}")
+    error = float((torch.tensor(logprobs) - reference.logprobs(PROMPT, tokens)).abs().max())
     if error > TOLERANCE:
         raise RuntimeError(
             f"after push {version} the engine's log-probs differ from the trainer's by {error:.3g}"
@@ -88,14 +87,27 @@ def check(llm, reference: Reference, version: int) -> float:
     return error
 
 
-def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict, dict]:
-    """Every mode of `MODES` by the same 2 trainer processes: (per mode the figures of both
-    ranks, the checks made)."""
+def check(llm, reference: Reference, version: int) -> float:
+    """`scored` for a tandem engine."""
+    from tandem import SamplingParams
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
+    out = llm.generate([PROMPT], params)[0]
+    return scored(reference, out.outputs[0].token_ids, out.outputs[0].logprobs,
+                  out.weight_version, version)  # fmt: skip
+
+
+def run_pushes(address: str, model_dir: Path, repeats: int, timeout: float,
+               check: Callable[[Reference, int], float], modes: tuple[str, ...] = tuple(MODES),
+               ) -> tuple[dict, dict]:  # fmt: skip
+    """Each mode of ``modes`` (names in `MODES`) by the same 2 trainer processes pushing to
+    ``address``, ``check(reference, version)`` after every push: (per mode the figures of both
+    ranks, the checks made; ``checks["scalings"]``: the scalings the trainers' weights went
+    through)."""
     port = str(free_port())
-    modes = ",".join(MODES)
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "tandem.bench.sync_pushes"]
-    args = [port, str(model_dir), llm.exchange_address, str(repeats), modes]
+    args = [port, str(model_dir), address, str(repeats), ",".join(modes)]
     reference = Reference(model_dir)
     errors: list[float] = []
     logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
@@ -117,7 +129,7 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
                 rank0 = event
                 break
             reference.advance_to(event["scalings"])
-            errors.append(check(llm, reference, event["pushed"]))
+            errors.append(check(reference, event["pushed"]))
             procs[0].stdin.write(b"ok\n")
             procs[0].stdin.flush()
         for i, p in enumerate(procs):
@@ -134,9 +146,10 @@ def run_pushes(llm, model_dir: Path, repeats: int, timeout: float) -> tuple[dict
         for f in (*logs, out1):
             f.close()
     checks = {"pushes_checked": len(errors), "max_abs_logprob_error": max(errors),
-              "tolerance": TOLERANCE, "prompt_tokens": len(PROMPT), "generated_tokens": 4,
-              "scales": list(SCALES)}  # fmt: skip
-    return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in MODES}, checks
+              "tolerance": TOLERANCE, "prompt_tokens": len(PROMPT),
+              "generated_tokens": NEW_TOKENS, "scales": list(SCALES),
+              "scalings": reference.scalings}  # fmt: skip
+    return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in modes}, checks
 
 
 def _line(proc: subprocess.Popen, deadline: float, timeout: float) -> bytes:

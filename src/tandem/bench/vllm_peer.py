@@ -87,7 +87,7 @@ def decode(line: str, expected: type) -> Any:
     return expected(**data)
 
 
-def _channel() -> IO[str]:
+def protocol_channel() -> IO[str]:
     """The protocol's stdout: a private copy of fd 1, which then points at stderr."""
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -96,7 +96,7 @@ def _channel() -> IO[str]:
 
 
 def main() -> int:
-    out = _channel()
+    out = protocol_channel()
     start = decode(sys.stdin.readline(), Start)
     began = time.perf_counter()
     import torch

@@ -22,11 +22,11 @@ def is_vllm_engine(obj) -> bool:
 
 def vllm_target(llm):
     """The `VllmTarget` of ``llm`` (made once per engine, with its exchange server)."""
-    from tandem.integrations.vllm.target import VllmTarget
+    from tandem.integrations.vllm.target import OfflineEngine, VllmTarget
 
     target = _TARGETS.get(llm)
     if target is None:
-        target = _TARGETS[llm] = VllmTarget(llm)
+        target = _TARGETS[llm] = VllmTarget(OfflineEngine(llm))
     return target
 
 

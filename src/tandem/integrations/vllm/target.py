@@ -1,11 +1,14 @@
 """A vLLM engine as a `tandem.exchange.WeightTarget`: `WeightSender(model, vllm_llm)` pushes
-into it, and so does any trainer process given its `exchange_address`.
+into an offline ``LLM`` (`OfflineEngine`), ``vllm serve`` hands out its exchange through
+tandem's middleware (`ServedEngine`, `tandem.integrations.vllm.serve`), and any trainer
+process given the `exchange_address` pushes the same way.
 
 The engine must have been made with tandem's worker extension (``LLM(...,
-worker_extension_cls=WORKER_EXTENSION)``): each vLLM worker is one receiving rank, its boxes
-declared by the table of its model class (`tandem.integrations.vllm.layouts`). The phases of a
-push run on every worker through vLLM's ``collective_rpc``, which vLLM's engine core runs
-between two steps, so no step sees a phase half done. A push is always staged (vLLM's CPU
+worker_extension_cls=WORKER_EXTENSION)``, ``--worker-extension-cls``): each vLLM worker is one
+receiving rank, its boxes declared by the table of its model class
+(`tandem.integrations.vllm.layouts`). The phases of a push run on every worker through vLLM's
+``collective_rpc``, which vLLM's engine core runs between two steps, so no step sees a phase
+half done. A push is always staged (vLLM's CPU
 build keeps only repacked linear weights: see `tandem.integrations.vllm.receiver`): a push
 rejected before its commit leaves the old weights serving; a commit that fails part-way leaves
 vLLM with mixed weights, which vLLM cannot be told to refuse requests for, so the target says
@@ -15,6 +18,7 @@ After a push lands, vLLM's prefix cache is reset.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import weakref
@@ -29,17 +33,61 @@ from tandem.exchange.target import UpdateListener
 from tandem.integrations.vllm.messages import VLLM, PhaseReply, PhaseRequest, WorkerInfo
 
 
-class VllmTarget:
-    """``llm``: a vLLM ``LLM`` made with tandem's worker extension. Opens an exchange server
-    (``host``: where it listens) whose address trainers push to; it closes when `close` is
-    called or the engine is collected (the target does not keep the engine alive)."""
+class OfflineEngine:
+    """A vLLM ``LLM`` in this process, held weakly (the target does not keep it alive)."""
 
-    def __init__(self, llm, host: str = "127.0.0.1"):
+    def __init__(self, llm):
+        self._llm = weakref.ref(llm)
+
+    @property
+    def llm(self):
+        llm = self._llm()
+        if llm is None:
+            raise WeightSyncError("the vLLM engine is gone")
+        return llm
+
+    def rpc(self, method: str, *args) -> list:
+        return self.llm.collective_rpc(method, args=args)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def on_collected(self, callback) -> None:
+        weakref.finalize(self.llm, callback)
+
+
+class ServedEngine:
+    """The engine client of a ``vllm serve`` (vLLM's ``AsyncLLM``), driven from the exchange's
+    threads through the server's event loop."""
+
+    def __init__(self, client, loop: asyncio.AbstractEventLoop):
+        self.client = client
+        self.loop = loop
+
+    def rpc(self, method: str, *args) -> list:
+        return self._run(self.client.collective_rpc(method, args=args))
+
+    def reset_prefix_cache(self) -> None:
+        self._run(self.client.reset_prefix_cache())
+
+    def on_collected(self, callback) -> None:
+        pass  # the server's engine lives as long as the server
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+
+class VllmTarget:
+    """``engine``: a vLLM engine made with tandem's worker extension (`OfflineEngine`,
+    `ServedEngine`). Opens an exchange server (``host``: where it listens) whose address
+    trainers push to; it closes when `close` is called or an offline engine is collected."""
+
+    def __init__(self, engine: OfflineEngine | ServedEngine, host: str = "127.0.0.1"):
         from tandem.exchange.server import ExchangeServer
 
-        self._llm = weakref.ref(llm)
+        self.engine = engine
         try:
-            infos = [_decode(b, WorkerInfo) for b in llm.collective_rpc("tandem_worker_info")]
+            infos = [_decode(b, WorkerInfo) for b in engine.rpc("tandem_worker_info")]
         except AttributeError as exc:
             raise ValueError(
                 "the vLLM engine has no tandem worker extension: make it with "
@@ -52,18 +100,15 @@ class VllmTarget:
         self._torn: str | None = None
         self.update_listeners: list[UpdateListener] = []
         self._server = ExchangeServer(self, host=host)
-        weakref.finalize(llm, self._server.close)
-
-    @property
-    def llm(self):
-        llm = self._llm()
-        if llm is None:
-            raise WeightSyncError("the vLLM engine is gone")
-        return llm
+        engine.on_collected(self._server.close)
 
     @property
     def exchange_address(self) -> str:
         return self._server.address
+
+    @property
+    def exchange_server(self):
+        return self._server
 
     @property
     def weight_version(self) -> int:
@@ -120,7 +165,7 @@ class VllmTarget:
                 elif update.landed:
                     self._torn = None
                     self._version = spec.version
-                    self.llm.reset_prefix_cache()  # cached KV came from the old weights
+                    self.engine.reset_prefix_cache()  # cached KV came from the old weights
 
 
 class VllmUpdate:
@@ -159,7 +204,7 @@ class VllmUpdate:
         ranks = len(self.target.workers)
         records = [records_by_rank.get(rank, []) for rank in range(ranks)]
         request = VLLM.encode(PhaseRequest(phase, self.spec, records))
-        answers = self.target.llm.collective_rpc("tandem_push_phase", args=(request,))
+        answers = self.target.engine.rpc("tandem_push_phase", request)
         return [_decode(b, PhaseReply) for b in answers]
 
 

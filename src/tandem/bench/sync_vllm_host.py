@@ -1,0 +1,81 @@
+"""The vLLM side of `tandem bench sync --into vllm`: run by vLLM's venv (tandem installed there
+without its dependencies, ``make vllm``), it holds a vLLM engine with tandem's worker extension.
+
+    .venv-vllm/bin/python -m tandem.bench.sync_vllm_host
+
+JSON lines, one answer per request, on a private copy of fd 1 (vLLM's logs go to stderr):
+
+- ``{"start": {"model": DIR, "tp": T}}`` -> ``{"address": ..., "load_seconds": s}``: the engine
+  is up and tandem's exchange listens (trainers push to ``address``);
+- ``{"generate": {"prompt": [...], "max_tokens": k}}`` -> ``{"tokens", "logprobs",
+  "version"}``: greedy, for the bench's check after every push;
+- ``{"load_weights": {"scalings": n}}`` -> ``{"seconds": s}``: vLLM's own update path as RL
+  frameworks drive it: the model's full tensors, scaled ``n`` times by the bench's factors (so
+  they equal the trainers' weights), passed to every worker by ``collective_rpc`` into its
+  ``reload_weights``; timed around that call only (the tensors are ready, as if gathered).
+
+stdin closed: exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> int:
+    from tandem.bench.vllm_peer import protocol_channel
+
+    out = protocol_channel()
+    import torch
+    import vllm
+    from safetensors.torch import load_file
+
+    from tandem.bench.sync_pushes import SCALES
+    from tandem.integrations.vllm import WORKER_EXTENSION, vllm_target
+
+    llm = target = model_dir = None
+    for line in sys.stdin:
+        (kind, args), = json.loads(line).items()  # fmt: skip
+        if kind == "start":
+            began = time.perf_counter()
+            model_dir = args["model"]
+            llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=args["tp"],
+                           max_model_len=256, kv_cache_memory_bytes=32 << 20,
+                           enforce_eager=True, worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+            target = vllm_target(llm)
+            answer = {"address": target.exchange_address,
+                      "load_seconds": round(time.perf_counter() - began, 2)}  # fmt: skip
+        elif kind == "generate":
+            params = vllm.SamplingParams(max_tokens=args["max_tokens"], temperature=0.0,
+                                         logprobs=0, ignore_eos=True)  # fmt: skip
+            got = llm.generate([vllm.TokensPrompt(prompt_token_ids=args["prompt"])], params,
+                               use_tqdm=False)[0].outputs[0]  # fmt: skip
+            answer = {"tokens": list(got.token_ids),
+                      "logprobs": [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids,
+                                                                  strict=True)],
+                      "version": target.weight_version}  # fmt: skip
+        elif kind == "load_weights":
+            tensors = {}
+            for name in sorted(os.listdir(model_dir)):
+                if name.endswith(".safetensors"):
+                    tensors.update(load_file(os.path.join(model_dir, name)))
+            with torch.no_grad():
+                for i in range(args["scalings"]):
+                    for t in tensors.values():
+                        t.mul_(SCALES[i % len(SCALES)])
+            weights = list(tensors.items())
+            began = time.perf_counter()
+            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            answer = {"seconds": time.perf_counter() - began}
+            llm.reset_prefix_cache()
+        else:
+            raise ValueError(f"unknown request {kind!r}")
+        out.write(json.dumps(answer) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
