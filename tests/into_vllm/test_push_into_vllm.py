@@ -131,30 +131,22 @@ def test_a_layout_that_disagrees_is_refused_before_any_byte_moves(engine):
     assert target.weight_version == served and generate(llm) == before
 
 
-def test_a_wrong_copy_into_vllms_loader_is_caught_reading_back_its_kernels(engine, monkeypatch):
-    """v_proj handed to vLLM's loader one row off lands in vLLM's repacked weights; reading
-    them back through vLLM's matmul finds it, and the target says its weights are mixed until
-    a complete push lands."""
+def test_a_wrong_copy_into_vllms_layers_is_caught_reading_back_its_kernels(engine, monkeypatch):
+    """qkv_proj's boxes written into vLLM's layer one row off land in vLLM's repacked weights;
+    reading them back through vLLM's matmul finds it, and the target says its weights are
+    mixed until a complete push lands."""
     llm, model_dir, tp = engine
     if tp != 1:
         pytest.skip("the fault is injected in this process: vLLM's one worker runs here at tp=1")
     target = vllm_target(llm)
     load = VllmReceiver._load
 
-    def rolled_v_proj(self, records, boxes):
-        reload = self.reload
+    def rolled_qkv(self, records, boxes):
+        boxes = [b.roll(1, 0) if "qkv_proj" in r.key else b
+                 for r, b in zip(records, boxes, strict=True)]  # fmt: skip
+        return load(self, records, boxes)
 
-        def faulty(weights_iterator):
-            rolled = ((n, t.roll(1, 0) if "v_proj" in n else t) for n, t in weights_iterator)
-            return reload(weights_iterator=rolled)
-
-        self.reload = faulty
-        try:
-            return load(self, records, boxes)
-        finally:
-            self.reload = reload
-
-    monkeypatch.setattr(VllmReceiver, "_load", rolled_v_proj)
+    monkeypatch.setattr(VllmReceiver, "_load", rolled_qkv)
     with pytest.raises(WeightSyncError, match="qkv_proj.*in vLLM's live weights after commit"
                        ) as err:  # fmt: skip
         WeightSender(trainer(model_dir, seed=96), llm).push()

@@ -1,28 +1,33 @@
-"""One vLLM worker's side of a push: tandem's transports bring this worker's boxes, vLLM's own
-reload loads them, and what vLLM's kernels then compute with is checked against the trainer.
+"""One vLLM worker's side of a push: tandem's transports bring this worker's boxes, they go
+into vLLM's live layers, and what vLLM's kernels then compute with is checked against the
+trainer.
 
 vLLM's CPU build keeps no plain linear weight to write into: after loading, each linear layer's
 weight is repacked for oneDNN (or sgl-kernel) and the plain tensor dropped. So a push into
 vLLM is always staged (``mode="staged"``): the boxes land in the transport's staging memory and
-are checksummed there (``verify``); the commit hands them, as checkpoint tensors, to the
-worker's ``reload_weights`` (vLLM's in-place, layer-by-layer reload that RL engines use), which
-runs vLLM's weight loaders and repacking; then every box is checked where vLLM computes with
-it, through every layer that holds it: a plain parameter by its CRC32 against the one its
-trainer rank read, a repacked weight by columns read back through the layer's own matmul
-(`SAMPLED_COLUMNS` per weight, every output row, bit for bit against the landed box; reading
-all of it back would cost a matmul by the identity, K times the weight's FLOPs).
+are checksummed there (``verify``); the commit writes them, layer by layer, into the layers'
+parameters in checkpoint format (in place where vLLM keeps them; made anew where it dropped
+them) and has each layer's quantization method process them as vLLM's loader does (which
+repacks). Then every box is checked where vLLM computes with it, through every layer that holds
+it: a plain parameter by its CRC32 against the one its trainer rank read, a repacked weight by
+columns read back through the layer's own matmul (`SAMPLED_COLUMNS` per weight, every output
+row, bit for bit against the landed box; reading all of it back would cost a matmul by the
+identity, K times the weight's FLOPs).
 
-A worker receives only its own boxes; a canonical tensor it holds part of reaches vLLM's loader
-as a full-shape tensor whose other rows are zeros, which the loader's tensor-parallel slicing
-never reads.
+vLLM's own ``reload_weights`` (its layer-by-layer reload, which the RL frameworks' path and the
+baseline of `tandem bench sync --into vllm` use) does the same from full checkpoint tensors,
+restoring each layer on the meta device, buffering, materializing and copying again; it also
+leaves an LM head tied to the embedding computing with its old repacked copy.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 from torch import nn
+from vllm.config import set_current_vllm_config
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
@@ -33,7 +38,6 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 from tandem.integrations.vllm.messages import PhaseReply
-from tandem.layers.placement import Piece
 
 SAMPLED_COLUMNS = 16  # of each repacked weight, read back through vLLM's matmul per push
 
@@ -53,16 +57,13 @@ class LocalShapes:
 class VllmReceiver:
     """Kept by a worker across pushes (its transports' halves with their mappings)."""
 
-    def __init__(self, model: nn.Module, layout: RankLayout, reload, device: torch.device):
+    def __init__(self, model: nn.Module, layout: RankLayout, vllm_config, device: torch.device):
         self.model = model
         self.layout = layout
-        self.reload = reload  # the worker's ``reload_weights``
+        self.vllm_config = vllm_config  # the worker's (vLLM's processing reads it)
         self.device = device
         self.dtype = DTYPES[layout.dtype]
         self.shapes = LocalShapes(layout, self.dtype)
-        self.pieces: dict[str, list[Piece]] = defaultdict(list)
-        for region in layout.regions:
-            self.pieces[region.key].append(region.piece)
         self._halves: dict[str, ReceiverHalf] = {}
         self.users = _users(model, list(layout.local_shapes))
 
@@ -107,43 +108,38 @@ class VllmReceiver:
         return self._halves[name]
 
     def _load(self, records: list[Record], boxes: list[torch.Tensor]) -> int:
-        """The landed boxes into vLLM through its reload, one canonical tensor at a time (in
-        the order of the layout, so each layer is repacked as soon as it is complete)."""
-        by_name: dict[str, list[tuple[tuple, torch.Tensor]]] = defaultdict(list)
-        for record, box in zip(records, boxes, strict=True):
-            piece, canonical = self._canonical(record)
-            by_name[piece.name].append((canonical, box))
-        shapes = self.layout.canonical_shapes()
-
-        def tensors():
-            for name, parts in by_name.items():
-                full = shapes[name]
-                if len(parts) == 1 and parts[0][1].shape == full:
-                    yield name, parts[0][1]  # the whole tensor: vLLM copies it from staging
-                    continue
-                tensor = torch.zeros(full, dtype=self.dtype, device=self.device)
-                for box, value in parts:
-                    tensor[tuple(slice(a, b) for a, b in box)].copy_(value)
-                yield name, tensor
-
-        self.reload(weights_iterator=tensors())
-        for key in {r.key for r in records}:
-            for _, module, _ in self.users[key][1:]:
-                module.quant_method.process_weights_after_loading(module)
+        """The landed boxes into vLLM's live layers, one layer at a time: each box into its
+        region of the parameter (`Record.region`, from the layout table), in place where vLLM
+        keeps the plain tensor (norms, biases, the embedding); where vLLM's CPU build dropped
+        it after repacking (linear weights) into the layer's parameter made anew in checkpoint
+        format. Then the layer's quantization method processes it as vLLM's loader does after
+        loading (``process_weights_after_loading``: the CPU build repacks for oneDNN, dropping
+        the plain weight again), as does every other layer sharing one of its tensors (an LM
+        head tied to the embedding)."""
+        by_module: dict[str, dict[str, list[tuple[Record, torch.Tensor]]]] = defaultdict(dict)
+        for r, box in zip(records, boxes, strict=True):
+            module_name, _, attr = r.key.rpartition(".")
+            by_module[module_name].setdefault(attr, []).append((r, box))
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            for module_name, attrs in by_module.items():
+                module = self.model.get_submodule(module_name)
+                for attr, items in attrs.items():
+                    shape = tuple(self.layout.local_shapes[f"{module_name}.{attr}"])
+                    live = getattr(module, attr)
+                    if tuple(live.shape) != shape:  # repacked: its checkpoint form, anew
+                        covered = sum(box.numel() for _, box in items) == math.prod(shape)
+                        make = torch.empty if covered else torch.zeros
+                        live = make(shape, dtype=self.dtype, device=self.device)
+                        setattr(module, attr, nn.Parameter(live, requires_grad=False))
+                    for r, box in items:
+                        r.region.view(live).copy_(box)
+                owners = {id(m): m for attr in attrs
+                          for _, m, _ in self.users[f"{module_name}.{attr}"]}  # fmt: skip
+                for owner in owners.values():
+                    method = getattr(owner, "quant_method", None)
+                    if method is not None:
+                        method.process_weights_after_loading(owner)
         return sum(r.nbytes for r in records)
-
-    def _canonical(self, record: Record) -> tuple[Piece, tuple[tuple[int, int], ...]]:
-        """The piece a record's region lies in, and the canonical box it covers."""
-        for piece in self.pieces.get(record.key, ()):
-            box = []
-            dims = zip(record.region.slices, piece.box, piece.offset, piece.box_shape, strict=True)
-            for (start, stop), (b0, _), offset, size in dims:
-                if start < offset or stop > offset + size:
-                    break
-                box.append((b0 + start - offset, b0 + stop - offset))
-            else:
-                return piece, tuple(box)
-        raise ValueError(f"{record.where}: not a region this worker holds")
 
     def check_live(self, records: list[Record], boxes: list[torch.Tensor]) -> list[str]:
         """Every record's box as vLLM now computes with it, each way a layer uses it: a plain
@@ -177,7 +173,7 @@ class VllmReceiver:
 def _users(model: nn.Module, keys: list[str]) -> dict[str, list[tuple[str, nn.Module, str]]]:
     """For each parameter, every (module name, module, attribute) holding it: the module its
     name points at first, then any other a tied tensor is shared with (an LM head tied to the
-    token embedding). vLLM's reload re-processes only the first of a tied tensor's layers."""
+    token embedding, which keeps a repacked copy of its own)."""
     owners: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
     for name, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False):

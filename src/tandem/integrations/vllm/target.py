@@ -142,8 +142,8 @@ class VllmTarget:
     def refuses(self, settings: PushSettings) -> str | None:
         if settings.in_place:
             return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
-                    "repacked for its kernels, so every push into vLLM is staged and loaded "
-                    "through vLLM's own reload (use mode='staged')")  # fmt: skip
+                    "repacked for its kernels, so every push into vLLM is staged, then written "
+                    "into its layers and repacked by vLLM (use mode='staged')")  # fmt: skip
         return None
 
     @contextmanager

@@ -53,6 +53,6 @@ class TandemWorkerExtension:
             layout = worker_layout(type(model).__name__, [n for n, _ in model.named_parameters()],
                                    Shapes.of(config.model_config.hf_text_config), tp, self.rank,
                                    _NAMES[dtype])  # fmt: skip
-            receiver = VllmReceiver(model, layout, self.reload_weights, self.device)
+            receiver = VllmReceiver(model, layout, config, self.device)
             self._tandem_state = receiver
         return receiver
