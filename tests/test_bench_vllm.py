@@ -124,3 +124,25 @@ def _group_gone(pgid: int, seconds: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
+def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, monkeypatch):
+    """`tandem bench sync --into vllm --quick`: every push (tandem's into both engines, the
+    gathered and the in-process reload baselines) is checked against transformers inside the
+    run, which raises on any that did not land."""
+    from tandem.bench.sync_vllm import run
+
+    monkeypatch.setenv("TANDEM_VLLM_PYTHON", str(vllm_python().absolute()))
+    monkeypatch.chdir(tmp_path)  # the model is cached under ./.tandem
+    result = run(quick=True)
+    for side in ("into_tandem", "into_vllm", "into_vllm_dist", "load_weights",
+                 "load_weights_in_process"):  # fmt: skip
+        assert result[side]["seconds"] > 0, side
+    assert result["into_vllm"]["bytes_moved"] == result["into_vllm"]["bytes_needed"]
+    assert result["checks"]["pushes_checked"] == 4 * 3  # 3 modes x (1 untimed + 3 timed)
+    assert result["load_weights"]["max_abs_logprob_error"] <= 1e-3
+    assert set(result["ratios"]) == {"into_vllm_vs_load_weights",
+                                     "into_vllm_vs_load_weights_in_process",
+                                     "into_vllm_vs_into_tandem"}  # fmt: skip

@@ -9,6 +9,12 @@ waits; this process checks the engine's greedy output against a reference model 
 went through the same scalings (`Reference`), then lets the trainers go on.
 
     python -m tandem.bench.sync_pushes RANK PORT DIR ADDRESS REPEATS MODE[,MODE...]
+
+`GATHERED` is no tandem push but the RL frameworks' path, timed the same way: per push both
+ranks gather every parameter (``full_tensor()``, names in sorted order) and rank 0 sends each
+full tensor to the engine's process (``ADDRESS``: ``host:port`` of a 2-rank gloo group it
+joins as rank 0, the engine's process as rank 1), which loads them all into its engine and
+answers one byte; the push ends at that answer.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,7 @@ MODES: dict[str, dict[str, Any]] = {
     "dist-in_place": {"transport": "dist", "mode": "in_place"},
     "dist-in_place-unverified": {"transport": "dist", "mode": "in_place", "verify": False},
 }
+GATHERED = "gathered"  # the RL frameworks' path (see the module's docstring)
 # The trainers multiply every weight by these in turn before each push: large changes (a push
 # that did not land fails the check by far), and bounded (the product of a pair is ~1).
 SCALES = (1.25, 0.8)
@@ -172,7 +181,10 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
     model = _fsdp_model(model_dir, dist.group.WORLD)
     version, scalings, out = 0, 0, {}
     for name in modes.split(","):
-        sender = WeightSender(model, address, **MODES[name])
+        if name == GATHERED:
+            sender = _Gathered(model, address, rank)
+        else:
+            sender = WeightSender(model, address, **MODES[name])
         seconds, warmup = [], None
         for i in range(1 + repeats):
             with torch.no_grad():  # new weights for every push (each rank scales its shard)
@@ -201,6 +213,52 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
     dist.barrier()
     print(json.dumps({"rank": rank, "pushes": version, "modes": out}), flush=True)
     dist.destroy_process_group()
+
+
+class _Gathered:
+    """The RL frameworks' path as a sender: gather every full tensor (both ranks), rank 0 sends
+    them to the engine's process, which loads them and answers."""
+
+    def __init__(self, model: torch.nn.Module, address: str, rank: int):
+        self.params = dict(sorted(model.named_parameters()))
+        self.rank = rank
+        self.group = None
+        if rank == 0:
+            host, port = address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), 2, is_master=True)
+            self.group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
+
+    def push(self, version: int):
+        start = time.perf_counter()
+        nbytes = 0
+        for param in self.params.values():
+            full = param.full_tensor()  # a collective of both trainer ranks
+            if self.group is not None:
+                self.group.send([full.contiguous()], 1, 0).wait()
+                nbytes += full.numel() * full.element_size()
+        if self.group is not None:
+            self.group.recv([torch.zeros(1, dtype=torch.uint8)], 1, 0).wait()  # loaded
+        full = sum(p.numel() * p.element_size() for p in self.params.values())
+        return _Sent(version, nbytes, full, time.perf_counter() - start)
+
+    def close(self) -> None:
+        self.group = None
+
+
+@dataclass
+class _Sent:
+    """What `trainer_main` reads of a push's stats (``bytes_needed``: the full model's)."""
+
+    version: int
+    bytes_sent: int
+    bytes_needed: int
+    seconds: float
+    transport: str = "gloo, gathered full tensors"
+    bytes_by_receiver: tuple = ()
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_needed
 
 
 if __name__ == "__main__":

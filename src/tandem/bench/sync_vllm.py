@@ -9,14 +9,19 @@ Measured in one run, on this host:
 - ``into_vllm``: the same trainers push, the same way, into vLLM's CPU build at
   ``tensor_parallel_size=2`` (one core per worker), run by vLLM's venv with tandem's worker
   extension (`tandem.bench.sync_vllm_host`); ``unverified_seconds``: with ``verify=False``;
-  ``dist``: ``transport="dist"``. After every push, untimed, vLLM's greedy log-probs are
-  checked against transformers on the trainer's weights.
-- ``load_weights``: vLLM's own path as RL frameworks use it: the full tensors (already
-  gathered, their gathering not counted) handed to every worker by ``collective_rpc`` into its
-  ``reload_weights``; one untimed, then ``REPEATS`` timed, each checked the same way.
+  ``into_vllm_dist``: ``transport="dist"``. After every push, untimed, vLLM's greedy log-probs
+  are checked against transformers on the trainer's weights.
+- ``load_weights``: vLLM's own path as RL frameworks use it with a trainer in processes of its
+  own: the same trainers gather every full tensor (``full_tensor()``), rank 0 sends them over
+  gloo to vLLM's process, which hands them to every worker by ``collective_rpc`` into its
+  ``reload_weights`` and answers; timed on the trainers like a push, checked the same way.
+- ``load_weights_in_process``: that path at its best: the full tensors already in vLLM's
+  process (their gathering and sending not counted), only the ``collective_rpc`` into
+  ``reload_weights`` timed; one untimed, then ``REPEATS`` timed, each checked.
 
 ``ratios.into_vllm_vs_load_weights`` = load_weights / into_vllm seconds (best of each);
-``into_vllm_vs_into_tandem`` = into_tandem / into_vllm.
+``into_vllm_vs_load_weights_in_process`` likewise; ``into_vllm_vs_into_tandem`` = into_tandem /
+into_vllm.
 """
 
 from __future__ import annotations
@@ -33,8 +38,17 @@ from tandem.bench import sync_baselines as base
 from tandem.bench.generate_vllm import preloads, vllm_python
 from tandem.bench.sync import KV_CACHE_MEMORY, SETUPS, _push_figures, _weights
 from tandem.bench.sync_baselines import REPEATS
-from tandem.bench.sync_pushes import NEW_TOKENS, PROMPT, Reference, check, run_pushes, scored
+from tandem.bench.sync_pushes import (
+    GATHERED,
+    NEW_TOKENS,
+    PROMPT,
+    Reference,
+    check,
+    run_pushes,
+    scored,
+)
 from tandem.models.tiny import make_tiny_model
+from tandem.wire import free_port
 
 VLLM_MODES = ("shm", "shm-unverified", "dist")
 
@@ -133,7 +147,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             errors.append(host.check(reference, None))
             if i:
                 seconds.append(took)
-        result["load_weights"] = {
+        result["load_weights_in_process"] = {
             "seconds": round(min(seconds), 6),
             "seconds_per_push": [round(s, 6) for s in seconds],
             "gib_per_s": base.gib_per_s(into["bytes_needed"], min(seconds)),
@@ -141,9 +155,23 @@ def run(quick: bool = False) -> dict[str, Any]:
             "how": "collective_rpc('reload_weights', weights_iterator=full tensors) on every "
                    "worker; the tensors ready in the engine's process (gathering not counted)",
         }  # fmt: skip
+        address = f"127.0.0.1:{free_port()}"
+        host.ask("gathered", address=address, pushes=1 + REPEATS)
+        ranks, checks = run_pushes(address, path, REPEATS, timeout,
+                                   lambda ref, v: host.check(ref, None), (GATHERED,))  # fmt: skip
+        gathered = result["load_weights"] = _push_figures(ranks[GATHERED])
+        gathered["max_abs_logprob_error"] = checks["max_abs_logprob_error"]
+        gathered["how"] = (
+            "the trainer ranks gather every parameter (full_tensor), rank 0 sends each full "
+            "tensor over gloo to vLLM's process, which hands them all to every worker by "
+            "collective_rpc into reload_weights and answers; a push ends at the answer"
+        )
     best = into["seconds"]
     result["ratios"] = {
-        "into_vllm_vs_load_weights": round(result["load_weights"]["seconds"] / best, 3),
+        "into_vllm_vs_load_weights": round(gathered["seconds"] / best, 3),
+        "into_vllm_vs_load_weights_in_process": round(
+            result["load_weights_in_process"]["seconds"] / best, 3
+        ),
         "into_vllm_vs_into_tandem": round(result["into_tandem"]["seconds"] / best, 3),
     }
     result["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -12,7 +12,12 @@ JSON lines, one answer per request, on a private copy of fd 1 (vLLM's logs go to
 - ``{"load_weights": {"scalings": n}}`` -> ``{"seconds": s}``: vLLM's own update path as RL
   frameworks drive it: the model's full tensors, scaled ``n`` times by the bench's factors (so
   they equal the trainers' weights), passed to every worker by ``collective_rpc`` into its
-  ``reload_weights``; timed around that call only (the tensors are ready, as if gathered).
+  ``reload_weights``; timed around that call only (the tensors are ready, as if gathered);
+- ``{"gathered": {"address": "host:port", "pushes": n}}`` -> ``{"listening": true}``: the RL
+  frameworks' path from trainer processes (`tandem.bench.sync_pushes`, mode ``gathered``): a
+  thread joins a 2-rank gloo group at ``address`` as rank 1 and, ``n`` times, receives every
+  full tensor from trainer rank 0 (sorted by name), hands them all to every worker by
+  ``collective_rpc`` into ``reload_weights``, and answers one byte.
 
 stdin closed: exit.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 
 
@@ -31,7 +37,6 @@ def main() -> int:
     out = protocol_channel()
     import torch
     import vllm
-    from safetensors.torch import load_file
 
     from tandem.bench.sync_pushes import SCALES
     from tandem.integrations.vllm import WORKER_EXTENSION, vllm_target
@@ -57,11 +62,17 @@ def main() -> int:
                       "logprobs": [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids,
                                                                   strict=True)],
                       "version": target.weight_version}  # fmt: skip
+        elif kind == "gathered":
+            tensors = _tensors(model_dir)
+            receiver = threading.Thread(
+                target=_receive_gathered,
+                args=(llm, tensors, args["address"], args["pushes"]),
+                daemon=True,
+            )
+            receiver.start()
+            answer = {"listening": True}
         elif kind == "load_weights":
-            tensors = {}
-            for name in sorted(os.listdir(model_dir)):
-                if name.endswith(".safetensors"):
-                    tensors.update(load_file(os.path.join(model_dir, name)))
+            tensors = _tensors(model_dir)
             with torch.no_grad():
                 for i in range(args["scalings"]):
                     for t in tensors.values():
@@ -75,6 +86,33 @@ def main() -> int:
             raise ValueError(f"unknown request {kind!r}")
         out.write(json.dumps(answer) + "\n")
     return 0
+
+
+def _tensors(model_dir: str) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    return dict(sorted(tensors.items()))
+
+
+def _receive_gathered(llm, buffers: dict, address: str, pushes: int) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), 2, is_master=False, timeout=timedelta(seconds=600))
+    group = dist.ProcessGroupGloo(store, 1, 2, timedelta(seconds=600))
+    for _ in range(pushes):
+        for tensor in buffers.values():
+            group.recv([tensor], 0, 0).wait()
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(buffers.items())})
+        llm.reset_prefix_cache()
+        group.send([torch.ones(1, dtype=torch.uint8)], 0, 0).wait()
 
 
 if __name__ == "__main__":
