@@ -242,3 +242,27 @@ def test_a_megatron_trainer_from_tandems_venv_pushes_into_vllm(engine, tmp_path)
     assert list(got.token_ids) == expected["tokens"]
     logprobs = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
     assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"], strict=True)) <= 1e-3
+
+
+def test_an_engine_without_the_worker_extension_is_told_how_to_make_one(model_factory):
+    """In a fresh process: vLLM mixes a worker extension into its worker class for good, so an
+    engine made here after the others would have it."""
+    model_dir = model_factory("llama", vocab_size=500, **MODEL)
+    script = f"""
+import torch, vllm
+from tandem.exchange import WeightSender
+if __name__ == "__main__":
+    llm = vllm.LLM({model_dir!r}, dtype="float32", max_model_len=128,
+                   kv_cache_memory_bytes=8 << 20, enforce_eager=True)
+    try:
+        WeightSender(torch.nn.Linear(2, 2), llm)
+    except ValueError as exc:
+        print("REFUSED:", exc)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_OMP")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=240)  # fmt: skip
+    assert "REFUSED: the vLLM engine has no tandem worker extension" in done.stdout, done.stderr[
+        -3000:
+    ]
+    assert "worker_extension_cls=tandem.integrations.vllm.WORKER_EXTENSION" in done.stdout

@@ -88,7 +88,9 @@ class VllmTarget:
         self.engine = engine
         try:
             infos = [_decode(b, WorkerInfo) for b in engine.rpc("tandem_worker_info")]
-        except AttributeError as exc:
+        except Exception as exc:  # vLLM wraps a worker's AttributeError in its own error
+            if "tandem_worker_info" not in str(exc):
+                raise
             raise ValueError(
                 "the vLLM engine has no tandem worker extension: make it with "
                 "LLM(..., worker_extension_cls=tandem.integrations.vllm.WORKER_EXTENSION) "
