@@ -42,13 +42,14 @@ MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 NEW = 6
 HERE = Path(__file__).parent
+ONE_CORE_PER_RANK = "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))  # vLLM's TP=2 bind
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def engine(request, model_factory):
     tp = request.param
     if tp == 2:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # one core per rank
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
     vllm.envs.disable_envs_cache()  # an earlier engine froze the environment vLLM reads
     model_dir = model_factory("llama", vocab_size=500, **MODEL)
     llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=128,
@@ -188,7 +189,7 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
      ("qwen3", {"head_dim": 32})],  # QK-norm, head_dim set apart from hidden / heads, tied
 )  # fmt: skip
 def test_qwen_families_at_two_ranks(model_factory, family, overrides):
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
     vllm.envs.disable_envs_cache()
     shape = {k: v for k, v in MODEL.items() if k != "tie_word_embeddings"}
     model_dir = model_factory(family, vocab_size=500, **shape, **overrides)

@@ -60,7 +60,8 @@ class VllmHost:
         # the engine core in the host process, as TRL's colocate mode runs it: collective_rpc
         # then hands tensors to the workers through vLLM's shared-memory broadcast (across
         # the engine core's own process boundary its msgpack decodes them as plain lists)
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, range(tp))),
+        cores = sorted(os.sched_getaffinity(0))[:tp]  # one per worker
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, cores)),
                    VLLM_CPU_CI_ENV="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
         preload = ":".join(filter(None, [*preloads(python), os.environ.get("LD_PRELOAD")]))
         if preload:
