@@ -175,3 +175,9 @@ def test_transports_say_what_sets_them_apart():
     dist.retire()  # a failed push: the next one rendezvouses in a new group
     again = dist.prepare(spec, plans, receivers, "cuda")
     assert (again.group.prefix, again.group.backend) == ("exchange/2", "nccl")
+
+
+def test_a_target_nothing_adapts_is_refused_by_name():
+    """Not an address, no ``exchange_address``, no integration's adapter takes it."""
+    with pytest.raises(TypeError, match="cannot push into a dict: give an LLM"):
+        WeightSender(_Tiny(0), {"exchange": "nowhere"})

@@ -4,6 +4,7 @@ from tandem.engine.llm import LLM
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import ModelLoadError, UnsupportedModelError
+from tandem.integrations import vllm as _vllm  # noqa: F401  (vLLM engines as push targets)
 
 __all__ = [
     "LLM",

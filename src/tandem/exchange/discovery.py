@@ -3,7 +3,9 @@
 A `WeightSender` target may be ``host:port/token`` (an `LLM`'s ``exchange_address``) or a
 server's address (``http://host:port`` or ``host:port``): then ``GET /admin/weights`` with the
 admin key returns the exchange endpoint. HTTP only negotiates; the tensor bytes go through
-the transports.
+the transports. Any object with an ``exchange_address`` is a target too, and so is another
+project's engine once its integration registered an adapter (`register_target_adapter`: the
+vLLM one, `tandem.integrations.vllm`, does on import, which ``import tandem`` makes).
 """
 
 from __future__ import annotations
@@ -12,11 +14,38 @@ import json
 import os
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 from tandem.exchange.address import ExchangeAddress
 
 ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
+
+# an engine object of another project -> its exchange address, or None when not its kind
+TargetAdapter = Callable[[object], str | None]
+_TARGET_ADAPTERS: list[TargetAdapter] = []
+
+
+def register_target_adapter(adapter: TargetAdapter) -> None:
+    """Let `WeightSender` take engines ``adapter`` recognises (it opens their exchange)."""
+    if adapter not in _TARGET_ADAPTERS:
+        _TARGET_ADAPTERS.append(adapter)
+
+
+def target_address(target, admin_key: str | None = None) -> ExchangeAddress:
+    """Where a push to ``target`` goes: a string as `exchange_address` reads it; an object's
+    ``exchange_address``; else what a registered adapter makes of it."""
+    if isinstance(target, str):
+        return exchange_address(target, admin_key)
+    if hasattr(target, "exchange_address"):
+        return ExchangeAddress.parse(target.exchange_address)
+    for adapter in _TARGET_ADAPTERS:
+        address = adapter(target)
+        if address is not None:
+            return ExchangeAddress.parse(address)
+    raise TypeError(f"cannot push into a {type(target).__name__}: give an LLM, its "
+                    f"exchange_address, a server's URL, or an engine an integration adapts "
+                    f"(a vLLM LLM made with tandem's worker extension)")  # fmt: skip
 
 
 class DiscoveryError(RuntimeError):

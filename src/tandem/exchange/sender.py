@@ -21,8 +21,7 @@ from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
-from tandem.exchange.address import ExchangeAddress
-from tandem.exchange.discovery import exchange_address
+from tandem.exchange.discovery import target_address
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
 from tandem.exchange.receiver import WeightSyncError
@@ -30,7 +29,6 @@ from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports import TRANSPORTS, check, p2p
 from tandem.exchange.transports.base import Delivery
-from tandem.integrations.vllm import is_vllm_engine, vllm_target
 from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
 LAYOUTS = ("auto", "megatron", "hf")
@@ -104,12 +102,7 @@ class WeightSender:
         if transport != "auto" and transport not in TRANSPORTS:
             raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, "
                              f"got {transport!r}")  # fmt: skip
-        if is_vllm_engine(target):
-            target = vllm_target(target)
-        if isinstance(target, str):
-            self._address = exchange_address(target, admin_key)
-        else:
-            self._address = ExchangeAddress.parse(target.exchange_address)
+        self._address = target_address(target, admin_key)
         self.model = model
         if transport == "auto":
             on_gpu = any(local_tensor(t).is_cuda for _, t in named_tensors(model))

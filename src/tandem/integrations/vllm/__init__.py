@@ -2,13 +2,15 @@
 
 ``LLM(model, worker_extension_cls=WORKER_EXTENSION)`` gives each vLLM worker tandem's receiving
 side; `WeightSender(trainer_model, llm)` then pushes into it (`vllm_target`), as does a trainer
-in another process given ``vllm_target(llm).exchange_address``. Importing this package does not
-import vLLM.
+in another process given ``vllm_target(llm).exchange_address``. Importing this package (``import
+tandem`` does) registers vLLM engines as push targets; it does not import vLLM.
 """
 
 from __future__ import annotations
 
 import weakref
+
+from tandem.exchange.discovery import register_target_adapter
 
 WORKER_EXTENSION = "tandem.integrations.vllm.worker.TandemWorkerExtension"
 
@@ -29,5 +31,11 @@ def vllm_target(llm):
         target = _TARGETS[llm] = VllmTarget(OfflineEngine(llm))
     return target
 
+
+def _address(obj) -> str | None:
+    return vllm_target(obj).exchange_address if is_vllm_engine(obj) else None
+
+
+register_target_adapter(_address)  # WeightSender(model, vllm_llm)
 
 __all__ = ["WORKER_EXTENSION", "is_vllm_engine", "vllm_target"]
