@@ -61,6 +61,17 @@ def preloads(python: Path) -> list[str]:
     return [lib for lib in found if lib]
 
 
+def vllm_env(python: Path, bind: str, **extra: str) -> dict[str, str]:
+    """The environment of a vLLM process run by ``python``: OpenMP threads bound as ``bind``
+    (`VLLM_CPU_OMP_THREADS_BIND`: ``"0,1"`` one engine on two cores, ``"0|1"`` one core per
+    worker), `preloads` ahead of any ``LD_PRELOAD`` already set, and ``extra``."""
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=bind, **extra)
+    preload = ":".join(filter(None, [*preloads(python), os.environ.get("LD_PRELOAD")]))
+    if preload:
+        env["LD_PRELOAD"] = preload
+    return env
+
+
 def kv_cache_bytes(kv_bytes_per_token: int, seqs: list[tuple[int, int]]) -> int:
     """Room for every (prompt, new tokens) sequence at once, each in whole vLLM blocks."""
     blocks = sum(ceil((prompt + new) / BLOCK_SIZE) for prompt, new in seqs)
@@ -72,10 +83,7 @@ class VllmPeer:
 
     def __init__(self, python: Path, start: Start, threads: int, log: Path):
         cores = sorted(os.sched_getaffinity(0))[:threads]
-        preload = ":".join(filter(None, [*preloads(python), os.environ.get("LD_PRELOAD")]))
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)))
-        if preload:
-            env["LD_PRELOAD"] = preload
+        env = vllm_env(python, ",".join(map(str, cores)))
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log = log
         with log.open("w") as err:

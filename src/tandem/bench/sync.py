@@ -104,12 +104,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         phases[name] = round(now - clock, 2)
         clock = now
 
-    model_dir, overrides, vocab = SETUPS[quick]
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama", seed=0, vocab_size=vocab, overrides=overrides)
+    path = bench_model(quick)
     config = json.loads((path / "config.json").read_text())
-    params, weight_bytes = _weights(path)
+    params, weight_bytes = weights_of(path)
     lap("model")
     timeout = 120.0 if quick else 600.0
     result: dict[str, Any] = {
@@ -146,7 +143,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
         if llm.weight_version != ranks["dist-in_place-unverified"][0]["version"]:
             raise RuntimeError(f"engine at version {llm.weight_version} after the pushes")
-    pushes = {mode: _push_figures(per_rank) for mode, per_rank in ranks.items()}
+    pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
     lap("pushes")
     shm, shm_direct = pushes["shm"], pushes["shm-in_place"]
     shm["mode"], shm_direct["mode"] = "staged", "in_place"
@@ -207,7 +204,16 @@ def run(quick: bool = False) -> dict[str, Any]:
 PLANNER_TIMEOUT_S = 450.0
 
 
-def _weights(path: Path) -> tuple[int, int]:
+def bench_model(quick: bool) -> Path:
+    """The model directory of `SETUPS` (made on first use, then reused)."""
+    model_dir, overrides, vocab = SETUPS[quick]
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, "llama", seed=0, vocab_size=vocab, overrides=overrides)
+    return path
+
+
+def weights_of(path: Path) -> tuple[int, int]:
     """(parameters, bytes) of the model's safetensors files, from their headers."""
     params = nbytes = 0
     for file in sorted(path.glob("*.safetensors")):
@@ -222,7 +228,7 @@ def _weights(path: Path) -> tuple[int, int]:
     return params, nbytes
 
 
-def _push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+def push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_push = [max(r["seconds"][i] for r in ranks) for i in range(REPEATS)]  # slowest rank
     best = min(per_push)
     first = ranks[0]

@@ -221,6 +221,7 @@ class _Gathered:
 
     def __init__(self, model: torch.nn.Module, address: str, rank: int):
         self.params = dict(sorted(model.named_parameters()))
+        self.full_bytes = sum(p.numel() * p.element_size() for p in self.params.values())
         self.rank = rank
         self.group = None
         if rank == 0:
@@ -238,8 +239,7 @@ class _Gathered:
                 nbytes += full.numel() * full.element_size()
         if self.group is not None:
             self.group.recv([torch.zeros(1, dtype=torch.uint8)], 1, 0).wait()  # loaded
-        full = sum(p.numel() * p.element_size() for p in self.params.values())
-        return _Sent(version, nbytes, full, time.perf_counter() - start)
+        return _Sent(version, nbytes, self.full_bytes, time.perf_counter() - start)
 
     def close(self) -> None:
         self.group = None

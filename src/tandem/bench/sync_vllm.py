@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench import sync_baselines as base
-from tandem.bench.generate_vllm import preloads, vllm_python
-from tandem.bench.sync import KV_CACHE_MEMORY, SETUPS, _push_figures, _weights
+from tandem.bench.generate_vllm import vllm_env, vllm_python
+from tandem.bench.sync import KV_CACHE_MEMORY, bench_model, push_figures, weights_of
 from tandem.bench.sync_baselines import REPEATS
 from tandem.bench.sync_pushes import (
     GATHERED,
@@ -47,7 +47,6 @@ from tandem.bench.sync_pushes import (
     run_pushes,
     scored,
 )
-from tandem.models.tiny import make_tiny_model
 from tandem.wire import free_port
 
 VLLM_MODES = ("shm", "shm-unverified", "dist")
@@ -61,11 +60,8 @@ class VllmHost:
         # then hands tensors to the workers through vLLM's shared-memory broadcast (across
         # the engine core's own process boundary its msgpack decodes them as plain lists)
         cores = sorted(os.sched_getaffinity(0))[:tp]  # one per worker
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="|".join(map(str, cores)),
-                   VLLM_CPU_CI_ENV="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
-        preload = ":".join(filter(None, [*preloads(python), os.environ.get("LD_PRELOAD")]))
-        if preload:
-            env["LD_PRELOAD"] = preload
+        env = vllm_env(python, "|".join(map(str, cores)), VLLM_CPU_CI_ENV="1",
+                       VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
         self.log = log
         self.process = subprocess.Popen(
             [str(python), "-m", "tandem.bench.sync_vllm_host"], stdin=subprocess.PIPE,
@@ -112,11 +108,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     python = vllm_python()
     if python is None:
         raise RuntimeError("tandem bench sync --into vllm needs vLLM's venv: make vllm")
-    model_dir, overrides, vocab = SETUPS[quick]
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama", seed=0, vocab_size=vocab, overrides=overrides)
-    params, weight_bytes = _weights(path)
+    path = bench_model(quick)
+    params, weight_bytes = weights_of(path)
     timeout = 120.0 if quick else 600.0
     result: dict[str, Any] = {
         "benchmark": "sync_into_vllm",
@@ -130,12 +123,12 @@ def run(quick: bool = False) -> dict[str, Any]:
              dtype="float32") as llm:  # fmt: skip
         ranks, _ = run_pushes(llm.exchange_address, path, REPEATS, timeout,
                               lambda ref, v: check(llm, ref, v), ("shm",))  # fmt: skip
-    result["into_tandem"] = _push_figures(ranks["shm"])
+    result["into_tandem"] = push_figures(ranks["shm"])
     with tempfile.TemporaryFile() as log, VllmHost(python, path, 2, log) as host:
         result["vllm_load_seconds"] = host.started["load_seconds"]
         ranks, result["checks"] = run_pushes(host.started["address"], path, REPEATS, timeout,
                                              host.check, VLLM_MODES)  # fmt: skip
-        pushes = {mode: _push_figures(per_rank) for mode, per_rank in ranks.items()}
+        pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
         into = result["into_vllm"] = pushes["shm"]
         into["unverified_seconds"] = pushes["shm-unverified"]["seconds"]
         result["into_vllm_dist"] = pushes["dist"]
@@ -160,7 +153,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         host.ask("gathered", address=address, pushes=1 + REPEATS)
         ranks, checks = run_pushes(address, path, REPEATS, timeout,
                                    lambda ref, v: host.check(ref, None), (GATHERED,))  # fmt: skip
-        gathered = result["load_weights"] = _push_figures(ranks[GATHERED])
+        gathered = result["load_weights"] = push_figures(ranks[GATHERED])
         gathered["max_abs_logprob_error"] = checks["max_abs_logprob_error"]
         gathered["how"] = (
             "the trainer ranks gather every parameter (full_tensor), rank 0 sends each full "

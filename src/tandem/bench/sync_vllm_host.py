@@ -77,15 +77,22 @@ def main() -> int:
                 for i in range(args["scalings"]):
                     for t in tensors.values():
                         t.mul_(SCALES[i % len(SCALES)])
-            weights = list(tensors.items())
-            began = time.perf_counter()
-            llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-            answer = {"seconds": time.perf_counter() - began}
-            llm.reset_prefix_cache()
+            answer = {"seconds": _reload(llm, tensors)}
         else:
             raise ValueError(f"unknown request {kind!r}")
         out.write(json.dumps(answer) + "\n")
     return 0
+
+
+def _reload(llm, tensors: dict) -> float:
+    """vLLM's own update path: every worker's ``reload_weights`` fed ``tensors`` (full, by
+    name) through ``collective_rpc``; the seconds that call took. Then the prefix cache goes."""
+    weights = list(tensors.items())
+    began = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+    seconds = time.perf_counter() - began
+    llm.reset_prefix_cache()
+    return seconds
 
 
 def _tensors(model_dir: str) -> dict:
@@ -110,8 +117,7 @@ def _receive_gathered(llm, buffers: dict, address: str, pushes: int) -> None:
     for _ in range(pushes):
         for tensor in buffers.values():
             group.recv([tensor], 0, 0).wait()
-        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(buffers.items())})
-        llm.reset_prefix_cache()
+        _reload(llm, buffers)
         group.send([torch.ones(1, dtype=torch.uint8)], 0, 0).wait()
 
 
