@@ -160,17 +160,12 @@ def test_a_wrong_copy_into_vllms_layers_is_caught_reading_back_its_kernels(engin
     assert_generates_like(llm, model)
 
 
-def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
-    """tests/fsdp_trainer.py (2 ranks, gloo) pushes to the exchange address, as a trainer in
-    its own processes would; vLLM then generates what the trainer's weights do."""
-    llm, model_dir, _ = engine
-    target = vllm_target(llm)
-    version = target.weight_version + 5
-    port = str(free_port())
+def run_trainer_ranks(python, script: str, argv) -> None:
+    """tests/``script`` as 2 trainer ranks (``argv(rank)``: each one's arguments), run by
+    ``python``, over gloo on loopback; both must exit 0 within 240 s."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    args = [port, model_dir, target.exchange_address, str(version), "shm", "staged"]
-    procs = [subprocess.Popen([sys.executable, str(HERE.parent / "fsdp_trainer.py"), str(r), *args],
-                              env=env) for r in range(2)]  # fmt: skip
+    procs = [subprocess.Popen([str(python), str(HERE.parent / script), *argv(r)], env=env)
+             for r in range(2)]  # fmt: skip
     try:
         assert [p.wait(timeout=240) for p in procs] == [0, 0]
     finally:
@@ -178,6 +173,16 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
+    """tests/fsdp_trainer.py (2 ranks, gloo) pushes to the exchange address, as a trainer in
+    its own processes would; vLLM then generates what the trainer's weights do."""
+    llm, model_dir, _ = engine
+    target = vllm_target(llm)
+    version = target.weight_version + 5
+    args = [str(free_port()), model_dir, target.exchange_address, str(version), "shm", "staged"]
+    run_trainer_ranks(sys.executable, "fsdp_trainer.py", lambda r: [str(r), *args])
     assert target.weight_version == version
     # the FSDP2 trainer pushed the model directory's own weights
     assert_generates_like(llm, transformers.AutoModelForCausalLM.from_pretrained(model_dir))
@@ -221,19 +226,9 @@ def test_a_megatron_trainer_from_tandems_venv_pushes_into_vllm(engine, tmp_path)
     version = target.weight_version + 3
     out = tmp_path / "megatron.json"
     prompt = [5, 9, 33, 2, 17, 100, 3, 8]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     args = [str(free_port()), "2", "1", model_dir, target.exchange_address, str(version),
             str(out), ",".join(map(str, prompt))]  # fmt: skip
-    script = str(HERE.parent / "megatron_trainer.py")
-    procs = [subprocess.Popen([str(TANDEM_PYTHON), script, str(r), "2", *args], env=env)
-             for r in range(2)]  # fmt: skip
-    try:
-        assert [p.wait(timeout=240) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    run_trainer_ranks(TANDEM_PYTHON, "megatron_trainer.py", lambda r: [str(r), "2", *args])
     expected = json.loads(out.read_text())
     assert target.weight_version == version
     params = vllm.SamplingParams(max_tokens=len(expected["tokens"]), temperature=0.0, logprobs=0,
