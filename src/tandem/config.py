@@ -75,6 +75,14 @@ class ParallelConfig(_Group):
     """The parallel degrees and where the ranks run (executors, workers)."""
 
     tensor_parallel_size: int = Field(1, ge=1)
+    data_parallel_size: int = Field(
+        1, ge=1, description="independent replicas (each tensor x pipeline ranks of its own) "
+        "behind one front (`tandem.fleet`): requests are routed over them, one push updates all",
+    )  # fmt: skip
+    data_parallel_rank: int = Field(
+        0, ge=0, description="which replica of the fleet this engine is (set by the fleet: its "
+        "workers take the cores / GPUs after those of the replicas before it)",
+    )  # fmt: skip
     pipeline_parallel_size: int = Field(1, ge=1)
     pipeline_layer_split: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (uneven allowed); default: even"
@@ -90,6 +98,17 @@ class ParallelConfig(_Group):
     )
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _fleet(self):
+        if self.data_parallel_rank >= self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank ({self.data_parallel_rank}) must be below "
+                             f"data_parallel_size ({self.data_parallel_size})")  # fmt: skip
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise ValueError("nnodes > 1 spreads one replica over hosts; a fleet over hosts "
+                             "is `tandem router` over `tandem serve` instances, or "
+                             "distributed_executor_backend='ray' (set nnodes=1)")  # fmt: skip
+        return self
 
     @property
     def dims(self) -> ParallelDims:

@@ -233,8 +233,8 @@ def _make_executor(spec, config: EngineConfig) -> Executor:
         from tandem.engine.ray_executor import RayExecutor
 
         return RayExecutor(spec, config)
-    if config.parallel.world_size == 1:
-        return InProcessExecutor(spec, config)
+    if config.parallel.world_size == 1 and config.parallel.data_parallel_size == 1:
+        return InProcessExecutor(spec, config)  # a fleet's replicas run in processes of their own
     from tandem.engine.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(spec, config)

@@ -9,6 +9,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
+from tandem.engine.fleet import Fleet
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
@@ -25,8 +26,14 @@ class LLM:
     """
 
     def __init__(self, model: str, **options):
-        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self.fleet: Fleet | None = Fleet(EngineConfig(model=str(model), **options))
         self._request_ids = 0
+
+    @property
+    def engine(self) -> LLMEngine | None:
+        """The engine (with ``data_parallel_size`` > 1: replica 0's, whose config, model and
+        tokenizer every replica shares); None once shut down."""
+        return None if self.fleet is None else self.fleet.lead
 
     def embed(
         self, inputs: Prompt | Seq[Prompt], normalize: bool = False, pooling: str | None = None
@@ -65,13 +72,15 @@ class LLM:
 
     @property
     def weight_version(self) -> int:
-        return self.engine.weight_version
+        """The version served (a fleet's replicas all serve it: one push updates them all)."""
+        return self.fleet.weight_version
 
     @property
     def exchange_address(self) -> str:
         """Where trainer processes on this host push weights (``host:port/token``): pass it to
-        `tandem.exchange.WeightSender`. The exchange server starts on first use."""
-        return self.engine.exchange_server().address
+        `tandem.exchange.WeightSender`. With ``data_parallel_size`` > 1 one push there updates
+        every replica. The exchange server starts on first use."""
+        return self.fleet.exchange_server().address
 
     @property
     def tokenizer(self):
@@ -89,7 +98,7 @@ class LLM:
         ``scheduling_policy="priority"``. All prompts are checked before any is queued: a bad
         one raises ``ValueError`` and nothing runs.
         """
-        if self.engine is None:
+        if self.fleet is None:
             raise RuntimeError("this LLM has been shut down")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -103,20 +112,30 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        requests = []
-        for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
-            request_id = str(self._request_ids)
-            self._request_ids += 1
-            ids = self.engine.admission.prompt_ids(prompt)
-            seqs = self.engine.admission.make_sequences(request_id, ids, params, prio)
-            requests.append((request_id, prompt if isinstance(prompt, str) else None, ids, seqs))
-        self.engine.lifecycle.check_runnable()  # asleep, weights released, torn: queue nothing
-        for *_, seqs in requests:
-            self.engine.add(seqs)
-        mine = [s for *_, seqs in requests for s in seqs]
-        while not all(s.finished for s in mine):  # other threads' requests may still run
-            self.engine.step(for_seqs=mine)
-        return [self._output(rid, text, ids, seqs) for rid, text, ids, seqs in requests]
+        requests = []  # (request id, text, prompt ids, `Routed`, sequences)
+        routed = []  # released when the call ends, however it ends
+        try:
+            for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
+                request_id = str(self._request_ids)
+                self._request_ids += 1
+                ids = self.engine.admission.prompt_ids(prompt)
+                routed.append(where := self.fleet.route(ids, params.n, params.max_tokens or 0))
+                admission = self.fleet.engines[where.replica].admission
+                seqs = admission.make_sequences(request_id, ids, params, prio)
+                text = prompt if isinstance(prompt, str) else None
+                requests.append((request_id, text, ids, where, seqs))
+            for engine in self.fleet.engines:  # asleep, weights released, torn: queue nothing
+                engine.lifecycle.check_runnable()
+            work: dict[int, list[Sequence]] = {}
+            for *_, where, seqs in requests:
+                self.fleet.engines[where.replica].add(seqs)
+                work.setdefault(where.replica, []).extend(seqs)
+            self.fleet.run(work)
+        finally:
+            for where in routed:
+                self.fleet.finished(where)
+        return [self._output(rid, text, ids, seqs, where.replica)
+                for rid, text, ids, where, seqs in requests]  # fmt: skip
 
     def _encode_images(self, images, pooling: str | None) -> list[list[float]]:
         """Image models: each input a float tensor [channels, size, size] (HF pixel_values)."""
@@ -132,8 +151,10 @@ class LLM:
         pixels = [image.detach().float().flatten().tolist() for image in images]
         return self.engine.encode(rows, None, pooling, pixels)
 
-    def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence]) -> RequestOutput:
-        completions = [s.output(self.engine.outputs.text(s)) for s in seqs]
+    def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence],
+                replica: int) -> RequestOutput:  # fmt: skip
+        engine = self.fleet.engines[replica]
+        completions = [s.output(engine.outputs.text(s)) for s in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(
             arrival_time=min(s.arrival for s in seqs),
@@ -143,7 +164,8 @@ class LLM:
         versions = sorted(set().union(*(s.weight_versions for s in seqs)))
         out = RequestOutput(
             request_id, prompt, prompt_ids, completions, True,
-            versions[-1] if versions else self.engine.weight_version, metrics, versions,
+            versions[-1] if versions else engine.weight_version, metrics, versions,
+            replica=replica,
         )  # fmt: skip
         k = seqs[0].params.prompt_logprobs
         if k is not None:  # the sample that computed the prompt holds its scores
@@ -157,46 +179,54 @@ class LLM:
         ``abort`` ends every request now with finish_reason ``abort`` and what it generated so
         far (``generate`` returns them); ``wait`` lets running sequences finish and admits none;
         ``keep`` freezes them with their KV cache in place. A ``generate`` called while paused
-        waits for `resume`. Weight pushes land while paused."""
-        self.engine.pause(mode)
+        waits for `resume`. Weight pushes land while paused. Every replica of a fleet."""
+        self.fleet.each(lambda engine: engine.pause(mode))
 
     def resume(self) -> None:
-        self.engine.resume()
+        self.fleet.each(lambda engine: engine.resume())
 
     def abort(self, request_ids: list[str] | None = None) -> None:
         """End these requests (None: all) now, with what they generated so far; their
         ``generate`` call returns them with finish_reason ``abort``."""
-        self.engine.abort_requests(request_ids)
+        self.fleet.each(lambda engine: engine.abort_requests(request_ids))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (a weight push does this itself)."""
-        self.engine.reset_prefix_cache()
+        self.fleet.each(lambda engine: engine.reset_prefix_cache())
+        self.fleet.forget_prefixes()
 
     def sleep(self, level: int = 1) -> None:
         """Release memory on every rank (a colocated trainer may use it): level 1 the KV
         cache, level 2 the weights too. `generate` raises `EngineAsleepError` until `wake`;
         after level 2 it raises `WeightsReleasedError` until a push lands or
         `reload_weights`."""
-        self.engine.sleep(level)
+        self.fleet.each(lambda engine: engine.sleep(level))
+        self.fleet.forget_prefixes()
 
     def wake(self) -> None:
         """Re-allocate what `sleep` released."""
-        self.engine.wake()
+        self.fleet.each(lambda engine: engine.wake())
 
     def reload_weights(self) -> None:
         """Read the weights from the model directory again (version 0)."""
-        self.engine.reload_weights()
+        self.fleet.each(lambda engine: engine.reload_weights())
+        self.fleet.forget_prefixes()
 
     def worker_locations(self) -> list[dict]:
-        """Where each engine rank runs: ``[{rank, node_id, pid}]`` (node_id: the Ray node id
-        with the ray backend, else the host name)."""
-        return self.engine.executor.worker_locations()
+        """Where each engine rank runs: ``[{replica, rank, node_id, pid}]`` (node_id: the Ray
+        node id with the ray backend, else the host name)."""
+        return self.fleet.worker_locations()
+
+    def fleet_state(self) -> list[dict]:
+        """Each replica: ``{"replica", "state", "version", "load"}`` (state ``serving``,
+        ``updating`` or ``quarantined``; load: the tokens it still owes to routed requests)."""
+        return self.fleet.fleet_state()
 
     def shutdown(self) -> None:
         """Stop the workers (if any) and release the model and KV cache. Idempotent."""
-        if self.engine is not None:
-            self.engine.shutdown()
-            self.engine = None
+        if self.fleet is not None:
+            self.fleet.shutdown()
+            self.fleet = None
 
     def __enter__(self) -> LLM:
         return self

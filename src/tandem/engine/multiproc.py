@@ -226,9 +226,11 @@ def spawn_workers(
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = []
     ranks = list(ranks)
+    replicas, replica = config.parallel.data_parallel_size, config.parallel.data_parallel_rank
     for local_rank, rank in enumerate(ranks):
-        args = WorkerArgs(
-            rank=rank, local_rank=local_rank, local_world_size=len(ranks),
+        args = WorkerArgs(  # a fleet's replicas share this host's cores and devices
+            rank=rank, local_rank=replica * len(ranks) + local_rank,
+            local_world_size=replicas * len(ranks),
             config=config.model_dump(), rendezvous=rendezvous, control_host=control_address[0],
             control_port=control_address[1], token=token,
             model_modules=[*config.model_modules, module],

@@ -63,3 +63,4 @@ class RequestOutput:
     # before it (None for the first), and for k > 0 the k most likely tokens at each position
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
+    replica: int = 0  # which replica of a fleet served it (`LLM(data_parallel_size=R)`)
