@@ -59,6 +59,7 @@ class _Window:
     def __init__(self, target, spec):
         self.spec = spec
         self._target = target
+        self._moved = 0
 
     def expose(self) -> None:
         self._target._phases.append("expose")
@@ -68,7 +69,11 @@ class _Window:
         error, nbytes = self._target._receiver.handle(phase, self.spec, records_by_rank.get(0, []))
         if error is not None:
             raise WeightSyncError(error)
+        self._moved = self._moved or nbytes
         return nbytes
+
+    def ingress(self):
+        return {0: (self._moved, 0.0)}
 
 
 class _FakeTarget:
@@ -127,6 +132,8 @@ def test_a_server_pushes_into_a_target_that_is_only_the_protocol(transport, mode
     finally:
         server.close()
     assert stats.version == target.weight_version == 3 and stats.bytes_moved > 0
+    assert [(r.replica, r.bytes_in, r.bytes_needed) for r in stats.replicas] == [
+        (0, stats.bytes_needed, stats.bytes_needed)]  # fmt: skip
     for (name, got), want in zip(live.named_parameters(), trainer.parameters(), strict=True):
         assert torch.equal(got, want) and got.data_ptr() == before[name]
     receive = [PushPhase.RECEIVE] if TRANSPORTS[transport].engine_receives else []

@@ -89,3 +89,21 @@ def test_a_megatron_layout_that_disagrees_fails_before_any_byte_moves(model_fact
                                           layers=2)  # fmt: skip
         with pytest.raises(LayoutMismatch, match="linear_qkv.weight: local shape"):
             megatron_layout(shapes, wrong_heads, 0, 1, 0)
+
+
+def test_megatron_trainer_pushes_once_into_every_replica_of_a_fleet(model_factory, tmp_path):
+    model_dir = model_factory("llama", vocab_size=500)
+    with LLM(model_dir, data_parallel_size=2) as llm:
+        expected = _train_and_push(model_dir, llm, 2, 1, 3, tmp_path / "megatron.json")
+        assert [s["version"] for s in llm.fleet_state()] == [3, 3]
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        served = []
+        for _ in range(2):
+            llm.reset_prefix_cache()  # so the router sends the same prompt to the other replica
+            out = llm.generate([PROMPT], params)[0]
+            served.append(out.replica)
+            got = out.outputs[0]
+            assert got.token_ids == expected["tokens"]
+            assert max(abs(a - b) for a, b in zip(got.logprobs, expected["logprobs"],
+                                                  strict=True)) <= 1e-4  # fmt: skip
+        assert served == [0, 1]

@@ -11,6 +11,8 @@ until a complete push lands.
 
 from __future__ import annotations
 
+import time
+
 from tandem.exchange.items import Record
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
@@ -28,6 +30,9 @@ class WeightUpdate:
         self.exposed = False  # bytes may have gone into the live parameters
         self.torn: str | None = None  # set when the live weights were left half-written
         self.landed = False
+        self._opened = time.perf_counter()
+        self._phase_bytes: dict[PushPhase, int] = {}
+        self._seconds = 0.0
 
     def expose(self) -> None:
         """From now on the push writes into the live parameters (in_place delivery begins)."""
@@ -43,7 +48,13 @@ class WeightUpdate:
             self.fail("; ".join(errors), phase.value)
         if phase is PushPhase.COMMIT:
             self.landed = True
+        self._phase_bytes[phase] = nbytes
+        self._seconds = time.perf_counter() - self._opened
         return nbytes
+
+    def ingress(self) -> dict[int, tuple[int, float]]:
+        received = self._phase_bytes.get(PushPhase.RECEIVE, 0)
+        return {0: (received or self._phase_bytes.get(PushPhase.COMMIT, 0), self._seconds)}
 
     def fail(self, detail: str, phase: str = "delivery") -> None:
         version = self.spec.version

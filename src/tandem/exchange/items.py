@@ -30,7 +30,11 @@ class Record:
     """One box for an engine rank, from trainer rank ``source``: ``nbytes`` at ``offset`` of
     what that rank staged (or of its stream, for dist), landing at ``region`` of the local
     parameter ``key``. ``crc``: the sender's CRC32 of the box as it read it from its tensor
-    (`tandem.exchange.checksum.source_crc32`); None when the push is unverified."""
+    (`tandem.exchange.checksum.source_crc32`); None when the push is unverified.
+
+    In a fleet a box reaches most replicas by relay: ``via`` is the receiving rank it comes
+    from (-1: from trainer rank ``source`` itself), ``forward`` the receiving ranks this rank
+    passes it on to once it landed (transports that forward; `Plan.relays`)."""
 
     source: int
     offset: int
@@ -39,6 +43,8 @@ class Record:
     region: LocalRegion
     box_shape: tuple[int, ...]
     crc: int | None = None
+    via: int = -1
+    forward: tuple[int, ...] = ()
 
     @property
     def where(self) -> str:

@@ -31,6 +31,7 @@ class RankLayout:
     local_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtype: str = "float32"  # of its local tensors
     arena: list | None = None  # engine ranks on CPU: `ParamArena.handle()` (shm in_place)
+    replica: int = 0  # receiving ranks: which replica of a fleet holds this rank
 
     def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
         self.local_shapes[key] = tuple(local_shape)

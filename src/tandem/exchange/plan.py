@@ -4,6 +4,12 @@ Pure and blind to transports: every element of every receiver region comes from 
 sender region; where several senders hold the same elements (data-parallel replicas, replicated
 tensors) each piece goes to the least-loaded of them, so bytes spread across senders. The order
 is deterministic; `PlanCache` computes a plan once per pair of layouts.
+
+Receivers may be a fleet: replicas (`RankLayout.replica`) that each need every byte. The
+trainers send each byte once, to the first replica of each distinct layout; every other
+replica gets its bytes by relay (`Relay`) from the replica before it with the same layout, a
+chain in which each replica's rank j passes rank j of the next what it received: every link
+carries one copy, and the trainers' egress stays one copy whatever the number of replicas.
 """
 
 from __future__ import annotations
@@ -40,12 +46,23 @@ class Transfer:
         return numel(self.box)
 
 
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """Receiving rank ``src`` passes receiving rank ``dst`` the box of ``transfers[seed]``
+    (``dst`` holds it in the same parameter and region as ``src``), once it landed on ``src``."""
+
+    seed: int
+    src: int
+    dst: int
+
+
 @dataclass(slots=True)
 class Plan:
     transfers: list[Transfer]
     num_senders: int
     num_receivers: int
     sender_numel: list[int] = field(default_factory=list)
+    relays: list[Relay] = field(default_factory=list)  # in relay order along each chain
     # what users of the plan derive from it once (the exchange server's per-push items),
     # cached with it
     derived: dict = field(default_factory=dict, repr=False, compare=False)
@@ -125,6 +142,44 @@ def plan_transfers(
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
     loads = [balance.load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, loads)
+
+
+def plan_fleet(
+    senders: list[RankLayout],
+    receivers: list[RankLayout],
+    ignore: frozenset[str] = frozenset(),
+    min_band_numel: int = MIN_BAND_NUMEL,
+) -> Plan:
+    """`plan_transfers` into the first replica of each distinct receiver layout, and relays
+    to the others: replica k's rank j gets every box of the replica before it (same layout)
+    from that replica's rank j. One replica: `plan_transfers` itself."""
+    replicas: dict[int, list[RankLayout]] = defaultdict(list)
+    for layout in sorted(receivers, key=lambda lay: lay.rank):
+        replicas[layout.replica].append(layout)
+    if len(replicas) <= 1:
+        return plan_transfers(senders, receivers, ignore, min_band_numel)
+    chains: dict[str, list[list[RankLayout]]] = {}  # local layout -> its replicas, in order
+    for replica in sorted(replicas):
+        chains.setdefault(_local_fingerprint(replicas[replica]), []).append(replicas[replica])
+    seeds = [lay for chain in chains.values() for lay in chain[0]]
+    plan = plan_transfers(senders, seeds, ignore, min_band_numel)
+    plan.num_receivers = max(lay.rank for lay in receivers) + 1
+    local = {lay.rank: j for chain in chains.values() for j, lay in enumerate(chain[0])}
+    for chain in chains.values():
+        firsts = {lay.rank for lay in chain[0]}
+        for upstream, downstream in itertools.pairwise(chain):
+            plan.relays.extend(
+                Relay(i, upstream[local[t.dst]].rank, downstream[local[t.dst]].rank)
+                for i, t in enumerate(plan.transfers) if t.dst in firsts
+            )  # fmt: skip
+    return plan
+
+
+def _local_fingerprint(ranks: list[RankLayout]) -> str:
+    """What a replica's ranks hold, blind to their numbering across the fleet."""
+    renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype)
+                  for j, lay in enumerate(ranks)]  # fmt: skip
+    return layout_fingerprint(renumbered)
 
 
 def _covered(groups: dict[Box, list], dst_box: Box, name: str, rank: int, problems: list):
@@ -231,16 +286,15 @@ class PlanCache:
     ) -> Plan:
         key = layout_fingerprint(senders) + layout_fingerprint(receivers) + repr(sorted(ignore))
         if key not in self._plans:
-            self._plans[key] = plan_transfers(senders, receivers, ignore)
+            self._plans[key] = plan_fleet(senders, receivers, ignore)
         return self._plans[key]
 
 
 def layout_fingerprint(layouts: list[RankLayout]) -> str:
     digest = hashlib.sha256()
     for layout in sorted(layouts, key=lambda lay: lay.rank):
-        digest.update(
-            msgpack.packb([layout.rank, layout.dtype, sorted(layout.local_shapes.items())])
-        )
+        digest.update(msgpack.packb([layout.rank, layout.replica, layout.dtype,
+                                     sorted(layout.local_shapes.items())]))  # fmt: skip
         for r in layout.regions:
             p = r.piece
             digest.update(

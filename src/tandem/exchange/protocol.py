@@ -11,7 +11,7 @@ these frames.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.exchange.items import SendItem
 from tandem.exchange.layout import RankLayout
@@ -54,10 +54,22 @@ class PushReady:
     staging: list | None = None  # staged shm / cuda_ipc: the handle of this rank's staging
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaPush:
+    """One replica's part of a push (a single engine is replica 0)."""
+
+    replica: int
+    bytes_needed: int  # what its ranks hold, in the engine's dtype
+    bytes_in: int  # arrived at its ranks (received, or copied from the senders' staging)
+    bytes_relayed: int  # passed on to other replicas
+    seconds: float  # its phases, from opening its window to its commit
+
+
 @PUSH.register("done")
 @dataclass(slots=True)
 class PushDone:
     version: int
     error: str | None  # None: committed
-    bytes_needed: int = 0
+    bytes_needed: int = 0  # one copy of what the target holds (each distinct replica layout)
     bytes_moved: int = 0  # by all trainer ranks, as their transports counted
+    replicas: list[ReplicaPush] = field(default_factory=list)

@@ -23,7 +23,14 @@ from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
 from tandem.exchange.discovery import target_address
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
+from tandem.exchange.protocol import (
+    PUSH,
+    PushDone,
+    PushHello,
+    PushPlan,
+    PushReady,
+    ReplicaPush,
+)
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
@@ -43,6 +50,8 @@ class PushStats:
     seconds: float
     transport: str
     bytes_by_receiver: tuple[int, ...] = ()  # sent by this rank, per engine rank (counted)
+    # per replica of a fleet (a single engine: one): needed, arrived, relayed on, seconds
+    replicas: tuple[ReplicaPush, ...] = ()
 
 
 class WeightSender:
@@ -155,7 +164,8 @@ class WeightSender:
             raise WeightSyncError(reply.error)
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()
         return PushStats(reply.version, sum(sent), reply.bytes_needed, reply.bytes_moved,
-                         time.perf_counter() - start, self.transport, sent)  # fmt: skip
+                         time.perf_counter() - start, self.transport, sent,
+                         tuple(reply.replicas))  # fmt: skip
 
     def close(self) -> None:
         """Release this sender's staging memory and its mappings of engine memory (also

@@ -28,7 +28,7 @@ from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.exchange.plan import PlanCache, numel
-from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
+from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady, ReplicaPush
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import WeightTarget
@@ -138,10 +138,10 @@ class ExchangeServer:
         version = None
         start = time.perf_counter()
         try:
-            spec, plans, records, needed = self._plan(hellos)
+            spec, plans, records, needed, per_replica = self._plan(hellos)
             version = spec.version
-            moved = self._push(spec, socks, plans, records)
-            done = PushDone(version, None, needed, moved)
+            moved, ingress = self._push(spec, socks, plans, records)
+            done = PushDone(version, None, needed, moved, _replica_figures(per_replica, ingress))
         except (PeerGone, OSError) as exc:
             self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
@@ -167,8 +167,9 @@ class ExchangeServer:
             return f"requests are refused until a complete push lands ({reason})"
         return f"version {self.target.weight_version} keeps serving"
 
-    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: list) -> int:
-        """Deliver, verify and commit one push; the bytes the trainers moved (as counted)."""
+    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: tuple):
+        """Deliver, verify and commit one push: (the bytes the trainers moved, as counted;
+        per replica the bytes that arrived and the seconds its phases took)."""
         transport = TRANSPORTS[spec.settings.transport]
         if not transport.pauses_to_deliver(spec.settings):
             self._send_plans(socks, plans)  # trainers stage while the target serves
@@ -176,7 +177,7 @@ class ExchangeServer:
             with self.target.weight_update(spec) as update:
                 update.run(PushPhase.VERIFY, by_receiver)
                 update.run(PushPhase.COMMIT, by_receiver)
-            return moved
+            return moved, update.ingress()
         with self.target.weight_update(spec) as update:
             if spec.settings.in_place:
                 update.expose()  # from here trainers (or the target's ranks) write live weights
@@ -187,35 +188,43 @@ class ExchangeServer:
             update.spec = spec
             update.run(PushPhase.VERIFY, by_receiver)
             update.run(PushPhase.COMMIT, by_receiver)
-        return moved
+        return moved, update.ingress()
 
     def _send_plans(self, socks: list, plans: list[PushPlan]) -> None:
         for sock, plan in zip(socks, plans, strict=True):
             sock.settimeout(self.stage_timeout_s)
             send_frame(sock, PUSH.encode(plan))
 
-    def _readies(self, spec: UpdateSpec, socks: list, records: list):
+    def _readies(self, spec: UpdateSpec, socks: list, records: tuple):
         """Every trainer rank's `PushReady`: (the spec with their staging handles, records by
-        engine rank with the senders' CRC32s, bytes moved as the senders counted them)."""
+        engine rank with the senders' CRC32s, relayed boxes' too, bytes moved as the senders
+        counted them)."""
         staging, moved = [], 0
+        sent, relayed = records
         with_crcs: list[list] = []
         for rank, sock in enumerate(socks):
             ready = PUSH.decode(recv_frame(sock))
             if not isinstance(ready, PushReady):
                 raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
-            if len(ready.crcs) != len(records[rank]):
+            if len(ready.crcs) != len(sent[rank]):
                 raise WeightSyncError(f"trainer rank {rank} sent {len(ready.crcs)} checksums "
-                                      f"for {len(records[rank])} boxes")  # fmt: skip
+                                      f"for {len(sent[rank])} boxes")  # fmt: skip
             staging.append(ready.staging)
             moved += sum(ready.bytes_moved)
-            pairs = zip(records[rank], ready.crcs, strict=True)
+            pairs = zip(sent[rank], ready.crcs, strict=True)
             with_crcs.append([(dst, r.with_crc(crc)) for (dst, r), crc in pairs])
+            with_crcs.append([(dst, r.with_crc(ready.crcs[i])) for i, dst, r in relayed[rank]])
         if any(s is not None for s in staging):
             spec = dataclasses.replace(spec, staging=tuple(staging))
         return spec, self._by_receiver(with_crcs), moved
 
     @staticmethod
-    def _by_receiver(records: list) -> dict[int, list[Record]]:
+    def _by_receiver(records) -> dict[int, list[Record]]:
+        """Records by engine rank: ``records`` as `_plan` made them (sent, relayed), or a list
+        of (engine rank, `Record`) lists."""
+        if isinstance(records, tuple):
+            sent, relayed = records
+            records = [*sent, *([(dst, r) for _, dst, r in per] for per in relayed)]
         by_receiver: dict[int, list[Record]] = defaultdict(list)
         for per_rank in records:
             for dst, record in per_rank:
@@ -257,36 +266,85 @@ class ExchangeServer:
         ignore = frozenset(name for h in hellos for name in h.ignore)
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.target.weight_dtype
-        per_stream = TRANSPORTS[settings.transport].per_stream_offsets
-        key = (dtype, per_stream)  # what follows is the same every push of this plan
+        transport = TRANSPORTS[settings.transport]
+        per_stream, read_staging = transport.per_stream_offsets, transport.shared_staging
+        key = (dtype, per_stream, read_staging)  # the same every push of this plan
         if key not in plan.derived:
-            plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream)
-        sizes, items, records, needed = plan.derived[key]
+            plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream,
+                                            read_staging)  # fmt: skip
+        sizes, items, records, relayed, needed, per_replica = plan.derived[key]
         plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
         spec = UpdateSpec(version, settings, dtype, len(hellos))
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
-        return spec, plans, records, needed
+        return spec, plans, (records, relayed), needed, per_replica
 
 
-def _push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool):
-    """(bytes, `SendItem`s, (engine rank, `Record`)s, bytes needed) per sender rank: where
-    each of its boxes sits (``per_stream``: offsets count per (sender, receiver) stream, else
-    per sender) and where it lands, both regions mapped by their `Piece`."""
+def _replica_figures(replicas: dict[int, tuple[int, frozenset[int]]],
+                     ingress: dict[int, tuple[int, float]]) -> list[ReplicaPush]:  # fmt: skip
+    """Per replica: the bytes it needs, what arrived at its ranks (counted there), what it
+    passed on (what arrived at the replicas it relays to, counted there) and its phases'
+    seconds. ``replicas``: replica -> (bytes needed, the replicas it relays to)."""
+    arrived = {r: ingress.get(r, (0, 0.0))[0] for r in replicas}
+    return [ReplicaPush(r, needed, arrived[r], sum(arrived[d] for d in feeds),
+                        ingress.get(r, (0, 0.0))[1])
+            for r, (needed, feeds) in sorted(replicas.items())]  # fmt: skip
+
+
+def _push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool,
+                read_staging: bool):  # fmt: skip
+    """Per sender rank: (bytes, `SendItem`s, (engine rank, `Record`)s, (item index, engine
+    rank, `Record`)s of the boxes that reach other replicas by relay), and the bytes one copy of
+    the fleet's distinct layouts needs (what the senders must send) and each replica needs.
+
+    Offsets count per (sender, receiver) stream with ``per_stream``, else per sender; both
+    regions are mapped by their `Piece`. A relay (`Plan.relays`) is carried out by the
+    transport: with ``read_staging`` the relayed-to rank reads the box where the sender
+    staged it (one staging every replica on the host reads), else the rank holding it passes
+    it on (``Record.forward`` / ``Record.via``, streams of their own)."""
     items: list[list[SendItem]] = [[] for _ in range(plan.num_senders)]
     records: list[list[tuple[int, Record]]] = [[] for _ in range(plan.num_senders)]
+    relayed: list[list[tuple[int, int, Record]]] = [[] for _ in range(plan.num_senders)]
     offsets: dict[tuple[int, int], int] = defaultdict(int)
-    for t in plan.transfers:
+    forwards: dict[tuple[int, int], list[int]] = defaultdict(list)  # (transfer, rank) -> to
+    if not read_staging:
+        for relay in plan.relays:
+            forwards[(relay.seed, relay.src)].append(relay.dst)
+    seeds = []  # per transfer: (its sender, the item's index there)
+    for i, t in enumerate(plan.transfers):
         nbytes = t.numel * itemsize
         box_shape = tuple(b - a for a, b in t.box)
         stream = (t.src, t.dst if per_stream else -1)
         offset = offsets[stream]
         dst_region = t.dst_piece.region(t.box)
+        seeds.append((t.src, len(items[t.src])))
         items[t.src].append(SendItem(t.src_key, t.src_piece.region(t.box), box_shape, offset,
                                      nbytes, t.dst, t.dst_key, dst_region))  # fmt: skip
         records[t.src].append((t.dst, Record(t.src, offset, nbytes, t.dst_key, dst_region,
-                                             box_shape)))  # fmt: skip
+                                             box_shape,
+                                             forward=tuple(forwards[(i, t.dst)]))))  # fmt: skip
         offsets[stream] += nbytes
+    for relay in plan.relays:
+        sender, index = seeds[relay.seed]
+        seed = records[sender][index][1]
+        if read_staging:
+            record = seed
+        else:
+            stream = (-1 - relay.src, relay.dst)  # a receiving rank's stream to another
+            record = Record(seed.source, offsets[stream], seed.nbytes, seed.key, seed.region,
+                            seed.box_shape, via=relay.src,
+                            forward=tuple(forwards[(relay.seed, relay.dst)]))  # fmt: skip
+            offsets[stream] += seed.nbytes
+        relayed[sender].append((index, relay.dst, record))
     sizes = [offsets[(i, -1)] for i in range(plan.num_senders)]
-    needed = sum(numel(r.piece.box) for lay in receivers for r in lay.regions) * itemsize
-    return sizes, items, records, needed
+    by_replica: dict[int, int] = defaultdict(int)
+    replica_of = {lay.rank: lay.replica for lay in receivers}
+    for lay in receivers:
+        by_replica[lay.replica] += sum(numel(r.piece.box) for r in lay.regions) * itemsize
+    feeds: dict[int, set[int]] = defaultdict(set)  # replica -> the replicas it passes boxes
+    for relay in [] if read_staging else plan.relays:
+        feeds[replica_of[relay.src]].add(replica_of[relay.dst])
+    fed = {replica_of[relay.dst] for relay in plan.relays}
+    needed = sum(n for replica, n in by_replica.items() if replica not in fed)
+    replicas = {r: (n, frozenset(feeds[r])) for r, n in by_replica.items()}
+    return sizes, items, records, relayed, needed, replicas

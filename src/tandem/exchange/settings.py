@@ -64,7 +64,9 @@ class GroupInfo:
 class UpdateSpec:
     """One push as every engine rank sees it: its settings, the engine's dtype, how many trainer
     ranks send, and where to find their bytes (``staging``: per trainer rank, the handle of its
-    staged memory, as its transport made it; ``group``: the dist transport's process group)."""
+    staged memory, as its transport made it; ``group``: the dist transport's process group;
+    ``first_rank``: the target-wide number of this engine's rank 0, where the target is a fleet
+    of engines whose ranks are numbered one after another)."""
 
     version: int
     settings: PushSettings
@@ -73,3 +75,4 @@ class UpdateSpec:
     staging: tuple[list | None, ...] | None = None
     group: GroupInfo | None = None
     bucket_bytes: int = 0
+    first_rank: int = 0

@@ -38,6 +38,11 @@ class UpdateWindow(Protocol):
         """``phase`` on every receiving rank, each finishing before any starts the next; the
         bytes they moved. Raises `WeightSyncError` (saying what still serves) on any error."""
 
+    def ingress(self) -> dict[int, tuple[int, float]]:
+        """Per replica (`RankLayout.replica`; a single engine is replica 0): the bytes that
+        arrived at its ranks in this push (received, else copied in from the senders' staging
+        at commit) and the seconds from opening the window to its last phase."""
+
 
 @runtime_checkable
 class WeightTarget(Protocol):

@@ -189,6 +189,10 @@ class Transport:
     per_stream_offsets: bool = False
     # where the receiving ranks may hold their weights (`WeightTarget.weight_device_type`)
     device_types: tuple[str, ...] = ("cpu", "cuda")
+    # staged: any receiving rank on the host can read what a sender staged, so a fleet's
+    # relayed replicas read the one staging too (`tandem.exchange.plan.Relay`) instead of
+    # being passed the bytes by a replica holding them
+    shared_staging: bool = False
 
     def pauses_to_deliver(self, settings: PushSettings) -> bool:
         """Whether the target must stop stepping before the senders deliver (bytes land in

@@ -90,3 +90,4 @@ class CudaIpcTransport(Transport):
     sender = CudaIpcSender
     receiver = CudaIpcReceiver
     device_types = ("cuda",)
+    shared_staging = True

@@ -62,17 +62,26 @@ class DistReceiver(ReceiverHalf):
         self._received: dict[int, tuple[list, list]] = {}  # version -> boxes, CRC32s
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
-        """Take every source's boxes, sources in `p2p.stream_order`: into this rank's staging
-        buffer (kept for later pushes, so they touch no new memory), or straight into the live
-        parameters (in_place), checksumming each box as it lands: in place, read back through
-        each record's own region (`live`), not the receive's target, so a misplaced write
-        cannot pass."""
+        """Take every stream's boxes — each trainer rank's, in `p2p.stream_order`, then a
+        relay's from the receiving rank before this one (`Record.via`) — into this rank's
+        staging buffer (kept for later pushes, so they touch no new memory), or straight into
+        the live parameters (in_place), checksumming each box as it lands: in place, read
+        back through each record's own region (`live`), not the receive's target, so a
+        misplaced write cannot pass. Boxes this rank relays on (`Record.forward`) leave for
+        the next rank as they land (`p2p.Forwarder`)."""
         info = spec.group
-        group = p2p.join(info, spec.trainers + self.rank)
+        me = spec.first_rank + self.rank  # this rank's number across the target
+        group = p2p.join(info, spec.trainers + me)
         dtype = self.dtype(spec)
-        by_src = [[i for i, r in enumerate(records) if r.source == s] for s in range(spec.trainers)]
+        relayed = sorted({r.via for r in records if r.via >= 0})
+        streams = [(src, [i for i, r in enumerate(records) if r.source == src and r.via < 0])
+                   for src in range(spec.trainers)]  # fmt: skip
+        streams += [(spec.trainers + via, [i for i, r in enumerate(records) if r.via == via])
+                    for via in relayed]  # fmt: skip
         readback = None
         if spec.settings.in_place:
+            if relayed or any(r.forward for r in records):
+                raise ValueError("relays carry staged pushes only")
             boxes, readback = self.targets(records), self.live(records)
         else:
             total = sum(r.nbytes for r in records)
@@ -80,36 +89,61 @@ class DistReceiver(ReceiverHalf):
                 self._staging = None
                 self._staging = torch.zeros(total, dtype=torch.uint8, device=self.device)
             boxes, start = [None] * len(records), 0
-            starts = []  # each source's boxes back to back, in its stream's order
-            for mine in by_src:
-                starts.append(start)
+            starts = {}  # each stream's boxes back to back, in its order
+            for src, mine in streams:
+                starts[src] = start
                 for i in mine:
                     r = records[i]
                     boxes[i] = self._staging[start : start + r.nbytes].view(dtype).view(r.box_shape)
                     start += r.nbytes
+        forwarders = self._forwarders(group, spec, records, boxes)
         crcs: list = [None] * len(records)
-        order = p2p.stream_order(self.rank, range(spec.trainers), spec.trainers,
+        order = p2p.stream_order(me, range(spec.trainers), spec.trainers,
                                  info.world - spec.trainers, sending=False)  # fmt: skip
+        order += [spec.trainers + via for via in relayed]
+        mine_of = dict(streams)
         moved = 0
         for src in order:  # the order every rank agrees on: no cyclic waits
-            mine = by_src[src]
+            mine = mine_of[src]
             if not mine:
                 continue
             sizes = [records[i].nbytes for i in mine]
-            rows = [records[i].box_shape[0] if records[i].box_shape else 1 for i in mine]
+            rows = [_rows(records[i]) for i in mine]
             if spec.settings.in_place:
                 into = {"targets": [boxes[i] for i in mine],
                         "readback": [readback[i] for i in mine]}  # fmt: skip
             else:
                 into = {"staging": self._staging[starts[src] : starts[src] + sum(sizes)]}
+
+            def landed(k: int, mine=mine) -> None:
+                for forwarder, index in forwarders.get(mine[k], ()):
+                    forwarder.landed(index)
+
             with torch.no_grad():
                 got = p2p.recv_boxes(group, src, sizes, rows, spec.bucket_bytes,
-                                     checksum=spec.settings.verify, **into)  # fmt: skip
+                                     checksum=spec.settings.verify, on_landed=landed,
+                                     **into)  # fmt: skip
             for i, crc in zip(mine, got, strict=True):
                 crcs[i] = crc
             moved += sum(sizes)
+        for forwarder in {id(f): f for fs in forwarders.values() for f, _ in fs}.values():
+            forwarder.finish()
         self._received = {spec.version: (readback or boxes, crcs)}
         return moved
+
+    def _forwarders(self, group, spec: UpdateSpec, records: list[Record], boxes: list):
+        """Record index -> (the `p2p.Forwarder` that passes its box on, the box's index in
+        that forwarder's stream), one per next rank."""
+        out: dict[int, list[tuple[p2p.Forwarder, int]]] = {}
+        for dst in sorted({d for r in records for d in r.forward}):
+            mine = [i for i, r in enumerate(records) if dst in r.forward]
+            data = [boxes[i].reshape(-1).view(torch.uint8) for i in mine]
+            forwarder = p2p.Forwarder(group, spec.trainers + dst, data,
+                                      [_rows(records[i]) for i in mine],
+                                      spec.bucket_bytes)  # fmt: skip
+            for k, i in enumerate(mine):
+                out.setdefault(i, []).append((forwarder, k))
+        return out
 
     def targets(self, records: list[Record]) -> list[torch.Tensor]:
         """in_place: where the receive writes each box (its live region)."""
@@ -137,6 +171,10 @@ class DistReceiver(ReceiverHalf):
         self._received = {}
         if spec.group is not None:
             p2p.abandon(spec.group)
+
+
+def _rows(record: Record) -> int:
+    return record.box_shape[0] if record.box_shape else 1
 
 
 class DistCoordinator(Coordinator):

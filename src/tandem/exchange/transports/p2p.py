@@ -15,6 +15,7 @@ the point-to-point operations can never wait in a cycle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -170,8 +171,8 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
 
 def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
                staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
-               checksum: bool = False,
-               readback: list[torch.Tensor] | None = None) -> list[int | None]:  # fmt: skip
+               checksum: bool = False, readback: list[torch.Tensor] | None = None,
+               on_landed: Callable[[int], None] | None = None) -> list[int | None]:  # fmt: skip
     """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
     into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
     into its place), or into ``targets`` (each box's destination, in the box's orientation):
@@ -182,7 +183,8 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
     while its bytes are still in cache and later messages are still arriving — never in a
     second pass over the whole stream: read from ``readback`` (each box's final place, found
     independently of ``targets``, so a receive into the wrong place cannot pass), else from
-    ``staging`` or the target after the copy out of a message buffer (never the buffer)."""
+    ``staging`` or the target after the copy out of a message buffer (never the buffer).
+    ``on_landed(i)`` is called as soon as box i is wholly in place (and checksummed)."""
     plan = frames(sizes, rows, limit)
     crcs: list[int | None] = [0 if checksum else None for _ in sizes]
     slots = None
@@ -215,6 +217,10 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
                     final = parts if k is not None else [data for _, data in landed]
                 for (i, _), data in zip(landed, final, strict=True):
                     crcs[i] = tensor_crc32(data, crcs[i])
+            if on_landed is not None:
+                for i, _, end in frame:
+                    if end == rows[i]:
+                        on_landed(i)
             posted[done] = None
             done += 1
 
@@ -246,3 +252,53 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
         in_slot[k] = len(posted) - 1
     land_through(len(posted) - 1)
     return crcs
+
+
+class Forwarder:
+    """Passes boxes on to the next receiving rank of a relay as they land here, so a replica
+    forwards while it receives: the stream to ``dst`` is ``boxes`` (uint8 slices of this
+    rank's staging, consecutive there) framed as `frames` frames them, each message sent once
+    every box it holds has landed, in order. The receiving end takes it with `recv_boxes`
+    (same sizes, rows and limit)."""
+
+    def __init__(self, group, dst: int, boxes: list[torch.Tensor], rows: list[int], limit: int):
+        self.group = group
+        self.dst = dst
+        self._messages = []  # (bytes to send, the boxes it needs landed)
+        for frame in frames([b.numel() for b in boxes], rows, limit):
+            parts = []
+            for i, a, b in frame:
+                row = boxes[i].numel() // rows[i]
+                parts.append(boxes[i][row * a : row * b])
+            first, last = parts[0], parts[-1]
+            span = last.data_ptr() + last.numel() - first.data_ptr()
+            if span != sum(p.numel() for p in parts):
+                raise RuntimeError(f"relay to rank {dst}: a message's boxes are not consecutive "
+                                   "in staging")  # fmt: skip
+            data = boxes[frame[0][0]].as_strided((span,), (1,), first.storage_offset())
+            self._messages.append((data, {i for i, _, _ in frame}))
+        self._landed: set[int] = set()
+        self._next = 0
+        self._works: list[dist.Work] = []
+        self.bytes_sent = 0
+
+    def landed(self, box: int) -> None:
+        """Box ``box`` (an index into ``boxes``) is in place here: send what is ready."""
+        self._landed.add(box)
+        while self._next < len(self._messages) and self._messages[self._next][1] <= self._landed:
+            data = self._messages[self._next][0]
+            self._works.append(self.send(data))
+            self.bytes_sent += data.numel()
+            self._next += 1
+
+    def send(self, data: torch.Tensor) -> dist.Work:
+        return self.group.send([data], self.dst, 0)
+
+    def finish(self) -> int:
+        """Wait until everything was sent; the bytes sent."""
+        if self._next != len(self._messages):
+            raise RuntimeError(f"relay to rank {self.dst}: {len(self._messages) - self._next} "
+                               "messages never became ready")  # fmt: skip
+        for work in self._works:
+            work.wait()
+        return self.bytes_sent

@@ -115,3 +115,4 @@ class ShmTransport(Transport):
     sender = ShmSender
     receiver = ShmReceiver
     coordinator = ShmCoordinator
+    shared_staging = True

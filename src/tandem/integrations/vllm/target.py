@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -178,9 +179,14 @@ class VllmUpdate:
         self.spec = spec
         self.landed = False
         self.torn: str | None = None
+        self._opened = time.perf_counter()
+        self._arrived = (0, 0.0)
 
     def expose(self) -> None:
         raise WeightSyncError("pushes into vLLM are staged: nothing is written in place")
+
+    def ingress(self) -> dict[int, tuple[int, float]]:
+        return {0: self._arrived}
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         replies = self.call(phase, records_by_rank)
@@ -200,7 +206,11 @@ class VllmUpdate:
                                   f"{serving} keeps serving: {detail}")  # fmt: skip
         if phase is PushPhase.COMMIT:
             self.landed = True
-        return sum(r.nbytes for r in replies)
+        nbytes = sum(r.nbytes for r in replies)
+        if phase in (PushPhase.RECEIVE, PushPhase.COMMIT) and not self._arrived[0]:
+            self._arrived = (nbytes, 0.0)
+        self._arrived = (self._arrived[0], time.perf_counter() - self._opened)
+        return nbytes
 
     def call(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> list:
         ranks = len(self.target.workers)

@@ -1,0 +1,138 @@
+"""One push updates every replica of a fleet: the trainer sends each byte once (counted by its
+transport), the other replicas get theirs by relay (dist) or from the one staging (shm), every
+replica verifies against the trainer's CRCs, and none commits unless all do."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import transformers
+
+from tandem import LLM, SamplingParams
+from tandem.exchange import WeightSender, WeightSyncError
+
+from test_exchange_push import _run_trainer  # noqa: E402  (tests/ is on sys.path)
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8], [7, 7, 1, 40], [61, 2, 9, 9, 30, 4]]
+
+
+def _trainer(path: str) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _matches(llm, reference: torch.nn.Module, version: int, replicas: int) -> None:
+    """Every replica serves ``reference``'s weights: greedy tokens and log-probs as transformers
+    computes them on the same ids (teacher-forced)."""
+    llm.reset_prefix_cache()
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+    prompts = [p for p in PROMPTS for _ in range(replicas)][: 2 * replicas]
+    outs = llm.generate(prompts, params)
+    assert {o.replica for o in outs} == set(range(replicas))
+    for out in outs:
+        c = out.outputs[0]
+        ids = out.prompt_token_ids + c.token_ids
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([ids])).logits[0], dim=-1)
+        n = len(out.prompt_token_ids)
+        expected = logp[n - 1 : -1].gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+        assert (torch.tensor(c.logprobs) - expected).abs().max() <= 1e-4, out.replica
+        assert out.weight_version == version
+
+
+def _one_copy(stats, replicas: int) -> None:
+    """Counted: the trainer sent one copy; every replica took in exactly what it holds."""
+    assert stats.bytes_moved == stats.bytes_needed > 0
+    assert [r.replica for r in stats.replicas] == list(range(replicas))
+    for r in stats.replicas:
+        assert r.bytes_in == r.bytes_needed == stats.bytes_needed, r
+
+
+@pytest.mark.parametrize(("replicas", "transport"), [(2, "shm"), (3, "dist")])
+def test_one_push_updates_every_replica_sending_each_byte_once(model_factory, replicas, transport):
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    trainer = _trainer(trainer_dir)
+    with LLM(engine_dir, data_parallel_size=replicas) as llm:
+        stats = WeightSender(trainer, llm, transport=transport).push(version=4)
+        assert llm.weight_version == 4 and stats.version == 4
+        assert [s["version"] for s in llm.fleet_state()] == [4] * replicas
+        _one_copy(stats, replicas)
+        relayed = [r.bytes_relayed for r in stats.replicas]
+        if transport == "dist":  # a chain: 0 -> 1 -> 2, each link one copy
+            assert relayed == [stats.bytes_needed] * (replicas - 1) + [0]
+        else:  # every replica reads the trainer's one staging
+            assert relayed == [0] * replicas
+        _matches(llm, trainer, 4, replicas)
+        with torch.no_grad():  # a second push of changed weights lands everywhere too
+            for p in trainer.parameters():
+                p.mul_(0.9)
+        WeightSender(trainer, llm.exchange_address, transport=transport).push(version=5)
+        _matches(llm, trainer, 5, replicas)
+
+
+@pytest.mark.parametrize("transport", ["shm", "dist"])
+def test_fsdp2_trainer_processes_push_into_a_fleet_of_tp2_replicas(model_factory, transport):
+    engine_dir = model_factory("llama", vocab_size=509)
+    trainer_dir = model_factory("llama", seed=1, vocab_size=509)
+    with LLM(engine_dir, data_parallel_size=2, tensor_parallel_size=2) as llm:
+        # each trainer rank asserts the counted bytes moved equal one copy's
+        assert _run_trainer(trainer_dir, llm.exchange_address, 6, transport) == [0, 0]
+        assert llm.weight_version == 6
+        _matches(llm, _trainer(trainer_dir), 6, 2)
+
+
+def test_in_place_pushes_are_refused_before_any_byte_moves(model_factory):
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    with LLM(engine_dir, data_parallel_size=2) as llm:
+        sender = WeightSender(_trainer(trainer_dir), llm, transport="shm", mode="in_place")
+        with pytest.raises(WeightSyncError, match="staged"):
+            sender.push(version=2)
+        assert llm.weight_version == 0 and llm.fleet.fleet_state()[1]["state"] == "serving"
+
+
+CORRUPT_RELAY = """
+    import torch
+    from tandem.exchange.transports import p2p
+
+    honest = p2p.Forwarder.send
+
+    def send(self, data):  # the relay passes on a copy with one byte flipped
+        wrong = data.clone()
+        wrong[len(wrong) // 2] ^= 0xFF
+        self._keep = getattr(self, "_keep", []) + [wrong]
+        return honest(self, wrong)
+
+    p2p.Forwarder.send = send
+"""
+
+
+def test_a_wrong_copy_on_a_relay_is_caught_and_no_replica_commits(
+    model_factory, tmp_path, monkeypatch
+):
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(CORRUPT_RELAY))
+    monkeypatch.syspath_prepend(str(tmp_path))  # the replicas' workers start with it
+    with LLM(engine_dir, data_parallel_size=2) as llm:
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        before = [o.outputs[0].logprobs for o in llm.generate(PROMPTS, params)]
+        with pytest.raises(WeightSyncError, match=r"replicas \[1\].*checksum mismatch"):
+            WeightSender(_trainer(trainer_dir), llm, transport="dist").push(version=3)
+        assert [s["version"] for s in llm.fleet_state()] == [0, 0]
+        llm.reset_prefix_cache()
+        after = llm.generate(PROMPTS, params)
+        assert {o.replica for o in after} == {0, 1}
+        assert [o.outputs[0].logprobs for o in after] == before  # the old weights, everywhere
+        assert all(o.weight_version == 0 for o in after)
+
+
+def test_the_relay_fault_is_injected_in_worker_processes_only(tmp_path):
+    """The corrupting sitecustomize above really loads in a fresh process (the check above is
+    not passing for want of a fault)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(CORRUPT_RELAY))
+    code = "from tandem.exchange.transports import p2p; print(p2p.Forwarder.send.__module__)"
+    env = {"PYTHONPATH": f"{tmp_path}:{':'.join(sys.path)}"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "sitecustomize", out.stderr
