@@ -78,8 +78,8 @@ def test_requests_spread_over_replicas_and_match_one_engine(fleet, llama_dir):
         alone = one.generate(prompts, params)
     for got, want in zip(outs, alone, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
-        diffs = [abs(a - b) for a, b in zip(got.outputs[0].logprobs, want.outputs[0].logprobs)]
-        assert max(diffs) <= 1e-5
+        pairs = zip(got.outputs[0].logprobs, want.outputs[0].logprobs, strict=True)
+        assert max(abs(a - b) for a, b in pairs) <= 1e-5
 
 
 def test_samples_of_a_request_stay_on_one_replica(fleet):

@@ -12,7 +12,6 @@ import transformers
 
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
-
 from test_exchange_push import _run_trainer  # noqa: E402  (tests/ is on sys.path)
 
 pytestmark = pytest.mark.timeout(300)
