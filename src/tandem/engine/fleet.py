@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.fleet_target import FleetTarget
 from tandem.engine.router import Routed, Router
 from tandem.engine.sequence import Sequence
 
@@ -32,7 +33,7 @@ class Fleet:
         lead = self.engines[0]
         self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
         self.lock = threading.Lock()  # the router's
-        self._target = None
+        self.target = lead if replicas == 1 else FleetTarget(self.engines)  # what pushes update
 
     @property
     def lead(self) -> LLMEngine:
@@ -93,13 +94,12 @@ class Fleet:
     def exchange_server(self):
         """Where trainers push: the engine's own exchange server, or with several replicas
         the fleet's (one push updates every replica)."""
-        if len(self.engines) == 1:
-            return self.lead.exchange_server()
-        if self._target is None:
-            from tandem.engine.fleet_target import FleetTarget
+        return self.target.exchange_server()
 
-            self._target = FleetTarget(self.engines)
-        return self._target.exchange_server()
+    @property
+    def update_listeners(self) -> list:
+        """Called after every push into the fleet (`tandem.exchange.WeightTarget`)."""
+        return self.target.update_listeners
 
     @property
     def weight_version(self) -> int:
@@ -117,8 +117,8 @@ class Fleet:
                  "load": loads[r]} for r, engine in enumerate(self.engines)]  # fmt: skip
 
     def shutdown(self) -> None:
-        if self._target is not None:
-            self._target.close()
+        if self.target is not self.lead:
+            self.target.close()
         for engine in self.engines:
             engine.shutdown()
 

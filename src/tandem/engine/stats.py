@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,3 +29,11 @@ class EngineStats:
 
     def to_json(self) -> dict:
         return {**asdict(self), "prefix_cache_hit_rate": round(self.prefix_cache_hit_rate, 4)}
+
+
+def combined(stats: list[EngineStats]) -> EngineStats:
+    """A fleet's figures: every replica's counts added up (peak steps in flight: the most of
+    any replica)."""
+    sums = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)}
+    sums["peak_steps_in_flight"] = max(s.peak_steps_in_flight for s in stats)
+    return EngineStats(**sums)

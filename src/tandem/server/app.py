@@ -31,7 +31,8 @@ def build_app(server: ServerState) -> FastAPI:
         why = s.engine.unavailable()
         body = {"status": "ok" if why is None else "unavailable", "reason": why,
                 "weight_version": s.engine.weight_version,
-                "sleeping": s.engine.state is EngineState.SLEEPING}  # fmt: skip
+                "sleeping": s.engine.state is EngineState.SLEEPING,
+                "replicas": s.engine.replica_health()}  # fmt: skip
         return JSONResponse(body, status_code=200 if why is None else 503)
 
     @app.get("/metrics")

@@ -137,6 +137,7 @@ class AsyncEngine:
         self._aborts: list[str] = []
         self._tracked: dict[str, _Tracked] = {}
         self._live: dict[str, str] = {}  # request id -> its call's id, until over (`_cond`)
+        self._on_over: dict[str, object] = {}  # request id -> called once it is over
         self._closed: str | None = None
         self._republish = False  # sequences finished outside a step (pause, abort): post them
         self._encodes: list[_Encode] = []  # embed / classify calls, batched together
@@ -231,15 +232,29 @@ class AsyncEngine:
         if self.num_waiting + len(requests) > self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting_requests)")
         queue: asyncio.Queue = asyncio.Queue()
+        self.enqueue(call_id, list(enumerate(requests)), queue)
+        return Submission(self, [rid for rid, _ in requests], queue)
+
+    def enqueue(self, call_id: str, requests: list[tuple[int, tuple[str, list[Sequence]]]],
+                queue: asyncio.Queue, on_over=None) -> None:  # fmt: skip
+        """Queue requests of API call ``call_id`` (each with its index in the call), posting
+        their updates to ``queue``; ``on_over(request_id)`` once each is over (finished,
+        aborted or failed). ValueError if a live call has that id."""
         loop = asyncio.get_running_loop()
-        tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in enumerate(requests)]
+        tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in requests]
         with self._cond:
             if call_id in self._live.values():
                 raise ValueError(f"request id {call_id!r} is already in use")
-            self._live.update((rid, call_id) for rid, _ in requests)
+            self._live.update((rid, call_id) for rid, _ in tracked)
+            if on_over is not None:
+                self._on_over.update((rid, on_over) for rid, _ in tracked)
             self._new.extend(tracked)
             self._cond.notify()
-        return Submission(self, [rid for rid, _ in requests], queue)
+
+    def is_live(self, call_id: str) -> bool:
+        """Whether a call with this id still has requests here."""
+        with self._cond:
+            return call_id in self._live.values()
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -439,8 +454,11 @@ class AsyncEngine:
 
     def _over(self, request_ids) -> None:
         with self._cond:
-            for request_id in request_ids:
-                self._live.pop(request_id, None)
+            calls = [(rid, self._on_over.pop(rid, None)) for rid in request_ids
+                     if self._live.pop(rid, None) is not None]  # fmt: skip
+        for request_id, on_over in calls:
+            if on_over is not None:
+                on_over(request_id)
 
     def _delta(self, t: _Tracked, i: int, seq: Sequence) -> CompletionOutput | None:
         if t.done[i] or (seq.num_output_tokens == t.sent_tokens[i] and not seq.finished):

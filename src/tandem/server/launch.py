@@ -10,9 +10,9 @@ import threading
 
 import uvicorn
 
-from tandem.engine.engine import LLMEngine
+from tandem.engine.fleet import Fleet
 from tandem.server.app import build_app
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.async_fleet import AsyncFleet
 from tandem.server.chat import ChatTemplate
 from tandem.server.config import ServeConfig
 from tandem.server.metrics import Metrics
@@ -27,13 +27,15 @@ def serve(config: ServeConfig) -> int:
     )
     sock = socket.create_server((config.host, config.port))
     host, port = sock.getsockname()[:2]
-    log.info("loading %s (tp=%d, pp=%d)", config.model, config.tp, config.pp)
+    engine_config = config.engine_config()
+    replicas = engine_config.parallel.data_parallel_size
+    log.info("loading %s (dp=%d, tp=%d, pp=%d)", config.model, replicas, config.tp, config.pp)
     try:
-        engine = LLMEngine(config.engine_config())
+        fleet = Fleet(engine_config)
     except BaseException:
         sock.close()
         raise
-    async_engine = AsyncEngine(engine, config.max_waiting_requests)
+    async_engine = AsyncFleet(fleet, config.max_waiting_requests)
     try:
         state = ServerState(config, async_engine, Metrics(async_engine), ChatTemplate(config.model))
         app = build_app(state)
@@ -43,8 +45,8 @@ def serve(config: ServeConfig) -> int:
         )  # fmt: skip
         server = _Server(uv, async_engine, config.shutdown_timeout_s)
         print(f"tandem serve: {config.model_name} on http://{host}:{port} "
-              f"(tp={config.tp}, pp={config.pp}, {engine.config.dtype}, weight version "
-              f"{engine.weight_version})", flush=True)  # fmt: skip
+              f"(dp={replicas}, tp={config.tp}, pp={config.pp}, {fleet.lead.config.dtype}, "
+              f"weight version {fleet.weight_version})", flush=True)  # fmt: skip
         # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
         # place that is a no-op, so the engine and its workers are shut down below.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -55,7 +57,7 @@ def serve(config: ServeConfig) -> int:
                 signal.signal(sig, handler)
     finally:
         async_engine.close()
-        engine.shutdown()
+        fleet.shutdown()
         sock.close()
         print("tandem serve: stopped", flush=True)
     return 0
@@ -69,7 +71,7 @@ class _Server(uvicorn.Server):
     """On shutdown, requests still running just before the grace period ends are answered
     with 503 "the server is shutting down" instead of a dropped connection."""
 
-    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, grace_s: float):
+    def __init__(self, config: uvicorn.Config, engine: AsyncFleet, grace_s: float):
         super().__init__(config)
         self._engine = engine
         self._grace_s = grace_s

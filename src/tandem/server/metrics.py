@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tandem.engine.dtype_probe import DtypeChoice
 from tandem.engine.state import EngineState
-from tandem.server.async_engine import AsyncEngine
+from tandem.server.async_fleet import AsyncFleet
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120, 300)
 
@@ -16,7 +16,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncFleet):
         self.registry = r = CollectorRegistry()
         for name, doc, value in (
             ("queue_depth", "requests waiting to be scheduled", lambda: engine.num_waiting),
@@ -36,6 +36,7 @@ class Metrics:
         ):  # fmt: skip
             Gauge(f"tandem_{name}", doc, registry=r).set_function(value)
         r.register(_TokenCounter(engine))
+        r.register(_ReplicaGauges(engine))
         r.register(_EngineCounters(engine))
         _dtype_gauges(engine.dtype_choice, r)
         self.prompt_tokens = Counter(
@@ -83,7 +84,7 @@ def _dtype_gauges(choice: DtypeChoice, registry: CollectorRegistry) -> None:
 class _TokenCounter:
     """``tandem_generation_tokens_total``, counted by the engine thread."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncFleet):
         self.engine = engine
 
     def collect(self):
@@ -97,7 +98,7 @@ class _EngineCounters:
     """The engine core's own counts: prefix-cache tokens, and tokens computed per kind (their
     ratio to ``tandem_engine_steps_total`` is the mean prefill / decode tokens per step)."""
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncFleet):
         self.engine = engine
 
     def collect(self):
@@ -115,3 +116,42 @@ class _EngineCounters:
             ("encode_inputs", "sequences embedded or classified", stats.encode_inputs),
         ):  # fmt: skip
             yield CounterMetricFamily(f"tandem_{name}", doc, value=value)
+
+
+class _ReplicaGauges:
+    """Per replica of the fleet (``replica`` label; a single engine is replica 0): what it
+    serves, what it runs, the tokens routed to it still owed, its prefix-cache hit rate, the
+    tokens it generated."""
+
+    def __init__(self, engine: AsyncFleet):
+        self.engine = engine
+
+    def collect(self):
+        families = {
+            name: GaugeMetricFamily(f"tandem_replica_{name}", doc, labels=["replica"])
+            for name, doc in (
+                ("weight_version", "version of the weights the replica serves"),
+                ("available", "1 while the replica takes requests"),
+                ("load", "tokens the replica still owes to the requests routed to it"),
+                ("running_sequences", "sequences holding the replica's KV blocks"),
+                ("queue_depth", "requests waiting on the replica"),
+                ("prefix_cache_hit_rate", "share of its admitted prompt tokens served cached"),
+            )
+        }  # fmt: skip
+        tokens = CounterMetricFamily(
+            "tandem_replica_generation_tokens", "tokens the replica generated", labels=["replica"]
+        )
+        health = self.engine.replica_health()
+        for replica, h in zip(self.engine.replicas, health, strict=True):
+            label = [str(h["replica"])]
+            families["weight_version"].add_metric(label, h["weight_version"])
+            families["available"].add_metric(label, int(h["status"] == "ok"))
+            families["load"].add_metric(label, h["load"])
+            families["running_sequences"].add_metric(label, replica.num_running)
+            families["queue_depth"].add_metric(label, replica.num_waiting)
+            families["prefix_cache_hit_rate"].add_metric(
+                label, replica.stats().prefix_cache_hit_rate
+            )
+            tokens.add_metric(label, replica.generated_tokens)
+        yield from families.values()
+        yield tokens

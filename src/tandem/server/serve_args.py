@@ -11,8 +11,9 @@ from tandem.server.config import ConfigError, ServeConfig, load_config
 _SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
                 "served_model_name", "max_waiting_requests", "log_level",
                 "shutdown_timeout_s")  # fmt: skip
-_ENGINE_FLAGS = ("task", "distributed_executor_backend", "ray_address", "placement_strategy",
-                 "dtype", "device", "nnodes", "master_addr", "master_port", "max_num_seqs",
+_ENGINE_FLAGS = ("task", "data_parallel_size", "distributed_executor_backend", "ray_address",
+                 "placement_strategy", "dtype", "device", "nnodes", "master_addr", "master_port",
+                 "max_num_seqs",
                  "kv_cache_memory", "block_size", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching",
                  "collective_timeout_s")  # fmt: skip
@@ -27,6 +28,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
                    help="tensor parallel size")  # fmt: skip
     s.add_argument("--pipeline-parallel-size", "-pp", "--pp", dest="pp", type=int,
                    help="pipeline parallel size")  # fmt: skip
+    s.add_argument("--data-parallel-size", "-dp", "--dp", dest="data_parallel_size", type=int,
+                   help="replicas (each tp x pp ranks) behind this one server: requests are "
+                   "routed over them, one push updates them all")  # fmt: skip
     s.add_argument("--host", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="default 8000; 0 picks a free port")
     s.add_argument("--api-key", help="required as a Bearer token on /v1 routes")

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from tandem.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+from tandem.server.async_engine import EngineUnavailable, QueueFull, Submission
+from tandem.server.async_fleet import AsyncFleet
 from tandem.server.chat import ChatTemplate
 from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError, from_validation
@@ -20,7 +21,7 @@ from tandem.server.metrics import Metrics
 @dataclass
 class ServerState:
     config: ServeConfig
-    engine: AsyncEngine
+    engine: AsyncFleet
     metrics: Metrics
     chat: ChatTemplate
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,218 @@
+"""The server's view of a fleet: one `AsyncEngine` (engine thread) per replica behind one
+front with `AsyncEngine`'s surface, so every route serves a fleet as it serves one engine.
+
+A call's requests are routed one by one (`tandem.engine.router`: a request's samples stay on
+one replica) and each replica streams its requests' updates into the call's one queue; the RL
+controls act on every replica. A single engine is a fleet of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from tandem.config import EngineConfig
+from tandem.engine.dtype_probe import DtypeChoice
+from tandem.engine.fleet import Fleet
+from tandem.engine.router import Routed
+from tandem.engine.sampling_params import SamplingParams
+from tandem.engine.sequence import Sequence
+from tandem.engine.state import EngineState
+from tandem.engine.stats import EngineStats, combined
+from tandem.engine.tokenizer import Tokenizer
+from tandem.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+
+# the state a fleet reports: its replicas' worst (a dead replica is a dead fleet until the
+# fleet can quarantine and heal it)
+_WORST_FIRST = (EngineState.DEAD, EngineState.TORN, EngineState.NO_WEIGHTS,
+                EngineState.SLEEPING, EngineState.RUNNING)  # fmt: skip
+
+
+class AsyncFleet:
+    def __init__(self, fleet: Fleet, max_waiting: int = 256):
+        self.fleet = fleet
+        self.max_waiting = max_waiting
+        self.replicas = [AsyncEngine(engine, max_waiting) for engine in fleet.engines]
+        self._lead = self.replicas[0]
+        self._where: dict[str, Routed] = {}  # request id -> where it runs, until over
+        self._lock = threading.Lock()
+
+    # ----- what every replica shares: the lead's -----
+    @property
+    def config(self) -> EngineConfig:
+        return self._lead.config
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        return self._lead.dtype_choice
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._lead.tokenizer
+
+    @property
+    def model_config(self):
+        return self._lead.model_config
+
+    @property
+    def model_class(self):
+        return self._lead.model_class
+
+    @property
+    def max_model_len(self) -> int:
+        return self._lead.max_model_len
+
+    def text(self, seq: Sequence) -> str:
+        return self._lead.text(seq)
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        return self._lead.prompt_ids(prompt)
+
+    def tokenize_inputs(self, items):
+        return self._lead.tokenize_inputs(items)
+
+    def prepare(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                priority: int = 0) -> list[Sequence]:  # fmt: skip
+        """Check one prompt (every replica has the same limits) and make its samples; their
+        ids are unique across the fleet (one admission numbers them all)."""
+        return self._lead.prepare(request_id, prompt_ids, params, priority)
+
+    # ----- the fleet as a whole -----
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.num_running for r in self.replicas)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated_tokens for r in self.replicas)
+
+    @property
+    def weight_version(self) -> int:
+        return self.fleet.weight_version
+
+    @property
+    def state(self) -> EngineState:
+        states = {r.state for r in self.replicas}
+        return next(s for s in _WORST_FIRST if s in states)
+
+    @property
+    def torn_reason(self) -> str | None:
+        reasons = [f"replica {i}: {why}" for i, r in enumerate(self.replicas)
+                   if (why := r.torn_reason) is not None]  # fmt: skip
+        return "; ".join(reasons) or None
+
+    @property
+    def paused(self) -> str | None:
+        return self._lead.paused
+
+    @property
+    def memory_released(self) -> dict[str, bool]:
+        released = [r.memory_released for r in self.replicas]
+        return {k: any(m[k] for m in released) for k in released[0]}
+
+    def stats(self) -> EngineStats:
+        return combined([r.stats() for r in self.replicas])
+
+    def unavailable(self) -> str | None:
+        reasons = [why if len(self.replicas) == 1 else f"replica {i}: {why}"
+                   for i, r in enumerate(self.replicas)
+                   if (why := r.unavailable()) is not None]  # fmt: skip
+        return "; ".join(reasons) or None
+
+    def replica_health(self) -> list[dict]:
+        """Each replica: ``{replica, status, reason, weight_version, state, load}``."""
+        state = self.fleet.fleet_state()
+        return [{"replica": i, "status": "ok" if why is None else "unavailable", "reason": why,
+                 "weight_version": r.weight_version, "state": r.state.value,
+                 "load": state[i]["load"]}
+                for i, r in enumerate(self.replicas)
+                for why in [r.unavailable()]]  # fmt: skip
+
+    def exchange_server(self):
+        """Where trainers push: one push updates every replica (blocking)."""
+        return self.fleet.exchange_server()
+
+    def on_weight_update(self, listener) -> None:
+        self.fleet.update_listeners.append(listener)
+
+    # ----- requests -----
+    def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]]) -> Submission:
+        """Route each request of API call ``call_id`` to a replica and queue them all (or
+        none); every update reaches the call's one queue. Raises QueueFull, EngineUnavailable
+        (a replica cannot serve: until quarantine, the fleet refuses), ValueError (a live call
+        has that id)."""
+        if (why := self.unavailable()) is not None:
+            raise EngineUnavailable(why)
+        if self.num_waiting + len(requests) > self.max_waiting:
+            raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting_requests)")
+        if any(r.is_live(call_id) for r in self.replicas):
+            raise ValueError(f"request id {call_id!r} is already in use")
+        by_replica: dict[int, list] = {}
+        with self._lock:
+            for i, (rid, seqs) in enumerate(requests):
+                first = seqs[0]
+                prompt = first.token_ids[: first.num_prompt_tokens]
+                where = self.fleet.route(prompt, len(seqs), first.params.max_tokens or 0)
+                self._where[rid] = where
+                by_replica.setdefault(where.replica, []).append((i, (rid, seqs)))
+        queue: asyncio.Queue = asyncio.Queue()
+        for replica, mine in sorted(by_replica.items()):
+            self.replicas[replica].enqueue(call_id, mine, queue, self._over)
+        return Submission(self, [rid for rid, _ in requests], queue)
+
+    def _over(self, request_id: str) -> None:
+        with self._lock:
+            where = self._where.pop(request_id, None)
+        if where is not None:
+            self.fleet.finished(where)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            where = self._where.get(request_id)
+        if where is not None:
+            self.replicas[where.replica].abort(request_id)
+
+    def abort_requests(self, call_ids: list[str] | None) -> list[str]:
+        return sorted({c for r in self.replicas for c in r.abort_requests(call_ids)})
+
+    async def encode(self, inputs, types, pooling):
+        """Embed / classify on the replica with the fewest requests waiting."""
+        replica = min(self.replicas, key=lambda r: (r.num_waiting, r.num_running))
+        return await replica.encode(inputs, types, pooling)
+
+    # ----- controls: every replica (blocking: call in a thread) -----
+    def _each(self, call) -> list:
+        if len(self.replicas) == 1:
+            return [call(self._lead)]
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            futures = [pool.submit(call, r) for r in self.replicas]
+        return [f.result() for f in futures]
+
+    def reset_prefix_cache(self) -> None:
+        self._each(lambda r: r.reset_prefix_cache())
+        self.fleet.forget_prefixes()
+
+    def sleep(self, level: int = 1) -> None:
+        self._each(lambda r: r.sleep(level))
+        self.fleet.forget_prefixes()
+
+    def wake(self, kv_cache: bool = True, weights: bool = True) -> None:
+        self._each(lambda r: r.wake(kv_cache, weights))
+
+    def reload_weights(self) -> None:
+        self._each(lambda r: r.reload_weights())
+        self.fleet.forget_prefixes()
+
+    def pause(self, mode: str, timeout: float | None = None) -> int:
+        return sum(self._each(lambda r: r.pause(mode, timeout)))
+
+    def resume(self) -> None:
+        self._each(lambda r: r.resume())
+
+    def close(self, reason: str = "the server is shutting down") -> None:
+        self._each(lambda r: r.close(reason))
