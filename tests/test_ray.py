@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from tandem import LLM, SamplingParams
 from tandem.engine.executor import EngineDeadError
@@ -167,3 +168,26 @@ def test_serve_with_ray_ranks(cluster, llama_dir):
     with LLM(llama_dir) as one:
         want = one.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
     assert r.json()["choices"][0]["token_ids"] == want
+
+
+def test_a_fleet_places_each_replica_on_its_own_node_and_one_push_reaches_both(
+    cluster, model_factory
+):
+    from tandem.exchange import WeightSender
+
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    with LLM(trainer_dir) as ref:
+        want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY)]
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    with LLM(engine_dir, data_parallel_size=2, distributed_executor_backend="ray") as llm:
+        places = llm.worker_locations()
+        assert sorted(p["replica"] for p in places) == [0, 1]
+        assert len({p["node_id"] for p in places}) == 2  # one replica per node
+        assert len(_placement_groups()) == 2  # each replica its own
+        stats = WeightSender(trainer, llm, transport="dist").push(version=3)
+        assert stats.bytes_moved == stats.bytes_needed  # one copy left the trainer
+        assert [r.bytes_in for r in stats.replicas] == [stats.bytes_needed] * 2
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert {o.replica for o in outs} == {0, 1}  # each replica serves one prompt
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert [s["version"] for s in llm.fleet_state()] == [3, 3]

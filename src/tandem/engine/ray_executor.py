@@ -2,13 +2,14 @@
 
 The engine uses the Ray cluster this process is connected to (else ``ray.init(address=
 ray_address or "auto")``), reserves one placement group with a bundle per rank (CPUs, plus a
-GPU each when ``device`` is CUDA) under ``placement_strategy``, and runs each rank's worker
-(`tandem.engine.worker.main`) inside an actor pinned to its bundle. Everything else is the
-multi-process engine's: the same control channel (the actors dial the engine's control server
-with its token), the same torch.distributed rendezvous (a TCP store the engine hosts at
-``master_addr``, by default the driver's address as Ray knows it), the same failure semantics
-(an actor that dies makes the next call raise `EngineDeadError` naming its rank). Shutdown
-stops the actors and removes the placement group.
+GPU each when ``device`` is CUDA) under ``placement_strategy`` (each replica of a fleet its
+own, placed on a node of its own where the cluster has room: `_replica_node`), and runs each
+rank's worker (`tandem.engine.worker.main`) inside an actor pinned to its bundle. Everything
+else is the multi-process engine's: the same control channel (the actors dial the engine's
+control server with its token), the same torch.distributed rendezvous (a TCP store the engine
+hosts at ``master_addr``, by default the driver's address as Ray knows it), the same failure
+semantics (an actor that dies makes the next call raise `EngineDeadError` naming its rank).
+Shutdown stops the actors and removes the placement group.
 """
 
 from __future__ import annotations
@@ -30,6 +31,24 @@ def _ray():
             "distributed_executor_backend='ray' needs Ray: pip install 'tandem-rl[ray]'"
         ) from None
     return ray
+
+
+NODE_LABEL = "ray.io/node-id"  # every Ray node's own label
+
+
+def _replica_node(ray, config: EngineConfig, ranks: int, bundle: dict) -> str | None:
+    """The node a fleet's replica is placed on, so replicas spread over the cluster: replica r
+    takes the r-th (mod their number) of the alive nodes that can hold all its ranks, in node
+    id order. None (Ray places it) for a single engine, or when its ranks spread over nodes
+    themselves (SPREAD strategies), or when no node can hold them all."""
+    parallel = config.parallel
+    if parallel.data_parallel_size == 1 or "SPREAD" in config.ray.placement_strategy:
+        return None
+    fits = sorted(
+        n["NodeID"] for n in ray.nodes()
+        if n["Alive"] and all(n["Resources"].get(k, 0) >= v * ranks for k, v in bundle.items())
+    )  # fmt: skip
+    return fits[parallel.data_parallel_rank % len(fits)] if fits else None
 
 
 class _RankActor:
@@ -107,8 +126,11 @@ class RayExecutor(MultiprocExecutor):
         ranks = list(ranks)
         gpus = 1 if config.torch_device.type == "cuda" else 0
         bundle = {"CPU": config.ray.ray_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
+        node = _replica_node(ray, config, len(ranks), bundle)
+        selector = None if node is None else [{NODE_LABEL: node}] * len(ranks)
         self._placement = placement_group([bundle] * len(ranks),
-                                          strategy=config.ray.placement_strategy)  # fmt: skip
+                                          strategy=config.ray.placement_strategy,
+                                          bundle_label_selector=selector)  # fmt: skip
         try:
             ray.get(self._placement.ready(), timeout=config.parallel.worker_start_timeout_s)
         except Exception as exc:
