@@ -151,6 +151,13 @@ def _bench(args) -> int:
         if not args.json:
             print("\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items()))
             return 0
+    elif args.what == "fleet":
+        from tandem.bench.fleet import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
     elif args.what == "sync":
         from tandem.bench.sync import run, summary
 
@@ -252,7 +259,7 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_demo)
 
     b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
-    b.add_argument("what", choices=["generate", "serve", "sync", "encode"])
+    b.add_argument("what", choices=["generate", "serve", "sync", "encode", "fleet"])
     b.add_argument("--json", action="store_true", help="print the full JSON result")
     b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
     b.add_argument("--into", choices=["tandem", "vllm"], default="tandem",

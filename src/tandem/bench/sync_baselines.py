@@ -91,15 +91,19 @@ NAIVE_NOTE = (
 )
 
 
-def naive(path: Path, timeout: float, send: str = NAIVE_SEND) -> dict[str, Any]:
+def naive(path: Path, timeout: float, send: str = NAIVE_SEND, replicas: int = 1,
+          tp: int = 2) -> dict[str, Any]:  # fmt: skip
     """The in-memory path RL stacks take, trainer and engine ranks in one gloo group (see
     `sync_worker.naive`): a push is the barrier to the slowest engine rank's last copy."""
     port = str(free_port())
-    argv = [["naive", str(r), port, str(path), str(REPEATS), send] for r in range(4)]
+    ranks = 2 + replicas * tp
+    argv = [["naive", str(r), port, str(path), str(REPEATS), send, str(replicas), str(tp)]
+            for r in range(ranks)]  # fmt: skip
     rank0, _, *engine = workers(argv, timeout)
     per_push = [max(r["seconds"][i] for r in engine) for i in range(REPEATS)]
     best, nbytes = min(per_push), rank0["state_dict_bytes"]
     how = "one gloo broadcast to" if send == "broadcast" else "an isend to each of"
+    fleet = f"{replicas} replicas x TP {tp}" if replicas > 1 else f"TP {tp}"
     return {
         "seconds": round(best, 6),
         "gib_per_s": gib_per_s(nbytes, best),
@@ -108,8 +112,8 @@ def naive(path: Path, timeout: float, send: str = NAIVE_SEND) -> dict[str, Any]:
         "seconds_per_push": [round(s, 6) for s in per_push],
         "checked_pieces": [r["checked_pieces"] for r in engine],
         "method": f"trainer rank 0 gathers each parameter (full_tensor) and sends it by {how} "
-        "the 2 engine ranks (TP 2), which copy their shards into their parameters "
-        "(param.pieces)",
+        f"the {replicas * tp} engine ranks ({fleet}), which copy their shards into their "
+        "parameters (param.pieces)",
         "timing": f"best of {REPEATS} pushes after a warm-up; a push is the barrier to the "
         "slowest engine rank's last copy; gather_seconds: rank 0's full_tensor calls, best push",
     }

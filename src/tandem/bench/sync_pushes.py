@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -209,7 +209,8 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
         out[name] = {"seconds": seconds, "warmup_seconds": warmup, "version": stats.version,
                      "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
                      "bytes_moved": stats.bytes_moved, "transport": stats.transport,
-                     "bytes_by_receiver": list(stats.bytes_by_receiver)}  # fmt: skip
+                     "bytes_by_receiver": list(stats.bytes_by_receiver),
+                     "replicas": [asdict(r) for r in stats.replicas]}  # fmt: skip
     dist.barrier()
     print(json.dumps({"rank": rank, "pushes": version, "modes": out}), flush=True)
     dist.destroy_process_group()
@@ -255,6 +256,7 @@ class _Sent:
     seconds: float
     transport: str = "gloo, gathered full tensors"
     bytes_by_receiver: tuple = ()
+    replicas: tuple = ()
 
     @property
     def bytes_moved(self) -> int:

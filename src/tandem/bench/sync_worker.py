@@ -89,27 +89,33 @@ def raw_gloo(rank: int, port: str, streams: list[list[int]], repeats: int, messa
     dist.destroy_process_group()
 
 
-# ranks of `naive`: 0, 1 the FSDP2 trainer, 2, 3 the engine's tensor-parallel ranks
-NAIVE_TRAINERS, NAIVE_ENGINE = [0, 1], [2, 3]
+# ranks of `naive`: 0, 1 the FSDP2 trainer, then the engine ranks (replica by replica)
+NAIVE_TRAINERS = [0, 1]
 
 
-def naive(rank: int, port: str, model_dir: str, repeats: int, send: str):
-    """The in-memory path RL stacks take: 4 processes in one gloo group (see
-    `NAIVE_TRAINERS`, `NAIVE_ENGINE`). Per push, trainer rank 0 gathers every parameter
-    (``full_tensor()``, rank 1 joins) and sends the full tensor to both engine ranks (``send``:
-    ``broadcast`` in the group of rank 0 and the engine ranks, or ``isend`` to each), tensor by
-    tensor; each engine rank receives it into a preallocated buffer and copies its
-    tensor-parallel part into its parameters through their pieces (load_weights-style)."""
+def naive(rank: int, port: str, model_dir: str, repeats: int, send: str, replicas: int = 1,
+          tp: int = 2):  # fmt: skip
+    """The in-memory path RL stacks take: the 2 FSDP2 trainer ranks (`NAIVE_TRAINERS`) and
+    ``replicas`` x ``tp`` engine ranks in one gloo group. Per push, trainer rank 0 gathers every
+    parameter (``full_tensor()``, rank 1 joins) and sends the full tensor to every engine rank
+    (``send``: ``broadcast`` in the group of rank 0 and every engine rank, or ``isend`` to each,
+    replica after replica), tensor by tensor; each engine rank receives it into a preallocated
+    buffer and copies its tensor-parallel part into its parameters through their pieces
+    (load_weights-style)."""
     torch.set_num_threads(1)
+    engine_ranks = list(range(len(NAIVE_TRAINERS), len(NAIVE_TRAINERS) + replicas * tp))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=len(NAIVE_TRAINERS) + len(NAIVE_ENGINE))  # fmt: skip
+                            world_size=len(NAIVE_TRAINERS) + len(engine_ranks))  # fmt: skip
     # every rank creates every group, in the same order
-    trainers, engine = dist.new_group(NAIVE_TRAINERS), dist.new_group(NAIVE_ENGINE)
-    fanout = dist.new_group([NAIVE_TRAINERS[0], *NAIVE_ENGINE])
+    trainers = dist.new_group(NAIVE_TRAINERS)
+    replica_groups = [dist.new_group(engine_ranks[r * tp : (r + 1) * tp]) for r in range(replicas)]
+    fanout = dist.new_group([NAIVE_TRAINERS[0], *engine_ranks])
     if rank in NAIVE_TRAINERS:
-        _naive_trainer(rank, trainers, fanout, model_dir, repeats, send)
+        _naive_trainer(rank, trainers, fanout, engine_ranks, model_dir, repeats, send)
     else:
-        _naive_engine(rank, engine, fanout, model_dir, repeats, send)
+        index = engine_ranks.index(rank)
+        replica = replica_groups[index // tp]
+        _naive_engine(rank, replica, index % tp, tp, fanout, model_dir, repeats, send)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -131,7 +137,8 @@ def _fsdp_model(model_dir: str, group: dist.ProcessGroup) -> torch.nn.Module:
     return model
 
 
-def _naive_trainer(rank: int, trainers, fanout, model_dir: str, repeats: int, send: str):
+def _naive_trainer(rank: int, trainers, fanout, engine_ranks: list[int], model_dir: str,
+                   repeats: int, send: str):  # fmt: skip
     """Gather and send (rank 0) or join the gathers (rank 1): one untimed push, ``repeats``
     timed, one untimed for the engine's check. Rank 0 reports each push's gathering time."""
     params = dict(_fsdp_model(model_dir, trainers).named_parameters())
@@ -151,7 +158,7 @@ def _naive_trainer(rank: int, trainers, fanout, model_dir: str, repeats: int, se
                 gathering += time.perf_counter() - at
                 nbytes += full.numel() * full.element_size()
                 if sender:
-                    _fan_out(full.contiguous(), fanout, send)
+                    _fan_out(full.contiguous(), fanout, engine_ranks, send)
             if 0 < i <= repeats:
                 seconds.append(time.perf_counter() - start)
                 gathers.append(gathering)
@@ -159,16 +166,17 @@ def _naive_trainer(rank: int, trainers, fanout, model_dir: str, repeats: int, se
         _emit(rank=rank, seconds=seconds, gather_seconds=gathers, state_dict_bytes=nbytes)
 
 
-def _fan_out(full: torch.Tensor, fanout, send: str) -> None:
+def _fan_out(full: torch.Tensor, fanout, engine_ranks: list[int], send: str) -> None:
     """Rank 0 sends one full tensor to every engine rank."""
     if send == "broadcast":
         dist.broadcast(full, src=NAIVE_TRAINERS[0], group=fanout)
     else:
-        for work in [dist.isend(full, dst) for dst in NAIVE_ENGINE]:
+        for work in [dist.isend(full, dst) for dst in engine_ranks]:
             work.wait()
 
 
-def _naive_engine(rank: int, engine, fanout, model_dir: str, repeats: int, send: str):
+def _naive_engine(rank: int, engine, tp_rank: int, tp: int, fanout, model_dir: str,
+                  repeats: int, send: str):  # fmt: skip
     """This engine rank's tensor-parallel model (random storage, no KV cache); per push every
     full tensor is received into one preallocated buffer and its pieces copied into the
     parameters. Reports each timed push's seconds (barrier to the last copy); after them, one
@@ -178,8 +186,7 @@ def _naive_engine(rank: int, engine, fanout, model_dir: str, repeats: int, send:
     from tandem.parallel import TPGroup
 
     spec = read_model_spec(model_dir)
-    tp = TPGroup(NAIVE_ENGINE.index(rank), len(NAIVE_ENGINE), engine)
-    model = build_model(spec, tp, torch.float32, "cpu")
+    model = build_model(spec, TPGroup(tp_rank, tp, engine), torch.float32, "cpu")
     index: dict[str, list] = {}  # canonical name -> [(param, piece)] that read it
     for param in unique_parameters(model):
         for piece in param.pieces:
@@ -299,8 +306,8 @@ def main(argv: list[str]) -> int:
         rank, port, streams, repeats, message_bytes = args
         raw_gloo(int(rank), port, json.loads(streams), int(repeats), int(message_bytes))
     elif what == "naive":
-        rank, port, model_dir, repeats, send = args
-        naive(int(rank), port, model_dir, int(repeats), send)
+        rank, port, model_dir, repeats, send, replicas, tp = args
+        naive(int(rank), port, model_dir, int(repeats), send, int(replicas), int(tp))
     elif what == "planner":
         planner(*args)
     else:
