@@ -43,6 +43,6 @@ def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
         assert _positive(entry["dp1_tokens_per_s"]) and _positive(entry["dp2_tokens_per_s"])
         assert sum(entry["dp2_engine"]["requests_per_replica"]) == entry["requests"] * REPEATS
         assert min(entry["dp2_engine"]["requests_per_replica"]) > 0  # both replicas served
-    assert set(result["ratios"]) == {"fleet_vs_naive", "fleet_shm_vs_naive", "dp2_vs_dp1",
+    assert set(result["ratios"]) == {"fleet_vs_naive", "fleet_gloo_vs_naive", "dp2_vs_dp1",
                                      "dp2_vs_dp1_mixed"}  # fmt: skip
     assert all(_positive(v) for v in result["ratios"].values())

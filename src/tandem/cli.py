@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from tandem.models.tiny import FAMILIES
@@ -128,6 +129,23 @@ def _serve(args) -> int:
         return serve(config)
     except (ModelLoadError, UnsupportedModelError, EngineDeadError, ValueError, OSError) as exc:
         print(f"tandem serve: cannot start: {exc}", file=sys.stderr)  # before serving anything
+        return 2
+
+
+def _router(args) -> int:
+    from tandem.router.app import RouterSettings
+    from tandem.router.launch import route
+
+    admin_key = args.admin_key or os.environ.get("TANDEM_ADMIN_KEY")
+    if admin_key is not None and len(admin_key) < 16:
+        print("tandem router: --admin-key must have at least 16 characters", file=sys.stderr)
+        return 2
+    settings = RouterSettings(api_key=args.api_key, admin_key=admin_key)
+    try:
+        return route(args.replica, args.host, args.port, settings, args.health_interval,
+                     args.log_level)  # fmt: skip
+    except (ValueError, OSError) as exc:
+        print(f"tandem router: cannot start: {exc}", file=sys.stderr)
         return 2
 
 
@@ -257,6 +275,20 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--model-dir", default=".tandem/tiny-llama")
     d.add_argument("--out-dir", default=".tandem/demo", help="demo.json and demo.png go here")
     d.set_defaults(func=_demo)
+
+    r = sub.add_parser("router", help="one front over `tandem serve` replicas started apart")
+    r.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a `tandem serve` (http://host:port); repeat for each")  # fmt: skip
+    r.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    r.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    r.add_argument("--api-key", help="required on /v1 routes (forwarded to the replicas)")
+    r.add_argument("--admin-key", help="enables the RL controls; the replicas must share it "
+                   "(default $TANDEM_ADMIN_KEY)")  # fmt: skip
+    r.add_argument("--health-interval", type=float, default=1.0,
+                   help="seconds between health checks of each replica")  # fmt: skip
+    r.add_argument("--log-level", default="warning",
+                   choices=["debug", "info", "warning", "error"])  # fmt: skip
+    r.set_defaults(func=_router)
 
     b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
     b.add_argument("what", choices=["generate", "serve", "sync", "encode", "fleet"])

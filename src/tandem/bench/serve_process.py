@@ -16,15 +16,16 @@ import sys
 import threading
 from pathlib import Path
 
-_LISTENING = re.compile(r"^tandem serve: (\S+) on (http://\S+) ")
+_LISTENING = re.compile(r"^tandem (?:serve: (\S+)|router:) on (http://\S+) ")
 
 
 class ServerProcess:
     """``python -m tandem.cli serve --port 0 *args`` (``args`` name the model: ``--model DIR``
-    or ``--config FILE``); use as a context manager."""
+    or ``--config FILE``), or with ``command="router"`` a `tandem router` (``args``: its
+    ``--replica URL`` flags); use as a context manager."""
 
-    def __init__(self, args: list[str], start_timeout_s: float = 180.0):
-        cmd = [sys.executable, "-m", "tandem.cli", "serve", "--port", "0", *args]
+    def __init__(self, args: list[str], start_timeout_s: float = 180.0, command: str = "serve"):
+        cmd = [sys.executable, "-m", "tandem.cli", command, "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -36,7 +37,7 @@ class ServerProcess:
         threading.Thread(target=self._drain, daemon=True).start()
         if not self._ready.wait(start_timeout_s) or not self.url:
             self.stop()
-            raise RuntimeError(f"tandem serve {' '.join(args)} did not start:\n{self.output}")
+            raise RuntimeError(f"tandem {command} {' '.join(args)} did not start:\n{self.output}")
 
     @property
     def output(self) -> str:
@@ -47,7 +48,7 @@ class ServerProcess:
         for line in self.proc.stdout:
             self._tail.append(line)
             if not self._ready.is_set() and (match := _LISTENING.match(line)):
-                self.model_name, self.url = match.group(1), match.group(2)
+                self.model_name, self.url = match.group(1) or "", match.group(2)
                 self._ready.set()
         self._ready.set()  # exited before listening: wake the constructor
 

@@ -34,6 +34,7 @@ class Fleet:
         self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
         self.lock = threading.Lock()  # the router's
         self.target = lead if replicas == 1 else FleetTarget(self.engines)  # what pushes update
+        self.target.update_listeners.append(self._pushed)
 
     @property
     def lead(self) -> LLMEngine:
@@ -47,6 +48,10 @@ class Fleet:
     def finished(self, routed: Routed) -> None:
         with self.lock:
             self.router.finished(routed)
+
+    def _pushed(self, version: int, seconds: float, error: str | None) -> None:
+        """A push emptied the replicas' prefix caches (`LLMEngine.weight_update`)."""
+        self.forget_prefixes()
 
     def forget_prefixes(self) -> None:
         """The replicas' prefix caches were reset: route as if nothing is cached."""

@@ -1,0 +1,271 @@
+"""`tandem router`'s HTTP front: `tandem serve`'s routes over replicas started separately.
+
+Completions and chat go whole to one healthy replica (`ReplicaPool.route`) and stream back as
+the replica streams them; a replica that cannot be reached before it answered is marked down
+and the request goes to another. The RL controls go to every replica (with the router's admin
+key, which the replicas must share). Errors have OpenAI's shape (`tandem.server.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tandem.router.replicas import ReplicaPool
+from tandem.server import errors
+from tandem.server.errors import APIError
+from tandem.server.state import check_key
+
+CONTROLS = {  # route -> method: fanned out to every replica
+    "/pause": "POST", "/resume": "POST", "/is_paused": "GET", "/abort_requests": "POST",
+    "/sleep": "POST", "/wake_up": "POST", "/is_sleeping": "GET", "/reload_weights": "POST",
+    "/reset_prefix_cache": "POST",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    api_key: str | None = None  # required on /v1 routes; forwarded to the replicas
+    admin_key: str | None = None  # required on the controls; sent to the replicas
+    max_request_bytes: int = 4 << 20
+
+
+def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await pool.check_all()
+        watcher = asyncio.create_task(pool.watch())
+        try:
+            yield
+        finally:
+            watcher.cancel()
+            await pool.close()
+
+    app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)  # fmt: skip
+    errors.install(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, "/v1/completions", _completion_units)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _generate(request, "/v1/chat/completions", _chat_units)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(request, settings.api_key, "API key")
+        for replica in [r for r in pool.replicas if r.healthy]:
+            try:
+                r = await pool.client.get(f"{replica.url}/v1/models", headers=_auth(request))
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, r.status_code, media_type="application/json")
+        raise _none_healthy(pool)
+
+    @app.get("/health")
+    async def health():
+        report = pool.report()
+        up = [r for r in report if r["status"] == "ok"]
+        down = [f"replica {r['replica']} ({r['url']}): {r['reason']}" for r in report
+                if r["status"] != "ok"]  # fmt: skip
+        status = "ok" if not down else "degraded" if up else "unavailable"
+        body = {"status": status, "reason": "; ".join(down) or None, "replicas": report}
+        return JSONResponse(body, status_code=200 if up else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        registry = CollectorRegistry()
+        registry.register(_Figures(pool))
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/weights")
+    async def weights(request: Request):
+        _require_admin(request, settings)
+        raise APIError(501, "pushes through `tandem router` are not built yet: push to each "
+                       "replica's URL, or serve the replicas from one `tandem serve "
+                       "--data-parallel-size R` (one push there updates them all)",
+                       code="not_implemented")  # fmt: skip
+
+    for path, method in CONTROLS.items():
+        app.add_api_route(path, _control(pool, settings, path, method), methods=[method])
+
+    async def _generate(request: Request, path: str, units_of) -> Response:
+        check_key(request, settings.api_key, "API key")
+        raw = await _body(request, settings.max_request_bytes)
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="bad_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_value")
+        units = units_of(body)
+        samples = body.get("n") if isinstance(body.get("n"), int) else 1
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        tried: set[int] = set()
+        while True:
+            routed = pool.route(units, samples, max_tokens if isinstance(max_tokens, int) else 16)
+            if routed is None or routed.replica in tried:
+                if routed is not None:
+                    pool.finished(routed)
+                raise _none_healthy(pool)
+            replica = pool.replicas[routed.replica]
+            upstream = pool.client.build_request(
+                "POST", f"{replica.url}{path}", content=raw,
+                headers={"content-type": "application/json", **_auth(request)},
+            )  # fmt: skip
+            try:
+                answer = await pool.client.send(upstream, stream=True)
+            except httpx.HTTPError as exc:  # nothing was generated: another replica may take it
+                pool.finished(routed)
+                replica.healthy, replica.reason = False, f"unreachable ({type(exc).__name__})"
+                tried.add(routed.replica)
+                continue
+            return _relay(answer, lambda routed=routed: pool.finished(routed))
+
+    return app
+
+
+def _relay(answer: httpx.Response, done) -> Response:
+    """The replica's answer as it comes (a stream stays a stream); ``done`` once it ended."""
+    media = answer.headers.get("content-type", "application/json")
+
+    async def chunks():
+        try:
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        finally:
+            await answer.aclose()
+            done()
+
+    return StreamingResponse(chunks(), status_code=answer.status_code, media_type=media)
+
+
+def _control(pool: ReplicaPool, settings: RouterSettings, path: str, method: str):
+    async def control(request: Request):
+        _require_admin(request, settings)
+        raw = await _body(request, settings.max_request_bytes)
+        headers = {"authorization": f"Bearer {settings.admin_key}"}
+        if raw:
+            headers["content-type"] = "application/json"
+
+        async def one(url: str):
+            try:
+                r = await pool.client.request(method, f"{url}{path}", params=request.query_params,
+                                              content=raw or None, headers=headers)  # fmt: skip
+                return r.status_code, _json(r)
+            except httpx.HTTPError as exc:
+                return 502, {"error": {"message": f"{url} unreachable ({type(exc).__name__})"}}
+
+        answers = await asyncio.gather(*(one(r.url) for r in pool.replicas))
+        per_replica = [{"replica": i, "status_code": code, "body": body}
+                       for i, (code, body) in enumerate(answers)]  # fmt: skip
+        failed = [a for a in per_replica if not 200 <= a["status_code"] < 300]
+        if failed:
+            first = failed[0]
+            message = "; ".join(f"replica {a['replica']}: {_message(a['body'])}" for a in failed)
+            raise APIError(first["status_code"] if first["status_code"] < 500 else 502,
+                           f"{path} failed on {len(failed)} of {len(answers)} replicas: "
+                           f"{message}", code="replica_failed")  # fmt: skip
+        first = per_replica[0]["body"]
+        body = {**first, "replicas": per_replica} if isinstance(first, dict) else {
+            "replicas": per_replica}  # fmt: skip
+        return JSONResponse(body)
+
+    control.__name__ = f"control_{path.strip('/')}"
+    return control
+
+
+def _require_admin(request: Request, settings: RouterSettings) -> None:
+    if settings.admin_key is None:
+        raise APIError(403, "admin routes are disabled: start the router with --admin-key",
+                       code="admin_disabled")  # fmt: skip
+    check_key(request, settings.admin_key, "admin key")
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
+    return bytes(body)
+
+
+def _auth(request: Request) -> dict[str, str]:
+    header = request.headers.get("authorization")
+    return {} if header is None else {"authorization": header}
+
+
+def _json(r: httpx.Response):
+    try:
+        return r.json()
+    except ValueError:
+        return {"text": r.text[:500]}
+
+
+def _message(body) -> str:
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message"))
+    return str(body)[:200]
+
+
+def _none_healthy(pool: ReplicaPool) -> APIError:
+    why = "; ".join(f"{r.url}: {r.reason}" for r in pool.replicas)
+    return APIError(503, f"no replica can take requests now ({why})", code="no_replica",
+                    headers={"Retry-After": "1"})  # fmt: skip
+
+
+def _completion_units(body: dict) -> list[int]:
+    """What a completion's routing matches on: its (first) prompt's token ids, or its
+    characters."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return [ord(c) for c in prompt]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return []
+
+
+def _chat_units(body: dict) -> list[int]:
+    """A chat's messages, in order, as characters (role and content)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    text = "".join(f"{m.get('role')}:{json.dumps(m.get('content'))}\n"
+                   for m in messages if isinstance(m, dict))  # fmt: skip
+    return [ord(c) for c in text]
+
+
+class _Figures:
+    """Per replica: up, load (tokens owed to routed requests), requests routed."""
+
+    def __init__(self, pool: ReplicaPool):
+        self.pool = pool
+
+    def collect(self):
+        up = GaugeMetricFamily("tandem_router_replica_up", "1 while the replica is healthy",
+                               labels=["replica", "url"])  # fmt: skip
+        load = GaugeMetricFamily("tandem_router_replica_load",
+                                 "tokens owed by the requests routed to the replica",
+                                 labels=["replica", "url"])  # fmt: skip
+        routed = CounterMetricFamily("tandem_router_requests", "requests routed to the replica",
+                                     labels=["replica", "url"])  # fmt: skip
+        for r in self.pool.report():
+            labels = [str(r["replica"]), r["url"]]
+            up.add_metric(labels, int(r["status"] == "ok"))
+            load.add_metric(labels, r["load"])
+            routed.add_metric(labels, r["requests"])
+        yield from (up, load, routed)

@@ -1,0 +1,29 @@
+"""`tandem router`: one HTTP front over `tandem serve` instances started separately."""
+
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+from tandem.router.app import RouterSettings, build_app
+from tandem.router.replicas import ReplicaPool
+
+
+def route(replicas: list[str], host: str = "127.0.0.1", port: int = 8000,
+          settings: RouterSettings | None = None, health_interval_s: float = 1.0,
+          log_level: str = "warning") -> int:  # fmt: skip
+    """Serve until SIGINT / SIGTERM."""
+    pool = ReplicaPool(replicas, interval_s=health_interval_s)
+    app = build_app(pool, settings or RouterSettings())
+    sock = socket.create_server((host, port))
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=log_level, access_log=False)
+    print(f"tandem router: on http://{host}:{port} over {len(replicas)} replicas "
+          f"({', '.join(replicas)})", flush=True)  # fmt: skip
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()
+        print("tandem router: stopped", flush=True)
+    return 0

@@ -1,0 +1,85 @@
+"""The `tandem serve` instances behind a `tandem router`, health-checked.
+
+Each replica's ``GET /health`` is polled every ``interval_s``; a replica answering anything but
+200 with ``status: ok`` within ``timeout_s`` (or not answering) takes no new requests until it
+answers again. Which healthy replica takes a request is `tandem.engine.router.Router`'s choice
+(least-loaded, preferring the replica that served the same prompt prefix), over the request's
+token ids or, for text, its characters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from tandem.engine.router import Routed, Router
+
+TEXT_BLOCK = 64  # characters per prefix block when a prompt is text
+
+
+@dataclass
+class Replica:
+    url: str
+    healthy: bool = False
+    reason: str | None = "not checked yet"
+    health: dict = field(default_factory=dict)  # its last /health body
+    checked_at: float = 0.0
+
+
+class ReplicaPool:
+    def __init__(self, urls: list[str], interval_s: float = 1.0, timeout_s: float = 2.0,
+                 cache_blocks: int = 4096):  # fmt: skip
+        if not urls:
+            raise ValueError("a router needs at least one --replica URL")
+        self.replicas = [Replica(url.rstrip("/")) for url in urls]
+        if len({r.url for r in self.replicas}) != len(self.replicas):
+            raise ValueError(f"a replica is listed twice: {urls}")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.router = Router(len(urls), TEXT_BLOCK, cache_blocks)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=timeout_s))
+
+    async def watch(self) -> None:
+        """Check every replica's health, forever (cancel to stop)."""
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.interval_s)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in self.replicas))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            r = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
+            body = r.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            replica.healthy, replica.health = False, {}
+            replica.reason = f"no answer from {replica.url}/health ({type(exc).__name__})"
+        else:
+            replica.health = body if isinstance(body, dict) else {}
+            replica.healthy = r.status_code == 200 and replica.health.get("status") == "ok"
+            replica.reason = None if replica.healthy else (
+                replica.health.get("reason") or f"/health answered {r.status_code}")  # fmt: skip
+        replica.checked_at = time.time()
+
+    def route(self, units: list[int], samples: int, max_tokens: int) -> Routed | None:
+        """The healthy replica for a request (None: none is healthy)."""
+        allowed = [i for i, r in enumerate(self.replicas) if r.healthy]
+        if not allowed:
+            return None
+        return self.router.route(units, samples, max_tokens, allowed=allowed)
+
+    def finished(self, routed: Routed) -> None:
+        self.router.finished(routed)
+
+    def report(self) -> list[dict]:
+        return [{"replica": i, "url": r.url, "status": "ok" if r.healthy else "unavailable",
+                 "reason": r.reason, "weight_version": r.health.get("weight_version"),
+                 "load": self.router.loads[i], "requests": self.router.requests[i]}
+                for i, r in enumerate(self.replicas)]  # fmt: skip
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,121 @@
+"""`tandem router --replica URL --replica URL`: one front over two `tandem serve` instances
+started apart. The `openai` client streams through it; requests spread; the controls fan out
+with the admin key's rules; a replica that goes down is named by `/health` and skipped."""
+
+import httpx
+import openai
+import pytest
+
+from serving import ADMIN_KEY, Server, wait_for
+from tandem import LLM, SamplingParams
+from tandem.bench.serve_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(240)
+
+
+class Router(ServerProcess):
+    def __init__(self, *replicas: Server, extra: tuple[str, ...] = ()):
+        flags = [f for s in replicas for f in ("--replica", s.url)]
+        super().__init__([*flags, "--health-interval", "0.2", *extra], 60.0, command="router")
+        self.client = httpx.Client(base_url=self.url, timeout=60)
+
+    def stop(self, *args, **kw) -> int:
+        self.client.close()
+        return super().stop(*args, **kw)
+
+
+@pytest.fixture(scope="module")
+def replicas(llama_dir):
+    servers = [Server(llama_dir, "--admin-key", ADMIN_KEY) for _ in range(2)]
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replicas):
+    r = Router(*replicas, extra=("--admin-key", ADMIN_KEY))
+    try:
+        assert wait_for(lambda: r.client.get("/health").json()["status"] == "ok", timeout=30)
+        yield r
+    finally:
+        r.stop()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[10 * k + i for i in range(40)] for k in range(1, n + 1)]
+
+
+def test_streams_through_the_router_equal_one_engine_and_spread(router, replicas, llama_dir):
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    assert model == replicas[0].model
+    streamed = []
+    for prompt in _prompts(6):
+        ids = []
+        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=5,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}):  # fmt: skip
+            ids += chunk.choices[0].token_ids or []
+        streamed.append(ids)
+    with LLM(llama_dir) as llm:
+        params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+        assert streamed == [o.outputs[0].token_ids for o in llm.generate(_prompts(6), params)]
+    tokens = [s.metric("tandem_generation_tokens_total") for s in replicas]
+    assert all(t > 0 for t in tokens), tokens  # both replicas served some
+    routed = [r["requests"] for r in router.client.get("/health").json()["replicas"]]
+    assert sum(routed) >= 6 and min(routed) > 0
+
+
+def test_the_same_prompt_prefix_goes_to_the_replica_that_cached_it(router):
+    prompt = [7] * 200  # three full text-blocks' worth of tokens, the same each time
+    before = [r["requests"] for r in router.client.get("/health").json()["replicas"]]
+    for _ in range(3):
+        r = router.client.post("/v1/completions", json={"model": "m", "prompt": prompt,
+                                                        "max_tokens": 2})  # fmt: skip
+        assert r.status_code in (200, 404), r.text  # 404: the model name; routing happened
+    after = [r["requests"] for r in router.client.get("/health").json()["replicas"]]
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3]
+
+
+def test_controls_fan_out_under_the_admin_key(router, replicas):
+    assert router.client.post("/pause").status_code == 401
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = router.client.post("/pause", params={"mode": "keep"}, headers=headers)
+    assert r.status_code == 200 and len(r.json()["replicas"]) == 2
+    assert all(s.admin("GET", "/is_paused").json()["is_paused"] for s in replicas)
+    assert router.client.post("/resume", headers=headers).status_code == 200
+    assert not any(s.admin("GET", "/is_paused").json()["is_paused"] for s in replicas)
+    assert router.client.get("/admin/weights", headers=headers).status_code == 501
+
+
+def test_health_names_the_replica_that_is_down_and_requests_avoid_it(llama_dir):
+    servers = [Server(llama_dir) for _ in range(2)]
+    router = Router(*servers)
+    try:
+        assert router.client.post("/pause").status_code == 403  # no --admin-key: disabled
+        assert wait_for(lambda: router.client.get("/health").json()["status"] == "ok", 30)
+        down_url = servers[1].url
+        servers[1].stop()
+
+        def degraded():
+            return router.client.get("/health").json()["status"] == "degraded"
+
+        assert wait_for(degraded, timeout=20)
+        body = router.client.get("/health").json()
+        assert down_url in body["reason"]
+        assert [r["status"] for r in body["replicas"]] == ["ok", "unavailable"]
+        for prompt in _prompts(4):  # all go to the replica that is up
+            r = router.client.post("/v1/completions", json={
+                "model": servers[0].model, "prompt": prompt, "max_tokens": 2})  # fmt: skip
+            assert r.status_code == 200, r.text
+        servers[0].stop()
+        assert wait_for(lambda: router.client.get("/health").status_code == 503, timeout=20)
+        r = router.client.post("/v1/completions", json={"model": "m", "prompt": "x"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica"
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
