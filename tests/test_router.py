@@ -1,14 +1,18 @@
 """`tandem router --replica URL --replica URL`: one front over two `tandem serve` instances
 started apart. The `openai` client streams through it; requests spread; the controls fan out
-with the admin key's rules; a replica that goes down is named by `/health` and skipped."""
+with the admin key's rules; one push through it updates both replicas, the trainer sending one
+copy; a replica that goes down is named by `/health` and skipped."""
 
 import httpx
 import openai
 import pytest
+import torch
+import transformers
 
 from serving import ADMIN_KEY, Server, wait_for
 from tandem import LLM, SamplingParams
 from tandem.bench.serve_process import ServerProcess
+from tandem.exchange import WeightSender
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -88,7 +92,35 @@ def test_controls_fan_out_under_the_admin_key(router, replicas):
     assert all(s.admin("GET", "/is_paused").json()["is_paused"] for s in replicas)
     assert router.client.post("/resume", headers=headers).status_code == 200
     assert not any(s.admin("GET", "/is_paused").json()["is_paused"] for s in replicas)
-    assert router.client.get("/admin/weights", headers=headers).status_code == 501
+
+
+@pytest.mark.parametrize(("transport", "version"), [("dist", 1), ("shm", 2)])
+def test_one_push_through_the_router_updates_every_replica(router, replicas, model_factory,
+                                                           transport, version):  # fmt: skip
+    trainer_dir = model_factory("llama", seed=1)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    with torch.no_grad():  # each push carries weights the replicas do not hold yet
+        for p in trainer.parameters():
+            p.mul_(1.0 + 0.1 * version)
+    sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport=transport)
+    stats = sender.push(version=version)
+    sender.close()
+    assert stats.bytes_moved == stats.bytes_needed  # the trainer sent one copy (counted)
+    assert [r.bytes_in for r in stats.replicas] == [stats.bytes_needed] * 2
+    relayed = [r.bytes_relayed for r in stats.replicas]
+    assert relayed == ([stats.bytes_needed, 0] if transport == "dist" else [0, 0])
+    assert [s.get("/health").json()["weight_version"] for s in replicas] == [version] * 2
+    for server in replicas:  # each replica now decodes what transformers does on those weights
+        prompt = [5, 17, 99, 3]
+        r = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
+                                                 "max_tokens": 4, "temperature": 0,
+                                                 "ignore_eos": True, "logprobs": 0})  # fmt: skip
+        choice = r.json()["choices"][0]
+        ids = prompt + choice["token_ids"]
+        with torch.no_grad():
+            logp = torch.log_softmax(trainer(torch.tensor([ids])).logits[0], dim=-1)
+        want = logp[len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert choice["token_ids"] == want
 
 
 def test_health_names_the_replica_that_is_down_and_requests_avoid_it(llama_dir):

@@ -140,7 +140,8 @@ def _router(args) -> int:
     if admin_key is not None and len(admin_key) < 16:
         print("tandem router: --admin-key must have at least 16 characters", file=sys.stderr)
         return 2
-    settings = RouterSettings(api_key=args.api_key, admin_key=admin_key)
+    settings = RouterSettings(api_key=args.api_key, admin_key=admin_key,
+                              exchange_host=args.exchange_host)  # fmt: skip
     try:
         return route(args.replica, args.host, args.port, settings, args.health_interval,
                      args.log_level)  # fmt: skip
@@ -284,6 +285,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--api-key", help="required on /v1 routes (forwarded to the replicas)")
     r.add_argument("--admin-key", help="enables the RL controls; the replicas must share it "
                    "(default $TANDEM_ADMIN_KEY)")  # fmt: skip
+    r.add_argument("--exchange-host", default="127.0.0.1",
+                   help="address the router's weight-exchange server listens on (trainers "
+                   "push there; default 127.0.0.1)")  # fmt: skip
     r.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between health checks of each replica")  # fmt: skip
     r.add_argument("--log-level", default="warning",

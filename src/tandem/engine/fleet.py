@@ -33,7 +33,12 @@ class Fleet:
         lead = self.engines[0]
         self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
         self.lock = threading.Lock()  # the router's
-        self.target = lead if replicas == 1 else FleetTarget(self.engines)  # what pushes update
+        self.target = (
+            lead
+            if replicas == 1
+            # what pushes update
+            else FleetTarget(self.engines, lead.config.exchange_host)
+        )
         self.target.update_listeners.append(self._pushed)
 
     @property

@@ -23,24 +23,22 @@ from tandem.exchange.target import UpdateListener, UpdateWindow
 
 
 class FleetTarget:
-    """The replicas (`LLMEngine`s) of one fleet as a push target."""
+    """The replicas of one fleet as a push target: each a `WeightTarget` of its own (an
+    `LLMEngine`, or a `tandem serve` behind `tandem router`). ``host``: where the fleet's
+    exchange server listens for trainers."""
 
-    def __init__(self, engines: list):
+    def __init__(self, engines: list, host: str = "127.0.0.1"):
         self.engines = engines
+        self.host = host
         self.update_listeners: list[UpdateListener] = []
         self._exchange = None
-        self._first_ranks = []
-        first = 0
-        for engine in engines:
-            self._first_ranks.append(first)
-            first += len(engine.weight_layouts())
+        self._first_ranks: list[int] = []
 
     def exchange_server(self):
         if self._exchange is None:
             from tandem.exchange.server import ExchangeServer
 
-            lead = self.engines[0]
-            self._exchange = ExchangeServer(self, host=lead.config.exchange_host)
+            self._exchange = ExchangeServer(self, host=self.host)
         return self._exchange
 
     def close(self) -> None:
@@ -74,10 +72,15 @@ class FleetTarget:
         return None
 
     def weight_layouts(self) -> list[RankLayout]:
+        """Every replica's ranks, numbered one after another (the numbering the push's
+        records then use: kept until the next call)."""
+        per_replica = [engine.weight_layouts() for engine in self.engines]
+        self._first_ranks = [sum(len(lays) for lays in per_replica[:r])
+                             for r in range(len(per_replica))]  # fmt: skip
         return [dataclasses.replace(lay, rank=first + lay.rank, replica=r)
-                for r, (engine, first) in enumerate(zip(self.engines, self._first_ranks,
-                                                        strict=True))
-                for lay in engine.weight_layouts()]  # fmt: skip
+                for r, (lays, first) in enumerate(zip(per_replica, self._first_ranks,
+                                                      strict=True))
+                for lay in lays]  # fmt: skip
 
     def unavailable(self) -> str | None:
         reasons = [f"replica {r}: {why}" for r, engine in enumerate(self.engines)

@@ -25,10 +25,11 @@ from collections import defaultdict
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.address import ExchangeAddress
-from tandem.exchange.items import Record, SendItem
-from tandem.exchange.layout import LayoutMismatch, RankLayout
-from tandem.exchange.plan import PlanCache, numel
-from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady, ReplicaPush
+from tandem.exchange.items import Record
+from tandem.exchange.layout import LayoutMismatch
+from tandem.exchange.plan import PlanCache
+from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
+from tandem.exchange.push_items import push_items, replica_figures
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import WeightTarget
@@ -141,7 +142,7 @@ class ExchangeServer:
             spec, plans, records, needed, per_replica = self._plan(hellos)
             version = spec.version
             moved, ingress = self._push(spec, socks, plans, records)
-            done = PushDone(version, None, needed, moved, _replica_figures(per_replica, ingress))
+            done = PushDone(version, None, needed, moved, replica_figures(per_replica, ingress))
         except (PeerGone, OSError) as exc:
             self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
@@ -270,81 +271,11 @@ class ExchangeServer:
         per_stream, read_staging = transport.per_stream_offsets, transport.shared_staging
         key = (dtype, per_stream, read_staging)  # the same every push of this plan
         if key not in plan.derived:
-            plan.derived[key] = _push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream,
-                                            read_staging)  # fmt: skip
+            plan.derived[key] = push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream,
+                                           read_staging)  # fmt: skip
         sizes, items, records, relayed, needed, per_replica = plan.derived[key]
         plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
         spec = UpdateSpec(version, settings, dtype, len(hellos))
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
         return spec, plans, (records, relayed), needed, per_replica
-
-
-def _replica_figures(replicas: dict[int, tuple[int, frozenset[int]]],
-                     ingress: dict[int, tuple[int, float]]) -> list[ReplicaPush]:  # fmt: skip
-    """Per replica: the bytes it needs, what arrived at its ranks (counted there), what it
-    passed on (what arrived at the replicas it relays to, counted there) and its phases'
-    seconds. ``replicas``: replica -> (bytes needed, the replicas it relays to)."""
-    arrived = {r: ingress.get(r, (0, 0.0))[0] for r in replicas}
-    return [ReplicaPush(r, needed, arrived[r], sum(arrived[d] for d in feeds),
-                        ingress.get(r, (0, 0.0))[1])
-            for r, (needed, feeds) in sorted(replicas.items())]  # fmt: skip
-
-
-def _push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool,
-                read_staging: bool):  # fmt: skip
-    """Per sender rank: (bytes, `SendItem`s, (engine rank, `Record`)s, (item index, engine
-    rank, `Record`)s of the boxes that reach other replicas by relay), and the bytes one copy of
-    the fleet's distinct layouts needs (what the senders must send) and each replica needs.
-
-    Offsets count per (sender, receiver) stream with ``per_stream``, else per sender; both
-    regions are mapped by their `Piece`. A relay (`Plan.relays`) is carried out by the
-    transport: with ``read_staging`` the relayed-to rank reads the box where the sender
-    staged it (one staging every replica on the host reads), else the rank holding it passes
-    it on (``Record.forward`` / ``Record.via``, streams of their own)."""
-    items: list[list[SendItem]] = [[] for _ in range(plan.num_senders)]
-    records: list[list[tuple[int, Record]]] = [[] for _ in range(plan.num_senders)]
-    relayed: list[list[tuple[int, int, Record]]] = [[] for _ in range(plan.num_senders)]
-    offsets: dict[tuple[int, int], int] = defaultdict(int)
-    forwards: dict[tuple[int, int], list[int]] = defaultdict(list)  # (transfer, rank) -> to
-    if not read_staging:
-        for relay in plan.relays:
-            forwards[(relay.seed, relay.src)].append(relay.dst)
-    seeds = []  # per transfer: (its sender, the item's index there)
-    for i, t in enumerate(plan.transfers):
-        nbytes = t.numel * itemsize
-        box_shape = tuple(b - a for a, b in t.box)
-        stream = (t.src, t.dst if per_stream else -1)
-        offset = offsets[stream]
-        dst_region = t.dst_piece.region(t.box)
-        seeds.append((t.src, len(items[t.src])))
-        items[t.src].append(SendItem(t.src_key, t.src_piece.region(t.box), box_shape, offset,
-                                     nbytes, t.dst, t.dst_key, dst_region))  # fmt: skip
-        records[t.src].append((t.dst, Record(t.src, offset, nbytes, t.dst_key, dst_region,
-                                             box_shape,
-                                             forward=tuple(forwards[(i, t.dst)]))))  # fmt: skip
-        offsets[stream] += nbytes
-    for relay in plan.relays:
-        sender, index = seeds[relay.seed]
-        seed = records[sender][index][1]
-        if read_staging:
-            record = seed
-        else:
-            stream = (-1 - relay.src, relay.dst)  # a receiving rank's stream to another
-            record = Record(seed.source, offsets[stream], seed.nbytes, seed.key, seed.region,
-                            seed.box_shape, via=relay.src,
-                            forward=tuple(forwards[(relay.seed, relay.dst)]))  # fmt: skip
-            offsets[stream] += seed.nbytes
-        relayed[sender].append((index, relay.dst, record))
-    sizes = [offsets[(i, -1)] for i in range(plan.num_senders)]
-    by_replica: dict[int, int] = defaultdict(int)
-    replica_of = {lay.rank: lay.replica for lay in receivers}
-    for lay in receivers:
-        by_replica[lay.replica] += sum(numel(r.piece.box) for r in lay.regions) * itemsize
-    feeds: dict[int, set[int]] = defaultdict(set)  # replica -> the replicas it passes boxes
-    for relay in [] if read_staging else plan.relays:
-        feeds[replica_of[relay.src]].add(replica_of[relay.dst])
-    fed = {replica_of[relay.dst] for relay in plan.relays}
-    needed = sum(n for replica, n in by_replica.items() if replica not in fed)
-    replicas = {r: (n, frozenset(feeds[r])) for r, n in by_replica.items()}
-    return sizes, items, records, relayed, needed, replicas

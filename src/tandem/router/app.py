@@ -3,12 +3,14 @@
 Completions and chat go whole to one healthy replica (`ReplicaPool.route`) and stream back as
 the replica streams them; a replica that cannot be reached before it answered is marked down
 and the request goes to another. The RL controls go to every replica (with the router's admin
-key, which the replicas must share). Errors have OpenAI's shape (`tandem.server.errors`).
+key, which the replicas must share), and so does a push (`/admin/weights`: one push through
+the router updates every replica). Errors have OpenAI's shape (`tandem.server.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -20,6 +22,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tandem.engine.fleet_target import FleetTarget
+from tandem.exchange.receiver import WeightSyncError
+from tandem.router.remote_target import RemoteReplica
 from tandem.router.replicas import ReplicaPool
 from tandem.server import errors
 from tandem.server.errors import APIError
@@ -36,6 +41,7 @@ CONTROLS = {  # route -> method: fanned out to every replica
 class RouterSettings:
     api_key: str | None = None  # required on /v1 routes; forwarded to the replicas
     admin_key: str | None = None  # required on the controls; sent to the replicas
+    exchange_host: str = "127.0.0.1"  # where the router's exchange server listens (trainers)
     max_request_bytes: int = 4 << 20
 
 
@@ -49,10 +55,15 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
         finally:
             watcher.cancel()
             await pool.close()
+            if app.state.fleet is not None:
+                app.state.fleet.close()
+                for replica in app.state.fleet.engines:
+                    replica.close()
 
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)  # fmt: skip
     errors.install(app)
+    app.state.fleet = None  # the replicas as one push target, made on the first push
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -91,11 +102,26 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
 
     @app.get("/admin/weights")
     async def weights(request: Request):
+        """Where trainers push: the router's exchange server, whose target is every replica
+        (`RemoteReplica` each, one `FleetTarget`): one push updates them all."""
         _require_admin(request, settings)
-        raise APIError(501, "pushes through `tandem router` are not built yet: push to each "
-                       "replica's URL, or serve the replicas from one `tandem serve "
-                       "--data-parallel-size R` (one push there updates them all)",
-                       code="not_implemented")  # fmt: skip
+
+        def negotiate() -> dict:
+            if app.state.fleet is None:
+                replicas = [RemoteReplica(r.url, settings.admin_key) for r in pool.replicas]
+                app.state.fleet = FleetTarget(replicas, settings.exchange_host)
+            target = app.state.fleet
+            server = target.exchange_server()
+            return {"version": target.weight_version, "torn": target.unavailable(),
+                    "exchange": dataclasses.asdict(server.endpoint),
+                    "transports": server.transports(), "modes": ["staged"],
+                    "dtype": target.weight_dtype}  # fmt: skip
+
+        try:
+            return await asyncio.to_thread(negotiate)
+        except WeightSyncError as exc:
+            raise APIError(503, f"cannot reach every replica: {exc}",
+                           code="replica_unreachable") from None  # fmt: skip
 
     for path, method in CONTROLS.items():
         app.add_api_route(path, _control(pool, settings, path, method), methods=[method])

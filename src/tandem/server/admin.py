@@ -13,10 +13,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
 
 from tandem.exchange.settings import MODES
+from tandem.server.errors import APIError
+from tandem.server.remote_window import WindowHost
 from tandem.server.state import require_admin, state
+from tandem.server.window_messages import (
+    MEDIA_TYPE,
+    WINDOW,
+    CloseWindow,
+    Expose,
+    OpenWindow,
+    RunPhase,
+    TargetInfo,
+    WindowReply,
+)
+from tandem.wire import MAX_FRAME
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -33,3 +46,91 @@ async def weights(request: Request):
         "modes": list(MODES),
         "dtype": server.target.weight_dtype,
     }
+
+
+# A front that runs the push itself (`tandem router`, `tandem.router.remote_target`) holds a
+# window open here and drives its phases: what this server's target holds, then open, phases,
+# close. msgpack bodies (`tandem.server.window_messages`), admin key as every /admin route.
+
+
+@router.get("/weights/target")
+async def target_info(request: Request):
+    fleet = state(request).engine.fleet
+    target = fleet.target
+    layouts = await asyncio.to_thread(target.weight_layouts)
+    info = TargetInfo(target.weight_version, target.weight_dtype, target.weight_device_type,
+                      layouts, len(fleet.engines), target.unavailable())  # fmt: skip
+    return _msgpack(info)
+
+
+@router.post("/weights/window")
+async def open_window(request: Request):
+    message = await _read(request, OpenWindow)
+    try:
+        token = await asyncio.to_thread(_windows(request).open, message.spec)
+    except Exception as exc:  # a busy or dead engine: say why
+        return _msgpack(WindowReply(f"{type(exc).__name__}: {exc}"), 409)
+    return _msgpack(WindowReply(token=token))
+
+
+@router.post("/weights/window/phase")
+async def run_phase(request: Request):
+    message = await _read(request, RunPhase)
+
+    def phase(update):
+        update.spec = message.spec
+        nbytes = update.run(message.phase, dict(enumerate(message.records)))
+        return nbytes, [(r, n, s) for r, (n, s) in update.ingress().items()]
+
+    try:
+        nbytes, ingress = await asyncio.to_thread(_windows(request).run, message.token, phase)
+    except Exception as exc:
+        return _msgpack(WindowReply(str(exc)), 409)
+    return _msgpack(WindowReply(nbytes=nbytes, ingress=ingress))
+
+
+@router.post("/weights/window/expose")
+async def expose(request: Request):
+    message = await _read(request, Expose)
+    try:
+        await asyncio.to_thread(_windows(request).run, message.token, lambda u: u.expose())
+    except Exception as exc:
+        return _msgpack(WindowReply(str(exc)), 409)
+    return _msgpack(WindowReply())
+
+
+@router.post("/weights/window/close")
+async def close_window(request: Request):
+    message = await _read(request, CloseWindow)
+    try:
+        await asyncio.to_thread(_windows(request).close, message.token, message.ok)
+    except Exception as exc:
+        return _msgpack(WindowReply(str(exc)), 409)
+    return _msgpack(WindowReply())
+
+
+def _windows(request: Request) -> WindowHost:
+    s = state(request)
+    if s.windows is None:
+        s.windows = WindowHost(s.engine.fleet.target)
+    return s.windows
+
+
+async def _read(request: Request, kind: type):
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FRAME:
+            raise APIError(413, f"push-window message over {MAX_FRAME} bytes")
+    try:
+        message = WINDOW.decode(bytes(body))
+    except ValueError as exc:
+        raise APIError(400, f"not a push-window message: {exc}", code="invalid_value") from None
+    if not isinstance(message, kind):
+        raise APIError(400, f"expected {kind.__name__}, got {type(message).__name__}",
+                       code="invalid_value")  # fmt: skip
+    return message
+
+
+def _msgpack(message, status: int = 200) -> Response:
+    return Response(WINDOW.encode(message), status_code=status, media_type=MEDIA_TYPE)

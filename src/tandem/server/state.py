@@ -16,6 +16,7 @@ from tandem.server.chat import ChatTemplate
 from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError, from_validation
 from tandem.server.metrics import Metrics
+from tandem.server.remote_window import WindowHost
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ServerState:
     metrics: Metrics
     chat: ChatTemplate
     created: int = field(default_factory=lambda: int(time.time()))
+    windows: WindowHost | None = None  # push windows held for `tandem router` (made on use)
 
     @property
     def tokenizer(self):
