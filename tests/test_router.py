@@ -151,3 +151,20 @@ def test_health_names_the_replica_that_is_down_and_requests_avoid_it(llama_dir):
         router.stop()
         for s in servers:
             s.stop()
+
+
+def test_embeddings_go_through_the_router(model_factory):
+    bert = model_factory("bert", architectures=["BertModel"])
+    server = Server(bert, "--task", "embed")
+    router = Router(server)
+    try:
+        assert wait_for(lambda: router.client.get("/health").json()["status"] == "ok", 30)
+        body = {"model": server.model, "input": [[5, 6, 7], [8, 9]]}
+        direct = server.post("/v1/embeddings", json=body).json()
+        routed = router.client.post("/v1/embeddings", json=body)
+        assert routed.status_code == 200, routed.text
+        assert [d["embedding"] for d in routed.json()["data"]] == [
+            d["embedding"] for d in direct["data"]]  # fmt: skip
+    finally:
+        router.stop()
+        server.stop()

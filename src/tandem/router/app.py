@@ -1,10 +1,11 @@
 """`tandem router`'s HTTP front: `tandem serve`'s routes over replicas started separately.
 
-Completions and chat go whole to one healthy replica (`ReplicaPool.route`) and stream back as
-the replica streams them; a replica that cannot be reached before it answered is marked down
-and the request goes to another. The RL controls go to every replica (with the router's admin
-key, which the replicas must share), and so does a push (`/admin/weights`: one push through
-the router updates every replica). Errors have OpenAI's shape (`tandem.server.errors`).
+Completions, chat, embeddings and classify calls go whole to one healthy replica
+(`ReplicaPool.route`) and stream back as the replica streams them; a replica that cannot be
+reached before it answered is marked down and the request goes to another. The RL controls go
+to every replica (with the router's admin key, which the replicas must share), and so does a
+push (`/admin/weights`: one push through the router updates every replica). Errors have
+OpenAI's shape (`tandem.server.errors`).
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         return await _generate(request, "/v1/chat/completions", _chat_units)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await _generate(request, "/v1/embeddings", _no_units)
+
+    @app.post("/v1/classify")
+    async def classify(request: Request):
+        return await _generate(request, "/v1/classify", _no_units)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -262,6 +271,11 @@ def _completion_units(body: dict) -> list[int]:
         return [ord(c) for c in prompt]
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
         return prompt
+    return []
+
+
+def _no_units(body: dict) -> list[int]:
+    """Embed and classify calls hold no KV: routed by load alone."""
     return []
 
 
