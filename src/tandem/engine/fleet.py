@@ -134,11 +134,13 @@ class Fleet:
 
 
 def _start_all(configs: list[EngineConfig]) -> list[LLMEngine]:
-    """Start the replicas side by side (each waits on its own workers); if any fails, the
-    others are shut down and the first error raised."""
-    with ThreadPoolExecutor(len(configs)) as pool:
-        futures = [pool.submit(LLMEngine, c) for c in configs]
-    engines, errors = [], []
+    """Start replica 0, then the others side by side (each waits on its own workers; what a
+    process sets up once, such as joining a Ray cluster, the first one has done); if any
+    fails, the others are shut down and the first error raised."""
+    first = LLMEngine(configs[0])
+    with ThreadPoolExecutor(len(configs) - 1) as pool:
+        futures = [pool.submit(LLMEngine, c) for c in configs[1:]]
+    engines, errors = [first], []
     for f in futures:
         try:
             engines.append(f.result())
