@@ -29,27 +29,26 @@ routing over replicas against one engine. Measured in one run, on this host:
 from __future__ import annotations
 
 import random
-import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.bench import sync_baselines as base
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
+from tandem.bench.generate import bench_model_dir
 from tandem.bench.generate_tandem import sample, tandem
 from tandem.bench.generate_timing import time_sides
 from tandem.bench.generate_workloads import (
     fresh_runs,
     greedy_workloads,
-    prompt_ids,
+    grpo_workload,
     read_bench_model,
 )
+from tandem.bench.phases import Phases
 from tandem.bench.sync import bench_model, push_figures, weights_of
 from tandem.bench.sync_baselines import REPEATS
 from tandem.bench.sync_pushes import NEW_TOKENS, PROMPT, Reference, run_pushes, scored
 from tandem.engine.stats import combined
-from tandem.models.tiny import make_tiny_model
 
 FLEETS = ((1, 1), (2, 1), (3, 1), (2, 2))  # (replicas, tensor parallel size per replica)
 KV_CACHE_MEMORY = 64 << 20
@@ -59,14 +58,8 @@ PUSH_MODES = ("shm", "dist")
 def run(quick: bool = False) -> dict[str, Any]:
     from tandem import LLM
 
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = round(now - clock, 2)
-        clock = now
+    phases = Phases()
+    lap = phases.lap
 
     path = bench_model(quick)
     params, weight_bytes = weights_of(path)
@@ -116,7 +109,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     result["routing"] = routing(quick)
     lap("routing")
-    result["phase_seconds"] = phases
+    result["phase_seconds"] = phases.seconds
     fleets = result["push"]["fleets"]
     r3 = fleets["dp3_tp1"]
     grpo = result["routing"]["grpo"]
@@ -183,16 +176,13 @@ def routing(quick: bool) -> dict[str, Any]:
     from tandem import LLM
 
     setup = GENERATE_SETUPS[quick]
-    path = Path(setup.model_dir)
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
+    path = bench_model_dir(setup)
     config, eos_ids = read_bench_model(path)
     vocab = config["vocab_size"]
     rng = random.Random(0)
     _, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
-    n_prompts, n, g_lo, g_hi, new = setup.grpo
-    grpo = [(prompt_ids(rng, rng.randint(g_lo, g_hi), vocab, eos_ids), n * new)
-            for _ in range(n_prompts)]  # fmt: skip
+    _, n, _, _, new = setup.grpo
+    grpo = grpo_workload(rng, vocab, eos_ids, setup.grpo)
     runs = fresh_runs(rng, vocab, eos_ids, mixed=mixed, grpo=grpo)
     options = dict(dtype="float32", kv_cache_memory=256 << 20)
     out: dict[str, Any] = {"model": str(path), "samples_per_prompt": n, "new_tokens": new}

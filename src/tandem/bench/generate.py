@@ -112,7 +112,7 @@ from tandem.bench.generate_workloads import (
     Workloads,
     fresh_runs,
     greedy_workloads,
-    prompt_ids,
+    grpo_workload,
     read_bench_model,
 )
 from tandem.models.tiny import make_tiny_model
@@ -157,6 +157,15 @@ WARMUP_REQUESTS = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+def bench_model_dir(setup) -> Path:
+    """``setup.model_dir``, made on first use (a random-init Llama of ``setup.vocab`` and
+    ``setup.overrides``), then reused."""
+    path = Path(setup.model_dir)
+    if not (path / "config.json").is_file():
+        make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
+    return path
+
+
 def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dict[str, Any]:
     """Build (or reuse) the model, time every scenario on every side, return the figures.
     ``vllm=False`` (``--no-vllm``) leaves vLLM out, as does a checkout without its venv."""
@@ -170,19 +179,14 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     setup = SETUPS[quick]
-    path = Path(setup.model_dir)
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
+    path = bench_model_dir(setup)
     config, eos_ids = read_bench_model(path)
     vocab = config["vocab_size"]
     shape = ModelShape.from_config(config)
     rng = random.Random(0)
     batch1, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
-    n_prompts, n, g_lo, g_hi, new = setup.grpo
-    grpo = [  # (prompt, useful tokens: n samples of `new`)
-        (prompt_ids(rng, rng.randint(g_lo, g_hi), vocab, eos_ids), n * new)
-        for _ in range(n_prompts)
-    ]
+    _, n, _, _, new = setup.grpo
+    grpo = grpo_workload(rng, vocab, eos_ids, setup.grpo)
     workloads = Workloads(batch1, mixed, grpo, n, new)
     runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed, grpo=grpo)
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim  # elements

@@ -36,6 +36,15 @@ def greedy_workloads(
     return one, many
 
 
+def grpo_workload(rng: random.Random, vocab: int, eos_ids: set[int],
+                  grpo: tuple[int, int, int, int, int]) -> list[Request]:  # fmt: skip
+    """``grpo`` (prompts, samples each, min/max prompt, new tokens) as that many random
+    prompts, each with its useful tokens: n samples of ``new``."""
+    n_prompts, n, lo, hi, new = grpo
+    return [(prompt_ids(rng, rng.randint(lo, hi), vocab, eos_ids), n * new)
+            for _ in range(n_prompts)]  # fmt: skip
+
+
 def fresh_runs(
     rng: random.Random, vocab: int, eos_ids: set[int], **workloads: list[Request]
 ) -> dict[str, list[list[Request]]]:

@@ -31,10 +31,9 @@ from typing import Any
 
 from safetensors import safe_open
 
-from tandem.bench.generate import FULL_MODEL, QUICK_MODEL
+from tandem.bench.generate import FULL_MODEL, QUICK_MODEL, bench_model_dir
 from tandem.bench.serve_load import LoadRequest, poisson_offsets, run_load, summarize
 from tandem.bench.serve_process import ServerProcess
-from tandem.models.tiny import make_tiny_model
 
 MODES = ("continuous", "static")
 SERVED_NAME = "tandem-bench"
@@ -66,9 +65,7 @@ SETUPS = {
 def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     """Build (or reuse) the model, start both servers, sweep the rates, return the figures."""
     setup = SETUPS[quick]
-    path = Path(setup.model_dir)
-    if not (path / "config.json").is_file():
-        make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
+    path = bench_model_dir(setup)
     config = json.loads((path / "config.json").read_text())
     requests, allowed = _workload(setup, path, config["vocab_size"])
     kv_bytes = _kv_bytes(config, setup)

@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tandem.bench import sync_baselines as base
+from tandem.bench.phases import Phases
 from tandem.bench.sync_baselines import REPEATS
 from tandem.bench.sync_pushes import check, run_pushes
 from tandem.models.tiny import make_tiny_model
@@ -95,14 +95,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         ) from None
     from tandem import LLM
 
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def lap(name: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        phases[name] = round(now - clock, 2)
-        clock = now
+    phases = Phases()
+    lap = phases.lap
 
     path = bench_model(quick)
     config = json.loads((path / "config.json").read_text())
@@ -171,7 +165,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     result["bytes_moved_over_needed"] = max(p["bytes_moved"] for p in pushes.values()) / needed
     result["planner"] = base.planner(quick, timeout=120.0 if quick else PLANNER_TIMEOUT_S)
     lap("planner")
-    result["phase_seconds"] = phases  # wall time of each part of this run, processes included
+    result["phase_seconds"] = phases.seconds  # each part's wall time, processes included
     planner_s = result["planner"]["seconds"]
     memcpy, raw = result["memcpy"]["seconds"], result["raw_gloo"]["seconds"]
     result["ratios"] = {

@@ -29,7 +29,7 @@ from tandem.router.remote_target import RemoteReplica
 from tandem.router.replicas import ReplicaPool
 from tandem.server import errors
 from tandem.server.errors import APIError
-from tandem.server.state import check_key
+from tandem.server.state import check_key, read_body
 
 CONTROLS = {  # route -> method: fanned out to every replica
     "/pause": "POST", "/resume": "POST", "/is_paused": "GET", "/abort_requests": "POST",
@@ -137,7 +137,7 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
 
     async def _generate(request: Request, path: str, units_of) -> Response:
         check_key(request, settings.api_key, "API key")
-        raw = await _body(request, settings.max_request_bytes)
+        raw = await read_body(request, settings.max_request_bytes)
         try:
             body = json.loads(raw)
         except ValueError as exc:
@@ -189,7 +189,7 @@ def _relay(answer: httpx.Response, done) -> Response:
 def _control(pool: ReplicaPool, settings: RouterSettings, path: str, method: str):
     async def control(request: Request):
         _require_admin(request, settings)
-        raw = await _body(request, settings.max_request_bytes)
+        raw = await read_body(request, settings.max_request_bytes)
         headers = {"authorization": f"Bearer {settings.admin_key}"}
         if raw:
             headers["content-type"] = "application/json"
@@ -226,15 +226,6 @@ def _require_admin(request: Request, settings: RouterSettings) -> None:
         raise APIError(403, "admin routes are disabled: start the router with --admin-key",
                        code="admin_disabled")  # fmt: skip
     check_key(request, settings.admin_key, "admin key")
-
-
-async def _body(request: Request, limit: int) -> bytes:
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
-    return bytes(body)
 
 
 def _auth(request: Request) -> dict[str, str]:

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from tandem.exchange.settings import MODES
 from tandem.server.errors import APIError
 from tandem.server.remote_window import WindowHost
-from tandem.server.state import require_admin, state
+from tandem.server.state import read_body, require_admin, state
 from tandem.server.window_messages import (
     MEDIA_TYPE,
     WINDOW,
@@ -117,13 +117,9 @@ def _windows(request: Request) -> WindowHost:
 
 
 async def _read(request: Request, kind: type):
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_FRAME:
-            raise APIError(413, f"push-window message over {MAX_FRAME} bytes")
+    body = await read_body(request, MAX_FRAME)
     try:
-        message = WINDOW.decode(bytes(body))
+        message = WINDOW.decode(body)
     except ValueError as exc:
         raise APIError(400, f"not a push-window message: {exc}", code="invalid_value") from None
     if not isinstance(message, kind):

@@ -79,8 +79,9 @@ def require_admin(request: Request) -> None:
     check_key(request, key, "admin key")
 
 
-async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """The body, at most ``limit`` bytes, validated strictly against ``model``."""
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 past it: by its declared length when it has
+    one, else as it arrives)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
@@ -89,8 +90,14 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
         body += chunk
         if len(body) > limit:
             raise APIError(413, f"request body over {limit} bytes (max_request_bytes)")
+    return bytes(body)
+
+
+async def read_json(request: Request, model: type[BaseModel], limit: int) -> BaseModel:
+    """The body, at most ``limit`` bytes, validated strictly against ``model``."""
+    body = await read_body(request, limit)
     try:
-        return model.model_validate_json(bytes(body))
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise from_validation(exc) from None
 
