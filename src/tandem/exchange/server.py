@@ -184,7 +184,7 @@ class ExchangeServer:
                 update.expose()  # from here trainers (or the target's ranks) write live weights
             self._send_plans(socks, plans)
             if transport.engine_receives:
-                update.run(PushPhase.RECEIVE, self._by_receiver(records))
+                update.run(PushPhase.RECEIVE, self._by_receiver(_interleaved(records)))
             spec, by_receiver, moved = self._readies(spec, socks, records)
             update.spec = spec
             update.run(PushPhase.VERIFY, by_receiver)
@@ -215,17 +215,14 @@ class ExchangeServer:
             pairs = zip(sent[rank], ready.crcs, strict=True)
             with_crcs.append([(dst, r.with_crc(crc)) for (dst, r), crc in pairs])
             with_crcs.append([(dst, r.with_crc(ready.crcs[i])) for i, dst, r in relayed[rank]])
+        # the same order as `_interleaved`: every rank verifies its records as it received them
         if any(s is not None for s in staging):
             spec = dataclasses.replace(spec, staging=tuple(staging))
         return spec, self._by_receiver(with_crcs), moved
 
     @staticmethod
-    def _by_receiver(records) -> dict[int, list[Record]]:
-        """Records by engine rank: ``records`` as `_plan` made them (sent, relayed), or a list
-        of (engine rank, `Record`) lists."""
-        if isinstance(records, tuple):
-            sent, relayed = records
-            records = [*sent, *([(dst, r) for _, dst, r in per] for per in relayed)]
+    def _by_receiver(records: list[list[tuple[int, Record]]]) -> dict[int, list[Record]]:
+        """Records by engine rank, in the order given (each list's, lists in turn)."""
         by_receiver: dict[int, list[Record]] = defaultdict(list)
         for per_rank in records:
             for dst, record in per_rank:
@@ -279,3 +276,13 @@ class ExchangeServer:
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
         return spec, plans, (records, relayed), needed, per_replica
+
+
+def _interleaved(records: tuple) -> list[list[tuple[int, Record]]]:
+    """`_plan`'s (sent, relayed) as (engine rank, `Record`) lists: per trainer rank its own
+    boxes, then the ones relayed on from them (the order `_readies` gives them their CRCs)."""
+    sent, relayed = records
+    out: list[list[tuple[int, Record]]] = []
+    for mine, onward in zip(sent, relayed, strict=True):
+        out += [mine, [(dst, record) for _, dst, record in onward]]
+    return out
