@@ -75,6 +75,9 @@ class _Window:
     def ingress(self):
         return {0: (self._moved, 0.0)}
 
+    def failures(self):
+        return {}
+
 
 class _FakeTarget:
     """A `WeightTarget` and nothing more: one receiving rank holding a plain module. Every

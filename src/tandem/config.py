@@ -98,6 +98,19 @@ class ParallelConfig(_Group):
     )
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(120.0, gt=0)
+    push_phase_timeout_s: float = Field(
+        300.0, gt=0, description="how long one phase of a weight push may take on a replica's "
+        "ranks; past it the replica is declared dead (a fleet quarantines it and goes on)",
+    )  # fmt: skip
+    max_staleness: int | None = Field(
+        None, ge=0, description="fleet: how many versions behind the newest a replica may be "
+        "and still take new requests during a rolling push (0: only the newest; requests "
+        "wait for the first wave); None: any",
+    )  # fmt: skip
+    heal: bool = Field(
+        True, description="fleet: a quarantined replica (restarted if its workers are gone) "
+        "pulls the weights from a live peer replica, then serves again",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _fleet(self):
@@ -175,6 +188,11 @@ class EngineConfig(BaseModel):
         description="CPU: glibc's malloc keeps freed blocks up to 32 MiB for the next step "
         "instead of returning them to the OS, so step tensors do not fault their pages in "
         "again; a sleep returns them (`tandem.engine.host_memory`)",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="auto: read the weights from the checkpoint; dummy: read nothing (zeros), "
+        "and refuse requests until a push lands (a fleet's replica that joins from a peer)",
     )
     seed: int = Field(0, ge=0)
     max_model_len: int | None = Field(None, ge=2)

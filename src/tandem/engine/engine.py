@@ -71,7 +71,7 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
             batching=config.scheduler.batching,
         )
         self.weight_version = 0
-        self.lifecycle = EngineLifecycle()
+        self.lifecycle = EngineLifecycle(weights=config.load_format == "auto")
         self._step_ids = itertools.count()
         self._in_flight: deque[ScheduledBatch] = deque()
         self._released: list[int] = []  # finished sequences the ranks may forget

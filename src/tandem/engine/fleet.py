@@ -1,19 +1,36 @@
 """A fleet: ``data_parallel_size`` independent engines (each its own tensor x pipeline worker
-processes) behind one front. The front routes each request to one replica (`Router`), drives
-every replica with work on a thread of its own, fans the RL controls out to all of them, and
-is one `WeightTarget` for pushes (`tandem.engine.fleet_target`): one push updates every replica.
+processes) behind one front. The front routes each request to one replica (`Router`) among
+those the `ReplicaBoard` allows (serving, within ``max_staleness`` of the newest version),
+drives every replica with work on a thread of its own, fans the RL controls out to all of
+them, and is one `WeightTarget` for pushes (`tandem.engine.fleet_target`): one push updates
+every replica, all at once or in rolling waves.
+
+A replica that dies, hangs or fails a push is quarantined: requests go elsewhere (those it
+held and had not finished run again on another replica), and with ``heal`` it comes back by
+pulling the weights from a live peer (`tandem.engine.peer_push`; restarted first, reading
+nothing from disk, if its workers are gone). `add_replica` grows a running fleet the same way.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.executor import EngineDeadError
 from tandem.engine.fleet_target import FleetTarget
+from tandem.engine.peer_push import push_from_peer
+from tandem.engine.replica_board import NoReplicaError, ReplicaBoard, ReplicaState
 from tandem.engine.router import Routed, Router
 from tandem.engine.sequence import Sequence
+from tandem.engine.state import EngineState
+
+log = logging.getLogger(__name__)
+
+FAULTS = (EngineState.DEAD, EngineState.TORN)  # what quarantines a replica
 
 
 class Fleet:
@@ -21,62 +38,187 @@ class Fleet:
 
     def __init__(self, config: EngineConfig):
         replicas = config.parallel.data_parallel_size
-        configs = [
-            config.model_copy(update={"parallel": config.parallel.model_copy(
-                update={"data_parallel_rank": r})})
-            for r in range(replicas)
-        ]  # fmt: skip
+        self.config = config
+        configs = [self.replica_config(r) for r in range(replicas)]
         if replicas == 1:
             self.engines = [LLMEngine(configs[0])]
         else:
             self.engines = _start_all(configs)
         lead = self.engines[0]
         self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
-        self.lock = threading.Lock()  # the router's
+        self.lock = threading.Lock()  # the router's, and the replica list's
+        self.board = ReplicaBoard(replicas, self._versions, config.parallel.max_staleness)
+        self.timeout_s = config.parallel.push_phase_timeout_s
         self.target = (
             lead
             if replicas == 1
-            # what pushes update
-            else FleetTarget(self.engines, lead.config.exchange_host)
+            # what pushes update (a replica's phase deadline is its ranks' own, plus slack)
+            else FleetTarget(
+                self.engines,
+                lead.config.exchange_host,
+                self.board,
+                self._drain,
+                self.timeout_s + 30,
+            )  # fmt: skip
         )
         self.target.update_listeners.append(self._pushed)
+        self._healing: set[int] = set()
+
+    def replica_config(self, replica: int, load_format: str = "auto") -> EngineConfig:
+        parallel = self.config.parallel
+        size = max(parallel.data_parallel_size, replica + 1)
+        return self.config.model_copy(update={"load_format": load_format,
+                                              "parallel": parallel.model_copy(update={
+            "data_parallel_rank": replica, "data_parallel_size": size})})  # fmt: skip
 
     @property
     def lead(self) -> LLMEngine:
         """Replica 0: its config, model spec and tokenizer are every replica's."""
         return self.engines[0]
 
-    def route(self, prompt_ids: list[int], samples: int, max_tokens: int) -> Routed:
+    def _versions(self) -> list[int]:
+        return [engine.weight_version for engine in self.engines]
+
+    def route(self, prompt_ids: list[int], samples: int, max_tokens: int,
+              avoid: int | None = None) -> Routed:  # fmt: skip
+        """The replica for one request among those allowed now (waiting while none is but
+        one will be: a rolling wave, a replica joining); `NoReplicaError` if none can."""
+        self.check_replicas()
+        allowed = self.board.wait_allowed(self.timeout_s)
+        if avoid is not None and len(allowed) > 1:
+            allowed = [r for r in allowed if r != avoid]
         with self.lock:
-            return self.router.route(prompt_ids, samples, max_tokens)
+            return self.router.route(prompt_ids, samples, max_tokens, allowed)
 
     def finished(self, routed: Routed) -> None:
         with self.lock:
             self.router.finished(routed)
 
+    def check_replicas(self) -> None:
+        """Quarantine every replica found dead or torn (and heal it, if asked). A fleet of
+        one has no other replica: its engine's own state says why it refuses requests."""
+        if len(self.engines) == 1:
+            return
+        for r, engine in enumerate(list(self.engines)):
+            if self.board.state(r) in (ReplicaState.SERVING, ReplicaState.UPDATING):
+                if engine.state in FAULTS:
+                    self.board.quarantine(r, engine.unavailable() or engine.state.value)
+            if self.board.state(r) is ReplicaState.QUARANTINED:
+                self.heal_later(r)
+
     def _pushed(self, version: int, seconds: float, error: str | None) -> None:
-        """A push emptied the replicas' prefix caches (`LLMEngine.weight_update`)."""
+        """A push emptied the replicas' prefix caches (`LLMEngine.weight_update`); replicas
+        it quarantined are healed."""
         self.forget_prefixes()
+        self.check_replicas()
 
     def forget_prefixes(self) -> None:
         """The replicas' prefix caches were reset: route as if nothing is cached."""
         with self.lock:
             self.router.forget()
 
-    def run(self, work: dict[int, list[Sequence]]) -> None:
+    def _drain(self, replica: int, timeout_s: float) -> None:
+        """Return once ``replica`` runs no request (a rolling wave's ``wait``)."""
+        deadline = time.monotonic() + timeout_s
+        engine = self.engines[replica]
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def heal_later(self, replica: int) -> None:
+        """`heal` on a thread of its own, unless asked not to or already under way."""
+        if not self.config.parallel.heal:
+            return
+        with self.lock:
+            if replica in self._healing:
+                return
+            self._healing.add(replica)
+
+        def run() -> None:
+            try:
+                self.heal(replica)
+            except Exception as exc:  # it stays quarantined, saying why
+                log.warning("replica %d could not be healed: %s", replica, exc)
+            finally:
+                with self.lock:
+                    self._healing.discard(replica)
+
+        threading.Thread(target=run, name=f"tandem-heal-{replica}", daemon=True).start()
+
+    def heal(self, replica: int) -> None:
+        """Bring ``replica`` back: restarted (reading nothing from disk) if its workers are
+        gone, then filled with the weights of the live peer at the newest version, checked,
+        and only then given requests again. Raises if it cannot; it stays quarantined."""
+        if not isinstance(self.target, FleetTarget):
+            raise ValueError("a fleet of one replica has no peer to heal from")
+        reason = self.board.reason(replica)
+        self.board.set(replica, ReplicaState.JOINING)
+        try:
+            engine = self.engines[replica]
+            if engine.state is EngineState.DEAD:
+                engine.shutdown()
+                engine = LLMEngine(self.replica_config(replica, "dummy"))
+                with self.lock:
+                    self.engines[replica] = engine
+            self._pull(replica)
+        except Exception as exc:
+            self.board.quarantine(replica, f"{reason}; healing failed: {exc}")
+            raise
+
+    def add_replica(self) -> int:
+        """Grow the fleet by one replica (elastic scale-out): started reading nothing from
+        disk, filled from a live peer like a healed replica, then routed to. Its number."""
+        if not isinstance(self.target, FleetTarget):
+            raise ValueError("add_replica needs a fleet: start the LLM with "
+                             "data_parallel_size >= 2")  # fmt: skip
+        replica = len(self.engines)
+        engine = LLMEngine(self.replica_config(replica, "dummy"))
+        with self.lock:
+            if self.board.add(ReplicaState.JOINING) != replica:
+                raise RuntimeError("replicas were added at the same time")
+            self.router.add_replica()
+            self.engines.append(engine)
+        try:
+            self._pull(replica)
+        except Exception as exc:
+            self.board.quarantine(replica, f"joining failed: {exc}")
+            raise
+        return replica
+
+    def _pull(self, replica: int) -> None:
+        """``replica`` (joining) takes the newest serving peer's weights; then it serves."""
+        with self.target.lock:  # no push writes the peer's weights while they are read
+            versions = self._versions()
+            peers = [r for r in self.board.allowed() if r != replica]
+            if not peers:
+                raise NoReplicaError(f"no live peer to pull from: {self.board.why_none()}")
+            peer = max(peers, key=lambda r: (versions[r], -r))
+            push_from_peer(self.engines[peer], self.engines[replica], self.timeout_s)
+            with self.lock:
+                self.router.forget(replica)
+            self.board.set(replica, ReplicaState.SERVING)
+        log.info("replica %d serves version %d, pulled from replica %d", replica,
+                 self.engines[replica].weight_version, peer)  # fmt: skip
+
+    def run(self, work: dict[int, list[Sequence]]) -> dict[int, str]:
         """Step each replica until its sequences in ``work`` (replica -> sequences, queued
         there) are finished: the first in this thread, the others each on a thread of its own.
-        The first error of any replica is raised once every replica stopped."""
+        A replica that dies meanwhile is quarantined and its unfinished sequences left for the
+        caller to run elsewhere: the replicas lost so far -> why. Any other error (or the
+        death of a fleet's only replica) is raised once every replica stopped."""
         items = [(r, seqs) for r, seqs in sorted(work.items()) if seqs]
-        if len(items) <= 1:
-            for r, seqs in items:
-                _drive(self.engines[r], seqs)
-            return
         errors: list[BaseException] = []
+        lost: dict[int, str] = {}
 
         def drive(r: int, seqs: list[Sequence]) -> None:
             try:
                 _drive(self.engines[r], seqs)
+            except EngineDeadError as exc:
+                if len(self.engines) == 1:
+                    errors.append(exc)
+                    return
+                lost[r] = str(exc)
+                self.board.quarantine(r, str(exc))
+                self.heal_later(r)
             except BaseException as exc:
                 errors.append(exc)
                 for other, mine in work.items():  # the caller gets its error now, not after all
@@ -86,11 +228,13 @@ class Fleet:
                                     daemon=True) for item in items[1:]]  # fmt: skip
         for t in threads:
             t.start()
-        drive(*items[0])
+        if items:
+            drive(*items[0])
         for t in threads:
             t.join()
         if errors:
             raise errors[0]
+        return lost
 
     def each(self, call) -> list:
         """``call(engine)`` on every replica at once; their results in replica order (the
@@ -113,7 +257,8 @@ class Fleet:
 
     @property
     def weight_version(self) -> int:
-        return min(engine.weight_version for engine in self.engines)
+        """The newest version a serving replica serves."""
+        return self.board.newest()
 
     def worker_locations(self) -> list[dict]:
         return [{**loc, "replica": r}
@@ -121,10 +266,21 @@ class Fleet:
                 for loc in engine.executor.worker_locations()]  # fmt: skip
 
     def fleet_state(self) -> list[dict]:
+        self.check_replicas()
         with self.lock:
             loads = list(self.router.loads)
-        return [{"replica": r, "state": _state(engine), "version": engine.weight_version,
-                 "load": loads[r]} for r, engine in enumerate(self.engines)]  # fmt: skip
+        states = self.board.snapshot()
+        out = []
+        for r, engine in enumerate(self.engines):
+            state = states[r].state.value
+            if states[r].state is ReplicaState.SERVING and engine.lifecycle.updating:
+                state = "updating"  # policy "all": every replica's window is open
+            entry = {"replica": r, "state": state, "version": engine.weight_version,
+                     "load": loads[r]}  # fmt: skip
+            if states[r].reason and states[r].state is ReplicaState.QUARANTINED:
+                entry["reason"] = states[r].reason
+            out.append(entry)
+        return out
 
     def shutdown(self) -> None:
         if self.target is not self.lead:
@@ -156,11 +312,3 @@ def _start_all(configs: list[EngineConfig]) -> list[LLMEngine]:
 def _drive(engine: LLMEngine, seqs: list[Sequence]) -> None:
     while not all(s.finished for s in seqs):  # other threads' requests may still run
         engine.step(for_seqs=seqs)
-
-
-def _state(engine: LLMEngine) -> str:
-    if engine.lifecycle.updating:
-        return "updating"
-    if engine.unavailable() is not None:
-        return "quarantined"
-    return "serving"

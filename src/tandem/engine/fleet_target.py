@@ -1,38 +1,60 @@
-"""A fleet of engines as one `WeightTarget`: one push updates every replica.
+"""A fleet of engines as one `WeightTarget`: one push updates every replica that can take it.
 
-The fleet's receiving ranks are its replicas' ranks numbered one after another, each layout
-saying its replica (`RankLayout.replica`), so the planner sends every byte once and relays it
-from replica to replica (`tandem.exchange.plan.plan_fleet`). A push opens every replica's
-window; each phase runs on all replicas at once (a relay needs both of its ends), and every
-replica verifies before any commits: a replica that rejects the push makes the whole fleet
-keep the version it serves.
+The fleet's receiving ranks are its member replicas' ranks (`ReplicaBoard.members`: neither
+quarantined nor joining) numbered one after another, each layout saying its replica
+(`RankLayout.replica`), so the planner sends every byte once and relays it from replica to
+replica (`tandem.exchange.plan.plan_fleet`). Each phase runs on every replica at once (a relay
+needs both of its ends), under a deadline.
+
+A replica that dies, hangs past the deadline or fails a phase while others pass it is
+quarantined and the push goes on without it (`FleetUpdate.failures` says which and why); when
+every replica fails the same phase before any commit, the senders' bytes are at fault and the
+whole fleet keeps the version it serves. ``policy="all"`` commits every replica together;
+``policy="rolling"`` has each replica hold the new version (`PushPhase.HOLD`) and go back to
+serving the old one, then commits the replicas in waves of at most ``max_unavailable``, each
+wave out of the router's choice (and drained first with ``wave="wait"``) while the others
+serve.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+from tandem.engine.replica_board import ReplicaBoard, ReplicaState
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener, UpdateWindow
 
+# drain(replica, timeout_s): return once the replica runs no request (or the time is up)
+Drain = Callable[[int, float], None]
+
 
 class FleetTarget:
     """The replicas of one fleet as a push target: each a `WeightTarget` of its own (an
     `LLMEngine`, or a `tandem serve` behind `tandem router`). ``host``: where the fleet's
-    exchange server listens for trainers."""
+    exchange server listens for trainers. ``board``: the replicas' states, shared with the
+    front's router. ``drain``: how a rolling wave waits for its requests (None: it does not).
+    ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined."""
 
-    def __init__(self, engines: list, host: str = "127.0.0.1"):
+    def __init__(self, engines: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
+                 drain: Drain | None = None, phase_timeout_s: float = 600.0):  # fmt: skip
         self.engines = engines
         self.host = host
+        self.board = board or ReplicaBoard(
+            len(engines), lambda: [e.weight_version for e in engines]
+        )
+        self.drain = drain
+        self.phase_timeout_s = phase_timeout_s
+        self.lock = threading.Lock()  # one push (or one replica healing) at a time
         self.update_listeners: list[UpdateListener] = []
         self._exchange = None
-        self._first_ranks: list[int] = []
+        self._first_ranks: dict[int, int] = {}  # member replica -> its rank 0, fleet-wide
 
     def exchange_server(self):
         if self._exchange is None:
@@ -47,7 +69,9 @@ class FleetTarget:
 
     @property
     def weight_version(self) -> int:
-        return min(engine.weight_version for engine in self.engines)
+        """The newest version any replica holds: a push without a version gets the next one,
+        so versions never run backwards when a replica is lost."""
+        return max(engine.weight_version for engine in self.engines)
 
     @property
     def weight_dtype(self) -> str:
@@ -66,56 +90,76 @@ class FleetTarget:
             return ("a fleet takes staged pushes: every replica stages and verifies the new "
                     "version before any commits it (mode='in_place' would write replicas' live "
                     "weights before the others had checked theirs)")  # fmt: skip
-        for r, engine in enumerate(self.engines):
-            if (why := engine.refuses(settings)) is not None:
+        members = self.board.members()
+        if not members:
+            return self.board.why_none()
+        for r in members:
+            if (why := self.engines[r].refuses(settings)) is not None:
                 return f"replica {r}: {why}"
         return None
 
     def weight_layouts(self) -> list[RankLayout]:
-        """Every replica's ranks, numbered one after another (the numbering the push's
+        """Every member replica's ranks, numbered one after another (the numbering the push's
         records then use: kept until the next call)."""
-        per_replica = [engine.weight_layouts() for engine in self.engines]
-        self._first_ranks = [sum(len(lays) for lays in per_replica[:r])
-                             for r in range(len(per_replica))]  # fmt: skip
-        return [dataclasses.replace(lay, rank=first + lay.rank, replica=r)
-                for r, (lays, first) in enumerate(zip(per_replica, self._first_ranks,
-                                                      strict=True))
-                for lay in lays]  # fmt: skip
+        members = self.board.members()
+        per_replica = {r: self.engines[r].weight_layouts() for r in members}
+        self._first_ranks, first = {}, 0
+        for r in members:
+            self._first_ranks[r] = first
+            first += len(per_replica[r])
+        return [dataclasses.replace(lay, rank=self._first_ranks[r] + lay.rank, replica=r)
+                for r in members for lay in per_replica[r]]  # fmt: skip
 
     def unavailable(self) -> str | None:
-        reasons = [f"replica {r}: {why}" for r, engine in enumerate(self.engines)
-                   if (why := engine.unavailable()) is not None]  # fmt: skip
-        return "; ".join(reasons) or None
+        if self.board.allowed():
+            return None
+        return self.board.why_none()
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[FleetUpdate]:
-        """Every replica's window, opened in replica order; an error in any closes them all
-        with it (each replica drops what the push left on it)."""
-        with ExitStack() as stack:
-            windows = [stack.enter_context(engine.weight_update(self._replica_spec(spec, r)))
-                       for r, engine in enumerate(self.engines)]  # fmt: skip
-            yield FleetUpdate(self, spec, windows)
+        """Every member replica's window; leaving with an error aborts the push on every
+        replica still in it (each drops what the push left on it)."""
+        with self.lock:
+            update = FleetUpdate(self, spec, list(self._first_ranks))
+            try:
+                yield update
+            except BaseException as exc:
+                update.close_all(exc)
+                raise
+            else:
+                update.close_all(None)
 
-    def _replica_spec(self, spec: UpdateSpec, replica: int) -> UpdateSpec:
+    def replica_spec(self, spec: UpdateSpec, replica: int) -> UpdateSpec:
         return dataclasses.replace(spec, first_rank=self._first_ranks[replica])
 
-    def split(self, records_by_rank: dict[int, list[Record]]) -> list[dict[int, list[Record]]]:
-        """Fleet-wide rank -> records, as each replica's own rank -> records."""
-        out: list[dict[int, list[Record]]] = [{} for _ in self.engines]
-        bounds = [*self._first_ranks, float("inf")]
+    def split(self, records_by_rank: dict[int, list[Record]]) -> dict[int, dict[int, list]]:
+        """Fleet-wide rank -> records, as each member replica's own rank -> records."""
+        out: dict[int, dict[int, list[Record]]] = {r: {} for r in self._first_ranks}
+        starts = sorted((first, r) for r, first in self._first_ranks.items())
         for rank, records in records_by_rank.items():
-            r = next(i for i in range(len(self.engines)) if rank < bounds[i + 1])
-            out[r][rank - self._first_ranks[r]] = records
+            first, r = max((f, r) for f, r in starts if f <= rank)
+            out[r][rank - first] = records
         return out
 
 
 class FleetUpdate:
-    """One push's window on every replica (`tandem.exchange.UpdateWindow`)."""
+    """One push's windows on the member replicas (`tandem.exchange.UpdateWindow`)."""
 
-    def __init__(self, target: FleetTarget, spec: UpdateSpec, windows: list[UpdateWindow]):
+    def __init__(self, target: FleetTarget, spec: UpdateSpec, members: list[int]):
         self.target = target
-        self.windows = windows
         self._spec = spec
+        self.windows: dict[int, UpdateWindow] = {}
+        self._managers: dict[int, object] = {}
+        self.failed: dict[int, str] = {}  # replica -> why it left the push
+        self.held: list[int] = []  # rolling: replicas holding the new version, not committed
+        self.committed: list[int] = []
+        self._ingress: dict[int, tuple[int, float]] = {}
+        self._opened = time.perf_counter()
+        for r in members:
+            self._open(r)
+        if not self.windows:
+            raise WeightSyncError(f"update to version {spec.version}: no replica could open "
+                                  f"its window: {self._failures()}")  # fmt: skip
 
     @property
     def spec(self) -> UpdateSpec:
@@ -124,42 +168,166 @@ class FleetUpdate:
     @spec.setter
     def spec(self, spec: UpdateSpec) -> None:
         self._spec = spec
-        for r, window in enumerate(self.windows):
-            window.spec = self.target._replica_spec(spec, r)
+        for r, window in self.windows.items():
+            window.spec = self.target.replica_spec(spec, r)
 
     def expose(self) -> None:
-        for window in self.windows:
+        for window in self.windows.values():
             window.expose()
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
-        """``phase`` on every replica at once (a relay's two ends take part together); the
-        bytes moved. Any replica's error fails the phase for the fleet, naming the replicas."""
+        """``phase`` on every replica in the push at once; the bytes moved. A replica that
+        fails while others pass is quarantined and leaves the push; if all fail, the push
+        fails (`WeightSyncError` naming them)."""
         parts = self.target.split(records_by_rank)
-        moved = [0] * len(self.windows)
-        errors: dict[int, BaseException] = {}
+        if phase is PushPhase.COMMIT and self.held:
+            return self._waves(parts)
+        replicas = sorted(self.windows)
+        moved, errors = self._on(replicas, phase, parts)
+        if errors and len(errors) == len(replicas) and phase is not PushPhase.COMMIT:
+            detail = "; ".join(f"replica {r}: {why}" for r, why in sorted(errors.items()))
+            for r in replicas:  # the senders' fault, not theirs: none is quarantined
+                self._close(r, WeightSyncError(detail), quarantine=False)
+            raise WeightSyncError(f"update to version {self.spec.version} rejected in "
+                                  f"{phase.value} by every replica; each keeps the version it "
+                                  f"serves: {detail}")  # fmt: skip
+        for r, why in errors.items():
+            self._close(r, WeightSyncError(why), reason=f"{phase.value}: {why}")
+        if phase is PushPhase.HOLD:  # rolling: back to serving the old version meanwhile
+            for r in sorted(self.windows):
+                self._close(r, None)
+                self.held.append(r)
+            self.target.board.rolling(self.spec.version)
+        elif phase is PushPhase.COMMIT:
+            self.committed += sorted(self.windows)
+            if not self.windows:
+                raise WeightSyncError(f"the commit of version {self.spec.version} failed on "
+                                      f"every replica: {self._failures()}")  # fmt: skip
+        return moved
+
+    def _waves(self, parts: dict[int, dict[int, list]]) -> int:
+        """Commit the held replicas, at most ``max_unavailable`` at a time; the others
+        serve."""
+        settings, board, moved = self.spec.settings, self.target.board, 0
+        order, self.held = self.held, []
+        try:
+            for i in range(0, len(order), settings.max_unavailable):
+                wave = order[i : i + settings.max_unavailable]
+                for r in wave:
+                    board.set(r, ReplicaState.UPDATING)
+                if settings.wave == "wait" and self.target.drain is not None:
+                    self._drain(wave)
+                for r in wave:
+                    self._open(r)
+                opened = [r for r in wave if r in self.windows]
+                nbytes, errors = self._on(opened, PushPhase.COMMIT, parts)
+                moved += nbytes
+                for r in opened:
+                    if r in errors:
+                        self._close(r, WeightSyncError(errors[r]), reason=f"commit: {errors[r]}")
+                    else:
+                        self._close(r, None)
+                        self.committed.append(r)
+                        board.set(r, ReplicaState.SERVING)
+        finally:
+            board.rolling(None)
+        if not self.committed:
+            raise WeightSyncError(f"the commit of version {self.spec.version} failed on every "
+                                  f"replica: {self._failures()}")  # fmt: skip
+        return moved
+
+    def _drain(self, wave: list[int]) -> None:
+        threads = [threading.Thread(target=self.target.drain,
+                                    args=(r, self.target.phase_timeout_s), daemon=True)
+                   for r in wave]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def _on(self, replicas: list[int], phase: PushPhase, parts) -> tuple[int, dict[int, str]]:
+        """``phase`` on ``replicas``, each on a thread, all under one deadline: (bytes moved,
+        replica -> error). A replica past the deadline is abandoned with an error."""
+        moved: dict[int, int] = {}
+        errors: dict[int, str] = {}
 
         def one(r: int) -> None:
             try:
-                moved[r] = self.windows[r].run(phase, parts[r])
+                moved[r] = self.windows[r].run(phase, parts.get(r, {}))
             except BaseException as exc:
-                errors[r] = exc
+                errors[r] = str(exc) or type(exc).__name__
 
-        threads = [threading.Thread(target=one, args=(r,), name=f"tandem-push-replica-{r}",
-                                    daemon=True) for r in range(1, len(self.windows))]  # fmt: skip
-        for t in threads:
+        threads = {r: threading.Thread(target=one, args=(r,), name=f"tandem-push-replica-{r}",
+                                       daemon=True) for r in replicas}  # fmt: skip
+        for t in threads.values():
             t.start()
-        one(0)
-        for t in threads:
-            t.join()
-        if errors:
-            detail = "; ".join(f"replica {r}: {exc}" for r, exc in sorted(errors.items()))
-            if phase is PushPhase.COMMIT:  # some replicas may hold the new version already
-                raise WeightSyncError(f"the commit of version {self.spec.version} failed on "
-                                      f"replicas {sorted(errors)}: {detail}")  # fmt: skip
-            raise WeightSyncError(f"update to version {self.spec.version} rejected in "
-                                  f"{phase.value} by replicas {sorted(errors)}; every replica "
-                                  f"keeps the version it serves: {detail}")  # fmt: skip
-        return sum(moved)
+        deadline = time.monotonic() + self.target.phase_timeout_s
+        for r, t in threads.items():
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                errors[r] = (f"did not finish {phase.value} within "
+                             f"{self.target.phase_timeout_s:g} s")  # fmt: skip
+        return sum(moved.get(r, 0) for r in replicas if r not in errors), errors
+
+    def _open(self, r: int) -> None:
+        manager = self.target.engines[r].weight_update(self.target.replica_spec(self.spec, r))
+        try:
+            self.windows[r] = manager.__enter__()
+        except Exception as exc:
+            self._quarantine(r, f"could not open its window: {exc}")
+            return
+        self._managers[r] = manager
+
+    def _close(self, r: int, exc: BaseException | None, quarantine: bool = True,
+               reason: str | None = None) -> None:  # fmt: skip
+        """Leave replica ``r``'s window: normally, or failed with ``exc`` (the replica drops
+        what the push left on it, and is quarantined with ``reason`` if ``quarantine``)."""
+        window, manager = self.windows.pop(r), self._managers.pop(r)
+        bytes_in, _ = window.ingress()[0]
+        if bytes_in or r not in self._ingress:
+            self._ingress[r] = (bytes_in, time.perf_counter() - self._opened)
+
+        def leave() -> None:
+            try:
+                if exc is None:
+                    manager.__exit__(None, None, None)
+                else:
+                    manager.__exit__(type(exc), exc, exc.__traceback__)
+            except Exception as error:  # a window that cannot close cleanly: quarantined
+                if exc is None:
+                    self._quarantine(r, f"closing its window failed: {error}")
+
+        if exc is None:
+            leave()
+            return
+        # a replica stuck in a phase still holds its engine: leave without waiting for it
+        threading.Thread(target=leave, name=f"tandem-push-abort-{r}", daemon=True).start()
+        if quarantine:
+            self._quarantine(r, reason or str(exc))
+
+    def _quarantine(self, r: int, why: str) -> None:
+        self.failed[r] = why
+        self.target.board.quarantine(r, f"push of version {self.spec.version} failed: {why}")
+
+    def _failures(self) -> str:
+        return "; ".join(f"replica {r}: {why}" for r, why in sorted(self.failed.items()))
+
+    def close_all(self, exc: BaseException | None) -> None:
+        for r in sorted(self.windows):
+            if exc is None:
+                self._close(r, None)
+            else:
+                self._close(r, exc, quarantine=False)
+        if exc is not None and self.held:  # held but never committed: dropped everywhere
+            for r in self.held:
+                self._open(r)
+                if r in self.windows:
+                    self._close(r, exc, quarantine=False)  # its ranks drop what they held
+            self.held = []
+            self.target.board.rolling(None)
 
     def ingress(self) -> dict[int, tuple[int, float]]:
-        return {r: window.ingress()[0] for r, window in enumerate(self.windows)}
+        return dict(self._ingress)
+
+    def failures(self) -> dict[int, str]:
+        return dict(self.failed)

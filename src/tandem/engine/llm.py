@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 
 import torch
 
@@ -11,10 +12,24 @@ from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
 from tandem.engine.fleet import Fleet
 from tandem.engine.outputs import RequestMetrics, RequestOutput
+from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 
 Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class _Request:
+    """One prompt of a `generate` call: where it runs and its sequences there."""
+
+    request_id: str
+    text: str | None
+    ids: list[int]
+    params: SamplingParams
+    priority: int
+    routed: Routed | None = None
+    seqs: list[Sequence] = field(default_factory=list)
 
 
 class LLM:
@@ -72,7 +87,8 @@ class LLM:
 
     @property
     def weight_version(self) -> int:
-        """The version served (a fleet's replicas all serve it: one push updates them all)."""
+        """The newest version served (a fleet's replicas all serve it after a push with
+        ``policy="all"``; during a rolling push `fleet_state` says which serves what)."""
         return self.fleet.weight_version
 
     @property
@@ -112,30 +128,45 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        requests = []  # (request id, text, prompt ids, `Routed`, sequences)
-        routed = []  # released when the call ends, however it ends
+        requests: list[_Request] = []
         try:
             for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
                 request_id = str(self._request_ids)
                 self._request_ids += 1
                 ids = self.engine.admission.prompt_ids(prompt)
-                routed.append(where := self.fleet.route(ids, params.n, params.max_tokens or 0))
-                admission = self.fleet.engines[where.replica].admission
-                seqs = admission.make_sequences(request_id, ids, params, prio)
                 text = prompt if isinstance(prompt, str) else None
-                requests.append((request_id, text, ids, where, seqs))
-            for engine in self.fleet.engines:  # asleep, weights released, torn: queue nothing
-                engine.lifecycle.check_runnable()
-            work: dict[int, list[Sequence]] = {}
-            for *_, where, seqs in requests:
-                self.fleet.engines[where.replica].add(seqs)
-                work.setdefault(where.replica, []).extend(seqs)
-            self.fleet.run(work)
+                requests.append(_Request(request_id, text, ids, params, prio))
+                self._place(requests[-1])
+            pending = requests
+            while pending:
+                for r in sorted({req.routed.replica for req in pending}):
+                    self.fleet.engines[r].lifecycle.check_runnable()  # asleep, torn: queue none
+                work: dict[int, list[Sequence]] = {}
+                for req in pending:
+                    self.fleet.engines[req.routed.replica].add(req.seqs)
+                    work.setdefault(req.routed.replica, []).extend(req.seqs)
+                lost = self.fleet.run(work)
+                # a replica died: what it had not finished runs again on another (nothing of
+                # it was returned yet)
+                pending = [req for req in pending if req.routed.replica in lost
+                           and not all(s.finished for s in req.seqs)]  # fmt: skip
+                for req in pending:
+                    self._place(req, avoid=req.routed.replica)
         finally:
-            for where in routed:
-                self.fleet.finished(where)
-        return [self._output(rid, text, ids, seqs, where.replica)
-                for rid, text, ids, where, seqs in requests]  # fmt: skip
+            for req in requests:
+                if req.routed is not None:
+                    self.fleet.finished(req.routed)
+        return [self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
+                for req in requests]  # fmt: skip
+
+    def _place(self, req: _Request, avoid: int | None = None) -> None:
+        """Route ``req`` (again) and make its sequences on that replica."""
+        if req.routed is not None:
+            self.fleet.finished(req.routed)
+            req.routed = None
+        req.routed = self.fleet.route(req.ids, req.params.n, req.params.max_tokens or 0, avoid)
+        admission = self.fleet.engines[req.routed.replica].admission
+        req.seqs = admission.make_sequences(req.request_id, req.ids, req.params, req.priority)
 
     def _encode_images(self, images, pooling: str | None) -> list[list[float]]:
         """Image models: each input a float tensor [channels, size, size] (HF pixel_values)."""
@@ -219,8 +250,20 @@ class LLM:
 
     def fleet_state(self) -> list[dict]:
         """Each replica: ``{"replica", "state", "version", "load"}`` (state ``serving``,
-        ``updating`` or ``quarantined``; load: the tokens it still owes to routed requests)."""
+        ``updating``, ``quarantined`` (with its ``reason``) or ``joining``; version: the one
+        it has committed; load: the tokens it still owes to routed requests)."""
         return self.fleet.fleet_state()
+
+    def add_replica(self) -> int:
+        """Grow the fleet by one replica (``data_parallel_size`` >= 2): it starts reading
+        nothing from disk, pulls the weights from a live peer (planned and verified like any
+        push), and only then takes requests. Its number."""
+        return self.fleet.add_replica()
+
+    def heal(self, replica: int) -> None:
+        """Bring a quarantined replica back now (restarted if its workers are gone, then
+        filled from a live peer); a fleet does this itself unless ``heal=False``."""
+        self.fleet.heal(replica)
 
     def shutdown(self) -> None:
         """Stop the workers (if any) and release the model and KV cache. Idempotent."""

@@ -173,6 +173,7 @@ class ModelRunner:
         samples: bool = True,
         packed_weights: bool = True,
         host_memory_reuse: bool = True,
+        load: bool = True,
     ):
         if host_memory_reuse and device.type == "cpu":
             host_memory.keep_freed()
@@ -185,7 +186,12 @@ class ModelRunner:
         self.model = build_model(spec, tp, dtype, device, self.stage)
         if not packed_weights:
             disable_packing(self.model)
-        load_weights(self.model, spec)
+        if load:
+            load_weights(self.model, spec)
+        else:  # load_format="dummy": zeros until a push writes every canonical box
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.zero_()
         # on CPU the parameters live in shared memory: a trainer on this host writes into them
         self.arena = ParamArena(self.model) if device.type == "cpu" else None
         self.weights = WeightMemory(self.model, spec, self.arena)

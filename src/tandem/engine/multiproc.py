@@ -63,6 +63,7 @@ class MultiprocExecutor:
         dims = config.parallel.dims
         check_layout(spec, config, dims)
         self.max_in_flight = dims.pp
+        self._phase_timeout_s = config.parallel.push_phase_timeout_s
         self._token = secrets.token_hex(16)
         self._server = ControlServer(config.parallel.master_addr, self._token, dims.world_size)
         self._store = None
@@ -113,7 +114,8 @@ class MultiprocExecutor:
                 self._server.send_to(rank, ApplyWeights(phase, spec, records))
         except PeerGone as exc:
             raise EngineDeadError(self._root_cause(str(exc))) from None
-        results = [self._receive(ApplyResult, deadline=None) for _ in self.layouts]
+        deadline = time.monotonic() + self._phase_timeout_s  # a hung rank: the engine is dead
+        results = [self._receive(ApplyResult, deadline) for _ in self.layouts]
         return [r.error for r in results if r.error is not None], sum(r.nbytes for r in results)
 
     def set_kv_cache(self, allocate: bool) -> None:

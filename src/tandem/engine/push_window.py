@@ -75,7 +75,8 @@ class PushWindow:
             raise
         finally:
             with self._control():
-                self.blocks.reset_prefix_cache()  # cached KV came from the old weights
+                if update.landed or update.exposed:  # cached KV came from the old weights
+                    self.blocks.reset_prefix_cache()
                 self.lifecycle.close_update(update.torn, update.landed)
                 if update.torn is None and update.landed:
                     self.weight_version = spec.version

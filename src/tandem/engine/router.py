@@ -57,6 +57,13 @@ class Router:
     def replicas(self) -> int:
         return len(self.loads)
 
+    def add_replica(self) -> int:
+        """One more replica (a fleet grown at run time); its number."""
+        self.loads.append(0)
+        self.requests.append(0)
+        self._prefixes.append(OrderedDict())
+        return len(self.loads) - 1
+
     def route(self, prompt_ids: list[int], samples: int, max_tokens: int,
               allowed: list[int] | None = None) -> Routed:  # fmt: skip
         """Pick the replica for one request (among ``allowed``, default all) and count its

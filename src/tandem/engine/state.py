@@ -17,7 +17,8 @@ class WeightsReleasedError(RuntimeError):
 
 
 NO_WEIGHTS_REASON = (
-    "the weights were released by sleep(level=2); push new weights (WeightSender) or reload "
+    "the engine holds no weights (released by sleep(level=2), or started with "
+    "load_format='dummy'); push new weights (WeightSender) or reload "
     "them from the checkpoint (reload_weights) first"
 )
 
@@ -52,11 +53,11 @@ class EngineLifecycle:
     stop steps, not requests.
     """
 
-    def __init__(self):
-        self.state = EngineState.RUNNING
+    def __init__(self, weights: bool = True):
+        self.state = EngineState.RUNNING if weights else EngineState.NO_WEIGHTS
         self.reason: str | None = None  # for TORN and DEAD
         self.kv_released = False
-        self.weights_released = False
+        self.weights_released = not weights
         self.pause_mode: PauseMode | None = None
         self.updating = False  # a push's window is open: no step runs
 

@@ -53,8 +53,13 @@ class WeightUpdate:
         return nbytes
 
     def ingress(self) -> dict[int, tuple[int, float]]:
-        received = self._phase_bytes.get(PushPhase.RECEIVE, 0)
-        return {0: (received or self._phase_bytes.get(PushPhase.COMMIT, 0), self._seconds)}
+        got = self._phase_bytes
+        arrived = got.get(PushPhase.RECEIVE) or got.get(PushPhase.HOLD) or got.get(
+            PushPhase.COMMIT, 0)  # fmt: skip
+        return {0: (arrived, self._seconds)}
+
+    def failures(self) -> dict[int, str]:
+        return {}  # a failure raises: one engine commits all of a push or none
 
     def fail(self, detail: str, phase: str = "delivery") -> None:
         version = self.spec.version

@@ -63,13 +63,17 @@ class ReplicaPush:
     bytes_in: int  # arrived at its ranks (received, or copied from the senders' staging)
     bytes_relayed: int  # passed on to other replicas
     seconds: float  # its phases, from opening its window to its commit
+    # "committed"; "held" (a rolling push: verified and held, its wave not yet committed);
+    # "failed" (it left the push and is quarantined: ``error`` says why)
+    state: str = "committed"
+    error: str | None = None
 
 
 @PUSH.register("done")
 @dataclass(slots=True)
 class PushDone:
     version: int
-    error: str | None  # None: committed
+    error: str | None  # None: committed (or, rolling, held by every replica in the push)
     bytes_needed: int = 0  # one copy of what the target holds (each distinct replica layout)
     bytes_moved: int = 0  # by all trainer ranks, as their transports counted
     replicas: list[ReplicaPush] = field(default_factory=list)

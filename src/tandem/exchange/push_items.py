@@ -14,13 +14,16 @@ from tandem.exchange.protocol import ReplicaPush
 
 
 def replica_figures(replicas: dict[int, tuple[int, frozenset[int]]],
-                     ingress: dict[int, tuple[int, float]]) -> list[ReplicaPush]:  # fmt: skip
+                     ingress: dict[int, tuple[int, float]], failures: dict[int, str],
+                     ok: str = "committed") -> list[ReplicaPush]:  # fmt: skip
     """Per replica: the bytes it needs, what arrived at its ranks (counted there), what it
-    passed on (what arrived at the replicas it relays to, counted there) and its phases'
-    seconds. ``replicas``: replica -> (bytes needed, the replicas it relays to)."""
+    passed on (what arrived at the replicas it relays to, counted there), its phases'
+    seconds, and how it came out (``ok``, or "failed" with the reason from ``failures``).
+    ``replicas``: replica -> (bytes needed, the replicas it relays to)."""
     arrived = {r: ingress.get(r, (0, 0.0))[0] for r in replicas}
     return [ReplicaPush(r, needed, arrived[r], sum(arrived[d] for d in feeds),
-                        ingress.get(r, (0, 0.0))[1])
+                        ingress.get(r, (0, 0.0))[1], "failed" if r in failures else ok,
+                        failures.get(r))
             for r, (needed, feeds) in sorted(replicas.items())]  # fmt: skip
 
 

@@ -6,8 +6,10 @@ Phases (`tandem.engine.weight_update` runs each on every rank before any rank st
 - ``verify``: names, shapes and dtypes of every record, then the CRC32 of every box where its
   bytes landed (the staging memory, or the live parameter for ``in_place``) against the CRC32
   its sender read from the trainer's tensor;
-- ``commit``: staged pushes copy into the live parameters, which are then checksummed again
-  (a mismatch there means the live weights are torn);
+- ``hold`` (rolling pushes): every landed box copied into the rank's own memory and
+  checksummed there, so the senders may go and the rank commits later, from what it holds;
+- ``commit``: staged (or held) boxes are copied into the live parameters, which are then
+  checksummed again (a mismatch there means the live weights are torn);
 - ``abort``: the push failed; the transport drops what it held.
 
 Receivers write into views of the existing parameters (``data_ptr`` never changes), each
@@ -74,6 +76,7 @@ class RankReceiver:
         self.rank = rank
         self.device = device
         self._halves: dict[str, ReceiverHalf] = {}
+        self._held: tuple[int, list[torch.Tensor]] | None = None  # (version, boxes) of `hold`
 
     def handle(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]
                ) -> tuple[str | None, int]:  # fmt: skip
@@ -100,6 +103,7 @@ class RankReceiver:
         return {
             PushPhase.RECEIVE: self._receive,
             PushPhase.VERIFY: self._verify,
+            PushPhase.HOLD: self._hold,
             PushPhase.COMMIT: self._commit,
             PushPhase.ABORT: self._abort,
         }[phase](half, spec, records)
@@ -114,13 +118,48 @@ class RankReceiver:
             problems = crc_problems(records, half.landed_crcs(spec, records), where)
         return problems, 0
 
+    def _hold(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        """Copy every landed box into one buffer of this rank's, then checksum the copies
+        against what the senders read (the copy is what the commit will write)."""
+        self._held = None
+        boxes = half.landed(spec, records)
+        buf = torch.empty(sum(r.nbytes for r in records), dtype=torch.uint8, device=self.device)
+        held, at = [], 0
+        with torch.no_grad():
+            for r, box in zip(records, boxes, strict=True):
+                mine = buf[at : at + r.nbytes].view(box.dtype).view(box.shape)
+                mine.copy_(box)
+                held.append(mine)
+                at += r.nbytes
+        half.release(spec)  # what the transport staged is not read again
+        problems = []
+        if spec.settings.verify:
+            problems = crc_problems(records, [tensor_crc32(b) for b in held], "as held")
+        if not problems:
+            self._held = (spec.version, held)
+        return problems, at
+
     def _commit(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
-        nbytes = half.commit(spec, records)
+        if self._held is not None and self._held[0] == spec.version:
+            nbytes = self._commit_held(half, records)
+        else:
+            nbytes = half.commit(spec, records)
         if spec.settings.in_place or not spec.settings.verify:
             return [], nbytes
         crcs = [tensor_crc32(box) for box in half.live(records)]
         return crc_problems(records, crcs, "in the live parameter after commit"), nbytes
 
+    def _commit_held(self, half: ReceiverHalf, records: list[Record]) -> int:
+        _, held = self._held
+        self._held = None
+        if len(held) != len(records):
+            raise RuntimeError(f"{len(records)} records to commit, {len(held)} boxes held")
+        with torch.no_grad():
+            for box, dst in zip(held, half.live(records), strict=True):
+                dst.copy_(box)
+        return sum(r.nbytes for r in records)
+
     def _abort(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        self._held = None
         half.abort(spec)
         return [], 0

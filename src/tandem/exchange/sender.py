@@ -9,6 +9,7 @@ and reject the push on any mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from dataclasses import dataclass
@@ -50,8 +51,14 @@ class PushStats:
     seconds: float
     transport: str
     bytes_by_receiver: tuple[int, ...] = ()  # sent by this rank, per engine rank (counted)
-    # per replica of a fleet (a single engine: one): needed, arrived, relayed on, seconds
+    # per replica of a fleet (a single engine: one): needed, arrived, relayed on, seconds,
+    # and how it came out (committed, held for its rolling wave, or failed and why)
     replicas: tuple[ReplicaPush, ...] = ()
+
+    @property
+    def failed(self) -> dict[int, str]:
+        """The replicas that left the push (quarantined) and why."""
+        return {r.replica: r.error or "" for r in self.replicas if r.state == "failed"}
 
 
 class WeightSender:
@@ -133,12 +140,25 @@ class WeightSender:
     def transport(self) -> str:
         return self.settings.transport
 
-    def push(self, version: int | None = None) -> PushStats:
-        """Send this rank's boxes and wait until the engine committed (or rejected) them."""
+    def push(self, version: int | None = None, policy: str = "all", max_unavailable: int = 1,
+             wave: str = "wait") -> PushStats:  # fmt: skip
+        """Send this rank's boxes and wait until the engine committed (or rejected) them.
+
+        A fleet (``data_parallel_size`` > 1, or `tandem router`): ``policy="all"`` commits
+        every replica together; ``"rolling"`` returns once every replica verified and holds
+        the new version, and the replicas then commit it in waves of at most
+        ``max_unavailable`` while the others serve (``wave="wait"``: a wave's requests finish
+        first; ``"keep"``: they go on across the commit). A replica that fails is quarantined
+        and the others go on: ``PushStats.replicas`` says how each came out."""
         start = time.perf_counter()
+        settings = check(
+            dataclasses.replace(
+                self.settings, policy=policy, max_unavailable=max_unavailable, wave=wave
+            )
+        )
         layout, tensors = self._local()
         hello = PushHello(self.rank, self.world_size, version, layout, self.ignore,
-                          self.settings)  # fmt: skip
+                          settings)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         with socket.create_connection(endpoint, timeout=self.timeout_s) as sock:

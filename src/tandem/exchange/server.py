@@ -32,7 +32,7 @@ from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushRe
 from tandem.exchange.push_items import push_items, replica_figures
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
-from tandem.exchange.target import WeightTarget
+from tandem.exchange.target import UpdateWindow, WeightTarget
 from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import Coordinator
 from tandem.wire import MAX_FRAME, PeerGone, read_hello, recv_frame, send_frame
@@ -138,11 +138,36 @@ class ExchangeServer:
         hellos = [h for _, h in conns]
         version = None
         start = time.perf_counter()
+        answered = []
+
+        def answer(done: PushDone) -> None:
+            """Tell every trainer rank how the push went (once): they are free then."""
+            if answered:
+                return
+            answered.append(done)
+            for sock in socks:
+                try:
+                    send_frame(sock, PUSH.encode(done))
+                except OSError:
+                    pass
+                sock.close()
+
         try:
             spec, plans, records, needed, per_replica = self._plan(hellos)
             version = spec.version
-            moved, ingress = self._push(spec, socks, plans, records)
-            done = PushDone(version, None, needed, moved, replica_figures(per_replica, ingress))
+
+            def held(update, moved: int) -> None:  # rolling: every replica holds the version
+                answer(PushDone(version, None, needed, moved, replica_figures(
+                    per_replica, update.ingress(), update.failures(), "held")))  # fmt: skip
+
+            moved, update = self._push(spec, socks, plans, records, held)
+            done = PushDone(
+                version,
+                None,
+                needed,
+                moved,
+                replica_figures(per_replica, update.ingress(), update.failures()),
+            )
         except (PeerGone, OSError) as exc:
             self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
@@ -155,12 +180,7 @@ class ExchangeServer:
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
         for listener in self.target.update_listeners:
             listener(done.version, time.perf_counter() - start, done.error)
-        for sock in socks:
-            try:
-                send_frame(sock, PUSH.encode(done))
-            except OSError:
-                pass
-            sock.close()
+        answer(done)
 
     def _serving(self) -> str:
         reason = self.target.unavailable()
@@ -168,17 +188,19 @@ class ExchangeServer:
             return f"requests are refused until a complete push lands ({reason})"
         return f"version {self.target.weight_version} keeps serving"
 
-    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: tuple):
+    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: tuple,
+              held) -> tuple[int, UpdateWindow]:  # fmt: skip
         """Deliver, verify and commit one push: (the bytes the trainers moved, as counted;
-        per replica the bytes that arrived and the seconds its phases took)."""
+        the window it ran in, which says what arrived where and which replicas left it).
+        ``held(window, moved)`` is called when a rolling push is held everywhere."""
         transport = TRANSPORTS[spec.settings.transport]
         if not transport.pauses_to_deliver(spec.settings):
             self._send_plans(socks, plans)  # trainers stage while the target serves
             spec, by_receiver, moved = self._readies(spec, socks, records)
             with self.target.weight_update(spec) as update:
                 update.run(PushPhase.VERIFY, by_receiver)
-                update.run(PushPhase.COMMIT, by_receiver)
-            return moved, update.ingress()
+                self._commit(update, by_receiver, lambda: held(update, moved))
+            return moved, update
         with self.target.weight_update(spec) as update:
             if spec.settings.in_place:
                 update.expose()  # from here trainers (or the target's ranks) write live weights
@@ -188,8 +210,17 @@ class ExchangeServer:
             spec, by_receiver, moved = self._readies(spec, socks, records)
             update.spec = spec
             update.run(PushPhase.VERIFY, by_receiver)
-            update.run(PushPhase.COMMIT, by_receiver)
-        return moved, update.ingress()
+            self._commit(update, by_receiver, lambda: held(update, moved))
+        return moved, update
+
+    @staticmethod
+    def _commit(update: UpdateWindow, by_receiver: dict, held) -> None:
+        """Commit a verified push; a rolling one is held by every replica first, the trainers
+        are answered (they are free), and the target commits it in waves."""
+        if update.spec.settings.rolling:
+            update.run(PushPhase.HOLD, by_receiver)
+            held()
+        update.run(PushPhase.COMMIT, by_receiver)
 
     def _send_plans(self, socks: list, plans: list[PushPlan]) -> None:
         for sock, plan in zip(socks, plans, strict=True):

@@ -16,11 +16,16 @@ class PushPhase(Enum):
 
     RECEIVE = "receive"  # the transport delivers this rank's boxes (staged, or live in place)
     VERIFY = "verify"  # names, shapes and dtypes; then checksums of what landed
-    COMMIT = "commit"  # staged boxes into the live parameters (checked again there)
+    # a rolling push: what landed copied into the rank's own memory and checked there, so the
+    # senders are free and the rank commits later, in its wave, while it serves meanwhile
+    HOLD = "hold"
+    COMMIT = "commit"  # staged (or held) boxes into the live parameters (checked again there)
     ABORT = "abort"  # drop whatever the push held
 
 
 MODES = ("staged", "in_place")  # every transport supports some of these (`Transport.modes`)
+POLICIES = ("all", "rolling")  # how a fleet's replicas commit a push
+WAVES = ("wait", "keep")  # a rolling wave's requests: drained first, or kept across the commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +34,21 @@ class PushSettings:
     ``mode``: ``staged`` (the push lands beside the live weights and is committed only when
     complete and verified: a failure leaves the old version serving) or ``in_place`` (bytes
     land straight in the live parameters: no extra memory, but a failed push leaves the engine
-    refusing requests until a complete push lands); ``verify``: CRC32 every box on both ends."""
+    refusing requests until a complete push lands); ``verify``: CRC32 every box on both ends.
+
+    How a fleet commits it: ``policy="all"`` (every replica stages and verifies, then all
+    commit together: the on-policy case) or ``"rolling"`` (every replica stages, verifies and
+    holds the new version while serving the old one; the senders are then free; replicas
+    commit in waves of at most ``max_unavailable``, the others serving). ``wave``: ``wait``
+    drains a wave's requests before its commit (none straddles versions), ``keep`` commits
+    between two steps of its running requests (their per-token versions say so)."""
 
     transport: str
     mode: str = "staged"
     verify: bool = True
+    policy: str = "all"
+    max_unavailable: int = 1
+    wave: str = "wait"
 
     def __post_init__(self):
         if not isinstance(self.transport, str) or not self.transport:
@@ -42,10 +57,24 @@ class PushSettings:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be a bool, got {self.verify!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if (
+            isinstance(self.max_unavailable, bool)
+            or not isinstance(self.max_unavailable, int)
+            or self.max_unavailable < 1
+        ):
+            raise ValueError(f"max_unavailable must be an int >= 1, got {self.max_unavailable!r}")
+        if self.wave not in WAVES:
+            raise ValueError(f"wave must be one of {WAVES}, got {self.wave!r}")
 
     @property
     def in_place(self) -> bool:
         return self.mode == "in_place"
+
+    @property
+    def rolling(self) -> bool:
+        return self.policy == "rolling"
 
 
 @dataclass(frozen=True, slots=True)

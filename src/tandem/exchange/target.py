@@ -43,6 +43,10 @@ class UpdateWindow(Protocol):
         arrived at its ranks in this push (received, else copied in from the senders' staging
         at commit) and the seconds from opening the window to its last phase."""
 
+    def failures(self) -> dict[int, str]:
+        """The replicas that left the push and why (a fleet goes on without a replica that
+        fails while others pass; one engine raises instead, so it reports none)."""
+
 
 @runtime_checkable
 class WeightTarget(Protocol):

@@ -134,3 +134,6 @@ class RemoteWindow:
 
     def ingress(self) -> dict[int, tuple[int, float]]:
         return self._ingress
+
+    def failures(self) -> dict[int, str]:
+        return {}  # a failure raises

@@ -147,6 +147,9 @@ class VllmTarget:
             return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
                     "repacked for its kernels, so every push into vLLM is staged, then written "
                     "into its layers and repacked by vLLM (use mode='staged')")  # fmt: skip
+        if settings.rolling:
+            return ("policy='rolling' needs a fleet of tandem replicas; a vLLM engine commits "
+                    "each push at once (use policy='all')")  # fmt: skip
         return None
 
     @contextmanager
@@ -187,6 +190,9 @@ class VllmUpdate:
 
     def ingress(self) -> dict[int, tuple[int, float]]:
         return {0: self._arrived}
+
+    def failures(self) -> dict[int, str]:
+        return {}  # a failure raises
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         replies = self.call(phase, records_by_rank)

@@ -1,0 +1,77 @@
+"""A live replica in the trainer's role: its ranks' parameters pushed into another replica of
+the same fleet (one healing from a fault, or one just added), planned, moved and verified like
+any push, never read from the checkpoint on disk.
+
+The peer's ranks keep their parameters in shared memory (`ParamArena`, engines on CPU): this
+process maps them and runs one `WeightSender` per peer rank, whose layout is the rank's own
+(`RankLayout`: the same canonical boxes a trainer's layout names), so the planner sends every
+box once from the peer rank holding it. Each box's CRC32 is taken as it is read from the peer's
+memory and checked where it lands. The receiving replica serves no request meanwhile, so the
+push goes straight into its live parameters (``in_place``). The peer goes on serving: nothing
+writes its weights while the fleet's push lock is held.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tandem.dtypes import DTYPES
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.sender import PushStats, WeightSender
+from tandem.exchange.transports.memory import MappedArena
+
+
+class PeerRankSender(WeightSender):
+    """One peer rank as a trainer rank: its layout as is, its tensors mapped from its arena."""
+
+    def __init__(self, layout: RankLayout, dtype: torch.dtype, rank: int, world: int,
+                 address: str, timeout_s: float):  # fmt: skip
+        arena = MappedArena(layout.arena)
+        self._tensors = {key: arena.param(key, dtype) for key in layout.local_shapes}
+        self._layout = RankLayout(rank, layout.regions, layout.local_shapes, layout.dtype)
+        self._arena = arena  # the mapping lives as long as the views
+        super().__init__(self._tensors, address, transport="shm", mode="in_place", rank=rank,
+                         world_size=world, timeout_s=timeout_s)  # fmt: skip
+
+    def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
+        return self._layout, self._tensors
+
+
+def push_from_peer(peer, target, timeout_s: float = 600.0) -> PushStats:
+    """Push ``peer``'s weights (an `LLMEngine` serving) into ``target`` (an `LLMEngine`
+    serving no request), at the peer's version; the first peer rank's stats. Raises
+    `WeightSyncError` naming what failed."""
+    layouts = peer.weight_layouts()
+    missing = [lay.rank for lay in layouts if lay.arena is None]
+    if missing:
+        raise WeightSyncError(f"the peer's ranks {missing} hold no parameters in shared memory "
+                              "(engines on CPU do): it cannot push to a replica")  # fmt: skip
+    dtype = DTYPES[peer.weight_dtype]
+    address = target.exchange_server().address
+    version = peer.weight_version
+    senders = [PeerRankSender(lay, dtype, i, len(layouts), address, timeout_s)
+               for i, lay in enumerate(layouts)]  # fmt: skip
+    results: list = [None] * len(senders)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = senders[i].push(version)
+        except BaseException as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"tandem-peer-rank-{i}",
+                                daemon=True) for i in range(1, len(senders))]  # fmt: skip
+    for t in threads:
+        t.start()
+    one(0)
+    for t in threads:
+        t.join(timeout_s)
+    for sender in senders:
+        sender.close()
+    errors = [f"peer rank {i}: {r}" for i, r in enumerate(results) if not isinstance(r, PushStats)]
+    if errors:
+        raise WeightSyncError("; ".join(errors))
+    return results[0]
