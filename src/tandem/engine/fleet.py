@@ -45,6 +45,8 @@ class Fleet:
         else:
             self.engines = _start_all(configs)
         lead = self.engines[0]
+        # every replica, restarted or added ones too, runs the dtype the lead resolved
+        self.config = config.model_copy(update={"dtype": lead.config.dtype})
         self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
         self.lock = threading.Lock()  # the router's, and the replica list's
         self.board = ReplicaBoard(replicas, self._versions, config.parallel.max_staleness)
@@ -59,6 +61,7 @@ class Fleet:
                 self.board,
                 self._drain,
                 self.timeout_s + 30,
+                self._pull_now,
             )  # fmt: skip
         )
         self.target.update_listeners.append(self._pushed)
@@ -116,6 +119,12 @@ class Fleet:
         """The replicas' prefix caches were reset: route as if nothing is cached."""
         with self.lock:
             self.router.forget()
+
+    def _pull_now(self, peer: int, replica: int) -> None:
+        """An in-place rolling wave: ``peer``'s weights into ``replica`` (out of routing)."""
+        push_from_peer(self.engines[peer], self.engines[replica], self.timeout_s)
+        with self.lock:
+            self.router.forget(replica)
 
     def _drain(self, replica: int, timeout_s: float) -> None:
         """Return once ``replica`` runs no request (a rolling wave's ``wait``)."""
@@ -290,12 +299,13 @@ class Fleet:
 
 
 def _start_all(configs: list[EngineConfig]) -> list[LLMEngine]:
-    """Start replica 0, then the others side by side (each waits on its own workers; what a
-    process sets up once, such as joining a Ray cluster, the first one has done); if any
-    fails, the others are shut down and the first error raised."""
+    """Start replica 0, then the others side by side in the dtype it resolved (each waits on
+    its own workers; what a process sets up once, such as joining a Ray cluster, the first one
+    has done); if any fails, the others are shut down and the first error raised."""
     first = LLMEngine(configs[0])
+    same = {"dtype": first.config.dtype}  # resolved once ("auto" probes): one dtype per fleet
     with ThreadPoolExecutor(len(configs) - 1) as pool:
-        futures = [pool.submit(LLMEngine, c) for c in configs[1:]]
+        futures = [pool.submit(LLMEngine, c.model_copy(update=same)) for c in configs[1:]]
     engines, errors = [first], []
     for f in futures:
         try:

@@ -14,6 +14,12 @@ whole fleet keeps the version it serves. ``policy="all"`` commits every replica 
 serving the old one, then commits the replicas in waves of at most ``max_unavailable``, each
 wave out of the router's choice (and drained first with ``wave="wait"``) while the others
 serve.
+
+In place (``mode="in_place"``), only with ``policy="rolling"``: the senders write the first
+wave's live weights (the push is planned over those replicas alone), which then serve the new
+version; each later wave is written from a replica of the first (``pull``: a live replica in
+the trainer's role, `tandem.engine.peer_push`), one wave at a time, out of the router's choice
+while written. A replica torn by its wave is quarantined and heals from a peer.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from tandem.exchange.target import UpdateListener, UpdateWindow
 
 # drain(replica, timeout_s): return once the replica runs no request (or the time is up)
 Drain = Callable[[int, float], None]
+# pull(peer, replica): write the peer's weights into the replica's (which serves nothing)
+Pull = Callable[[int, int], None]
 
 
 class FleetTarget:
@@ -40,17 +48,25 @@ class FleetTarget:
     `LLMEngine`, or a `tandem serve` behind `tandem router`). ``host``: where the fleet's
     exchange server listens for trainers. ``board``: the replicas' states, shared with the
     front's router. ``drain``: how a rolling wave waits for its requests (None: it does not).
-    ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined."""
+    ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined.
+    ``pull``: how a replica takes a peer's weights (None: in-place rolling pushes are
+    refused).
+
+    The exchange server asks `refuses` first for every push, then `weight_layouts`, then
+    opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
 
     def __init__(self, engines: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
-                 drain: Drain | None = None, phase_timeout_s: float = 600.0):  # fmt: skip
+                 drain: Drain | None = None, phase_timeout_s: float = 600.0,
+                 pull: Pull | None = None):  # fmt: skip
         self.engines = engines
         self.host = host
         self.board = board or ReplicaBoard(
             len(engines), lambda: [e.weight_version for e in engines]
         )
         self.drain = drain
+        self.pull = pull
         self.phase_timeout_s = phase_timeout_s
+        self._settings: PushSettings | None = None  # of the push being planned
         self.lock = threading.Lock()  # one push (or one replica healing) at a time
         self.update_listeners: list[UpdateListener] = []
         self._exchange = None
@@ -86,10 +102,14 @@ class FleetTarget:
         return any(engine.receivers_in_process for engine in self.engines)
 
     def refuses(self, settings: PushSettings) -> str | None:
-        if settings.in_place:
-            return ("a fleet takes staged pushes: every replica stages and verifies the new "
-                    "version before any commits it (mode='in_place' would write replicas' live "
-                    "weights before the others had checked theirs)")  # fmt: skip
+        self._settings = settings
+        if settings.in_place and not settings.rolling:
+            return ("mode='in_place' into a fleet needs policy='rolling' (one wave written at a "
+                    "time, the others serving); policy='all' stages: every replica verifies "
+                    "the new version before any commits it")  # fmt: skip
+        if settings.in_place and self.pull is None:
+            return ("mode='in_place' rolls from replica to replica, which needs the replicas' "
+                    "weights in reach of this process: push staged")  # fmt: skip
         members = self.board.members()
         if not members:
             return self.board.why_none()
@@ -102,6 +122,9 @@ class FleetTarget:
         """Every member replica's ranks, numbered one after another (the numbering the push's
         records then use: kept until the next call)."""
         members = self.board.members()
+        settings = self._settings
+        if settings is not None and settings.in_place:  # the first wave only
+            members = members[: settings.max_unavailable]
         per_replica = {r: self.engines[r].weight_layouts() for r in members}
         self._first_ranks, first = {}, 0
         for r in members:
@@ -182,6 +205,8 @@ class FleetUpdate:
         parts = self.target.split(records_by_rank)
         if phase is PushPhase.COMMIT and self.held:
             return self._waves(parts)
+        if phase is PushPhase.COMMIT and self.committed and self.spec.settings.in_place:
+            return self._peer_waves()
         replicas = sorted(self.windows)
         moved, errors = self._on(replicas, phase, parts)
         if errors and len(errors) == len(replicas) and phase is not PushPhase.COMMIT:
@@ -203,7 +228,31 @@ class FleetUpdate:
             if not self.windows:
                 raise WeightSyncError(f"the commit of version {self.spec.version} failed on "
                                       f"every replica: {self._failures()}")  # fmt: skip
+            if self.spec.settings.in_place:  # the first wave serves the new version now
+                for r in sorted(self.windows):
+                    self._close(r, None)
         return moved
+
+    def _peer_waves(self) -> int:
+        """In place: the members the senders did not write, a wave at a time, each replica
+        written from one of the first wave."""
+        board, settings = self.target.board, self.spec.settings
+        rest = [r for r in board.members() if r not in self.committed and r not in self.failed]
+        sources = list(self.committed)
+        for i in range(0, len(rest), settings.max_unavailable):
+            wave = rest[i : i + settings.max_unavailable]
+            for r in wave:
+                board.set(r, ReplicaState.UPDATING)
+            if settings.wave == "wait" and self.target.drain is not None:
+                self._drain(wave)
+            errors = self._pull_wave(wave, sources)
+            for r in wave:
+                if r in errors:
+                    self._quarantine(r, f"written from a peer: {errors[r]}")
+                else:
+                    self.committed.append(r)
+                    board.set(r, ReplicaState.SERVING)
+        return 0
 
     def _waves(self, parts: dict[int, dict[int, list]]) -> int:
         """Commit the held replicas, at most ``max_unavailable`` at a time; the others
@@ -235,6 +284,28 @@ class FleetUpdate:
             raise WeightSyncError(f"the commit of version {self.spec.version} failed on every "
                                   f"replica: {self._failures()}")  # fmt: skip
         return moved
+
+    def _pull_wave(self, wave: list[int], sources: list[int]) -> dict[int, str]:
+        """Write each replica of ``wave`` from one of ``sources``, side by side, under one
+        deadline: replica -> error for those that failed."""
+        errors: dict[int, str] = {}
+
+        def one(k: int, r: int) -> None:
+            try:
+                self.target.pull(sources[k % len(sources)], r)
+            except Exception as exc:
+                errors[r] = str(exc) or type(exc).__name__
+
+        threads = [threading.Thread(target=one, args=(k, r), daemon=True)
+                   for k, r in enumerate(wave)]  # fmt: skip
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + self.target.phase_timeout_s
+        for r, t in zip(wave, threads, strict=True):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                errors[r] = f"not written within {self.target.phase_timeout_s:g} s"
+        return errors
 
     def _drain(self, wave: list[int]) -> None:
         threads = [threading.Thread(target=self.target.drain,

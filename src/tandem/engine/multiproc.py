@@ -158,6 +158,8 @@ class MultiprocExecutor:
                     )
                 return msg
             if deadline is not None and time.monotonic() > deadline:
+                for proc in self._procs:  # hung: nothing it does now can be trusted
+                    proc.kill()
                 raise EngineDeadError(f"workers did not report {kind.__name__} in time")
 
     def check_alive(self) -> None:

@@ -63,8 +63,9 @@ class ReplicaPush:
     bytes_in: int  # arrived at its ranks (received, or copied from the senders' staging)
     bytes_relayed: int  # passed on to other replicas
     seconds: float  # its phases, from opening its window to its commit
-    # "committed"; "held" (a rolling push: verified and held, its wave not yet committed);
-    # "failed" (it left the push and is quarantined: ``error`` says why)
+    # "committed"; "rolling" (the answer to a rolling push's senders, before every wave has
+    # committed: it holds the version or gets it in its wave); "failed" (it left the push and
+    # is quarantined: ``error`` says why)
     state: str = "committed"
     error: str | None = None
 

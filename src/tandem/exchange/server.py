@@ -156,9 +156,9 @@ class ExchangeServer:
             spec, plans, records, needed, per_replica = self._plan(hellos)
             version = spec.version
 
-            def held(update, moved: int) -> None:  # rolling: every replica holds the version
+            def held(update, moved: int) -> None:  # rolling: the trainers are free now
                 answer(PushDone(version, None, needed, moved, replica_figures(
-                    per_replica, update.ingress(), update.failures(), "held")))  # fmt: skip
+                    per_replica, update.ingress(), update.failures(), "rolling")))  # fmt: skip
 
             moved, update = self._push(spec, socks, plans, records, held)
             done = PushDone(
@@ -215,10 +215,12 @@ class ExchangeServer:
 
     @staticmethod
     def _commit(update: UpdateWindow, by_receiver: dict, held) -> None:
-        """Commit a verified push; a rolling one is held by every replica first, the trainers
-        are answered (they are free), and the target commits it in waves."""
+        """Commit a verified push. Rolling: once every replica holds it (staged), or the
+        first wave written in place has committed it, the trainers are answered (they are
+        free) and the target rolls it out in waves."""
         if update.spec.settings.rolling:
-            update.run(PushPhase.HOLD, by_receiver)
+            first = PushPhase.COMMIT if update.spec.settings.in_place else PushPhase.HOLD
+            update.run(first, by_receiver)
             held()
         update.run(PushPhase.COMMIT, by_receiver)
 
