@@ -85,11 +85,11 @@ def test_fsdp2_trainer_processes_push_into_a_fleet_of_tp2_replicas(model_factory
         _matches(llm, _trainer(trainer_dir), 6, 2)
 
 
-def test_in_place_pushes_are_refused_before_any_byte_moves(model_factory):
+def test_in_place_pushes_need_rolling_and_are_refused_before_any_byte_moves(model_factory):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     with LLM(engine_dir, data_parallel_size=2) as llm:
         sender = WeightSender(_trainer(trainer_dir), llm, transport="shm", mode="in_place")
-        with pytest.raises(WeightSyncError, match="staged"):
+        with pytest.raises(WeightSyncError, match="policy='rolling'"):
             sender.push(version=2)
         assert llm.weight_version == 0 and llm.fleet.fleet_state()[1]["state"] == "serving"
 

@@ -104,6 +104,7 @@ class Fleet:
             return
         for r, engine in enumerate(list(self.engines)):
             if self.board.state(r) in (ReplicaState.SERVING, ReplicaState.UPDATING):
+                engine.check_health()  # a worker gone while idle
                 if engine.state in FAULTS:
                     self.board.quarantine(r, engine.unavailable() or engine.state.value)
             if self.board.state(r) is ReplicaState.QUARANTINED:
@@ -163,6 +164,7 @@ class Fleet:
         self.board.set(replica, ReplicaState.JOINING)
         try:
             engine = self.engines[replica]
+            engine.check_health()  # workers that exited while it sat quarantined
             if engine.state is EngineState.DEAD:
                 engine.shutdown()
                 engine = LLMEngine(self.replica_config(replica, "dummy"))

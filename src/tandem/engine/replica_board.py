@@ -4,11 +4,14 @@ rolling out, and which replicas may take new requests (``max_staleness``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaState(Enum):
@@ -62,6 +65,7 @@ class ReplicaBoard:
         return self._status[replica].reason
 
     def quarantine(self, replica: int, reason: str) -> None:
+        log.warning("replica %d quarantined: %s", replica, reason)
         self.set(replica, ReplicaState.QUARANTINED, reason)
 
     def members(self) -> list[int]:

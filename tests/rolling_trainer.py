@@ -1,0 +1,35 @@
+"""A one-rank trainer that pushes into a fleet and dies; run by tests/test_fleet_rolling.py.
+
+    python tests/rolling_trainer.py MODEL_DIR EXCHANGE_ADDRESS VERSION before|after
+
+``before``: stages its boxes, then dies before telling the engine they are ready (no replica
+has verified anything). ``after``: a rolling push returns once every replica holds the
+version; the trainer exits at once, its staging memory with it, while the waves commit.
+"""
+
+import os
+import sys
+
+import torch
+import transformers
+
+from tandem.exchange import WeightSender
+
+
+class _DiesAfterStaging(WeightSender):
+    def _deliver(self, plan, tensors):
+        super()._deliver(plan, tensors)
+        os._exit(17)
+
+
+def main() -> int:
+    model_dir, address, version, when = sys.argv[1:5]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cls = _DiesAfterStaging if when == "before" else WeightSender
+    stats = cls(model, address, transport="shm").push(version=int(version), policy="rolling")
+    print("states", ",".join(r.state for r in stats.replicas), flush=True)
+    os._exit(0)  # no clean-up: whatever this process held is gone now
+
+
+if __name__ == "__main__":
+    sys.exit(main())
