@@ -1,10 +1,11 @@
 """A one-rank trainer that pushes into a fleet and dies; run by tests/test_fleet_rolling.py.
 
-    python tests/rolling_trainer.py MODEL_DIR EXCHANGE_ADDRESS VERSION before|after
+    python tests/rolling_trainer.py MODEL_DIR EXCHANGE_ADDRESS VERSION before|after|all [TRANSPORT]
 
 ``before``: stages its boxes, then dies before telling the engine they are ready (no replica
 has verified anything). ``after``: a rolling push returns once every replica holds the
 version; the trainer exits at once, its staging memory with it, while the waves commit.
+``all``: a plain push; prints how each replica came out, or the error.
 """
 
 import os
@@ -13,7 +14,7 @@ import sys
 import torch
 import transformers
 
-from tandem.exchange import WeightSender
+from tandem.exchange import WeightSender, WeightSyncError
 
 
 class _DiesAfterStaging(WeightSender):
@@ -24,9 +25,15 @@ class _DiesAfterStaging(WeightSender):
 
 def main() -> int:
     model_dir, address, version, when = sys.argv[1:5]
+    transport = sys.argv[5] if len(sys.argv) > 5 else "shm"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     cls = _DiesAfterStaging if when == "before" else WeightSender
-    stats = cls(model, address, transport="shm").push(version=int(version), policy="rolling")
+    policy = "all" if when == "all" else "rolling"
+    try:
+        stats = cls(model, address, transport=transport).push(version=int(version), policy=policy)
+    except WeightSyncError as exc:
+        print("error", exc, flush=True)
+        os._exit(3)
     print("states", ",".join(r.state for r in stats.replicas), flush=True)
     os._exit(0)  # no clean-up: whatever this process held is gone now
 

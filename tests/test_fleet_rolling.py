@@ -200,6 +200,32 @@ def test_a_replica_killed_mid_push_is_quarantined_and_healed_from_a_peer(
         _matches(llm, trainer, 7, 2)
 
 
+def test_a_replica_killed_while_it_receives_over_dist_fails_the_push_within_its_deadline(
+    model_factory, tmp_path, monkeypatch
+):
+    """Over dist the replicas share the push's process group: one dying before it joined
+    stops the group forming, so the push fails on every replica when the group's deadline
+    passes (none waits forever); the dead one heals from a live peer and the retry lands."""
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(KILL_IN_VERIFY).replace("PushPhase.VERIFY", "PushPhase.RECEIVE")
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TANDEM_TEST_KILL_MARK", str(tmp_path / "killed"))
+    with LLM(engine_dir, data_parallel_size=2, push_phase_timeout_s=5) as llm:
+        start = time.monotonic()
+        proc = _trainer_process(trainer_dir, llm.exchange_address, 7, "all", "dist")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 3 and "did not form within 5 s" in out, out
+        assert time.monotonic() - start < 30
+        _wait_serving(llm, 2)  # the killed replica, restarted and filled from the other
+        assert [s["version"] for s in llm.fleet_state()] == [0, 0]  # one version, the old
+        proc = _trainer_process(trainer_dir, llm.exchange_address, 8, "all", "dist")
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "states committed,committed" in out, out
+        _matches(llm, _trainer(trainer_dir), 8, 2)
+
+
 def test_a_hung_replica_is_quarantined_past_the_deadline(model_factory):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     trainer = _trainer(trainer_dir)
@@ -239,10 +265,11 @@ def test_requests_on_a_replica_that_dies_run_again_on_another(model_factory):
         assert [o.outputs[0].token_ids for o in again] == expected
 
 
-def _trainer_process(trainer_dir: str, address: str, version: int, when: str):
+def _trainer_process(trainer_dir: str, address: str, version: int, when: str,
+                     transport: str = "shm"):  # fmt: skip
     script = Path(__file__).with_name("rolling_trainer.py")
     return subprocess.Popen([sys.executable, str(script), trainer_dir, address, str(version),
-                             when], stdout=subprocess.PIPE, text=True)  # fmt: skip
+                             when, transport], stdout=subprocess.PIPE, text=True)  # fmt: skip
 
 
 def test_a_trainer_killed_before_every_replica_staged_leaves_the_old_version(model_factory):

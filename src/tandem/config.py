@@ -99,8 +99,9 @@ class ParallelConfig(_Group):
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(120.0, gt=0)
     push_phase_timeout_s: float = Field(
-        300.0, gt=0, description="how long one phase of a weight push may take on a replica's "
-        "ranks; past it the replica is declared dead (a fleet quarantines it and goes on)",
+        300.0, gt=0, description="how long a weight push's transport waits (trainers staging, "
+        "joining the dist group, each transfer) before it fails the push; a rank still silent "
+        "30 s later is declared hung and killed (a fleet quarantines its replica and goes on)",
     )  # fmt: skip
     max_staleness: int | None = Field(
         None, ge=0, description="fleet: how many versions behind the newest a replica may be "

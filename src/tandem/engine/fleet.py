@@ -54,14 +54,16 @@ class Fleet:
         self.target = (
             lead
             if replicas == 1
-            # what pushes update (a replica's phase deadline is its ranks' own, plus slack)
+            # what pushes update: the transport's waits end first (timeout_s), then a replica's
+            # ranks are declared hung (+30 s), then the fleet stops waiting for it (+60 s)
             else FleetTarget(
                 self.engines,
                 lead.config.exchange_host,
                 self.board,
                 self._drain,
-                self.timeout_s + 30,
+                self.timeout_s + 60,
                 self._pull_now,
+                self.timeout_s,
             )  # fmt: skip
         )
         self.target.update_listeners.append(self._pushed)
@@ -147,7 +149,7 @@ class Fleet:
             try:
                 self.heal(replica)
             except Exception as exc:  # it stays quarantined, saying why
-                log.warning("replica %d could not be healed: %s", replica, exc)
+                log.warning("replica %d could not be healed: %s", replica, exc, exc_info=True)
             finally:
                 with self.lock:
                     self._healing.discard(replica)

@@ -50,14 +50,14 @@ class FleetTarget:
     front's router. ``drain``: how a rolling wave waits for its requests (None: it does not).
     ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined.
     ``pull``: how a replica takes a peer's weights (None: in-place rolling pushes are
-    refused).
+    refused). ``stage_timeout_s``: the exchange server's (trainers staging, the dist group).
 
     The exchange server asks `refuses` first for every push, then `weight_layouts`, then
     opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
 
     def __init__(self, engines: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
                  drain: Drain | None = None, phase_timeout_s: float = 600.0,
-                 pull: Pull | None = None):  # fmt: skip
+                 pull: Pull | None = None, stage_timeout_s: float = 600.0):  # fmt: skip
         self.engines = engines
         self.host = host
         self.board = board or ReplicaBoard(
@@ -65,6 +65,7 @@ class FleetTarget:
         )
         self.drain = drain
         self.pull = pull
+        self.stage_timeout_s = stage_timeout_s
         self.phase_timeout_s = phase_timeout_s
         self._settings: PushSettings | None = None  # of the push being planned
         self.lock = threading.Lock()  # one push (or one replica healing) at a time
@@ -76,7 +77,8 @@ class FleetTarget:
         if self._exchange is None:
             from tandem.exchange.server import ExchangeServer
 
-            self._exchange = ExchangeServer(self, host=self.host)
+            self._exchange = ExchangeServer(self, host=self.host,
+                                            stage_timeout_s=self.stage_timeout_s)  # fmt: skip
         return self._exchange
 
     def close(self) -> None:

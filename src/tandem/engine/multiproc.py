@@ -63,7 +63,8 @@ class MultiprocExecutor:
         dims = config.parallel.dims
         check_layout(spec, config, dims)
         self.max_in_flight = dims.pp
-        self._phase_timeout_s = config.parallel.push_phase_timeout_s
+        # past the transport's own timeouts (push_phase_timeout_s): a rank still silent is hung
+        self._phase_timeout_s = config.parallel.push_phase_timeout_s + 30
         self._token = secrets.token_hex(16)
         self._server = ControlServer(config.parallel.master_addr, self._token, dims.world_size)
         self._store = None

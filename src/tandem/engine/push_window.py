@@ -24,7 +24,10 @@ class PushWindow:
         if self._exchange is None:
             from tandem.exchange.server import ExchangeServer
 
-            self._exchange = ExchangeServer(self, host=self.config.exchange_host)
+            # the transport's own waits end first: an error, not a rank declared dead
+            timeout = self.config.parallel.push_phase_timeout_s
+            self._exchange = ExchangeServer(self, host=self.config.exchange_host,
+                                            stage_timeout_s=timeout)  # fmt: skip
         return self._exchange
 
     @property

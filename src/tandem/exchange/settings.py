@@ -87,6 +87,7 @@ class GroupInfo:
     prefix: str  # one per group generation: a failed push retires its group
     world: int  # trainer ranks + engine ranks
     backend: str
+    timeout_s: float = 300.0  # joining, and each operation in the group
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ class DistSender(SenderHalf):
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         """Send each engine rank its boxes, engine ranks in `p2p.stream_order`."""
         info = plan.group
-        group = p2p.join(info, self.rank)
+        group = p2p.join(info, self.rank, info.timeout_s)
         dtype = self.dtype(plan)
         by_dst: dict[int, list[int]] = {}
         for i, item in enumerate(plan.items):
@@ -71,7 +71,7 @@ class DistReceiver(ReceiverHalf):
         the next rank as they land (`p2p.Forwarder`)."""
         info = spec.group
         me = spec.first_rank + self.rank  # this rank's number across the target
-        group = p2p.join(info, spec.trainers + me)
+        group = p2p.join(info, spec.trainers + me, info.timeout_s)
         dtype = self.dtype(spec)
         relayed = sorted({r.via for r in records if r.via >= 0})
         streams = [(src, [i for i, r in enumerate(records) if r.source == src and r.via < 0])
@@ -179,15 +179,16 @@ def _rows(record: Record) -> int:
 
 class DistCoordinator(Coordinator):
     """The process group of trainer ranks and receiving ranks: it rendezvouses through a c10d
-    store hosted by the exchange server (made on first use); a group lasts while the number of
-    trainer ranks stays the same and no push fails (then the next push makes a new one)."""
+    store hosted by the exchange server (made on first use); a group lasts while the numbers of
+    trainer and receiving ranks stay the same and no push fails (then the next push makes a
+    new one). Joining it and every operation in it time out after ``timeout_s``."""
 
     def __init__(self, host: str, timeout_s: float):
         super().__init__(host, timeout_s)
         self.bucket_bytes = p2p.DEFAULT_BUCKET_BYTES
         self._store: dist.TCPStore | None = None
         self._generation = 0
-        self._trainers: int | None = None
+        self._world: tuple[int, int] | None = None  # (trainer ranks, receiving ranks)
 
     def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
                 device_type: str) -> UpdateSpec:  # fmt: skip
@@ -206,12 +207,12 @@ class DistCoordinator(Coordinator):
         if self._store is None:
             self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
                                         timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
-        if self._trainers != trainers:
+        if self._world != (trainers, receivers):  # a replica left or joined a fleet, say
             self.retire()
-            self._trainers = trainers
+            self._world = (trainers, receivers)
         backend = "nccl" if device_type == "cuda" else "gloo"
         return GroupInfo(self.host, self._store.port, f"exchange/{self._generation}",
-                             trainers + receivers, backend)  # fmt: skip
+                         trainers + receivers, backend, self.timeout_s)  # fmt: skip
 
     def retire(self) -> None:
         """After a failure the group may hold half-done operations: the next push makes anew."""

@@ -35,13 +35,18 @@ def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGr
     if key not in _groups:
         for old in [k for k in _groups if k[:2] == key[:2] and k[2] != info.prefix]:
             del _groups[old]  # an older generation, retired after a failure
-        store = dist.TCPStore(info.host, info.port, is_master=False,
-                              timeout=timedelta(seconds=timeout_s))  # fmt: skip
-        prefixed = dist.PrefixStore(info.prefix, store)
-        if info.backend == "nccl":
-            group = dist.ProcessGroupNCCL(prefixed, rank, info.world)
-        else:
-            group = dist.ProcessGroupGloo(prefixed, rank, info.world, timedelta(seconds=timeout_s))
+        try:
+            store = dist.TCPStore(info.host, info.port, is_master=False,
+                                  timeout=timedelta(seconds=timeout_s))  # fmt: skip
+            prefixed = dist.PrefixStore(info.prefix, store)
+            if info.backend == "nccl":
+                group = dist.ProcessGroupNCCL(prefixed, rank, info.world)
+            else:
+                group = dist.ProcessGroupGloo(prefixed, rank, info.world,
+                                              timedelta(seconds=timeout_s))  # fmt: skip
+        except RuntimeError as exc:  # a rank never came (dead before joining): give up
+            raise GroupBroken(f"the push's group did not form within {timeout_s:g} s: "
+                              f"{exc}") from None  # fmt: skip
         _groups[key] = group
     return _groups[key]
 
