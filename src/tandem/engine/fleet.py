@@ -68,6 +68,9 @@ class Fleet:
         )
         self.target.update_listeners.append(self._pushed)
         self._healing: set[int] = set()
+        # called with (replica, engine) when a replica's engine is new (restarted, or added),
+        # before it takes requests: a server puts its engine thread on it
+        self.replica_listeners: list = []
 
     def replica_config(self, replica: int, load_format: str = "auto") -> EngineConfig:
         parallel = self.config.parallel
@@ -85,11 +88,12 @@ class Fleet:
         return [engine.weight_version for engine in self.engines]
 
     def route(self, prompt_ids: list[int], samples: int, max_tokens: int,
-              avoid: int | None = None) -> Routed:  # fmt: skip
-        """The replica for one request among those allowed now (waiting while none is but
-        one will be: a rolling wave, a replica joining); `NoReplicaError` if none can."""
+              avoid: int | None = None, wait_s: float | None = None) -> Routed:  # fmt: skip
+        """The replica for one request among those allowed now (waiting up to ``wait_s``,
+        default the push deadline, while none is but one will be: a rolling wave, a replica
+        joining); `NoReplicaError` if none can."""
         self.check_replicas()
-        allowed = self.board.wait_allowed(self.timeout_s)
+        allowed = self.board.wait_allowed(self.timeout_s if wait_s is None else wait_s)
         if avoid is not None and len(allowed) > 1:
             allowed = [r for r in allowed if r != avoid]
         with self.lock:
@@ -172,6 +176,8 @@ class Fleet:
                 engine = LLMEngine(self.replica_config(replica, "dummy"))
                 with self.lock:
                     self.engines[replica] = engine
+                for listener in self.replica_listeners:
+                    listener(replica, engine)
             self._pull(replica)
         except Exception as exc:
             self.board.quarantine(replica, f"{reason}; healing failed: {exc}")
@@ -190,6 +196,8 @@ class Fleet:
                 raise RuntimeError("replicas were added at the same time")
             self.router.add_replica()
             self.engines.append(engine)
+        for listener in self.replica_listeners:
+            listener(replica, engine)
         try:
             self._pull(replica)
         except Exception as exc:

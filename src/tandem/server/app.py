@@ -11,7 +11,7 @@ from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
-              "/v1/models", "/health", "/metrics")  # fmt: skip
+              "/v1/models", "/health", "/fleet_state", "/metrics")  # fmt: skip
 _CONTROLS = {route.path for route in rl_controls.router.routes}
 
 
@@ -34,6 +34,12 @@ def build_app(server: ServerState) -> FastAPI:
                 "sleeping": s.engine.state is EngineState.SLEEPING,
                 "replicas": s.engine.replica_health()}  # fmt: skip
         return JSONResponse(body, status_code=200 if why is None else 503)
+
+    @app.get("/fleet_state")
+    async def fleet_state(request: Request):
+        """Each replica: {replica, state (serving, updating, quarantined, joining), version,
+        load}, as `LLM.fleet_state` gives it."""
+        return JSONResponse(state(request).engine.fleet_state())
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -141,6 +141,9 @@ class AsyncEngine:
         self._closed: str | None = None
         self._republish = False  # sequences finished outside a step (pause, abort): post them
         self._encodes: list[_Encode] = []  # embed / classify calls, batched together
+        # a fleet's: (request id, call id, tracked, reason) -> whether another replica took
+        # a request this engine lost (dead or torn) before any of its tokens went out
+        self.on_lost = None
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -236,11 +239,12 @@ class AsyncEngine:
         return Submission(self, [rid for rid, _ in requests], queue)
 
     def enqueue(self, call_id: str, requests: list[tuple[int, tuple[str, list[Sequence]]]],
-                queue: asyncio.Queue, on_over=None) -> None:  # fmt: skip
+                queue: asyncio.Queue, on_over=None, loop=None) -> None:  # fmt: skip
         """Queue requests of API call ``call_id`` (each with its index in the call), posting
-        their updates to ``queue``; ``on_over(request_id)`` once each is over (finished,
-        aborted or failed). ValueError if a live call has that id."""
-        loop = asyncio.get_running_loop()
+        their updates to ``queue`` (on ``loop``: the running one by default);
+        ``on_over(request_id)`` once each is over (finished, aborted or failed). ValueError if
+        a live call has that id."""
+        loop = loop or asyncio.get_running_loop()
         tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in requests]
         with self._cond:
             if call_id in self._live.values():
@@ -429,10 +433,15 @@ class AsyncEngine:
 
     def _fail_all(self, reason: str) -> None:
         tracked, self._tracked = self._tracked, {}
+        with self._cond:
+            calls = {rid: self._live.get(rid) for rid in tracked}
         self._over(tracked)
-        for t in tracked.values():
+        lost = self._core.state in (EngineState.DEAD, EngineState.TORN) and self.on_lost
+        for rid, t in tracked.items():
             if self._core.state is not EngineState.DEAD:
                 self._core.abort(t.seqs)
+            if lost and not any(t.sent_tokens) and self.on_lost(rid, calls[rid], t, reason):
+                continue  # nothing went out yet: it runs again on another replica
             t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=reason))
 
     def _publish(self) -> None:

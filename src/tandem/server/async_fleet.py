@@ -4,24 +4,45 @@ front with `AsyncEngine`'s surface, so every route serves a fleet as it serves o
 A call's requests are routed one by one (`tandem.engine.router`: a request's samples stay on
 one replica) and each replica streams its requests' updates into the call's one queue; the RL
 controls act on every replica. A single engine is a fleet of one.
+
+Replicas the fleet quarantined take no requests; a request lost with its replica before any of
+its tokens went out runs again on another, one that had streamed tokens ends with an error
+naming the lost replica. A call that finds no replica allowed (a rolling push with
+``max_staleness=0`` before its first wave) waits for one on a thread of its own. A replica
+restarted or added gets an engine thread of its own before it takes requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
 from tandem.engine.dtype_probe import DtypeChoice
 from tandem.engine.fleet import Fleet
+from tandem.engine.replica_board import NoReplicaError, ReplicaState
 from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineState
 from tandem.engine.stats import EngineStats, combined
 from tandem.engine.tokenizer import Tokenizer
-from tandem.server.async_engine import AsyncEngine, EngineUnavailable, QueueFull, Submission
+from tandem.server.async_engine import (
+    AsyncEngine,
+    EngineUnavailable,
+    QueueFull,
+    RequestUpdate,
+    Submission,
+)
+
+log = logging.getLogger(__name__)
+
+
+def _failed(index: int, reason: str) -> RequestUpdate:
+    return RequestUpdate(index, [], True, [], 0, error=reason)
+
 
 # the state a fleet reports: its replicas' worst (a dead replica is a dead fleet until the
 # fleet can quarantine and heal it)
@@ -33,10 +54,30 @@ class AsyncFleet:
     def __init__(self, fleet: Fleet, max_waiting: int = 256):
         self.fleet = fleet
         self.max_waiting = max_waiting
-        self.replicas = [AsyncEngine(engine, max_waiting) for engine in fleet.engines]
+        self.replicas = [self._engine_thread(engine) for engine in fleet.engines]
         self._lead = self.replicas[0]
         self._where: dict[str, Routed] = {}  # request id -> where it runs, until over
         self._lock = threading.Lock()
+        fleet.replica_listeners.append(self._replica_started)
+
+    def _engine_thread(self, engine) -> AsyncEngine:
+        replica = AsyncEngine(engine, self.max_waiting)
+        if len(self.fleet.engines) > 1:
+            replica.on_lost = lambda *lost: self._rerun(replica, *lost)
+        return replica
+
+    def _replica_started(self, r: int, engine) -> None:
+        """Replica ``r`` has a new engine (restarted, or added): an engine thread for it."""
+        fresh = self._engine_thread(engine)
+        with self._lock:
+            old = self.replicas[r] if r < len(self.replicas) else None
+            if old is None:
+                self.replicas.append(fresh)
+            else:
+                self.replicas[r] = fresh
+        if old is not None:
+            threading.Thread(target=old.close, args=(f"replica {r} was restarted",),
+                             daemon=True).start()  # fmt: skip
 
     # ----- what every replica shares: the lead's -----
     @property
@@ -119,19 +160,38 @@ class AsyncFleet:
         return combined([r.stats() for r in self.replicas])
 
     def unavailable(self) -> str | None:
-        reasons = [why if len(self.replicas) == 1 else f"replica {i}: {why}"
-                   for i, r in enumerate(self.replicas)
-                   if (why := r.unavailable()) is not None]  # fmt: skip
-        return "; ".join(reasons) or None
+        """Why no request can be served now (a fleet: by any replica), or None."""
+        if len(self.replicas) == 1:
+            return self._lead.unavailable()
+        self.fleet.check_replicas()
+        reasons = []
+        for i, r in enumerate(list(self.replicas)):
+            why = r.unavailable()
+            if self.fleet.board.state(i) is ReplicaState.QUARANTINED:
+                why = f"quarantined: {self.fleet.board.reason(i)}"
+            if why is None:
+                return None
+            reasons.append(f"replica {i}: {why}")
+        return "; ".join(reasons)
 
     def replica_health(self) -> list[dict]:
-        """Each replica: ``{replica, status, reason, weight_version, state, load}``."""
+        """Each replica: ``{replica, status, reason, weight_version, state, fleet_state,
+        load}`` (status ok, or unavailable saying why; fleet_state: serving, updating,
+        quarantined or joining)."""
         state = self.fleet.fleet_state()
-        return [{"replica": i, "status": "ok" if why is None else "unavailable", "reason": why,
-                 "weight_version": r.weight_version, "state": r.state.value,
-                 "load": state[i]["load"]}
-                for i, r in enumerate(self.replicas)
-                for why in [r.unavailable()]]  # fmt: skip
+        out = []
+        for i, r in enumerate(list(self.replicas)):
+            why = r.unavailable()
+            if state[i]["state"] in ("quarantined", "joining"):
+                why = state[i].get("reason") or state[i]["state"]
+            out.append({"replica": i, "status": "ok" if why is None else "unavailable",
+                        "reason": why, "weight_version": r.weight_version,
+                        "state": r.state.value, "fleet_state": state[i]["state"],
+                        "load": state[i]["load"]})  # fmt: skip
+        return out
+
+    def fleet_state(self) -> list[dict]:
+        return self.fleet.fleet_state()
 
     def exchange_server(self):
         """Where trainers push: one push updates every replica (blocking)."""
@@ -144,26 +204,73 @@ class AsyncFleet:
     def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]]) -> Submission:
         """Route each request of API call ``call_id`` to a replica and queue them all (or
         none); every update reaches the call's one queue. Raises QueueFull, EngineUnavailable
-        (a replica cannot serve: until quarantine, the fleet refuses), ValueError (a live call
-        has that id)."""
+        (no replica can serve), ValueError (a live call has that id)."""
         if (why := self.unavailable()) is not None:
             raise EngineUnavailable(why)
         if self.num_waiting + len(requests) > self.max_waiting:
             raise QueueFull(f"{self.num_waiting} requests are waiting (max_waiting_requests)")
         if any(r.is_live(call_id) for r in self.replicas):
             raise ValueError(f"request id {call_id!r} is already in use")
+        queue: asyncio.Queue = asyncio.Queue()
+        indexed = list(enumerate(requests))
+        try:
+            self._place(call_id, indexed, queue, asyncio.get_running_loop(), wait_s=0)
+        except NoReplicaError:  # none allowed yet, one will be (a rolling wave): wait apart
+            threading.Thread(target=self._place_later, daemon=True,
+                             args=(call_id, indexed, queue, asyncio.get_running_loop()),
+                             name="tandem-fleet-wait").start()  # fmt: skip
+        return Submission(self, [rid for rid, _ in requests], queue)
+
+    def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop,
+               wait_s: float | None = None, avoid: int | None = None) -> None:  # fmt: skip
+        """Route each (index, (request id, sequences)) of a call and queue it on its replica
+        (all routed before any is queued). NoReplicaError if none may take them within
+        ``wait_s``."""
         by_replica: dict[int, list] = {}
-        with self._lock:
-            for i, (rid, seqs) in enumerate(requests):
+        routed = []
+        try:
+            for i, (rid, seqs) in indexed:
                 first = seqs[0]
                 prompt = first.token_ids[: first.num_prompt_tokens]
-                where = self.fleet.route(prompt, len(seqs), first.params.max_tokens or 0)
-                self._where[rid] = where
+                where = self.fleet.route(prompt, len(seqs), first.params.max_tokens or 0,
+                                         avoid, wait_s)  # fmt: skip
+                routed.append((rid, where))
                 by_replica.setdefault(where.replica, []).append((i, (rid, seqs)))
-        queue: asyncio.Queue = asyncio.Queue()
-        for replica, mine in sorted(by_replica.items()):
-            self.replicas[replica].enqueue(call_id, mine, queue, self._over)
-        return Submission(self, [rid for rid, _ in requests], queue)
+        except NoReplicaError:
+            for _, where in routed:
+                self.fleet.finished(where)
+            raise
+        with self._lock:
+            self._where.update(routed)
+            replicas = {r: self.replicas[r] for r in by_replica}
+        for r, mine in sorted(by_replica.items()):
+            replicas[r].enqueue(call_id, mine, queue, self._over, loop)
+
+    def _place_later(self, call_id: str, indexed: list, queue: asyncio.Queue, loop) -> None:
+        try:
+            self._place(call_id, indexed, queue, loop)
+        except NoReplicaError as exc:
+            for i, _ in indexed:
+                loop.call_soon_threadsafe(queue.put_nowait, _failed(i, str(exc)))
+
+    def _rerun(self, lost: AsyncEngine, request_id: str, call_id: str | None, tracked,
+               reason: str) -> bool:  # fmt: skip
+        """A request ``lost`` could not finish and nothing of it went out: run it again on
+        another replica (fresh samples). Whether one took it."""
+        if call_id is None:
+            return False
+        first = tracked.seqs[0]
+        prompt = first.token_ids[: first.num_prompt_tokens]
+        try:
+            seqs = self._lead.prepare(request_id, prompt, first.params, first.priority)
+            avoid = self.replicas.index(lost) if lost in self.replicas else None
+            self._place(call_id, [(tracked.prompt_index, (request_id, seqs))], tracked.queue,
+                        tracked.loop, avoid=avoid)  # fmt: skip
+        except Exception as exc:  # no replica left, or the call id went: it fails as lost
+            log.warning("request %s lost with its replica (%s) and not run again: %s",
+                        request_id, reason, exc)  # fmt: skip
+            return False
+        return True
 
     def _over(self, request_id: str) -> None:
         with self._lock:
