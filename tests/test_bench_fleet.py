@@ -46,3 +46,23 @@ def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
     assert set(result["ratios"]) == {"fleet_vs_naive", "fleet_gloo_vs_naive", "dp2_vs_dp1",
                                      "dp2_vs_dp1_mixed"}  # fmt: skip
     assert all(_positive(v) for v in result["ratios"].values())
+
+
+@pytest.mark.timeout(300)
+def test_quick_rolling_bench_shape_and_fault_figures(tmp_path, monkeypatch):
+    from tandem.bench.fleet_rolling import REPLICAS
+    from tandem.bench.fleet_rolling import run as rolling
+
+    monkeypatch.chdir(tmp_path)
+    result = rolling(quick=True)
+    json.dumps(result)
+    assert result["benchmark"] == "fleet-rolling" and result["replicas"] == REPLICAS
+    assert all(_positive(v) for v in result["tokens_per_s"].values())
+    assert result["pushes"]["all"] >= 1 and result["pushes"]["rolling"] >= 1
+    assert result["failed_requests"] == 0, result["failures"]  # nothing refused under pushes
+    fault = result["fault"]  # the killed replica left the push, the others committed
+    assert fault["committed"] == list(range(REPLICAS - 1))
+    assert list(fault["failed"]) == [REPLICAS - 1]
+    assert fault["quarantined_s"] is not None and fault["quarantined_s"] < 5
+    assert fault["rejoined_equal"] is True
+    assert set(result["ratios"]) == {"rolling_vs_steady", "all_vs_steady", "rolling_vs_all"}

@@ -170,6 +170,13 @@ def _bench(args) -> int:
         if not args.json:
             print("\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items()))
             return 0
+    elif args.what == "fleet" and args.rolling:
+        from tandem.bench.fleet_rolling import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
     elif args.what == "fleet":
         from tandem.bench.fleet import run, summary
 
@@ -305,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
                    help="generate: the dense Llama workloads, or a Qwen3-MoE model")  # fmt: skip
+    b.add_argument("--rolling", action="store_true",
+                   help="fleet: 3 replicas under load while pushes run, stop-the-world against "
+                        "rolling, and a replica killed mid-push")  # fmt: skip
     b.add_argument("--no-vllm", action="store_true",
                    help="generate: leave out the vLLM peer (made by `make vllm`)")  # fmt: skip
     b.set_defaults(func=_bench)

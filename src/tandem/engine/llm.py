@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ class LLM:
 
     def __init__(self, model: str, **options):
         self.fleet: Fleet | None = Fleet(EngineConfig(model=str(model), **options))
-        self._request_ids = 0
+        self._request_ids = itertools.count()  # one id per request, across threads
 
     @property
     def engine(self) -> LLMEngine | None:
@@ -131,8 +132,7 @@ class LLM:
         requests: list[_Request] = []
         try:
             for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
-                request_id = str(self._request_ids)
-                self._request_ids += 1
+                request_id = str(next(self._request_ids))
                 ids = self.engine.admission.prompt_ids(prompt)
                 text = prompt if isinstance(prompt, str) else None
                 requests.append(_Request(request_id, text, ids, params, prio))
