@@ -1,7 +1,10 @@
 """`tandem router --replica URL --replica URL`: one front over two `tandem serve` instances
 started apart. The `openai` client streams through it; requests spread; the controls fan out
 with the admin key's rules; one push through it updates both replicas, the trainer sending one
-copy; a replica that goes down is named by `/health` and skipped."""
+copy; a replica that goes down is named by `/health` and skipped; a replica joins (or heals
+after a restart) by pulling the fleet's weights from a live peer."""
+
+from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -111,16 +114,60 @@ def test_one_push_through_the_router_updates_every_replica(router, replicas, mod
     assert relayed == ([stats.bytes_needed, 0] if transport == "dist" else [0, 0])
     assert [s.get("/health").json()["weight_version"] for s in replicas] == [version] * 2
     for server in replicas:  # each replica now decodes what transformers does on those weights
-        prompt = [5, 17, 99, 3]
-        r = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
-                                                 "max_tokens": 4, "temperature": 0,
-                                                 "ignore_eos": True, "logprobs": 0})  # fmt: skip
-        choice = r.json()["choices"][0]
-        ids = prompt + choice["token_ids"]
-        with torch.no_grad():
-            logp = torch.log_softmax(trainer(torch.tensor([ids])).logits[0], dim=-1)
-        want = logp[len(prompt) - 1 : -1].argmax(-1).tolist()
-        assert choice["token_ids"] == want
+        _decodes(server, trainer)
+
+
+def _decodes(server: Server, trainer) -> None:
+    """``server`` greedy-decodes what transformers does on ``trainer``'s weights."""
+    prompt = [5, 17, 99, 3]
+    r = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
+                                             "max_tokens": 4, "temperature": 0,
+                                             "ignore_eos": True, "logprobs": 0})  # fmt: skip
+    choice = r.json()["choices"][0]
+    ids = prompt + choice["token_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(trainer(torch.tensor([ids])).logits[0], dim=-1)
+    want = logp[len(prompt) - 1 : -1].argmax(-1).tolist()
+    assert choice["token_ids"] == want
+
+
+def test_a_replica_joins_through_the_router_and_a_restarted_one_heals(llama_dir, model_factory):
+    """`POST /admin/replicas` grows the fleet: the new server pulls the pushed weights from a
+    live peer (it holds the checkpoint's); a server restarted on its port comes back at the
+    checkpoint's version, is held out, and heals from a peer the same way."""
+    servers = [Server(llama_dir, "--admin-key", ADMIN_KEY) for _ in range(2)]
+    router = Router(*servers, extra=("--admin-key", ADMIN_KEY))
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    try:
+        assert wait_for(lambda: router.client.get("/health").json()["status"] == "ok", 30)
+        trainer = transformers.AutoModelForCausalLM.from_pretrained(
+            model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+        sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport="shm")
+        sender.push(version=3)
+        sender.close()
+        servers.append(Server(llama_dir, "--admin-key", ADMIN_KEY))
+        join = {"url": servers[2].url}
+        assert router.client.post("/admin/replicas", json=join).status_code == 401
+        r = router.client.post("/admin/replicas", json=join, headers=admin)
+        assert r.status_code == 200 and r.json()["version"] == 3, r.text
+        state = router.client.get("/fleet_state").json()
+        assert [(s["state"], s["version"]) for s in state] == [("serving", 3)] * 3
+        _decodes(servers[2], trainer)
+        port = urlsplit(servers[1].url).port
+        servers[1].stop()
+        servers[1] = Server(llama_dir, "--admin-key", ADMIN_KEY, "--port", str(port))
+
+        def healed():
+            state = router.client.get("/fleet_state").json()
+            return [(s["state"], s["version"]) for s in state] == [("serving", 3)] * 3
+
+        assert wait_for(healed, timeout=60)
+        assert servers[1].get("/health").json()["weight_version"] == 3
+        _decodes(servers[1], trainer)
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()
 
 
 def test_health_names_the_replica_that_is_down_and_requests_avoid_it(llama_dir):

@@ -129,9 +129,12 @@ class Fleet:
 
     def _pull_now(self, peer: int, replica: int) -> None:
         """An in-place rolling wave: ``peer``'s weights into ``replica`` (out of routing)."""
-        push_from_peer(self.engines[peer], self.engines[replica], self.timeout_s)
+        push_from_peer(self.engines[peer], self._address(replica), self.timeout_s)
         with self.lock:
             self.router.forget(replica)
+
+    def _address(self, replica: int) -> str:
+        return self.engines[replica].exchange_server().address
 
     def _drain(self, replica: int, timeout_s: float) -> None:
         """Return once ``replica`` runs no request (a rolling wave's ``wait``)."""
@@ -213,7 +216,7 @@ class Fleet:
             if not peers:
                 raise NoReplicaError(f"no live peer to pull from: {self.board.why_none()}")
             peer = max(peers, key=lambda r: (versions[r], -r))
-            push_from_peer(self.engines[peer], self.engines[replica], self.timeout_s)
+            push_from_peer(self.engines[peer], self._address(replica), self.timeout_s)
             with self.lock:
                 self.router.forget(replica)
             self.board.set(replica, ReplicaState.SERVING)

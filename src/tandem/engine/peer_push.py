@@ -28,32 +28,35 @@ class PeerRankSender(WeightSender):
     """One peer rank as a trainer rank: its layout as is, its tensors mapped from its arena."""
 
     def __init__(self, layout: RankLayout, dtype: torch.dtype, rank: int, world: int,
-                 address: str, timeout_s: float):  # fmt: skip
+                 target, timeout_s: float, transport: str, admin_key: str | None):  # fmt: skip
         arena = MappedArena(layout.arena)
         self._tensors = {key: arena.param(key, dtype) for key in layout.local_shapes}
         self._layout = RankLayout(rank, layout.regions, layout.local_shapes, layout.dtype)
         self._arena = arena  # the mapping lives as long as the views
-        super().__init__(self._tensors, address, transport="shm", mode="in_place", rank=rank,
-                         world_size=world, timeout_s=timeout_s)  # fmt: skip
+        super().__init__(self._tensors, target, transport=transport, mode="in_place", rank=rank,
+                         world_size=world, timeout_s=timeout_s,
+                         admin_key=admin_key)  # fmt: skip
 
     def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
         return self._layout, self._tensors
 
 
-def push_from_peer(peer, target, timeout_s: float = 600.0) -> PushStats:
-    """Push ``peer``'s weights (an `LLMEngine` serving) into ``target`` (an `LLMEngine`
-    serving no request), at the peer's version; the first peer rank's stats. Raises
-    `WeightSyncError` naming what failed."""
+def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm",
+                   admin_key: str | None = None) -> PushStats:  # fmt: skip
+    """Push ``peer``'s weights (an `LLMEngine` serving) into ``target`` (serving no request;
+    what `WeightSender` takes: an exchange address, a `tandem serve` URL with ``admin_key``),
+    at the peer's version, ``in_place`` over ``transport`` (``shm``: the
+    same host; ``dist``: any); the first peer rank's stats. Raises `WeightSyncError` naming
+    what failed."""
     layouts = peer.weight_layouts()
     missing = [lay.rank for lay in layouts if lay.arena is None]
     if missing:
         raise WeightSyncError(f"the peer's ranks {missing} hold no parameters in shared memory "
                               "(engines on CPU do): it cannot push to a replica")  # fmt: skip
     dtype = DTYPES[peer.weight_dtype]
-    address = target.exchange_server().address
     version = peer.weight_version
-    senders = [PeerRankSender(lay, dtype, i, len(layouts), address, timeout_s)
-               for i, lay in enumerate(layouts)]  # fmt: skip
+    senders = [PeerRankSender(lay, dtype, i, len(layouts), target, timeout_s, transport,
+                              admin_key) for i, lay in enumerate(layouts)]  # fmt: skip
     results: list = [None] * len(senders)
 
     def one(i: int) -> None:

@@ -23,9 +23,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tandem.engine.fleet_target import FleetTarget
 from tandem.exchange.receiver import WeightSyncError
-from tandem.router.remote_target import RemoteReplica
+from tandem.router.fleet import RouterFleet
 from tandem.router.replicas import ReplicaPool
 from tandem.server import errors
 from tandem.server.errors import APIError
@@ -56,15 +55,13 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
         finally:
             watcher.cancel()
             await pool.close()
-            if app.state.fleet is not None:
-                app.state.fleet.close()
-                for replica in app.state.fleet.engines:
-                    replica.close()
+            fleet.close()
 
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)  # fmt: skip
     errors.install(app)
-    app.state.fleet = None  # the replicas as one push target, made on the first push
+    fleet = RouterFleet(pool, settings.admin_key, settings.exchange_host)
+    pool.after_check = fleet.check  # quarantined replicas that answer again heal
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -93,6 +90,32 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
             return Response(r.content, r.status_code, media_type="application/json")
         raise _none_healthy(pool)
 
+    @app.get("/fleet_state")
+    async def fleet_state():
+        """Each replica: {replica, url, state (serving, updating, quarantined, joining),
+        version, load}."""
+        return JSONResponse(fleet.state())
+
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request):
+        """Grow the fleet: ``{"url": ...}`` (a `tandem serve` of the same model with the
+        router's admin key) joins, takes the fleet's weights from a live peer, then serves."""
+        _require_admin(request, settings)
+        try:
+            body = json.loads(await read_body(request, 1 << 16) or b"{}")
+        except ValueError as exc:
+            raise APIError(400, f"request body is not valid JSON: {exc}", code="bad_json") from None
+        url = body.get("url") if isinstance(body, dict) else None
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise APIError(400, "`url` must be the http(s) URL of a tandem serve", param="url",
+                           code="invalid_value")  # fmt: skip
+        try:
+            return await asyncio.to_thread(fleet.add, url)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="url", code="invalid_value") from None
+        except Exception as exc:
+            raise APIError(502, f"{url} could not join: {exc}", code="join_failed") from None
+
     @app.get("/health")
     async def health():
         report = pool.report()
@@ -116,10 +139,7 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
         _require_admin(request, settings)
 
         def negotiate() -> dict:
-            if app.state.fleet is None:
-                replicas = [RemoteReplica(r.url, settings.admin_key) for r in pool.replicas]
-                app.state.fleet = FleetTarget(replicas, settings.exchange_host)
-            target = app.state.fleet
+            target = fleet.target
             server = target.exchange_server()
             return {"version": target.weight_version, "torn": target.unavailable(),
                     "exchange": dataclasses.asdict(server.endpoint),

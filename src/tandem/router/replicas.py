@@ -41,11 +41,31 @@ class ReplicaPool:
         self.timeout_s = timeout_s
         self.router = Router(len(urls), TEXT_BLOCK, cache_blocks)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=timeout_s))
+        self.routable = lambda i: True  # the fleet's say (quarantined, joining: no requests)
+        self.after_check = None  # called (blocking, off the event loop) after each round
+
+    def add(self, url: str) -> int:
+        """One more replica (not yet checked); its number."""
+        self.replicas.append(Replica(url.rstrip("/")))
+        return self.router.add_replica()
+
+    def check_one_blocking(self, i: int) -> None:
+        """`_check` one replica from a thread that is not the event loop's."""
+        replica = self.replicas[i]
+        try:
+            r = httpx.get(f"{replica.url}/health", timeout=self.timeout_s)
+        except httpx.HTTPError as exc:
+            _record(replica, None, {}, f"no answer from {replica.url}/health "
+                                       f"({type(exc).__name__})")  # fmt: skip
+            return
+        _record(replica, r.status_code, _json(r), None)
 
     async def watch(self) -> None:
         """Check every replica's health, forever (cancel to stop)."""
         while True:
             await self.check_all()
+            if self.after_check is not None:
+                await asyncio.to_thread(self.after_check)
             await asyncio.sleep(self.interval_s)
 
     async def check_all(self) -> None:
@@ -54,20 +74,15 @@ class ReplicaPool:
     async def _check(self, replica: Replica) -> None:
         try:
             r = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
-            body = r.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            replica.healthy, replica.health = False, {}
-            replica.reason = f"no answer from {replica.url}/health ({type(exc).__name__})"
-        else:
-            replica.health = body if isinstance(body, dict) else {}
-            replica.healthy = r.status_code == 200 and replica.health.get("status") == "ok"
-            replica.reason = None if replica.healthy else (
-                replica.health.get("reason") or f"/health answered {r.status_code}")  # fmt: skip
-        replica.checked_at = time.time()
+        except httpx.HTTPError as exc:
+            _record(replica, None, {}, f"no answer from {replica.url}/health "
+                                       f"({type(exc).__name__})")  # fmt: skip
+            return
+        _record(replica, r.status_code, _json(r), None)
 
     def route(self, units: list[int], samples: int, max_tokens: int) -> Routed | None:
         """The healthy replica for a request (None: none is healthy)."""
-        allowed = [i for i, r in enumerate(self.replicas) if r.healthy]
+        allowed = [i for i, r in enumerate(self.replicas) if r.healthy and self.routable(i)]
         if not allowed:
             return None
         return self.router.route(units, samples, max_tokens, allowed=allowed)
@@ -76,10 +91,39 @@ class ReplicaPool:
         self.router.finished(routed)
 
     def report(self) -> list[dict]:
-        return [{"replica": i, "url": r.url, "status": "ok" if r.healthy else "unavailable",
-                 "reason": r.reason, "weight_version": r.health.get("weight_version"),
-                 "load": self.router.loads[i], "requests": self.router.requests[i]}
-                for i, r in enumerate(self.replicas)]  # fmt: skip
+        out = []
+        for i, r in enumerate(list(self.replicas)):
+            ok = r.healthy and self.routable(i)
+            reason = r.reason if not r.healthy else None if ok else "held out by the fleet"
+            out.append(
+                {
+                    "replica": i,
+                    "url": r.url,
+                    "status": "ok" if ok else "unavailable",
+                    "reason": reason,
+                    "weight_version": r.health.get("weight_version"),
+                    "load": self.router.loads[i],
+                    "requests": self.router.requests[i],
+                }
+            )
+        return out
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _json(r: httpx.Response) -> dict:
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _record(replica: Replica, status: int | None, body: dict, unreachable: str | None) -> None:
+    """One health check's outcome: healthy when it answered 200 with ``status: ok``."""
+    replica.health = body
+    replica.healthy = unreachable is None and status == 200 and body.get("status") == "ok"
+    replica.reason = None if replica.healthy else (
+        unreachable or body.get("reason") or f"/health answered {status}")  # fmt: skip
+    replica.checked_at = time.time()

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 
+from tandem.engine.peer_push import push_from_peer
+from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import MODES
 from tandem.server.errors import APIError
 from tandem.server.remote_window import WindowHost
-from tandem.server.state import read_body, require_admin, state
+from tandem.server.state import read_body, read_json, require_admin, state
 from tandem.server.window_messages import (
     MEDIA_TYPE,
     WINDOW,
@@ -46,6 +50,36 @@ async def weights(request: Request):
         "modes": list(MODES),
         "dtype": server.target.weight_dtype,
     }
+
+
+class PushTo(BaseModel):
+    """``POST /admin/weights/push_to``: this server's weights into another `tandem serve`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: str = Field(min_length=1, max_length=2048)  # the other server (same admin key)
+    transport: Literal["shm", "dist"] = "shm"  # shm: the same host
+
+
+@router.post("/weights/push_to")
+async def push_to(request: Request):
+    """A peer's part in healing or growing a fleet behind `tandem router`: push this server's
+    weights, at its version, into the server at ``url`` (which serves nothing of the fleet's
+    meanwhile), planned and CRC-checked like any push (`tandem.engine.peer_push`)."""
+    s = state(request)
+    body = await read_json(request, PushTo, 1 << 16)
+    if len(s.engine.fleet.engines) != 1:
+        raise APIError(409, "this server runs a fleet of its own: push from one of its replicas "
+                       "is not offered", code="invalid_value")  # fmt: skip
+    engine = s.engine.fleet.lead
+    try:
+        stats = await asyncio.to_thread(push_from_peer, engine, body.url,
+                                        engine.config.parallel.push_phase_timeout_s,
+                                        body.transport, s.config.admin_key)  # fmt: skip
+    except (WeightSyncError, ValueError, OSError) as exc:
+        raise APIError(502, f"the push into {body.url} failed: {exc}",
+                       code="push_failed") from None  # fmt: skip
+    return {"version": stats.version, "bytes_moved": stats.bytes_moved,
+            "seconds": round(stats.seconds, 4)}  # fmt: skip
 
 
 # A front that runs the push itself (`tandem router`, `tandem.router.remote_target`) holds a
