@@ -3,8 +3,10 @@ client streams through it, requests spread over the replicas, the RL controls re
 replica, a push over HTTP updates both, and a replica killed under it is quarantined (`/health`
 names it), requests go to the other, and it comes back healed from its peer."""
 
+import json
 import os
 import signal
+import threading
 
 import openai
 import pytest
@@ -108,5 +110,66 @@ def test_a_killed_replica_is_quarantined_and_healed_while_the_front_serves(llama
         tokens = [server.metric("tandem_replica_generation_tokens_total", replica=str(r))
                   for r in range(2)]  # fmt: skip
         assert all(t > 0 for t in tokens), tokens
+    finally:
+        server.stop()
+
+
+def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
+    """A replica dies while a stream it serves has sent tokens and while other requests on it
+    have sent none (the fleet is paused with ``keep``): the stream ends with an error naming
+    the replica; the others run again on the other replica and are answered in full."""
+    server = Server(llama_dir, "--data-parallel-size", "2", "--admin-key", ADMIN_KEY)
+    try:
+        events: list[str] = []
+
+        def stream() -> None:
+            body = {"model": server.model, "prompt": _prompts(1)[0], "max_tokens": 480,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            with server.client.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        assert wait_for(lambda: len(events) > 3, timeout=30)  # tokens went out
+        assert server.admin("POST", "/pause", params={"mode": "keep"}).status_code == 200
+        loads = [r["load"] for r in server.get("/health").json()["replicas"]]
+        lost = loads.index(max(loads))  # the stream's replica
+        answers: list = []
+
+        def one(k: int) -> None:
+            body = {"model": server.model, "prompt": _prompts(8)[k], "max_tokens": 8,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            answers.append(server.post("/v1/completions", json=body))
+
+        waiting = [threading.Thread(target=one, args=(k,)) for k in range(1, 7)]
+        for t in waiting:
+            t.start()
+        assert wait_for(
+            lambda: (
+                server.get("/health").json()["replicas"][1 - lost]["load"] > 0
+                and server.get("/health").json()["replicas"][lost]["load"] > 480
+            ),
+            20,
+        )
+        os.kill(sorted(children(server.proc.pid))[lost], signal.SIGKILL)
+
+        def quarantined():
+            states = server.get("/fleet_state").json()
+            return states[lost]["state"] in ("quarantined", "joining")
+
+        assert wait_for(quarantined, timeout=20)
+        streaming.join(30)
+        assert not streaming.is_alive()
+        errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
+        assert errors and f"replica {lost} was lost" in errors[-1]["error"]["message"], events[-2:]
+        assert server.admin("POST", "/resume").status_code == 200
+        for t in waiting:
+            t.join(60)
+        assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
+        assert all(len(a.json()["choices"][0]["token_ids"]) == 8 for a in answers)
+        assert wait_for(lambda: [s["state"] for s in server.get("/fleet_state").json()]
+                        == ["serving"] * 2, timeout=60)  # fmt: skip
     finally:
         server.stop()

@@ -101,7 +101,8 @@ class ParallelConfig(_Group):
     push_phase_timeout_s: float = Field(
         300.0, gt=0, description="how long a weight push's transport waits (trainers staging, "
         "joining the dist group, each transfer) before it fails the push; a rank still silent "
-        "30 s later is declared hung and killed (a fleet quarantines its replica and goes on)",
+        "min(30 s, this) later is declared hung and killed (a fleet quarantines its replica and "
+        "goes on)",
     )  # fmt: skip
     max_staleness: int | None = Field(
         None, ge=0, description="fleet: how many versions behind the newest a replica may be "
@@ -112,6 +113,12 @@ class ParallelConfig(_Group):
         True, description="fleet: a quarantined replica (restarted if its workers are gone) "
         "pulls the weights from a live peer replica, then serves again",
     )  # fmt: skip
+
+    @property
+    def hung_after_s(self) -> float:
+        """When a rank silent in a push phase is declared hung: past the transport's own
+        waits (`push_phase_timeout_s`), by a margin."""
+        return self.push_phase_timeout_s + min(30.0, self.push_phase_timeout_s)
 
     @model_validator(mode="after")
     def _fleet(self):

@@ -37,6 +37,7 @@ from tandem.engine.tokenizer import Tokenizer
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
+HEALTH_CHECK_S = 1.0  # how often a paused step checks that its workers are still there
 CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits for the lock
 
 
@@ -112,11 +113,14 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
             return self._process_outputs(self._guarded(self.executor.collect))
 
     def _wait_for_work(self, for_seqs: list[Sequence] | None) -> bool:
-        """Wait out a pause or a push window; whether there is a step to run."""
+        """Wait out a pause or a push window (raising EngineDeadError if a worker dies
+        meanwhile); whether there is a step to run."""
         while (self.lifecycle.updating or self.held()) and self.has_unfinished():
             if for_seqs is not None and all(seq.finished for seq in for_seqs):
                 return False  # another thread's step or an abort finished them
-            self._resumed.wait()
+            if not self._resumed.wait(timeout=HEALTH_CHECK_S) and not self.lifecycle.updating:
+                self._guarded(self.executor.check_alive)  # paused: are the workers there?
+            self.lifecycle.check_alive()
         if not self.has_unfinished():  # aborted (pause, abort) while this call waited
             return False
         self.lifecycle.check_runnable()

@@ -55,19 +55,20 @@ class Fleet:
             lead
             if replicas == 1
             # what pushes update: the transport's waits end first (timeout_s), then a replica's
-            # ranks are declared hung (+30 s), then the fleet stops waiting for it (+60 s)
+            # ranks are declared hung (hung_after_s), then the fleet stops waiting for it
             else FleetTarget(
                 self.engines,
                 lead.config.exchange_host,
                 self.board,
-                self._drain,
-                self.timeout_s + 60,
-                self._pull_now,
-                self.timeout_s,
-            )  # fmt: skip
+                drain=self._drain,
+                pull=self._pull_now,
+                phase_timeout_s=2 * config.parallel.hung_after_s - self.timeout_s,
+                stage_timeout_s=self.timeout_s,
+            )
         )
         self.target.update_listeners.append(self._pushed)
         self._healing: set[int] = set()
+        self._closed = False  # shut down: nothing heals any more
         # called with (replica, engine) when a replica's engine is new (restarted, or added),
         # before it takes requests: a server puts its engine thread on it
         self.replica_listeners: list = []
@@ -145,7 +146,7 @@ class Fleet:
 
     def heal_later(self, replica: int) -> None:
         """`heal` on a thread of its own, unless asked not to or already under way."""
-        if not self.config.parallel.heal:
+        if not self.config.parallel.heal or self._closed:
             return
         with self.lock:
             if replica in self._healing:
@@ -178,6 +179,9 @@ class Fleet:
                 engine.shutdown()
                 engine = LLMEngine(self.replica_config(replica, "dummy"))
                 with self.lock:
+                    if self._closed:  # shut down meanwhile: leave nothing behind
+                        engine.shutdown()
+                        raise RuntimeError("the fleet was shut down")
                     self.engines[replica] = engine
                 for listener in self.replica_listeners:
                     listener(replica, engine)
@@ -217,6 +221,8 @@ class Fleet:
                 raise NoReplicaError(f"no live peer to pull from: {self.board.why_none()}")
             peer = max(peers, key=lambda r: (versions[r], -r))
             push_from_peer(self.engines[peer], self._address(replica), self.timeout_s)
+            if (mode := self.engines[peer].paused) is not None:  # paused as the fleet is
+                self.engines[replica].pause(mode)
             with self.lock:
                 self.router.forget(replica)
             self.board.set(replica, ReplicaState.SERVING)
@@ -307,6 +313,8 @@ class Fleet:
         return out
 
     def shutdown(self) -> None:
+        with self.lock:
+            self._closed = True
         if self.target is not self.lead:
             self.target.close()
         for engine in self.engines:

@@ -64,7 +64,7 @@ class MultiprocExecutor:
         check_layout(spec, config, dims)
         self.max_in_flight = dims.pp
         # past the transport's own timeouts (push_phase_timeout_s): a rank still silent is hung
-        self._phase_timeout_s = config.parallel.push_phase_timeout_s + 30
+        self._phase_timeout_s = config.parallel.hung_after_s
         self._token = secrets.token_hex(16)
         self._server = ControlServer(config.parallel.master_addr, self._token, dims.world_size)
         self._store = None

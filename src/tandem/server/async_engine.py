@@ -144,6 +144,7 @@ class AsyncEngine:
         # a fleet's: (request id, call id, tracked, reason) -> whether another replica took
         # a request this engine lost (dead or torn) before any of its tokens went out
         self.on_lost = None
+        self.label = "the engine"  # a fleet's replica: "replica i" (in errors)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -359,11 +360,16 @@ class AsyncEngine:
         core = self._core
         return core.has_unfinished() and core.state is EngineState.RUNNING and not core.held()
 
+    def _lost(self) -> bool:
+        """Requests are held by an engine that died or was torn while they could not step
+        (paused, say): they must fail (or run again elsewhere) now, not at `resume`."""
+        return bool(self._tracked) and self._core.state in (EngineState.TORN, EngineState.DEAD)
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not (self._closed or self._new or self._aborts or self._republish
-                           or self._encodes or self._runnable()):  # fmt: skip
+                           or self._encodes or self._runnable() or self._lost()):  # fmt: skip
                     if not self._cond.wait(timeout=HEALTH_CHECK_S):
                         self._core.check_health()  # idle: is every worker still there?
                 if self._closed:
@@ -442,7 +448,8 @@ class AsyncEngine:
                 self._core.abort(t.seqs)
             if lost and not any(t.sent_tokens) and self.on_lost(rid, calls[rid], t, reason):
                 continue  # nothing went out yet: it runs again on another replica
-            t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=reason))
+            why = f"{self.label} was lost: {reason}" if lost else reason
+            t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=why))
 
     def _publish(self) -> None:
         done = []

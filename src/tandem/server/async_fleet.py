@@ -54,21 +54,22 @@ class AsyncFleet:
     def __init__(self, fleet: Fleet, max_waiting: int = 256):
         self.fleet = fleet
         self.max_waiting = max_waiting
-        self.replicas = [self._engine_thread(engine) for engine in fleet.engines]
+        self.replicas = [self._engine_thread(r, engine) for r, engine in enumerate(fleet.engines)]
         self._lead = self.replicas[0]
         self._where: dict[str, Routed] = {}  # request id -> where it runs, until over
         self._lock = threading.Lock()
         fleet.replica_listeners.append(self._replica_started)
 
-    def _engine_thread(self, engine) -> AsyncEngine:
+    def _engine_thread(self, r: int, engine) -> AsyncEngine:
         replica = AsyncEngine(engine, self.max_waiting)
         if len(self.fleet.engines) > 1:
             replica.on_lost = lambda *lost: self._rerun(replica, *lost)
+            replica.label = f"replica {r}"
         return replica
 
     def _replica_started(self, r: int, engine) -> None:
         """Replica ``r`` has a new engine (restarted, or added): an engine thread for it."""
-        fresh = self._engine_thread(engine)
+        fresh = self._engine_thread(r, engine)
         with self._lock:
             old = self.replicas[r] if r < len(self.replicas) else None
             if old is None:

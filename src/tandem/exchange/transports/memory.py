@@ -51,7 +51,9 @@ class MappedMemory:
         try:
             handle = os.open(path, os.O_RDWR)
         except OSError as exc:
-            raise RuntimeError(f"cannot open the peer's {what} at {path}: {exc}") from None
+            alive = "alive" if os.path.exists(f"/proc/{pid}") else "gone"
+            raise RuntimeError(f"cannot open the peer's {what} at {path} (process {pid} "
+                               f"{alive}): {exc}") from None  # fmt: skip
         try:
             st = os.fstat(handle)
             if (st.st_ino, st.st_size) != (inode, max(size, 1)):
