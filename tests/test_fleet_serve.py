@@ -7,12 +7,16 @@ import json
 import os
 import signal
 import threading
+import time
 
 import openai
 import pytest
+import torch
+import transformers
 
 from serving import ADMIN_KEY, Server, children, greedy, push, wait_for
 from tandem import LLM, SamplingParams
+from tandem.exchange import WeightSender
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -171,5 +175,57 @@ def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
         assert all(len(a.json()["choices"][0]["token_ids"]) == 8 for a in answers)
         assert wait_for(lambda: [s["state"] for s in server.get("/fleet_state").json()]
                         == ["serving"] * 2, timeout=60)  # fmt: skip
+    finally:
+        server.stop()
+
+
+def test_a_rolling_push_under_load_answers_every_request_on_one_version(llama_dir, model_factory):
+    """Clients keep calling while a trainer pushes with ``policy="rolling"`` into a server of
+    two replicas started with ``--max-staleness 0``: no 5xx, no response spans two versions
+    (waves drain), and none that started after a replica served the new version ran the old."""
+    server = Server(llama_dir, "--data-parallel-size", "2", "--admin-key", ADMIN_KEY,
+                    "--max-staleness", "0")  # fmt: skip
+    try:
+        answers: list[tuple[float, int, list[int]]] = []
+        stop = threading.Event()
+
+        def client(c: int) -> None:
+            body = {"model": server.model, "prompt": _prompts(4)[c], "max_tokens": 24,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            while not stop.is_set():
+                start = time.monotonic()
+                r = server.post("/v1/completions", json=body)
+                versions = r.json().get("weight_versions", []) if r.status_code == 200 else []
+                answers.append((start, r.status_code, versions))
+
+        first_new: list[float] = []
+
+        def watch() -> None:
+            while not stop.is_set() and not first_new:
+                if any(s["version"] == 1 for s in server.get("/fleet_state").json()):
+                    first_new.append(time.monotonic())
+                time.sleep(0.005)
+
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(3)]
+        threads.append(threading.Thread(target=watch))
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        trainer = transformers.AutoModelForCausalLM.from_pretrained(
+            model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+        stats = WeightSender(trainer, server.url, admin_key=ADMIN_KEY).push(
+            version=1, policy="rolling", max_unavailable=1)  # fmt: skip
+        assert [r.state for r in stats.replicas] == ["rolling", "rolling"]
+        assert wait_for(lambda: [s["version"] for s in server.get("/fleet_state").json()]
+                        == [1, 1], timeout=60)  # fmt: skip
+        time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert {status for _, status, _ in answers} == {200}, answers  # no 5xx, nothing refused
+        assert all(len(v) == 1 for _, _, v in answers), answers  # none mixes versions
+        assert first_new and any(v == [1] for _, _, v in answers)
+        late = [v for start, _, v in answers if start > first_new[0]]
+        assert late and all(v == [1] for v in late), late  # max_staleness=0
     finally:
         server.stop()

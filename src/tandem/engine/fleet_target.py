@@ -298,8 +298,8 @@ class FleetUpdate:
             except Exception as exc:
                 errors[r] = str(exc) or type(exc).__name__
 
-        threads = [threading.Thread(target=one, args=(k, r), daemon=True)
-                   for k, r in enumerate(wave)]  # fmt: skip
+        threads = [threading.Thread(target=one, args=(k, r), name=f"tandem-wave-{r}",
+                                    daemon=True) for k, r in enumerate(wave)]  # fmt: skip
         for t in threads:
             t.start()
         deadline = time.monotonic() + self.target.phase_timeout_s

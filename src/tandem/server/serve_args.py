@@ -16,7 +16,7 @@ _ENGINE_FLAGS = ("task", "data_parallel_size", "distributed_executor_backend", "
                  "max_num_seqs",
                  "kv_cache_memory", "block_size", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching",
-                 "collective_timeout_s")  # fmt: skip
+                 "collective_timeout_s", "max_staleness", "push_phase_timeout_s")  # fmt: skip
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -77,6 +77,12 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--master-port", type=int, help="the engine's c10d port")
     s.add_argument("--distributed-timeout-seconds", dest="collective_timeout_s", type=float,
                    help="timeout of the ranks' collectives (default 120)")  # fmt: skip
+    s.add_argument("--max-staleness", type=int,
+                   help="fleet: versions behind the newest a replica may be and still take new "
+                        "requests during a rolling push (0: only the newest)")  # fmt: skip
+    s.add_argument("--push-phase-timeout", dest="push_phase_timeout_s", type=float,
+                   help="seconds a weight push's transport waits before failing the push "
+                        "(default 300); ranks silent past it are declared hung")  # fmt: skip
     s.add_argument("--model-module", action="append", default=[],
                    help="module that registers a custom architecture (repeatable)")  # fmt: skip
     vllm_flags.add_vllm_flags(s)
