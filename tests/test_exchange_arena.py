@@ -34,3 +34,24 @@ def test_a_recycled_descriptor_is_refused():
     pid, fd, inode, size, entries = arena.handle()
     with pytest.raises(RuntimeError, match="not the peer's parameter arena"):
         MappedArena([pid, fd, inode + 1, size, entries])
+
+
+def test_a_closed_descriptor_of_live_memory_is_found_through_its_mapping():
+    """The descriptor a handle names may be closed while the memory lives on (seen for an
+    engine worker's arena): the peer's other descriptor of the same memfd maps it; a handle
+    of other memory is still refused."""
+    import mmap
+    import os
+
+    from tandem.exchange.transports.memory import MappedMemory
+
+    fd = os.memfd_create("tandem-test", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    held = mmap.mmap(fd, 4096)  # holds a descriptor of its own, as a worker's arena does
+    held[:3] = bytes([7, 8, 9])
+    wire = [os.getpid(), fd, os.fstat(fd).st_ino, 4096]
+    os.close(fd)
+    assert MappedMemory(wire).data[:3].tolist() == [7, 8, 9]
+    with pytest.raises(RuntimeError):
+        MappedMemory([wire[0], wire[1], wire[2] + 12345, 4096])
+    held.close()

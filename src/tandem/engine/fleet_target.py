@@ -179,6 +179,7 @@ class FleetUpdate:
         self.held: list[int] = []  # rolling: replicas holding the new version, not committed
         self.committed: list[int] = []
         self._ingress: dict[int, tuple[int, float]] = {}
+        self._hung: set[int] = set()  # past a phase's deadline: their threads still run
         self._opened = time.perf_counter()
         for r in members:
             self._open(r)
@@ -338,6 +339,7 @@ class FleetUpdate:
         for r, t in threads.items():
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
+                self._hung.add(r)
                 errors[r] = (f"did not finish {phase.value} within "
                              f"{self.target.phase_timeout_s:g} s")  # fmt: skip
         return sum(moved.get(r, 0) for r in replicas if r not in errors), errors
@@ -370,12 +372,11 @@ class FleetUpdate:
                 if exc is None:
                     self._quarantine(r, f"closing its window failed: {error}")
 
-        if exc is None:
+        if r not in self._hung:  # its ranks drop the push before the next one can open
             leave()
-            return
-        # a replica stuck in a phase still holds its engine: leave without waiting for it
-        threading.Thread(target=leave, name=f"tandem-push-abort-{r}", daemon=True).start()
-        if quarantine:
+        else:  # stuck in a phase, it still holds its engine: leave without waiting for it
+            threading.Thread(target=leave, name=f"tandem-push-abort-{r}", daemon=True).start()
+        if exc is not None and quarantine:
             self._quarantine(r, reason or str(exc))
 
     def _quarantine(self, r: int, why: str) -> None:

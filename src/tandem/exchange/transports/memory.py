@@ -49,7 +49,7 @@ class MappedMemory:
         self.size = size
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            handle = os.open(path, os.O_RDWR)
+            handle = _open_memfd(pid, fd, inode)
         except OSError as exc:
             alive = "alive" if os.path.exists(f"/proc/{pid}") else "gone"
             raise RuntimeError(f"cannot open the peer's {what} at {path} (process {pid} "
@@ -80,6 +80,24 @@ class MappedMemory:
 
     def close(self) -> None:
         """Nothing to do: the mapping stays for later pushes; it goes with this object."""
+
+
+def _open_memfd(pid: int, fd: int, inode: int) -> int:
+    """Open the peer's memfd at ``/proc/PID/fd/FD``. If that descriptor is gone while the
+    memory lives on (the peer's mapping holds a descriptor of its own; seen to happen to an
+    engine worker's arena), the peer's other descriptor of the same memfd inode. The caller
+    checks inode and size of whatever this opens."""
+    try:
+        return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+    except FileNotFoundError:
+        for other in os.listdir(f"/proc/{pid}/fd"):  # FileNotFoundError: the process is gone
+            path = f"/proc/{pid}/fd/{other}"
+            try:
+                if os.readlink(path).startswith("/memfd:") and os.stat(path).st_ino == inode:
+                    return os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+        raise
 
 
 def _bytes(buf: mmap.mmap, size: int) -> torch.Tensor:
