@@ -14,6 +14,7 @@ carries one copy, and the trainers' egress stays one copy whatever the number of
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
 import itertools
@@ -62,10 +63,27 @@ class Plan:
     num_senders: int
     num_receivers: int
     sender_numel: list[int] = field(default_factory=list)
-    relays: list[Relay] = field(default_factory=list)  # in relay order along each chain
+    # relay steps in chain order; each: seed-replica rank -> (rank passing on, rank receiving)
+    hops: list[dict[int, tuple[int, int]]] = field(default_factory=list)
     # what users of the plan derive from it once (the exchange server's per-push items),
     # cached with it
     derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def relays(self) -> list[Relay]:
+        """Every relay, in relay order along each chain (made on first use: a large fleet's
+        plan has replicas x transfers of them, which planning at scale never needs)."""
+        made = self.derived.get("relays")
+        if made is None:
+            made = self.derived["relays"] = [
+                Relay(i, *hop[t.dst])
+                for hop in self.hops for i, t in enumerate(self.transfers) if t.dst in hop
+            ]  # fmt: skip
+        return made
+
+    def relay_next(self) -> dict[int, int]:
+        """Receiving rank -> the rank it passes everything it receives to."""
+        return {src: dst for hop in self.hops for src, dst in hop.values()}
 
     def for_receiver(self, rank: int) -> list[Transfer]:
         return [t for t in self.transfers if t.dst == rank]
@@ -104,6 +122,7 @@ def plan_transfers(
             holders[region.piece.name].setdefault(region.piece.box, []).append(
                 (layout.rank, region)
             )
+    index: dict[str, _BoxIndex] = {}
     # (group, band, receiver rank, name, region) per transfer, in receiver order
     wanted: list[tuple[list, Box, int, str, Region]] = []
     for layout in sorted(receivers, key=lambda lay: lay.rank):
@@ -113,7 +132,10 @@ def plan_transfers(
             if len(groups) == 1 and _contains(box := next(iter(groups)), dst_box):
                 covered = [(dst_box, groups[box])]  # the common case: one box (and replicas)
             else:
-                covered = _covered(groups, dst_box, name, layout.rank, problems)
+                if name not in index:
+                    index[name] = _BoxIndex(groups)
+                candidates = index[name].meeting(dst_box)
+                covered = _covered(candidates, bool(groups), dst_box, name, layout.rank, problems)
             for cell, group in covered:
                 for band in _bands(cell, len(group), min_band_numel):
                     wanted.append((group, band, layout.rank, name, region))
@@ -159,43 +181,101 @@ def plan_fleet(
     if len(replicas) <= 1:
         return plan_transfers(senders, receivers, ignore, min_band_numel)
     chains: dict[str, list[list[RankLayout]]] = {}  # local layout -> its replicas, in order
+    known: dict = {}
     for replica in sorted(replicas):
-        chains.setdefault(_local_fingerprint(replicas[replica]), []).append(replicas[replica])
+        key = _local_fingerprint(replicas[replica], known)
+        chains.setdefault(key, []).append(replicas[replica])
     seeds = [lay for chain in chains.values() for lay in chain[0]]
     plan = plan_transfers(senders, seeds, ignore, min_band_numel)
     plan.num_receivers = max(lay.rank for lay in receivers) + 1
-    local = {lay.rank: j for chain in chains.values() for j, lay in enumerate(chain[0])}
     for chain in chains.values():
-        firsts = {lay.rank for lay in chain[0]}
         for upstream, downstream in itertools.pairwise(chain):
-            plan.relays.extend(
-                Relay(i, upstream[local[t.dst]].rank, downstream[local[t.dst]].rank)
-                for i, t in enumerate(plan.transfers) if t.dst in firsts
-            )  # fmt: skip
+            trio = zip(chain[0], upstream, downstream, strict=True)
+            plan.hops.append({first.rank: (up.rank, down.rank) for first, up, down in trio})
     return plan
 
 
-def _local_fingerprint(ranks: list[RankLayout]) -> str:
-    """What a replica's ranks hold, blind to their numbering across the fleet."""
-    renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype)
-                  for j, lay in enumerate(ranks)]  # fmt: skip
-    return layout_fingerprint(renumbered)
+def _local_fingerprint(ranks: list[RankLayout], known: dict) -> str:
+    """What a replica's ranks hold, blind to their numbering across the fleet. ``known``
+    caches it per tuple of region lists: replicas built from the same lists hold the same."""
+    key = tuple((id(lay.regions), id(lay.local_shapes), lay.dtype) for lay in ranks)
+    if key not in known:
+        renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype)
+                      for j, lay in enumerate(ranks)]  # fmt: skip
+        known[key] = (layout_fingerprint(renumbered), ranks)  # ranks keep the ids alive
+    return known[key][0]
 
 
-def _covered(groups: dict[Box, list], dst_box: Box, name: str, rank: int, problems: list):
+class _BoxIndex:
+    """One tensor's sender boxes sorted by their first dim's start: the boxes meeting a box
+    are found by bisection (a box starting before ``lo - longest`` cannot reach ``lo``)."""
+
+    def __init__(self, groups: dict[Box, list]):
+        entries = sorted(groups.items(), key=lambda item: item[0][0][0] if item[0] else 0)
+        self.entries = entries
+        self.starts = [box[0][0] if box else 0 for box, _ in entries]
+        self.longest = max((box[0][1] - box[0][0] for box, _ in entries if box), default=0)
+
+    def meeting(self, box: Box) -> list[tuple[Box, list]]:
+        if not box:
+            return [e for e in self.entries]
+        (lo, hi) = box[0]
+        first = bisect.bisect_right(self.starts, lo - self.longest)
+        last = bisect.bisect_left(self.starts, hi)
+        rest = box[1:]
+        return [(b, g) for b, g in self.entries[first:last]
+                if b[0][1] > lo and all(a0 < z1 and z0 < a1 for (a0, a1), (z0, z1)
+                                        in zip(b[1:], rest, strict=True))]  # fmt: skip
+
+
+def _covered(candidates: list, any_sender: bool, dst_box: Box, name: str, rank: int,
+             problems: list):  # fmt: skip
     """``dst_box`` cut into cells, each with every sender holding it all; a cell nobody
-    holds is added to ``problems`` (unless no sender has the tensor at all: reported once)."""
-    candidates = [(box, g) for box, g in groups.items() if _intersect(box, dst_box)]
+    holds is added to ``problems`` (unless no sender has the tensor at all: reported once).
+    ``candidates``: the (box, holders) meeting ``dst_box``.
+
+    The cells are the grid every candidate's boundaries cut ``dst_box`` into; each candidate
+    covers a block of consecutive grid intervals per dim, so the holders of every cell are
+    found in time proportional to the cells each candidate covers."""
     if len(candidates) == 1 and _contains(candidates[0][0], dst_box):
         return [(dst_box, candidates[0][1])]
+    (lo, hi), rest = dst_box[0], dst_box[1:]
+    if all(_contains(box[1:], rest) for box, _ in candidates):  # cut along dim 0 alone
+        spans = sorted((max(box[0][0], lo), min(box[0][1], hi), g) for box, g in candidates)
+        if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)):  # and not overlapping
+            out, at = [], lo
+            for a, z, group in spans:
+                if a > at and any_sender:
+                    problems.append(
+                        f"no sender holds {name} box {((at, a), *rest)} (receiver {rank})"
+                    )
+                out.append((((a, z), *rest), group))
+                at = z
+            if at < hi and any_sender:
+                problems.append(f"no sender holds {name} box {((at, hi), *rest)} (receiver {rank})")
+            return out
+    points = []
+    for dim, (lo, hi) in enumerate(dst_box):
+        cut = {lo, hi} | {p for box, _ in candidates for p in box[dim] if lo < p < hi}
+        points.append(sorted(cut))
+    covering: dict[tuple[int, ...], list] = {}
+    for box, group in candidates:
+        spans = []
+        for dim, (b0, b1) in enumerate(box):
+            pts = points[dim]
+            spans.append(range(bisect.bisect_left(pts, max(b0, pts[0])),
+                               bisect.bisect_left(pts, min(b1, pts[-1]))))  # fmt: skip
+        for index in itertools.product(*spans):
+            covering.setdefault(index, []).append(group)
     out = []
-    for cell in _cells(dst_box, [box for box, _ in candidates]):
-        covering = [g for box, g in candidates if _contains(box, cell)]
-        if not covering:
-            if groups:
+    for index in itertools.product(*(range(len(pts) - 1) for pts in points)):
+        cell = tuple((pts[i], pts[i + 1]) for pts, i in zip(points, index, strict=True))
+        holders = covering.get(index)
+        if not holders:
+            if any_sender:
                 problems.append(f"no sender holds {name} box {cell} (receiver {rank})")
             continue
-        out.append((cell, covering[0] if len(covering) == 1 else [m for g in covering for m in g]))
+        out.append((cell, holders[0] if len(holders) == 1 else [m for g in holders for m in g]))
     return out
 
 
@@ -259,17 +339,6 @@ def _intersect(a: Box, b: Box) -> Box | None:
 
 def _contains(outer: Box, inner: Box) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
-
-
-def _cells(box: Box, others: list[Box]) -> list[Box]:
-    """Split ``box`` along every boundary of ``others`` inside it: each cell is covered wholly
-    or not at all by each of the others."""
-    cuts = []
-    for dim, (lo, hi) in enumerate(box):
-        points = {lo, hi} | {p for o in others for p in o[dim] if lo < p < hi}
-        ordered = sorted(points)
-        cuts.append(list(itertools.pairwise(ordered)))
-    return [tuple(cell) for cell in itertools.product(*cuts)]
 
 
 class PlanCache:
