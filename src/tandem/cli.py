@@ -202,6 +202,20 @@ def _bench(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from tandem.scale import Cluster, FleetSpec, TrainerSpec, predict_sync
+    from tandem.scale.predict import summary
+
+    if args.bucket_mb <= 0:
+        raise ValueError(f"bucket-mb must be > 0, got {args.bucket_mb}")
+    prediction = predict_sync(
+        args.model, TrainerSpec.parse(args.trainer), FleetSpec.parse(args.fleet),
+        args.engine_dtype, Cluster.parse(args.cluster), int(args.bucket_mb * (1 << 20)),
+    )  # fmt: skip
+    print(json.dumps(prediction.to_json(), indent=2) if args.json else summary(prediction))
+    return 0
+
+
 def _summary(result: dict) -> str:
     return "\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items())
 
@@ -300,6 +314,24 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])  # fmt: skip
     r.set_defaults(func=_router)
+
+    pl = sub.add_parser("plan", help="plan a fleet push at cluster scale from metadata; bytes "
+                        "per link, the bound and the predicted time")  # fmt: skip
+    pl.add_argument("--model", required=True,
+                    help="a built-in shape (llama-70b, qwen3-235b-a22b, kimi-k2) or a directory "
+                         "with config.json")  # fmt: skip
+    pl.add_argument("--trainer", required=True,
+                    help="fsdp:ranks=N or megatron:tp=..,pp=..,ep=..,dp=.. (or ranks=N); "
+                         "dtype=bf16 by default")  # fmt: skip
+    pl.add_argument("--fleet", required=True, help="replicas=R,tp=T[,pp=P]")
+    pl.add_argument("--engine-dtype", default="bf16", help="bf16 | fp8 | fp32")
+    pl.add_argument("--cluster", default="",
+                    help="gpus_per_node=8,nvlink_GBps=450,nic_GBps=50[,latency_us=10,"
+                         "convert_GBps=1000,local_GBps=1000,placement=separate|shared]",
+                    )  # fmt: skip
+    pl.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size (MiB)")
+    pl.add_argument("--json", action="store_true", help="print the full JSON result")
+    pl.set_defaults(func=_plan)
 
     b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
     b.add_argument("what", choices=["generate", "serve", "sync", "encode", "fleet"])

@@ -160,3 +160,26 @@ def _side_bound(sim: Simulation, net: Network, gpus: set[int], way: str) -> floa
         if w == way and gpu in gpus:
             per_class[cls] += n
     return max((n / (len(gpus) * net.bandwidth[c]) for c, n in per_class.items()), default=0.0)
+
+
+def summary(p: SyncPrediction) -> str:
+    gb = 1e9
+    lines = [
+        f"{p.model}: {p.params / 1e9:.1f}B parameters, {p.trainer['kind']} trainer of "
+        f"{p.trainer['ranks']} ranks ({p.trainer['dtype']}) -> {p.fleet['replicas']} replicas x "
+        f"tp {p.fleet['tp']} pp {p.fleet['pp']} ({p.engine_dtype})",
+        f"plan: {p.transfers} transfers, {p.relays} relays; planner {p.planner_seconds:.2f} s "
+        f"(layouts {p.layout_seconds:.2f} s), peak RSS {p.peak_rss_mb:.0f} MB",
+        f"trainer egress {p.trainer_egress_bytes / gb:.1f} GB; replica ingress "
+        f"{max(p.replica_ingress_bytes) / gb:.1f} GB (largest)",
+        "bytes per link class: " + ", ".join(f"{c} {n / gb:.1f} GB"
+                                             for c, n in sorted(p.link_class_bytes.items())),
+        "busiest links:",
+        *(f"  {row['link']}: {row['bytes'] / gb:.2f} GB, {row['seconds']:.3f} s"
+          for row in p.busiest_links),
+        f"bound {p.bound_seconds:.3f} s ({p.bound_link}); balanced egress "
+        f"{p.egress_bound_seconds:.3f} s, ingress {p.ingress_bound_seconds:.3f} s",
+        f"predicted {p.predicted_seconds:.3f} s = {p.predicted_over_bound:.3f}x the bound "
+        f"({p.buckets} bucket hops of <= {p.bucket_bytes >> 20} MiB)",
+    ]  # fmt: skip
+    return "\n".join(lines)

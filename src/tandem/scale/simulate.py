@@ -49,13 +49,12 @@ class Simulation:
 
     def bound(self, net: Network) -> tuple[float, str]:
         """(seconds, which resource) of the busiest resource alone."""
-        best = (0.0, "none")
-        for (gpu, cls, way), n in self.link_bytes.items():
-            best = max(best, (n / net.bandwidth[cls], f"gpu {gpu} {cls} {way}"))
+        loads = [(n / net.bandwidth[cls], f"gpu {gpu} {cls} {way}")
+                 for (gpu, cls, way), n in self.link_bytes.items()]  # fmt: skip
         if net.convert_Bps:
-            for sender, n in self.convert_bytes.items():
-                best = max(best, (n / net.convert_Bps, f"sender {sender} conversion"))
-        return best
+            loads += [(n / net.convert_Bps, f"sender {sender} conversion")
+                      for sender, n in self.convert_bytes.items()]  # fmt: skip
+        return max(loads, key=lambda load: load[0], default=(0.0, "none"))  # first of ties
 
 
 class _Port:
