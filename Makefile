@@ -9,11 +9,15 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 
 .PHONY: demo test test-slow lint bench vllm clean
 
+# The Mooncake Transfer Engine (transport="mooncake") links the OS's libibverbs.so.1 even for
+# TCP: installed here where apt-get may run.
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray]'
+	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray,mooncake]'
+	-ldconfig -p | grep -q libibverbs.so.1 || apt-get install -y -qq libibverbs1 \
+	    || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 	touch $(STAMP)
 
 # vLLM's CPU build, the rollout peer of `tandem bench generate`, in its own venv: it pins

@@ -198,6 +198,8 @@ class ExchangeServer:
             self._send_plans(socks, plans)  # trainers stage while the target serves
             spec, by_receiver, moved = self._readies(spec, socks, records)
             with self.target.weight_update(spec) as update:
+                if transport.pulls:  # the target's ranks read what the trainers staged
+                    update.run(PushPhase.RECEIVE, by_receiver)
                 update.run(PushPhase.VERIFY, by_receiver)
                 self._commit(update, by_receiver, lambda: held(update, moved))
             return moved, update

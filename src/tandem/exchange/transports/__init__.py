@@ -7,10 +7,11 @@ from tandem.exchange.settings import PushSettings
 from tandem.exchange.transports.base import Transport
 from tandem.exchange.transports.cuda_ipc import CudaIpcTransport
 from tandem.exchange.transports.dist import DistTransport
+from tandem.exchange.transports.mooncake import MooncakeTransport
 from tandem.exchange.transports.shm import ShmTransport
 
 TRANSPORTS: dict[str, Transport] = {
-    t.name: t for t in (ShmTransport(), DistTransport(), CudaIpcTransport())
+    t.name: t for t in (ShmTransport(), DistTransport(), CudaIpcTransport(), MooncakeTransport())
 }
 
 

@@ -193,6 +193,9 @@ class Transport:
     # relayed replicas read the one staging too (`tandem.exchange.plan.Relay`) instead of
     # being passed the bytes by a replica holding them
     shared_staging: bool = False
+    # the receiving ranks pull what the senders staged, once they have (one-sided reads): a
+    # RECEIVE phase runs after the senders are ready, before VERIFY
+    pulls: bool = False
 
     def pauses_to_deliver(self, settings: PushSettings) -> bool:
         """Whether the target must stop stepping before the senders deliver (bytes land in

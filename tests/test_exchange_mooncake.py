@@ -1,0 +1,93 @@
+"""The one-sided transport on the Mooncake Transfer Engine (TCP on this machine): trainers
+stage into registered memory, the engine's ranks read it with one-sided batched reads, verify
+against the trainers' CRC32s and commit; wrong bytes are caught before anything is served."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from faulty_writes import faulty_sender, shifted
+from tandem import LLM, SamplingParams
+from tandem.exchange import WeightSender, WeightSyncError
+from tandem.exchange.transports.base import SenderHalf
+from tandem.exchange.transports.mooncake import MooncakeReceiver
+
+pytestmark = pytest.mark.timeout(240)
+
+PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(model_factory):
+    trainer_dir = model_factory("llama", seed=1)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    return model_factory("llama"), trainer.eval()
+
+
+def _serves_the_trainer(llm, trainer) -> None:
+    for ids, out in zip(PROMPTS, llm.generate(PROMPTS, GREEDY), strict=True):
+        with torch.no_grad():
+            full = trainer(torch.tensor([ids + out.outputs[0].token_ids])).logits[0]
+        assert out.outputs[0].token_ids == full[len(ids) - 1 : -1].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
+def test_a_push_lands_by_one_sided_reads(models, tp, dp):
+    """TP=2 (worker processes read from the trainer's registered staging) and a fleet of two
+    replicas (both read the one staging)."""
+    engine_dir, trainer = models
+    with LLM(engine_dir, tensor_parallel_size=tp, data_parallel_size=dp, dtype="float32") as llm:
+        stats = WeightSender(trainer, llm, transport="mooncake").push(version=3)
+        assert llm.weight_version == 3 and stats.version == 3
+        needed = sum(p.numel() * 4 for p in trainer.parameters())
+        assert stats.bytes_moved >= needed  # what the trainer staged (TP replicates norms)
+        _serves_the_trainer(llm, trainer)
+        if dp == 2:
+            assert [s["version"] for s in llm.fleet_state()] == [3, 3]
+
+
+def test_a_wrong_staging_write_is_caught_and_the_old_version_serves(models, monkeypatch):
+    engine_dir, trainer = models
+    with LLM(engine_dir, dtype="float32") as llm:
+        before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+        with monkeypatch.context() as m:
+            m.setattr(SenderHalf, "write_box", faulty_sender(shifted))
+            with pytest.raises(WeightSyncError, match="checksum mismatch.*as staged") as err:
+                WeightSender(trainer, llm, transport="mooncake").push(version=1)
+        assert "version 0 keeps serving" in str(err.value) and llm.weight_version == 0
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+        WeightSender(trainer, llm, transport="mooncake").push(version=2)
+        _serves_the_trainer(llm, trainer)
+
+
+def test_a_read_from_the_wrong_place_is_caught(models, monkeypatch):
+    """The engine's reads land one box's bytes shifted by 4 (a wrong remote address): what
+    arrived is checked against the trainer's CRC32s, not against itself."""
+    engine_dir, trainer = models
+    honest = MooncakeReceiver.receive
+
+    def receive(self, spec, records):
+        n = honest(self, spec, records)
+        first = records[0].nbytes
+        landing = self._landing.data
+        landing[: first - 4] = landing[4:first].clone()
+        return n
+
+    with LLM(engine_dir, dtype="float32") as llm:
+        with monkeypatch.context() as m:
+            m.setattr(MooncakeReceiver, "receive", receive)
+            with pytest.raises(WeightSyncError, match="checksum mismatch"):
+                WeightSender(trainer, llm, transport="mooncake").push(version=1)
+        assert llm.weight_version == 0
+        WeightSender(trainer, llm, transport="mooncake").push(version=2)
+        _serves_the_trainer(llm, trainer)
+
+
+def test_in_place_is_refused_naming_the_mode(models):
+    engine_dir, trainer = models
+    with LLM(engine_dir, dtype="float32") as llm:
+        with pytest.raises(ValueError, match="mode must be one of .'staged',. for transport"):
+            WeightSender(trainer, llm, transport="mooncake", mode="in_place")
