@@ -17,6 +17,10 @@ routing over replicas against one engine. Measured in one run, on this host:
   engine rank, replica after replica; the faster counts), and each engine rank copies its
   tensor-parallel part into its parameters (`tandem.bench.sync_worker.naive`). The same best of
   ``REPEATS`` after a warm-up; a push is the barrier to the slowest engine rank's last copy.
+- ``link_model``: the schedule simulation `tandem plan` runs at scale (`tandem.scale.local`)
+  predicts each push above from link speeds measured in this run (copy and CRC32 rates on one
+  core and on all at once, a raw gloo run of the one-replica dist push's streams): each push
+  gets ``predicted_seconds`` and ``predicted_over_measured``.
 - ``routing``: the generate bench's model and its ``grpo`` (n samples of each prompt) and
   ``mixed`` workloads through ``LLM(data_parallel_size=1)`` and ``LLM(data_parallel_size=2)``
   at the same total threads (one engine: this process's threads; two replicas: their workers
@@ -28,6 +32,7 @@ routing over replicas against one engine. Measured in one run, on this host:
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -101,6 +106,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         lap(f"naive_{key}")
         result["push"]["fleets"][key] = {"replicas": replicas, "tensor_parallel_size": tp,
                                          **entry}  # fmt: skip
+    result["push"]["link_model"] = predict_fleet_pushes(result["push"]["fleets"], timeout)
+    lap("link_model")
     result["push"]["checks"] = {
         "pushes_checked": sum(c["pushes_checked"] for c in checks),
         "replicas_checked_per_push": "every replica",
@@ -138,6 +145,48 @@ def run(quick: bool = False) -> dict[str, Any]:
         "dp2_vs_dp1: grpo tokens/s of two replicas over one engine at the same total threads.",
     ]
     return result
+
+
+def predict_fleet_pushes(fleets: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """The link model (`tandem.scale.local`) of every fleet push above, from this run's core
+    rates and a raw gloo run of the one-replica dist push's streams: adds
+    ``predicted_seconds``, ``predicted_over_measured`` and ``predicted_phases`` to each."""
+    from tandem.scale.local import LocalRates, predict_push, stream_rate
+
+    one = fleets["dp1_tp1"]
+    cpu = base.cpu_rates(one["shm"]["bytes_needed"] // 2)
+    streams = one["dist"]["bytes_by_receiver_per_rank"]
+    raw = base.raw_gloo(streams, timeout)
+    gloo = stream_rate(streams, raw["seconds"])
+    for fleet in fleets.values():
+        replicas, tp = fleet["replicas"], fleet["tensor_parallel_size"]
+        for mode in PUSH_MODES:
+            push = fleet[mode]
+            per_rank = push["bytes_by_receiver_per_rank"]
+            if any(any(row[tp:]) for row in per_rank):  # trainers feed the first replica only
+                raise RuntimeError(f"{mode} push sent trainers' bytes past replica 0: {per_rank}")
+            rates = LocalRates(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
+                               cpu["crc_all_Bps"], cpu["cores"],
+                               gloo if mode == "dist" else None)  # fmt: skip
+            predicted = predict_push(mode, [row[:tp] for row in per_rank], rates,
+                                     replicas=replicas,
+                                     engine_threads=engine_threads(replicas * tp))  # fmt: skip
+            push["predicted_seconds"] = round(predicted["seconds"], 6)
+            push["predicted_over_measured"] = round(predicted["seconds"] / push["seconds"], 3)
+            push["predicted_phases"] = {k: round(v, 6) for k, v in predicted["phases"].items()}
+    return {
+        **cpu,
+        "raw_gloo": raw,
+        "stream_Bps": round(gloo),
+        "note": "tandem.scale.local on this host's measured copy/CRC rates and a raw gloo "
+        "run of dp1_tp1's dist streams (the relay chain simulated); nothing fitted",
+    }
+
+
+def engine_threads(ranks: int) -> int:
+    """Torch threads of each engine rank: the engine's own rule (one rank runs in this
+    process; workers split the cores, `tandem.engine.worker`)."""
+    return torch.get_num_threads() if ranks == 1 else max(1, (os.cpu_count() or 1) // ranks)
 
 
 def check_replicas(llm, reference: Reference, version: int) -> float:

@@ -25,6 +25,17 @@ Measured in one run, on this host, on the same bytes:
   push's rounds (2 streams at a time);
   best of ``REPEATS`` after a warm-up, a run timed to the slowest receiver's last message: the
   floor for a torch.distributed transport on CPU moving those bytes that way.
+- ``mooncake``: the same trainer processes push with ``transport="mooncake"`` (staged into
+  memory registered with the Mooncake Transfer Engine, read by the engine's ranks with
+  one-sided batched reads, TCP on loopback, verified); ``raw_mooncake``: Mooncake's own reads
+  of exactly the bytes that push's transports counted per (trainer rank, engine rank), between
+  2 sender and 2 receiver processes with memory registered once, one batched read per stream
+  (`mooncake_vs_raw`).
+- ``link_model``: what the same schedule simulation `tandem plan` runs at cluster scale
+  predicts for each push above (`tandem.scale.local`), from link speeds measured in this run:
+  a copy and a CRC32 on one thread and on every core at once (``cpu_rates``), and the raw
+  gloo / Mooncake streams; each push gets ``predicted_seconds`` and
+  ``predicted_over_measured`` (and ``unverified_*`` where measured).
 - ``naive``: what RL stacks do in memory: 2 FSDP2 trainer ranks and the 2 ranks of a
   tensor-parallel tandem model (built, not started: no engine, no KV cache) in one gloo group.
   Per push, trainer rank 0 gathers each parameter (``p.full_tensor()``, rank 1 joins) and sends
@@ -135,7 +146,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         ranks, result["checks"] = run_pushes(
             llm.exchange_address, path, REPEATS, timeout, lambda ref, v: check(llm, ref, v)
         )
-        if llm.weight_version != ranks["dist-in_place-unverified"][0]["version"]:
+        if llm.weight_version != max(r[0]["version"] for r in ranks.values()):
             raise RuntimeError(f"engine at version {llm.weight_version} after the pushes")
     pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
     lap("pushes")
@@ -160,8 +171,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         raise RuntimeError(f"dist pushes disagree on their streams: {streams}")
     result["raw_gloo"] = base.raw_gloo(streams, timeout)
     lap("raw_gloo")
+    mooncake = pushes["mooncake"]
+    mooncake["mode"] = "staged"
+    result["mooncake"] = mooncake
+    result["raw_mooncake"] = base.raw_mooncake(mooncake["bytes_by_receiver_per_rank"], timeout)
+    lap("raw_mooncake")
     result["naive"] = base.naive(path, timeout)
     lap("naive")
+    result["link_model"] = predict_pushes(result, needed)
+    lap("link_model")
     result["bytes_moved_over_needed"] = max(p["bytes_moved"] for p in pushes.values()) / needed
     result["planner"] = base.planner(quick, timeout=120.0 if quick else PLANNER_TIMEOUT_S)
     lap("planner")
@@ -177,6 +195,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
         "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
         "gloo_unverified_vs_raw_gloo": round(raw / gloo_direct["unverified_seconds"], 3),
+        "mooncake_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake["seconds"], 3),
     }
     result["notes"] = [
         "shm_vs_memcpy and gloo_vs_raw_gloo time mode='in_place' (the one-copy paths: trainer "
@@ -196,6 +215,45 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 PLANNER_TIMEOUT_S = 450.0
+
+# bench key -> (the link model's push kind, the raw baseline its streams are calibrated on)
+PREDICTED = {"shm": ("shm", None), "shm_in_place": ("shm_in_place", None),
+             "gloo": ("dist", "raw_gloo"), "gloo_in_place": ("dist_in_place", "raw_gloo"),
+             "mooncake": ("mooncake", "raw_mooncake")}  # fmt: skip
+
+
+def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
+    """The link model (`tandem.scale.local`) of each push measured above, from this run's
+    core rates and raw streams: adds ``predicted_seconds`` and ``predicted_over_measured`` to
+    each push's figures (``unverified_*`` too where measured); returns the rates it used."""
+    from tandem.scale.local import LocalRates, predict_push, stream_rate
+
+    cpu = base.cpu_rates(needed // 2)  # what one trainer rank or one engine rank handles
+    streams = {raw: stream_rate(result[raw]["streams"], result[raw]["seconds"])
+               for raw in ("raw_gloo", "raw_mooncake")}  # fmt: skip
+    for key, (kind, raw) in PREDICTED.items():
+        push = result[key]
+        rates = LocalRates(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
+                           cpu["crc_all_Bps"], cpu["cores"], streams.get(raw))  # fmt: skip
+        per_stream = push["bytes_by_receiver_per_rank"]
+        for verify, field in ((True, ""), (False, "unverified_")):
+            if f"{field}seconds" not in push:
+                continue
+            predicted = predict_push(
+                kind, per_stream, rates, verify=verify, engine_threads=max(1, cpu["cores"] // 2)
+            )  # TP=2 workers
+            push[f"{field}predicted_seconds"] = round(predicted["seconds"], 6)
+            push[f"{field}predicted_over_measured"] = round(
+                predicted["seconds"] / push[f"{field}seconds"], 3
+            )
+            if verify:
+                push["predicted_phases"] = {k: round(v, 6) for k, v in predicted["phases"].items()}
+    return {
+        **cpu,
+        "stream_Bps": {k: round(v) for k, v in streams.items()},
+        "note": "tandem.scale.local: the schedule simulation of each push's phases on "
+        "this host's measured copy/CRC rates and raw stream speeds; nothing fitted",
+    }
 
 
 def bench_model(quick: bool) -> Path:

@@ -6,10 +6,12 @@ for what each one times."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -45,6 +47,43 @@ def memcpy(nbytes: int) -> dict[str, Any]:
             "threads": torch.get_num_threads(), "timing": f"best of {REPEATS}"}  # fmt: skip
 
 
+def cpu_rates(nbytes: int) -> dict[str, Any]:
+    """What a core does to bytes, for the link model (`tandem.scale.local`): a copy and an
+    ISA-L CRC32 of ``nbytes`` contiguous bytes, on one thread and on every core at once (a
+    thread per core, each on its own buffers), best of ``REPEATS``; bytes per second."""
+    from tandem.exchange.checksum import crc32
+
+    cores = len(os.sched_getaffinity(0))
+    pairs = []
+    for _ in range(cores):
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        src.fill_(7)
+        dst.fill_(0)  # every page touched before timing
+        pairs.append((src, dst))
+    ops = {"copy": lambda src, dst: dst.copy_(src), "crc": lambda src, dst: crc32(src)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"bytes": nbytes, "cores": cores, "timing": f"best of {REPEATS}"}
+    try:
+        for name, op in ops.items():
+            for label, k in (("one", 1), ("all", cores)):
+                best = math.inf
+                for _ in range(REPEATS):
+                    workers_ = [threading.Thread(target=op, args=pairs[i]) for i in range(k)]
+                    start = time.perf_counter()
+                    for w in workers_:
+                        w.start()
+                    for w in workers_:
+                        w.join()
+                    best = min(best, time.perf_counter() - start)
+                out[f"{name}_{label}_Bps"] = round(k * nbytes / best)
+    finally:
+        torch.set_num_threads(threads)
+    if int(pairs[0][1][-1]) != 7:
+        raise RuntimeError("copy rate did not copy")
+    return out
+
+
 # raw_gloo sends each stream as one message (0) rather than in the push's 4 MiB messages: on
 # the 2-core bench VM the two were within noise of each other (best of 3 runs of 570.5 MB each:
 # 0.084 / 0.107 / 0.109 s whole, 0.131 / 0.101 / 0.107 s in 4 MiB messages)
@@ -77,6 +116,29 @@ def raw_gloo(streams: list[list[int]], timeout: float,
         "seconds_per_run": [round(s, 6) for s in per_run],
         "timing": f"best of {REPEATS} after a warm-up; a run is the barrier to the slowest "
         f"receiver's last message; streams in the push's rounds, {messages}",
+    }
+
+
+def raw_mooncake(streams: list[list[int]], timeout: float) -> dict[str, Any]:
+    """Mooncake's own one-sided reads of the mooncake push's streams (``streams[s][d]`` bytes
+    of sender s read by receiver d), each rank in its own process (`sync_worker.raw_mooncake`):
+    a run is the slowest receiver's time; the best run counts."""
+    port, spec = str(free_port()), json.dumps(streams)
+    world = len(streams) + len(streams[0])
+    argv = [["raw-mooncake", str(r), port, spec, str(REPEATS)] for r in range(world)]
+    receivers = workers(argv, timeout)[len(streams) :]
+    per_run = [max(r["seconds"][i] for r in receivers) for i in range(REPEATS)]
+    best, nbytes = min(per_run), sum(map(sum, streams))
+    if sum(r["nbytes"] for r in receivers) != nbytes:
+        raise RuntimeError(f"raw mooncake receivers got {[r['nbytes'] for r in receivers]} bytes")
+    return {
+        "seconds": round(best, 6),
+        "gib_per_s": gib_per_s(nbytes, best),
+        "bytes": nbytes,
+        "streams": streams,
+        "seconds_per_run": [round(s, 6) for s in per_run],
+        "timing": f"best of {REPEATS} after a warm-up; a run is the barrier to the slowest "
+        "receiver's last read; one batched read per (sender, receiver), TCP on loopback",
     }
 
 

@@ -1,6 +1,7 @@
 """Subprocesses of `tandem bench sync`; each prints one JSON line with its figures.
 
     python -m tandem.bench.sync_worker raw-gloo RANK PORT STREAMS REPEATS MESSAGE_BYTES
+    python -m tandem.bench.sync_worker raw-mooncake RANK PORT STREAMS REPEATS
     python -m tandem.bench.sync_worker naive RANK PORT DIR REPEATS broadcast|isend
     python -m tandem.bench.sync_worker planner quick|full
 
@@ -86,6 +87,63 @@ def raw_gloo(rank: int, port: str, streams: list[list[int]], repeats: int, messa
     if not sending:
         _emit(rank=rank, seconds=seconds, nbytes=sum(buf.numel() for buf in bufs))
     dist.barrier()
+    dist.destroy_process_group()
+
+
+def raw_mooncake(rank: int, port: str, streams: list[list[int]], repeats: int):
+    """Mooncake's own transfer of the mooncake push's bytes, as that push moves them: ranks
+    [0, S) register one buffer each holding their streams to every receiver one after
+    another; ranks [S, S + R) register one buffer each and read stream (s, d) from sender s
+    with one batched one-sided read per sender, senders in turn (the push's receive). gloo
+    only passes the handles and times the runs (barrier to the slowest receiver's last
+    read); receivers check every stream's first and last byte came from its sender."""
+    from tandem.exchange.transports.mooncake import _Engine, _Registered
+
+    senders, receivers = len(streams), len(streams[0])
+    sending = rank < senders
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=senders + receivers)  # fmt: skip
+    engine = _Engine.get()
+    me = rank if sending else rank - senders
+    size = sum(streams[me]) if sending else sum(row[me] for row in streams)
+    registered = _Registered()
+    buf = registered.at_least(size)
+    buf.fill_(me + 1 if sending else 0)  # the sender's mark; every page touched
+    host, rpc_port = engine.segment.rsplit(":", 1)
+    handle = torch.tensor([int(rpc_port), registered.address if sending else 0])
+    handles = [torch.zeros(2, dtype=torch.int64) for _ in range(senders + receivers)]
+    dist.all_gather(handles, handle)
+    seconds = []
+    for i in range(1 + repeats):  # the first is a warm-up (connections)
+        if not sending:
+            buf.zero_()
+        dist.barrier()
+        start = time.perf_counter()
+        if not sending:
+            at, ends = 0, []
+            for s in range(senders):
+                n = streams[s][me]
+                if not n:
+                    continue
+                rpc, remote = handles[s].tolist()
+                offset = sum(streams[s][:me])
+                rc = engine.engine.batch_transfer_sync_read(f"{host}:{rpc}", [buf.data_ptr() + at],
+                                                            [remote + offset], [n])  # fmt: skip
+                if rc != 0:
+                    raise RuntimeError(f"rank {rank}: reading from sender {s} failed: {rc}")
+                ends.append((s, at, at + n - 1))
+                at += n
+            if i:
+                seconds.append(time.perf_counter() - start)
+            for s, first, last in ends:
+                if not (buf[first] == buf[last] == s + 1):
+                    raise RuntimeError(f"rank {rank} did not read sender {s}'s bytes")
+        dist.barrier()
+    if not sending:
+        _emit(rank=rank, seconds=seconds, nbytes=size)
+    dist.barrier()
+    registered.release()
     dist.destroy_process_group()
 
 
@@ -305,6 +363,9 @@ def main(argv: list[str]) -> int:
     if what == "raw-gloo":
         rank, port, streams, repeats, message_bytes = args
         raw_gloo(int(rank), port, json.loads(streams), int(repeats), int(message_bytes))
+    elif what == "raw-mooncake":
+        rank, port, streams, repeats = args
+        raw_mooncake(int(rank), port, json.loads(streams), int(repeats))
     elif what == "naive":
         rank, port, model_dir, repeats, send, replicas, tp = args
         naive(int(rank), port, model_dir, int(repeats), send, int(replicas), int(tp))
