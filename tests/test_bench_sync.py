@@ -59,7 +59,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     # the streams the dist push's transports counted, per trainer rank and engine rank
     assert raw["streams"] == gloo_direct["bytes_by_receiver_per_rank"]
     checks = result["checks"]  # every push carried new weights and was checked
-    assert checks["pushes_checked"] == 7 * (1 + REPEATS)
+    assert checks["pushes_checked"] == 8 * (1 + REPEATS)
     assert 0 <= checks["max_abs_logprob_error"] <= checks["tolerance"]
     naive = result["naive"]
     assert naive["state_dict_bytes"] == model["bytes"]
@@ -76,10 +76,26 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert 1.0 <= planner["bound_max_over_mean"] <= planner["sender_max_over_mean"]
     assert planner["max_over_bound"] >= 1.0 - 1e-9
 
+    mooncake, raw_mc = result["mooncake"], result["raw_mooncake"]
+    assert mooncake["transport"] == "mooncake" and mooncake["bytes_moved"] == shm["bytes_needed"]
+    assert raw_mc["streams"] == mooncake["bytes_by_receiver_per_rank"]  # the same bytes, read raw
+    assert _positive(raw_mc["seconds"]) and raw_mc["bytes"] == shm["bytes_needed"]
+    # every FSDP2 shard is contiguous float32: only the engine's column shards are staged
+    assert all(0 < n < shm["bytes_needed"] / 2 for n in mooncake["bytes_staged_per_rank"])
+    model_ = result["link_model"]
+    assert all(_positive(model_[k]) for k in ("copy_one_Bps", "copy_all_Bps", "crc_one_Bps",
+                                                "crc_all_Bps"))  # fmt: skip
+    for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "mooncake"):
+        push = result[name]
+        assert _positive(push["predicted_seconds"]) and push["predicted_phases"], name
+        assert push["predicted_over_measured"] == pytest.approx(
+            push["predicted_seconds"] / push["seconds"], abs=1e-3)  # fmt: skip
+
     ratios = result["ratios"]
     assert set(ratios) == {
         "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "vs_naive_gloo", "shm_staged_vs_memcpy",
         "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy", "gloo_unverified_vs_raw_gloo",
+        "mooncake_vs_raw",
     }  # fmt: skip
     assert all(_positive(v) for v in ratios.values())
     expected = result["memcpy"]["seconds"] / shm_direct["seconds"]

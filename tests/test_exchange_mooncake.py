@@ -12,7 +12,7 @@ from faulty_writes import faulty_sender, shifted
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 from tandem.exchange.transports.base import SenderHalf
-from tandem.exchange.transports.mooncake import MooncakeReceiver
+from tandem.exchange.transports.mooncake import MooncakeReceiver, MooncakeSender
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -34,13 +34,31 @@ def _serves_the_trainer(llm, trainer) -> None:
         assert out.outputs[0].token_ids == full[len(ids) - 1 : -1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("tp, dp", [(2, 1), (1, 2)])
-def test_a_push_lands_by_one_sided_reads(models, tp, dp):
-    """TP=2 (worker processes read from the trainer's registered staging) and a fleet of two
-    replicas (both read the one staging)."""
+@pytest.mark.parametrize("tp, dp, dtype", [(2, 1, "float32"), (1, 2, "float32"),
+                                           (2, 1, "bfloat16")])  # fmt: skip
+def test_a_push_lands_by_one_sided_reads(models, tp, dp, dtype, monkeypatch):
+    """TP=2 (worker processes read the trainer's registered tensors where a box is contiguous,
+    its staging for the rest: column shards), a fleet of two replicas (both read the one
+    trainer), and a bfloat16 engine (every box cast into staging)."""
     engine_dir, trainer = models
-    with LLM(engine_dir, tensor_parallel_size=tp, data_parallel_size=dp, dtype="float32") as llm:
+    staged, honest = [], SenderHalf.write_box
+
+    def write_box(self, src, dst):
+        staged.append(1)
+        return honest(self, src, dst)
+
+    monkeypatch.setattr(SenderHalf, "write_box", write_box)
+    with LLM(engine_dir, tensor_parallel_size=tp, data_parallel_size=dp, dtype=dtype) as llm:
         stats = WeightSender(trainer, llm, transport="mooncake").push(version=3)
+        boxes = sum(1 for _ in trainer.parameters())
+        if dtype == "bfloat16":
+            assert len(staged) >= boxes  # every box cast on the way
+        elif tp == 2:
+            assert 0 < len(staged) < boxes * tp  # column shards staged, the rest read in place
+        else:
+            assert not staged  # every box read straight from the trainer's tensors
+        if dtype == "bfloat16":
+            return  # its numerics: tests/test_exchange_bf16.py (same sender-side cast)
         assert llm.weight_version == 3 and stats.version == 3
         needed = sum(p.numel() * 4 for p in trainer.parameters())
         assert stats.bytes_moved >= needed  # what the trainer staged (TP replicates norms)
@@ -50,10 +68,12 @@ def test_a_push_lands_by_one_sided_reads(models, tp, dp):
 
 
 def test_a_wrong_staging_write_is_caught_and_the_old_version_serves(models, monkeypatch):
+    """Every box staged (none read from the trainer's tensors), each written shifted."""
     engine_dir, trainer = models
     with LLM(engine_dir, dtype="float32") as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
         with monkeypatch.context() as m:
+            m.setattr(MooncakeSender, "_in_place", staticmethod(lambda t, dtype: False))
             m.setattr(SenderHalf, "write_box", faulty_sender(shifted))
             with pytest.raises(WeightSyncError, match="checksum mismatch.*as staged") as err:
                 WeightSender(trainer, llm, transport="mooncake").push(version=1)

@@ -251,3 +251,26 @@ def test_tandem_plan_errors_name_the_field(tmp_path, capsys, flag, value, field)
     args[flag] = value
     assert main(["plan", *(x for kv in args.items() for x in kv)]) == 1
     assert field in capsys.readouterr().err
+
+
+def test_the_local_link_model_on_hand_computed_pushes():
+    """`tandem.scale.local`: each phase by hand (GB/s figures, 2 cores)."""
+    from tandem.scale.local import LocalRates, predict_push
+
+    rates = LocalRates(10 * GB, 16 * GB, 20 * GB, 30 * GB, 2, stream_Bps=5 * GB)
+    streams = [[100 * 10**6, 0], [0, 100 * 10**6]]  # each trainer rank feeds one engine rank
+    # shm in place: 2 trainers copy (min(10, 16 / 2) = 8 GB/s) and CRC (min(20, 30 / 2) = 15)
+    # their 100 MB at once; then 2 ranks CRC theirs
+    copy, crc = 0.1 / 8, 0.1 / 15
+    p = predict_push("shm_in_place", streams, rates)
+    assert p["phases"] == pytest.approx({"deliver": copy + crc, "verify": crc})
+    p = predict_push("shm", streams, rates, verify=False)  # no CRC anywhere
+    assert p["phases"] == pytest.approx({"deliver": copy, "commit": copy})
+    # dist in place into 2 replicas: 200 MB to replica 0, 200 MB relayed on, every byte
+    # through the node's loopback (5 GB/s) with a CRC on both ends (30 GB/s for all cores)
+    p = predict_push("dist_in_place", streams, rates, replicas=2)
+    assert p["seconds"] == pytest.approx(0.4 * (1 / 5 + 2 / 30))
+    # mooncake: each trainer CRCs its 100 MB and copies the 40 MB it staged
+    p = predict_push("mooncake", streams, rates, staged=[40 * 10**6, 40 * 10**6])
+    assert p["phases"]["deliver"] == pytest.approx(0.1 / 15 + 0.04 / 8)
+    assert p["phases"]["receive"] == pytest.approx(0.2 / 5)

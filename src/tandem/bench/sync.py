@@ -239,9 +239,10 @@ def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
         for verify, field in ((True, ""), (False, "unverified_")):
             if f"{field}seconds" not in push:
                 continue
-            predicted = predict_push(
-                kind, per_stream, rates, verify=verify, engine_threads=max(1, cpu["cores"] // 2)
-            )  # TP=2 workers
+            threads = max(1, cpu["cores"] // 2)  # each of the engine's TP=2 workers
+            predicted = predict_push(kind, per_stream, rates, verify=verify,
+                                     engine_threads=threads,
+                                     staged=push["bytes_staged_per_rank"])  # fmt: skip
             push[f"{field}predicted_seconds"] = round(predicted["seconds"], 6)
             push[f"{field}predicted_over_measured"] = round(
                 predicted["seconds"] / push[f"{field}seconds"], 3
@@ -294,6 +295,7 @@ def push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "bytes_moved": first["bytes_moved"],
         "bytes_sent_per_rank": [r["bytes_sent"] for r in ranks],
         "bytes_by_receiver_per_rank": [r["bytes_by_receiver"] for r in ranks],
+        "bytes_staged_per_rank": [r.get("bytes_staged") for r in ranks],
         "seconds_per_push": [round(s, 6) for s in per_push],
         "warmup_seconds": round(max(r["warmup_seconds"] for r in ranks), 4),
         "transport": first["transport"],

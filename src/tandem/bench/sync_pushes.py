@@ -211,6 +211,7 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
                      "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
                      "bytes_moved": stats.bytes_moved, "transport": stats.transport,
                      "bytes_by_receiver": list(stats.bytes_by_receiver),
+                     "bytes_staged": stats.bytes_staged,
                      "replicas": [asdict(r) for r in stats.replicas]}  # fmt: skip
     dist.barrier()
     print(json.dumps({"rank": rank, "pushes": version, "modes": out}), flush=True)

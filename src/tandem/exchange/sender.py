@@ -54,6 +54,8 @@ class PushStats:
     # per replica of a fleet (a single engine: one): needed, arrived, relayed on, seconds,
     # and how it came out (committed, held for its rolling wave, or failed and why)
     replicas: tuple[ReplicaPush, ...] = ()
+    # by this rank, into staging, where the transport reads the rest in place (mooncake)
+    bytes_staged: int | None = None
 
     @property
     def failed(self) -> dict[int, str]:
@@ -185,7 +187,8 @@ class WeightSender:
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()
         return PushStats(reply.version, sum(sent), reply.bytes_needed, reply.bytes_moved,
                          time.perf_counter() - start, self.transport, sent,
-                         tuple(reply.replicas))  # fmt: skip
+                         tuple(reply.replicas),
+                         delivery.bytes_staged if delivery is not None else None)  # fmt: skip
 
     def close(self) -> None:
         """Release this sender's staging memory and its mappings of engine memory (also

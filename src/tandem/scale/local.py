@@ -20,8 +20,9 @@ What each push kind does in each phase:
 - shm in place: trainers CRC+copy into the live parameters; ranks CRC them (verify).
 - dist in place: trainers CRC+send, ranks receive+CRC, one stream per (trainer, rank), relays
   forwarding as boxes land; staged adds the commit (copy + CRC).
-- mooncake: trainers CRC+copy into registered staging; ranks read it (one-sided), CRC it,
-  copy it into their parameters and CRC them.
+- mooncake: trainers CRC every box and copy into registered staging those they cannot offer
+  in place (``staged``: bytes per trainer rank, as the senders counted them); ranks read
+  (one-sided), CRC what landed, copy it into their parameters and CRC them.
 
 Unverified pushes drop every CRC. No constant is fitted: a push far slower than predicted
 spends time that no link explains.
@@ -65,6 +66,7 @@ def predict_push(
     verify: bool = True,
     replicas: int = 1,
     engine_threads: int = 1,
+    staged: list[int | None] | None = None,
 ) -> dict:
     """Predicted seconds of one push of ``kind`` (`KINDS`) moving ``streams[s][d]`` bytes from
     trainer rank s (one thread each) to engine rank d of each of ``replicas`` replicas (each
@@ -75,9 +77,14 @@ def predict_push(
     per_rank = [sum(row[d] for row in streams) for d in range(ranks)] * replicas
     per_sender = [sum(row) for row in streams]
     phases: dict[str, float] = {}
-    if kind in ("shm", "shm_in_place", "mooncake"):
+    if kind in ("shm", "shm_in_place"):
         phases["deliver"] = _cpu_pass(per_sender, rates, 1, copy=True, crc=verify)
-    if kind == "mooncake":
+    if kind == "mooncake":  # every box checksummed, the staged ones copied too
+        copied = [
+            n if st is None else st
+            for n, st in zip(per_sender, staged or [None] * len(per_sender), strict=True)
+        ]
+        phases["deliver"] = _cpu_seconds(per_sender, copied, rates, verify)
         phases["receive"] = _stream(streams, replicas, rates, relays=False, crc=False)
     if kind.startswith("dist"):
         phases["deliver"] = _stream(streams, replicas, rates, relays=True, crc=verify)
@@ -100,6 +107,14 @@ def _cpu_pass(nbytes: list[int], rates: LocalRates, threads: int, copy: bool, cr
     net = Network(list(range(len(nbytes))), list(range(len(nbytes), 2 * len(nbytes))),
                   lambda a, b: "cpu", {"cpu": 1 / per_byte})  # fmt: skip
     return simulate(flows, {}, net, 1 << 60).seconds
+
+
+def _cpu_seconds(checked: list[int], copied: list[int], rates: LocalRates, crc: bool) -> float:
+    """Processes at once, each checksumming its ``checked`` bytes and copying its ``copied``
+    ones (one thread each): the slowest one's time."""
+    active = sum(1 for n in checked if n)
+    return max((n * (rates.crc(active) if crc else 0.0) + c * rates.copy(active)
+                for n, c in zip(checked, copied, strict=True)), default=0.0)  # fmt: skip
 
 
 def _stream(streams, replicas: int, rates: LocalRates, relays: bool, crc: bool) -> float:

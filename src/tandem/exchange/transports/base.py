@@ -47,6 +47,7 @@ class Delivery:
     bytes_moved: list[int]
     staging: list | None = None
     keep: object = field(default=None, repr=False)
+    bytes_staged: int | None = None  # copied into staging where others are read in place
 
 
 class SenderHalf:

@@ -2,14 +2,18 @@
 registered once, bytes moved by one-sided reads, TCP where the hosts have no RDMA NIC (this
 machine) and RDMA where they do (``TANDEM_MOONCAKE_PROTOCOL=rdma``).
 
-``staged`` only. Each trainer rank packs its boxes into a staging buffer of its own,
-registered with its process's transfer engine once (kept for its later pushes) and answers
-with the buffer's handle (segment, address, size). The target's ranks then pull: each reads
-its records straight out of the senders' registered memory into a buffer of its own (also
-registered once), with batched one-sided reads that coalesce boxes adjacent on both sides,
-checks every box there against the trainers' CRC32s and copies it into its parameters on
-commit. The trainers' staging is read in place, so a fleet's replicas all read the one
-staging (no relay through a peer replica). Peers find each other by handshake
+``staged`` only. A box the trainer holds contiguously, already in the engine's dtype, is read
+straight out of the trainer's tensor: the tensor's memory is registered with the process's
+transfer engine (kept across pushes while the tensor stays where it is) and only its CRC32
+is taken. Every other box is packed into a staging buffer of the trainer rank's own,
+registered once and kept for its later pushes. The rank answers with the staging's handle
+(segment, address, size) and the address of every box read in place. The target's ranks then
+pull: each reads its records out of the senders' registered memory into a landing buffer of
+its own (also registered once), with batched one-sided reads that coalesce boxes adjacent on
+both sides, checks every box there against the trainers' CRC32s and copies it into its
+parameters on commit. The trainer's tensors are read while its ``push`` waits for the answer:
+they must not change until it returns. A fleet's replicas all read the trainers' memory (no
+relay through a peer replica). Peers find each other by handshake
 (``P2PHANDSHAKE``: no metadata server); ``TANDEM_MOONCAKE_HOSTNAME`` is the address peers
 reach this process at (default 127.0.0.1), ``TANDEM_MOONCAKE_DEVICE`` the RDMA devices.
 """
@@ -23,6 +27,7 @@ from collections import defaultdict
 
 import torch
 
+from tandem.exchange.checksum import source_crc32
 from tandem.exchange.items import Record
 from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf, Transport
@@ -54,6 +59,7 @@ class _Engine:
         if rc != 0:
             raise MooncakeError(f"transfer engine did not start on {hostname} ({protocol}): {rc}")
         self.segment = f"{hostname}:{self.engine.get_rpc_port()}"
+        self.pins = _Pins(self.engine)
 
     @classmethod
     def get(cls) -> _Engine:
@@ -102,14 +108,92 @@ class MooncakeSender(SenderHalf):
     def __init__(self, settings, device, rank):
         super().__init__(settings, device, rank)
         self._staging = _Registered()  # kept for the next push
+        self._held: set[tuple[int, int]] = set()  # regions of trainer tensors pinned (`_Pins`)
+        weakref.finalize(self, _drop_all, _Engine.get().pins, self._held)
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
+        dtype = self.dtype(plan)
+        readable = self._register({key: t for key, t in tensors.items()
+                                   if self._in_place(t, dtype)})  # fmt: skip
         buf = self._staging.at_least(plan.size)
-        crcs, moved = self.write_items(plan, tensors, self.staged(plan, buf))
-        return Delivery(crcs, moved, [_Engine.get().segment, self._staging.address, plan.size])
+        crcs: list[int | None] = []
+        moved = [0] * (1 + max((item.dst for item in plan.items), default=-1))
+        direct = []  # [staging offset, address] of each box read from the trainer's tensor
+        staged = 0
+        with torch.no_grad():
+            for item, dst in zip(plan.items, self.staged(plan, buf), strict=True):
+                src = self.source(tensors, item)
+                if item.key in readable and src.is_contiguous():
+                    crcs.append(source_crc32(src, dtype) if self.settings.verify else None)
+                    direct.append([item.offset, src.data_ptr()])
+                else:
+                    crcs.append(self.write_box(src, dst))
+                    staged += item.nbytes
+                moved[item.dst] += item.nbytes
+        handle = [_Engine.get().segment, self._staging.address, plan.size, direct]
+        return Delivery(crcs, moved, handle, bytes_staged=staged)
+
+    @staticmethod
+    def _in_place(t: torch.Tensor, dtype: torch.dtype) -> bool:
+        return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel()
+
+    def _register(self, tensors: dict[str, torch.Tensor]) -> set[str]:
+        """Pin each tensor's memory for reading in place (`_Pins`); this sender's pins on
+        memory no longer named are dropped first (it may have been freed and reused). The keys
+        whose tensors the engine may read in place."""
+        wanted = {_region(t): t for t in tensors.values()}
+        pins = _Engine.get().pins
+        for region in [r for r in self._held if r not in wanted]:
+            self._held.discard(region)
+            pins.drop(region)
+        for region, t in wanted.items():
+            if region not in self._held and pins.take(region, t):
+                self._held.add(region)
+        return {key for key, t in tensors.items() if _region(t) in self._held}
 
     def close(self) -> None:
         self._staging.release()
+        self._register({})
+
+
+def _region(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.numel() * t.element_size()
+
+
+def _drop_all(pins: _Pins, held: set) -> None:
+    for region in held:
+        pins.drop(region)
+    held.clear()
+
+
+class _Pins:
+    """The process's tensor memory registered for reading in place, counted by the senders
+    holding it (two senders of one model share a registration; the engine refuses a region
+    registered twice) and kept alive (a tensor is not freed while registered)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._pins: dict[tuple[int, int], list] = {}  # region -> [tensor, holders]
+
+    def take(self, region: tuple[int, int], t: torch.Tensor) -> bool:
+        with self._lock:
+            pin = self._pins.get(region)
+            if pin is None:
+                if self._engine.register_memory(*region) != 0:
+                    return False  # overlaps memory registered otherwise: staged instead
+                pin = self._pins[region] = [t, 0]
+            pin[1] += 1
+            return True
+
+    def drop(self, region: tuple[int, int]) -> None:
+        with self._lock:
+            pin = self._pins.get(region)
+            if pin is not None:
+                pin[1] -= 1
+                if pin[1] == 0:
+                    self._engine.unregister_memory(region[0])
+                    del self._pins[region]
 
 
 class MooncakeReceiver(ReceiverHalf):
@@ -118,27 +202,34 @@ class MooncakeReceiver(ReceiverHalf):
         self._landing = _Registered()  # kept for the next push
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
-        """Read every record from its sender's registered staging into this rank's landing
-        buffer (records one after another, in order), one batch per sender."""
+        """Read every record from its sender's registered memory (its tensor, or its staging)
+        into this rank's landing buffer (records one after another, in order), one batch per
+        sender."""
         engine = _Engine.get().engine
         total = sum(r.nbytes for r in records)
         base = self._landing.at_least(total).data_ptr()
         batches: dict[int, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        direct: dict[int, dict[int, int]] = {}  # trainer rank -> staging offset -> address
         at = 0
         for r in records:
             handle = spec.staging[r.source] if spec.staging else None
             if handle is None or r.offset + r.nbytes > handle[2]:
                 raise MooncakeError(f"no staging of trainer rank {r.source} holds {r.where}")
+            if r.source not in direct:
+                direct[r.source] = {offset: address for offset, address in handle[3]}
+            address = direct[r.source].get(r.offset)
+            staged = address is None
+            if staged:
+                address = handle[1] + r.offset
             local, remote, lengths = batches[r.source]
-            if (
-                local
-                and local[-1] + lengths[-1] == base + at
-                and (remote[-1] + lengths[-1] == handle[1] + r.offset)
-            ):
-                lengths[-1] += r.nbytes  # adjacent on both sides: one read
+            adjacent = bool(local) and local[-1] + lengths[-1] == base + at
+            if staged and adjacent and remote[-1] + lengths[-1] == address:
+                # adjacent on both sides in the one staging buffer: one read (a tensor read in
+                # place is registered on its own, and a read may not cross two registrations)
+                lengths[-1] += r.nbytes
             else:
                 local.append(base + at)
-                remote.append(handle[1] + r.offset)
+                remote.append(address)
                 lengths.append(r.nbytes)
             at += r.nbytes
         for source, (local, remote, lengths) in batches.items():
