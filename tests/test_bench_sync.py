@@ -59,7 +59,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     # the streams the dist push's transports counted, per trainer rank and engine rank
     assert raw["streams"] == gloo_direct["bytes_by_receiver_per_rank"]
     checks = result["checks"]  # every push carried new weights and was checked
-    assert checks["pushes_checked"] == 8 * (1 + REPEATS)
+    assert checks["pushes_checked"] == 9 * (1 + REPEATS)
     assert 0 <= checks["max_abs_logprob_error"] <= checks["tolerance"]
     naive = result["naive"]
     assert naive["state_dict_bytes"] == model["bytes"]
@@ -85,7 +85,9 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     model_ = result["link_model"]
     assert all(_positive(model_[k]) for k in ("copy_one_Bps", "copy_all_Bps", "crc_one_Bps",
                                                 "crc_all_Bps"))  # fmt: skip
-    for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "mooncake"):
+    assert result["mooncake_in_place"]["mode"] == "in_place"
+    assert raw_mc["streams"] == result["mooncake_in_place"]["bytes_by_receiver_per_rank"]
+    for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "mooncake", "mooncake_in_place"):
         push = result[name]
         assert _positive(push["predicted_seconds"]) and push["predicted_phases"], name
         assert push["predicted_over_measured"] == pytest.approx(
@@ -95,7 +97,7 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert set(ratios) == {
         "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "vs_naive_gloo", "shm_staged_vs_memcpy",
         "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy", "gloo_unverified_vs_raw_gloo",
-        "mooncake_vs_raw",
+        "mooncake_vs_raw", "mooncake_staged_vs_raw",
     }  # fmt: skip
     assert all(_positive(v) for v in ratios.values())
     expected = result["memcpy"]["seconds"] / shm_direct["seconds"]

@@ -106,8 +106,37 @@ def test_a_read_from_the_wrong_place_is_caught(models, monkeypatch):
         _serves_the_trainer(llm, trainer)
 
 
-def test_in_place_is_refused_naming_the_mode(models):
+def test_in_place_reads_land_in_the_live_parameters(models):
+    """TP=2: each worker reads its boxes straight into its parameters (registered once) or,
+    for boxes strided there, through its buffer; no parameter moves."""
     engine_dir, trainer = models
+    with LLM(engine_dir, tensor_parallel_size=2, dtype="float32") as llm:
+        WeightSender(trainer, llm, transport="mooncake", mode="in_place").push(version=1)
+        assert llm.weight_version == 1
+        _serves_the_trainer(llm, trainer)
+        WeightSender(trainer, llm, transport="mooncake", mode="in_place").push(version=2)
+        assert llm.weight_version == 2  # the pinned parameters serve a second push too
+
+
+def test_an_in_place_read_gone_wrong_tears_the_engine_until_a_good_push(models, monkeypatch):
+    engine_dir, trainer = models
+    honest = MooncakeReceiver.receive
+
+    def receive(self, spec, records):  # one live byte flipped after the reads
+        n = honest(self, spec, records)
+        with torch.no_grad():
+            box = self.live(records[:1])[0]
+            box.view(-1)[0] += 1.0
+        return n
+
     with LLM(engine_dir, dtype="float32") as llm:
-        with pytest.raises(ValueError, match="mode must be one of .'staged',. for transport"):
-            WeightSender(trainer, llm, transport="mooncake", mode="in_place")
+        data_ptrs = [p.data_ptr() for p in llm.engine.executor.runner.model.parameters()]
+        with monkeypatch.context() as m:
+            m.setattr(MooncakeReceiver, "receive", receive)
+            with pytest.raises(WeightSyncError, match="checksum mismatch.*live parameter"):
+                WeightSender(trainer, llm, transport="mooncake", mode="in_place").push(version=1)
+        with pytest.raises(WeightSyncError, match="refused until a complete push"):
+            llm.generate(PROMPTS, GREEDY)
+        WeightSender(trainer, llm, transport="mooncake", mode="in_place").push(version=2)
+        _serves_the_trainer(llm, trainer)
+        assert [p.data_ptr() for p in llm.engine.executor.runner.model.parameters()] == data_ptrs

@@ -165,9 +165,7 @@ def predict_fleet_pushes(fleets: dict[str, Any], timeout: float) -> dict[str, An
             per_rank = push["bytes_by_receiver_per_rank"]
             if any(any(row[tp:]) for row in per_rank):  # trainers feed the first replica only
                 raise RuntimeError(f"{mode} push sent trainers' bytes past replica 0: {per_rank}")
-            rates = LocalRates(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
-                               cpu["crc_all_Bps"], cpu["cores"],
-                               gloo if mode == "dist" else None)  # fmt: skip
+            rates = LocalRates.measured(cpu, gloo if mode == "dist" else None)  # fmt: skip
             predicted = predict_push(mode, [row[:tp] for row in per_rank], rates,
                                      replicas=replicas,
                                      engine_threads=engine_threads(replicas * tp))  # fmt: skip

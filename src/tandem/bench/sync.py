@@ -25,12 +25,14 @@ Measured in one run, on this host, on the same bytes:
   push's rounds (2 streams at a time);
   best of ``REPEATS`` after a warm-up, a run timed to the slowest receiver's last message: the
   floor for a torch.distributed transport on CPU moving those bytes that way.
-- ``mooncake``: the same trainer processes push with ``transport="mooncake"`` (staged into
-  memory registered with the Mooncake Transfer Engine, read by the engine's ranks with
-  one-sided batched reads, TCP on loopback, verified); ``raw_mooncake``: Mooncake's own reads
-  of exactly the bytes that push's transports counted per (trainer rank, engine rank), between
-  2 sender and 2 receiver processes with memory registered once, one batched read per stream
-  (`mooncake_vs_raw`).
+- ``mooncake`` / ``mooncake_in_place``: the same trainer processes push with
+  ``transport="mooncake"`` (the engine's ranks read each box with one-sided batched reads, TCP
+  on loopback, out of the trainer's registered tensor where it is contiguous, else out of its
+  registered staging; staged into a landing buffer then committed, or in place into the
+  registered live parameters; verified); ``raw_mooncake``: Mooncake's own reads of exactly
+  the bytes that push's transports counted per (trainer rank, engine rank), between 2 sender
+  and 2 receiver processes with memory registered once, one batched read per stream
+  (`mooncake_vs_raw`: in place, as `shm_vs_memcpy`; `mooncake_staged_vs_raw`).
 - ``link_model``: what the same schedule simulation `tandem plan` runs at cluster scale
   predicts for each push above (`tandem.scale.local`), from link speeds measured in this run:
   a copy and a CRC32 on one thread and on every core at once (``cpu_rates``), and the raw
@@ -171,9 +173,10 @@ def run(quick: bool = False) -> dict[str, Any]:
         raise RuntimeError(f"dist pushes disagree on their streams: {streams}")
     result["raw_gloo"] = base.raw_gloo(streams, timeout)
     lap("raw_gloo")
-    mooncake = pushes["mooncake"]
-    mooncake["mode"] = "staged"
+    mooncake, mooncake_direct = pushes["mooncake"], pushes["mooncake-in_place"]
+    mooncake["mode"], mooncake_direct["mode"] = "staged", "in_place"
     result["mooncake"] = mooncake
+    result["mooncake_in_place"] = mooncake_direct
     result["raw_mooncake"] = base.raw_mooncake(mooncake["bytes_by_receiver_per_rank"], timeout)
     lap("raw_mooncake")
     result["naive"] = base.naive(path, timeout)
@@ -195,7 +198,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
         "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
         "gloo_unverified_vs_raw_gloo": round(raw / gloo_direct["unverified_seconds"], 3),
-        "mooncake_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake["seconds"], 3),
+        "mooncake_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake_direct["seconds"], 3),
+        "mooncake_staged_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake["seconds"], 3),
     }
     result["notes"] = [
         "shm_vs_memcpy and gloo_vs_raw_gloo time mode='in_place' (the one-copy paths: trainer "
@@ -219,7 +223,8 @@ PLANNER_TIMEOUT_S = 450.0
 # bench key -> (the link model's push kind, the raw baseline its streams are calibrated on)
 PREDICTED = {"shm": ("shm", None), "shm_in_place": ("shm_in_place", None),
              "gloo": ("dist", "raw_gloo"), "gloo_in_place": ("dist_in_place", "raw_gloo"),
-             "mooncake": ("mooncake", "raw_mooncake")}  # fmt: skip
+             "mooncake": ("mooncake", "raw_mooncake"),
+             "mooncake_in_place": ("mooncake_in_place", "raw_mooncake")}  # fmt: skip
 
 
 def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
@@ -233,8 +238,7 @@ def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
                for raw in ("raw_gloo", "raw_mooncake")}  # fmt: skip
     for key, (kind, raw) in PREDICTED.items():
         push = result[key]
-        rates = LocalRates(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
-                           cpu["crc_all_Bps"], cpu["cores"], streams.get(raw))  # fmt: skip
+        rates = LocalRates.measured(cpu, streams.get(raw))  # fmt: skip
         per_stream = push["bytes_by_receiver_per_rank"]
         for verify, field in ((True, ""), (False, "unverified_")):
             if f"{field}seconds" not in push:

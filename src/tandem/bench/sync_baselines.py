@@ -48,10 +48,11 @@ def memcpy(nbytes: int) -> dict[str, Any]:
 
 
 def cpu_rates(nbytes: int) -> dict[str, Any]:
-    """What a core does to bytes, for the link model (`tandem.scale.local`): a copy and an
-    ISA-L CRC32 of ``nbytes`` contiguous bytes, on one thread and on every core at once (a
+    """What a core does to bytes, for the link model (`tandem.scale.local`): a copy, an ISA-L
+    CRC32 and a checked copy (the sender's write: CRC32 chunk by chunk, each chunk then copied)
+    of ``nbytes`` contiguous bytes, on one thread and on every core at once (a
     thread per core, each on its own buffers), best of ``REPEATS``; bytes per second."""
-    from tandem.exchange.checksum import crc32
+    from tandem.exchange.checksum import checked_copy, crc32
 
     cores = len(os.sched_getaffinity(0))
     pairs = []
@@ -60,7 +61,8 @@ def cpu_rates(nbytes: int) -> dict[str, Any]:
         src.fill_(7)
         dst.fill_(0)  # every page touched before timing
         pairs.append((src, dst))
-    ops = {"copy": lambda src, dst: dst.copy_(src), "crc": lambda src, dst: crc32(src)}
+    ops = {"copy": lambda src, dst: dst.copy_(src), "crc": lambda src, dst: crc32(src),
+           "checked_copy": lambda src, dst: checked_copy(src, dst, True)}  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out: dict[str, Any] = {"bytes": nbytes, "cores": cores, "timing": f"best of {REPEATS}"}

@@ -48,6 +48,7 @@ MODES: dict[str, dict[str, Any]] = {
     "dist-in_place": {"transport": "dist", "mode": "in_place"},
     "dist-in_place-unverified": {"transport": "dist", "mode": "in_place", "verify": False},
     "mooncake": {"transport": "mooncake"},  # one-sided reads, TCP on loopback
+    "mooncake-in_place": {"transport": "mooncake", "mode": "in_place"},
 }
 GATHERED = "gathered"  # the RL frameworks' path (see the module's docstring)
 # The trainers multiply every weight by these in turn before each push: large changes (a push

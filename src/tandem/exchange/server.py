@@ -211,6 +211,8 @@ class ExchangeServer:
                 update.run(PushPhase.RECEIVE, self._by_receiver(_interleaved(records)))
             spec, by_receiver, moved = self._readies(spec, socks, records)
             update.spec = spec
+            if transport.pulls:  # the target's ranks read what the trainers offer
+                update.run(PushPhase.RECEIVE, by_receiver)
             update.run(PushPhase.VERIFY, by_receiver)
             self._commit(update, by_receiver, lambda: held(update, moved))
         return moved, update

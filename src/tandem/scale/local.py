@@ -15,14 +15,17 @@ A push runs in phases, each waiting for the last (the exchange server's order), 
 simulated: the trainers' delivery, then what the engine's ranks do (receive, verify, commit).
 What each push kind does in each phase:
 
-- shm staged: trainers CRC+copy into their staging; ranks CRC it (verify); ranks copy it into
+- shm staged: trainers CRC+copy into their staging (a checked copy: each chunk checksummed as
+  read, then copied from cache, measured as such); ranks CRC it (verify); ranks copy it into
   their parameters and CRC them there (commit).
 - shm in place: trainers CRC+copy into the live parameters; ranks CRC them (verify).
 - dist in place: trainers CRC+send, ranks receive+CRC, one stream per (trainer, rank), relays
   forwarding as boxes land; staged adds the commit (copy + CRC).
 - mooncake: trainers CRC every box and copy into registered staging those they cannot offer
   in place (``staged``: bytes per trainer rank, as the senders counted them); ranks read
-  (one-sided), CRC what landed, copy it into their parameters and CRC them.
+  (one-sided), CRC what landed, copy it into their parameters and CRC them; in place, read
+  into the parameters and CRC them there (the copy into place of boxes strided in the engine
+  is not modelled).
 
 Unverified pushes drop every CRC. No constant is fitted: a push far slower than predicted
 spends time that no link explains.
@@ -34,7 +37,7 @@ from dataclasses import dataclass
 
 from tandem.scale.simulate import Flow, Network, simulate
 
-KINDS = ("shm", "shm_in_place", "dist", "dist_in_place", "mooncake")
+KINDS = ("shm", "shm_in_place", "dist", "dist_in_place", "mooncake", "mooncake_in_place")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,16 @@ class LocalRates:
     crc_all_Bps: float
     cores: int
     stream_Bps: float | None = None  # the node's loopback streams together (dist, mooncake)
+    # a sender's write: each chunk checksummed as read, then copied from cache (`checked_copy`)
+    checked_copy_one_Bps: float | None = None
+    checked_copy_all_Bps: float | None = None
+
+    @classmethod
+    def measured(cls, cpu: dict, stream_Bps: float | None = None) -> LocalRates:
+        """From `tandem.bench.sync_baselines.cpu_rates`'s figures."""
+        return cls(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
+                   cpu["crc_all_Bps"], cpu["cores"], stream_Bps, cpu.get("checked_copy_one_Bps"),
+                   cpu.get("checked_copy_all_Bps"))  # fmt: skip
 
     def copy(self, active: int, threads: int = 1) -> float:
         """Seconds per byte copied by each of ``active`` processes copying at once."""
@@ -52,6 +65,11 @@ class LocalRates:
 
     def crc(self, active: int) -> float:
         return 1 / min(self.crc_one_Bps, self.crc_all_Bps / active)
+
+    def checked_copy(self, active: int) -> float:
+        if self.checked_copy_one_Bps is None or self.checked_copy_all_Bps is None:
+            return self.copy(active) + self.crc(active)
+        return 1 / min(self.checked_copy_one_Bps, self.checked_copy_all_Bps / active)
 
 
 def stream_rate(streams: list[list[int]], seconds: float) -> float:
@@ -78,8 +96,8 @@ def predict_push(
     per_sender = [sum(row) for row in streams]
     phases: dict[str, float] = {}
     if kind in ("shm", "shm_in_place"):
-        phases["deliver"] = _cpu_pass(per_sender, rates, 1, copy=True, crc=verify)
-    if kind == "mooncake":  # every box checksummed, the staged ones copied too
+        phases["deliver"] = _cpu_seconds(per_sender, per_sender, rates, verify)
+    if kind.startswith("mooncake"):  # every box checksummed, the staged ones copied too
         copied = [
             n if st is None else st
             for n, st in zip(per_sender, staged or [None] * len(per_sender), strict=True)
@@ -88,7 +106,7 @@ def predict_push(
         phases["receive"] = _stream(streams, replicas, rates, relays=False, crc=False)
     if kind.startswith("dist"):
         phases["deliver"] = _stream(streams, replicas, rates, relays=True, crc=verify)
-    if verify and kind in ("shm", "shm_in_place", "mooncake"):
+    if verify and kind.startswith(("shm", "mooncake")):
         phases["verify"] = _cpu_pass(per_rank, rates, engine_threads, copy=False, crc=True)
     if kind in ("shm", "dist", "mooncake"):
         phases["commit"] = _cpu_pass(per_rank, rates, engine_threads, copy=True, crc=verify)
@@ -110,10 +128,12 @@ def _cpu_pass(nbytes: list[int], rates: LocalRates, threads: int, copy: bool, cr
 
 
 def _cpu_seconds(checked: list[int], copied: list[int], rates: LocalRates, crc: bool) -> float:
-    """Processes at once, each checksumming its ``checked`` bytes and copying its ``copied``
-    ones (one thread each): the slowest one's time."""
+    """Trainer processes at once (one thread each), each writing its ``copied`` bytes (a
+    checked copy: `checked_copy`; a plain copy unverified) and checksumming the rest of its
+    ``checked`` bytes where they are: the slowest one's time."""
     active = sum(1 for n in checked if n)
-    return max((n * (rates.crc(active) if crc else 0.0) + c * rates.copy(active)
+    write = rates.checked_copy(active) if crc else rates.copy(active)
+    return max(((n - c) * (rates.crc(active) if crc else 0.0) + c * write
                 for n, c in zip(checked, copied, strict=True)), default=0.0)  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 registered once, bytes moved by one-sided reads, TCP where the hosts have no RDMA NIC (this
 machine) and RDMA where they do (``TANDEM_MOONCAKE_PROTOCOL=rdma``).
 
-``staged`` only. A box the trainer holds contiguously, already in the engine's dtype, is read
+A box the trainer holds contiguously, already in the engine's dtype, is read
 straight out of the trainer's tensor: the tensor's memory is registered with the process's
 transfer engine (kept across pushes while the tensor stays where it is) and only its CRC32
 is taken. Every other box is packed into a staging buffer of the trainer rank's own,
@@ -11,7 +11,11 @@ registered once and kept for its later pushes. The rank answers with the staging
 pull: each reads its records out of the senders' registered memory into a landing buffer of
 its own (also registered once), with batched one-sided reads that coalesce boxes adjacent on
 both sides, checks every box there against the trainers' CRC32s and copies it into its
-parameters on commit. The trainer's tensors are read while its ``push`` waits for the answer:
+parameters on commit (``staged``), or reads it straight into the live parameter where the
+box is contiguous there (``in_place``: the parameters registered once, the engine paused
+while its ranks read; boxes not contiguous in the engine land in the buffer and are copied
+into place), then checks the parameters. The trainer's tensors are read while its ``push``
+waits for the answer:
 they must not change until it returns. A fleet's replicas all read the trainers' memory (no
 relay through a peer replica). Peers find each other by handshake
 (``P2PHANDSHAKE``: no metadata server); ``TANDEM_MOONCAKE_HOSTNAME`` is the address peers
@@ -200,18 +204,28 @@ class MooncakeReceiver(ReceiverHalf):
     def __init__(self, model, rank, device):
         super().__init__(model, rank, device)
         self._landing = _Registered()  # kept for the next push
+        self._params: set[tuple[int, int]] = set()  # live parameters pinned (in place)
+        weakref.finalize(self, _drop_all, _Engine.get().pins, self._params)
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
-        """Read every record from its sender's registered memory (its tensor, or its staging)
-        into this rank's landing buffer (records one after another, in order), one batch per
-        sender."""
-        engine = _Engine.get().engine
-        total = sum(r.nbytes for r in records)
-        base = self._landing.at_least(total).data_ptr()
+        """Read every record from its sender's registered memory (its tensor, or its staging),
+        one batch per sender: staged, into this rank's landing buffer (records one after
+        another, in order); in place, straight into the live parameter where the record's
+        region is contiguous there (the parameters pinned), else through the landing buffer
+        and copied into place."""
+        in_place = spec.settings.in_place
+        live = self.live(records) if in_place else [None] * len(records)
+        if in_place:
+            self._pin_params()
+        lands = [t is None or not t.is_contiguous() for t in live]
+        base = self._landing.at_least(
+            sum(r.nbytes for r, land in zip(records, lands, strict=True) if land)
+        )
+        base_ptr = base.data_ptr()
         batches: dict[int, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
         direct: dict[int, dict[int, int]] = {}  # trainer rank -> staging offset -> address
-        at = 0
-        for r in records:
+        landed_at, at = [], 0
+        for r, target, land in zip(records, live, lands, strict=True):
             handle = spec.staging[r.source] if spec.staging else None
             if handle is None or r.offset + r.nbytes > handle[2]:
                 raise MooncakeError(f"no staging of trainer rank {r.source} holds {r.where}")
@@ -221,27 +235,54 @@ class MooncakeReceiver(ReceiverHalf):
             staged = address is None
             if staged:
                 address = handle[1] + r.offset
+            to = base_ptr + at if land else target.data_ptr()
             local, remote, lengths = batches[r.source]
-            adjacent = bool(local) and local[-1] + lengths[-1] == base + at
+            adjacent = bool(local) and land and local[-1] + lengths[-1] == to
             if staged and adjacent and remote[-1] + lengths[-1] == address:
-                # adjacent on both sides in the one staging buffer: one read (a tensor read in
-                # place is registered on its own, and a read may not cross two registrations)
+                # adjacent on both sides, in the staging and the landing buffer: one read (a
+                # tensor read or written in place is registered on its own, and a read may
+                # not cross two registrations)
                 lengths[-1] += r.nbytes
             else:
-                local.append(base + at)
+                local.append(to)
                 remote.append(address)
                 lengths.append(r.nbytes)
-            at += r.nbytes
+            landed_at.append(at if land else None)
+            at += r.nbytes if land else 0
         for source, (local, remote, lengths) in batches.items():
-            rc = engine.batch_transfer_sync_read(spec.staging[source][0], local, remote, lengths)
+            rc = _Engine.get().engine.batch_transfer_sync_read(
+                spec.staging[source][0], local, remote, lengths
+            )
             if rc != 0:
                 raise MooncakeError(
                     f"reading {sum(lengths)} bytes from trainer rank {source} "
                     f"({spec.staging[source][0]}) failed: {rc}"
                 )
-        return total
+        if in_place:  # what could not land in place lands now
+            with torch.no_grad():
+                for r, target, offset in zip(records, live, landed_at, strict=True):
+                    if offset is not None:
+                        box = base[offset : offset + r.nbytes].view(target.dtype)
+                        self.write_box(box.view(r.box_shape), target)
+        return sum(r.nbytes for r in records)
+
+    def _pin_params(self) -> None:
+        """Register the live parameters' memory for reads in place (kept while they stay
+        where they are: an engine's parameters never move between pushes)."""
+        params = {_region(p): p for p in self.model.parameters()}
+        pins = _Engine.get().pins
+        for region in [r for r in self._params if r not in params]:
+            self._params.discard(region)
+            pins.drop(region)
+        for region, p in params.items():
+            if region not in self._params:
+                if not pins.take(region, p):
+                    raise MooncakeError(f"cannot register a parameter's memory {region}")
+                self._params.add(region)
 
     def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
+        if spec.settings.in_place:
+            return self.live(records)
         data, dtype, out, at = self._landing.data, self.dtype(spec), [], 0
         if data is None or data.numel() < sum(r.nbytes for r in records):
             raise MooncakeError("nothing received for this push")
@@ -253,7 +294,7 @@ class MooncakeReceiver(ReceiverHalf):
 
 class MooncakeTransport(Transport):
     name = "mooncake"
-    modes = ("staged",)
+    modes = ("staged", "in_place")
     sender = MooncakeSender
     receiver = MooncakeReceiver
     device_types = ("cpu",)
