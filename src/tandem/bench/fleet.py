@@ -19,7 +19,7 @@ routing over replicas against one engine. Measured in one run, on this host:
   ``REPEATS`` after a warm-up; a push is the barrier to the slowest engine rank's last copy.
 - ``link_model``: the schedule simulation `tandem plan` runs at scale (`tandem.scale.local`)
   predicts each push above from link speeds measured in this run (copy and CRC32 rates on one
-  core and on all at once, a raw gloo run of the one-replica dist push's streams): each push
+  core and on all at once, a raw gloo run of two streams at once, every core busy): each push
   gets ``predicted_seconds`` and ``predicted_over_measured``.
 - ``routing``: the generate bench's model and its ``grpo`` (n samples of each prompt) and
   ``mixed`` workloads through ``LLM(data_parallel_size=1)`` and ``LLM(data_parallel_size=2)``
@@ -149,13 +149,18 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 def predict_fleet_pushes(fleets: dict[str, Any], timeout: float) -> dict[str, Any]:
     """The link model (`tandem.scale.local`) of every fleet push above, from this run's core
-    rates and a raw gloo run of the one-replica dist push's streams: adds
-    ``predicted_seconds``, ``predicted_over_measured`` and ``predicted_phases`` to each."""
+    rates and the node's loopback rate (a raw gloo run of two streams at once, each half of a
+    replica's bytes, from 2 sender to 2 receiver processes: every core busy, as the sync
+    bench's raw run): adds ``predicted_seconds``, ``predicted_over_measured`` and
+    ``predicted_phases`` to each push. (A raw run shaped like the one-replica push, 2 senders
+    into one receiver, is walked a stream at a time and measured 0.13-0.31 s for the same
+    bytes from run to run: no rate to predict by.)"""
     from tandem.scale.local import LocalRates, predict_push, stream_rate
 
     one = fleets["dp1_tp1"]
-    cpu = base.cpu_rates(one["shm"]["bytes_needed"] // 2)
-    streams = one["dist"]["bytes_by_receiver_per_rank"]
+    half = one["shm"]["bytes_needed"] // 2
+    cpu = base.cpu_rates(half)
+    streams = [[half, 0], [0, half]]
     raw = base.raw_gloo(streams, timeout)
     gloo = stream_rate(streams, raw["seconds"])
     for fleet in fleets.values():
@@ -177,7 +182,7 @@ def predict_fleet_pushes(fleets: dict[str, Any], timeout: float) -> dict[str, An
         "raw_gloo": raw,
         "stream_Bps": round(gloo),
         "note": "tandem.scale.local on this host's measured copy/CRC rates and a raw gloo "
-        "run of dp1_tp1's dist streams (the relay chain simulated); nothing fitted",
+        "run of two streams at once (the relay chain simulated); nothing fitted",
     }
 
 
