@@ -30,10 +30,17 @@ def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
             assert push["transport"] == mode and _positive(push["seconds"])
             assert push["trainer_egress_over_needed"] == 1.0  # counted by the transports
             assert push["ingress_over_needed"] == [1.0] * f["replicas"]  # counted per replica
+            assert _positive(push["predicted_seconds"])  # the link model of this host
+            assert push["predicted_over_measured"] == pytest.approx(
+                push["predicted_seconds"] / push["seconds"], abs=1e-3)  # fmt: skip
+            # dist: trainers into replica 0, then every relay hop; shm: no stream at all
+            assert ("deliver" in push["predicted_phases"]) and "commit" in push["predicted_phases"]
         relayed = f["dist"]["bytes_relayed"]  # the chain: every replica but the last passes on
         assert relayed == [f["dist"]["bytes_needed"]] * (f["replicas"] - 1) + [0]
         assert _positive(f["naive"]["seconds"]) and f["naive"]["send"] in ("broadcast", "isend")
         assert len(f["naive"]["checked_pieces"]) == f["replicas"] * f["tensor_parallel_size"]
+    model = result["push"]["link_model"]
+    assert _positive(model["stream_Bps"]) and _positive(model["checked_copy_one_Bps"])
     checks = result["push"]["checks"]
     assert checks["pushes_checked"] >= len(FLEETS) * 2 * 2
     assert checks["max_abs_logprob_error"] <= checks["tolerance"]
