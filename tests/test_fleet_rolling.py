@@ -319,12 +319,19 @@ def test_a_trainer_killed_before_every_replica_staged_leaves_the_old_version(mod
 def test_a_trainer_gone_after_every_replica_staged_still_rolls_the_version_out(model_factory):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     with LLM(engine_dir, data_parallel_size=2) as llm:
-        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        thread = threading.Thread(target=llm.generate, args=(PROMPTS, long))
-        thread.start()
-        while not all(e.stats().decode_tokens > 0 for e in llm.fleet.engines):
-            time.sleep(0.001)
-        llm.pause("keep")  # each wave drains its requests first: none can commit yet
+        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        for _ in range(5):  # until both replicas hold a request when paused
+            start = [e.stats().decode_tokens for e in llm.fleet.engines]
+            thread = threading.Thread(target=llm.generate, args=(PROMPTS, long))
+            thread.start()
+            while not all(e.stats().decode_tokens > n for e, n in zip(llm.fleet.engines, start,
+                                                                      strict=True)):  # fmt: skip
+                time.sleep(0.001)
+            llm.pause("keep")  # each wave drains its requests first: none can commit yet
+            if all(e.stats().num_running for e in llm.fleet.engines):
+                break  # (under load one replica may finish before the other starts)
+            llm.resume()
+            thread.join(120)
         proc = _trainer_process(trainer_dir, llm.exchange_address, 6, "after")
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 0 and "states rolling,rolling" in out

@@ -260,6 +260,7 @@ class _Sent:
     transport: str = "gloo, gathered full tensors"
     bytes_by_receiver: tuple = ()
     replicas: tuple = ()
+    bytes_staged: int | None = None
 
     @property
     def bytes_moved(self) -> int:

@@ -97,17 +97,17 @@ def raw_mooncake(rank: int, port: str, streams: list[list[int]], repeats: int):
     with one batched one-sided read per sender, senders in turn (the push's receive). gloo
     only passes the handles and times the runs (barrier to the slowest receiver's last
     read); receivers check every stream's first and last byte came from its sender."""
-    from tandem.exchange.transports.mooncake import _Engine, _Registered
+    from tandem.exchange.transports.mooncake import ProcessEngine, RegisteredBuffer
 
     senders, receivers = len(streams), len(streams[0])
     sending = rank < senders
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=senders + receivers)  # fmt: skip
-    engine = _Engine.get()
+    engine = ProcessEngine.get()
     me = rank if sending else rank - senders
     size = sum(streams[me]) if sending else sum(row[me] for row in streams)
-    registered = _Registered()
+    registered = RegisteredBuffer()
     buf = registered.at_least(size)
     buf.fill_(me + 1 if sending else 0)  # the sender's mark; every page touched
     host, rpc_port = engine.segment.rsplit(":", 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from tandem.exchange.plan import Plan, numel, plan_fleet
@@ -95,7 +95,7 @@ def predict_sync(
         cluster=asdict(cluster),
         bucket_bytes=bucket_bytes,
         transfers=len(plan.transfers),
-        relays=sum(sum(1 for t in plan.transfers if t.dst in hop) for hop in plan.hops),
+        relays=_relays(plan),
         buckets=sim.hops,
         layout_seconds=t1 - t0,
         planner_seconds=t2 - t1,
@@ -123,6 +123,12 @@ def plan_flows(plan: Plan, wire: WireFormat, src_width: int) -> list[Flow]:
         wire_bytes[key] += wire.box_bytes(t.name, t.dst_piece.full_shape, t.box)
         src_bytes[key] += numel(t.box) * src_width
     return [Flow(s, d, n, src_bytes[(s, d)]) for (s, d), n in wire_bytes.items()]
+
+
+def _relays(plan: Plan) -> int:
+    """How many `Relay`s the plan stands for (without making them)."""
+    into = Counter(t.dst for t in plan.transfers)
+    return sum(into[first] for hop in plan.hops for first in hop)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

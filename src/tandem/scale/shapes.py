@@ -14,6 +14,7 @@ import torch
 import tandem.models  # noqa: F401  (registers the architectures)
 from tandem.models.loader import ModelSpec, read_model_spec
 from tandem.models.registry import model_class
+from tandem.parallel import TPGroup
 
 # Published sizes in architectures the engine runs. Kimi-K2 uses multi-head latent attention,
 # which tandem's engine does not: its stand-in keeps K2's sizes (61 layers, the first dense,
@@ -56,7 +57,5 @@ def model_spec(model: str) -> ModelSpec:
 
 def meta_model(spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1):
     """The engine's model for one tensor-parallel rank, on the meta device."""
-    from tandem.parallel import TPGroup
-
     with torch.device("meta"):
         return spec.cls(spec.config, TPGroup(tp_rank, tp_size))

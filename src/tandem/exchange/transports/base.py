@@ -7,7 +7,8 @@ A push, per transport (`UpdateSpec` tells every engine rank which):
 
 - sender ``deliver``: stage or write or send this rank's `SendItem`s, returning the CRC32 of
   each box as read from the trainer's tensor and the bytes moved per engine rank, counted;
-- receiver ``receive`` (transports that move bytes into the engine themselves: dist);
+- receiver ``receive`` (transports that move bytes into the engine themselves: dist while
+  the senders send, mooncake once they are ready);
 - receiver ``landed``: every record's bytes where they are now (staging, or the live
   parameter), which the receiver checksums;
 - receiver ``commit``: staged transports copy staging into the live parameters (then the

@@ -41,11 +41,11 @@ class MooncakeError(RuntimeError):
     """The transfer engine could not start, register memory or move bytes."""
 
 
-class _Engine:
+class ProcessEngine:
     """This process's one transfer engine (made on first use; every half shares it)."""
 
     _lock = threading.Lock()
-    _made: _Engine | None = None
+    _made: ProcessEngine | None = None
 
     def __init__(self):
         try:
@@ -66,14 +66,14 @@ class _Engine:
         self.pins = _Pins(self.engine)
 
     @classmethod
-    def get(cls) -> _Engine:
+    def get(cls) -> ProcessEngine:
         with cls._lock:
             if cls._made is None:
                 cls._made = cls()
             return cls._made
 
 
-class _Registered:
+class RegisteredBuffer:
     """A uint8 buffer registered with the transfer engine; grown (re-registered) on demand and
     unregistered before its memory is freed (when released, or when this is collected: the
     engine refuses a region overlapping one still registered)."""
@@ -86,7 +86,7 @@ class _Registered:
         if self.data is None or self.data.numel() < size:
             self.release()
             data = torch.empty(max(size, 1), dtype=torch.uint8)
-            engine = _Engine.get().engine
+            engine = ProcessEngine.get().engine
             rc = engine.register_memory(data.data_ptr(), data.numel())
             if rc != 0:
                 raise MooncakeError(f"registering {data.numel()} bytes failed: {rc}")
@@ -111,9 +111,9 @@ def _unregister(engine, data: torch.Tensor) -> None:
 class MooncakeSender(SenderHalf):
     def __init__(self, settings, device, rank):
         super().__init__(settings, device, rank)
-        self._staging = _Registered()  # kept for the next push
+        self._staging = RegisteredBuffer()  # kept for the next push
         self._held: set[tuple[int, int]] = set()  # regions of trainer tensors pinned (`_Pins`)
-        weakref.finalize(self, _drop_all, _Engine.get().pins, self._held)
+        weakref.finalize(self, _drop_all, ProcessEngine.get().pins, self._held)
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         dtype = self.dtype(plan)
@@ -134,7 +134,7 @@ class MooncakeSender(SenderHalf):
                     crcs.append(self.write_box(src, dst))
                     staged += item.nbytes
                 moved[item.dst] += item.nbytes
-        handle = [_Engine.get().segment, self._staging.address, plan.size, direct]
+        handle = [ProcessEngine.get().segment, self._staging.address, plan.size, direct]
         return Delivery(crcs, moved, handle, bytes_staged=staged)
 
     @staticmethod
@@ -146,7 +146,7 @@ class MooncakeSender(SenderHalf):
         memory no longer named are dropped first (it may have been freed and reused). The keys
         whose tensors the engine may read in place."""
         wanted = {_region(t): t for t in tensors.values()}
-        pins = _Engine.get().pins
+        pins = ProcessEngine.get().pins
         for region in [r for r in self._held if r not in wanted]:
             self._held.discard(region)
             pins.drop(region)
@@ -203,9 +203,9 @@ class _Pins:
 class MooncakeReceiver(ReceiverHalf):
     def __init__(self, model, rank, device):
         super().__init__(model, rank, device)
-        self._landing = _Registered()  # kept for the next push
+        self._landing = RegisteredBuffer()  # kept for the next push
         self._params: set[tuple[int, int]] = set()  # live parameters pinned (in place)
-        weakref.finalize(self, _drop_all, _Engine.get().pins, self._params)
+        weakref.finalize(self, _drop_all, ProcessEngine.get().pins, self._params)
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
         """Read every record from its sender's registered memory (its tensor, or its staging),
@@ -250,7 +250,7 @@ class MooncakeReceiver(ReceiverHalf):
             landed_at.append(at if land else None)
             at += r.nbytes if land else 0
         for source, (local, remote, lengths) in batches.items():
-            rc = _Engine.get().engine.batch_transfer_sync_read(
+            rc = ProcessEngine.get().engine.batch_transfer_sync_read(
                 spec.staging[source][0], local, remote, lengths
             )
             if rc != 0:
@@ -270,7 +270,7 @@ class MooncakeReceiver(ReceiverHalf):
         """Register the live parameters' memory for reads in place (kept while they stay
         where they are: an engine's parameters never move between pushes)."""
         params = {_region(p): p for p in self.model.parameters()}
-        pins = _Engine.get().pins
+        pins = ProcessEngine.get().pins
         for region in [r for r in self._params if r not in params]:
             self._params.discard(region)
             pins.drop(region)
