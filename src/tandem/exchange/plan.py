@@ -332,11 +332,6 @@ def numel(box: Box) -> int:
     return n
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b, strict=True))
-    return None if any(lo >= hi for lo, hi in out) else out
-
-
 def _contains(outer: Box, inner: Box) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner, strict=True))
 
