@@ -2,24 +2,22 @@
 registered once, bytes moved by one-sided reads, TCP where the hosts have no RDMA NIC (this
 machine) and RDMA where they do (``TANDEM_MOONCAKE_PROTOCOL=rdma``).
 
-A box the trainer holds contiguously, already in the engine's dtype, is read
-straight out of the trainer's tensor: the tensor's memory is registered with the process's
-transfer engine (kept across pushes while the tensor stays where it is) and only its CRC32
-is taken. Every other box is packed into a staging buffer of the trainer rank's own,
-registered once and kept for its later pushes. The rank answers with the staging's handle
-(segment, address, size) and the address of every box read in place. The target's ranks then
-pull: each reads its records out of the senders' registered memory into a landing buffer of
-its own (also registered once), with batched one-sided reads that coalesce boxes adjacent on
-both sides, checks every box there against the trainers' CRC32s and copies it into its
-parameters on commit (``staged``), or reads it straight into the live parameter where the
-box is contiguous there (``in_place``: the parameters registered once, the engine paused
-while its ranks read; boxes not contiguous in the engine land in the buffer and are copied
-into place), then checks the parameters. The trainer's tensors are read while its ``push``
-waits for the answer:
-they must not change until it returns. A fleet's replicas all read the trainers' memory (no
-relay through a peer replica). Peers find each other by handshake
-(``P2PHANDSHAKE``: no metadata server); ``TANDEM_MOONCAKE_HOSTNAME`` is the address peers
-reach this process at (default 127.0.0.1), ``TANDEM_MOONCAKE_DEVICE`` the RDMA devices.
+A box the trainer holds contiguously, already in the engine's dtype, is read straight out of
+the trainer's tensor: the tensor's memory is registered with the process's transfer engine
+(pinned while a sender holds it) and only its CRC32 is taken. Every other box is packed into a
+staging buffer of the trainer rank's own, registered once and kept for its later pushes. The
+rank answers with the staging's handle (segment, address, size) and the address of every box
+read in place. The target's ranks then pull, with batched one-sided reads that coalesce boxes
+adjacent on both sides: ``staged``, into a landing buffer of their own (registered once),
+checked there against the trainers' CRC32s and copied into the parameters on commit;
+``in_place``, straight into the live parameter where the box's region is contiguous there
+(the parameters registered once; the engine paused while its ranks read; strided boxes land
+in the buffer and are copied into place), then checked in the parameters. The trainer's
+tensors are read while its ``push`` waits for the answer: they must not change until it
+returns. A fleet's replicas all read the trainers' memory (no relay through a peer replica).
+Peers find each other by handshake (``P2PHANDSHAKE``: no metadata server);
+``TANDEM_MOONCAKE_HOSTNAME`` is the address peers reach this process at (default 127.0.0.1),
+``TANDEM_MOONCAKE_DEVICE`` the RDMA devices.
 """
 
 from __future__ import annotations
