@@ -11,6 +11,7 @@ import pytest
 
 from tandem.cli import main
 from tandem.exchange.adapters.megatron import GPT_TO_LLAMA, MegatronLlamaConfig, TPRank
+from tandem.exchange.plan import numel
 from tandem.models.tiny import FAMILIES
 from tandem.scale import Cluster, FleetSpec, TrainerSpec, predict_sync
 from tandem.scale.layouts import canonical_shapes, fleet_layouts, trainer_layouts
@@ -184,7 +185,7 @@ def test_a_plan_sends_each_engine_byte_once_and_relays_the_rest(tmp_path):
     fleet = FleetSpec(3, 2)
     p = predict_sync(model, TrainerSpec("fsdp", 4), fleet, "bf16", Cluster(gpus_per_node=4))
     replica0 = fleet_layouts(model_spec(model), fleet, "bfloat16")[:2]
-    needed = sum(2 * _numel(r.piece.box) for lay in replica0 for r in lay.regions)
+    needed = sum(2 * numel(r.piece.box) for lay in replica0 for r in lay.regions)
     assert p.trainer_egress_bytes == needed
     assert p.replica_ingress_bytes == [needed] * 3
     assert p.relays == 2 * p.transfers
@@ -192,13 +193,6 @@ def test_a_plan_sends_each_engine_byte_once_and_relays_the_rest(tmp_path):
     # fleet GPUs 4-9 on nodes 1-2 (4 a node): trainers -> replica 0 and replica 1 -> 2 cross
     # nodes, replica 0 -> 1 stays on node 1
     assert p.link_class_bytes == {"nic": 2 * needed, "nvlink": needed}
-
-
-def _numel(box):
-    n = 1
-    for a, b in box:
-        n *= b - a
-    return n
 
 
 def test_fp8_wire_is_a_byte_per_weight_plus_block_scales():

@@ -104,21 +104,9 @@ def raw_gloo(streams: list[list[int]], timeout: float,
     world = len(streams) + len(streams[0])
     argv = [["raw-gloo", str(r), port, spec, str(REPEATS), str(message_bytes)]
             for r in range(world)]  # fmt: skip
-    receivers = workers(argv, timeout)[len(streams) :]
-    per_run = [max(r["seconds"][i] for r in receivers) for i in range(REPEATS)]
-    best, nbytes = min(per_run), sum(map(sum, streams))
-    if sum(r["nbytes"] for r in receivers) != nbytes:
-        raise RuntimeError(f"raw gloo receivers got {[r['nbytes'] for r in receivers]} bytes")
     messages = f"{message_bytes >> 20} MiB messages" if message_bytes else "one message a stream"
-    return {
-        "seconds": round(best, 6),
-        "gib_per_s": gib_per_s(nbytes, best),
-        "bytes": nbytes,
-        "streams": streams,
-        "seconds_per_run": [round(s, 6) for s in per_run],
-        "timing": f"best of {REPEATS} after a warm-up; a run is the barrier to the slowest "
-        f"receiver's last message; streams in the push's rounds, {messages}",
-    }
+    timing = f"receiver's last message; streams in the push's rounds, {messages}"
+    return _raw_runs("raw gloo", streams, workers(argv, timeout), timing)
 
 
 def raw_mooncake(streams: list[list[int]], timeout: float) -> dict[str, Any]:
@@ -128,11 +116,20 @@ def raw_mooncake(streams: list[list[int]], timeout: float) -> dict[str, Any]:
     port, spec = str(free_port()), json.dumps(streams)
     world = len(streams) + len(streams[0])
     argv = [["raw-mooncake", str(r), port, spec, str(REPEATS)] for r in range(world)]
-    receivers = workers(argv, timeout)[len(streams) :]
+    return _raw_runs("raw mooncake", streams, workers(argv, timeout),
+                     "receiver's last read; one batched read per (sender, receiver), TCP on "
+                     "loopback")  # fmt: skip
+
+
+def _raw_runs(what: str, streams: list[list[int]], ranks: list[dict[str, Any]],
+              timing: str) -> dict[str, Any]:  # fmt: skip
+    """A raw baseline's figures from its ranks' reports (senders first, then receivers): a
+    run is its slowest receiver's time, the best run counts; every byte must have arrived."""
+    receivers = ranks[len(streams) :]
     per_run = [max(r["seconds"][i] for r in receivers) for i in range(REPEATS)]
     best, nbytes = min(per_run), sum(map(sum, streams))
     if sum(r["nbytes"] for r in receivers) != nbytes:
-        raise RuntimeError(f"raw mooncake receivers got {[r['nbytes'] for r in receivers]} bytes")
+        raise RuntimeError(f"{what} receivers got {[r['nbytes'] for r in receivers]} bytes")
     return {
         "seconds": round(best, 6),
         "gib_per_s": gib_per_s(nbytes, best),
@@ -140,7 +137,7 @@ def raw_mooncake(streams: list[list[int]], timeout: float) -> dict[str, Any]:
         "streams": streams,
         "seconds_per_run": [round(s, 6) for s in per_run],
         "timing": f"best of {REPEATS} after a warm-up; a run is the barrier to the slowest "
-        "receiver's last read; one batched read per (sender, receiver), TCP on loopback",
+        + timing,
     }
 
 

@@ -3,6 +3,7 @@ predicted time (what `tandem plan` prints)."""
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections import Counter, defaultdict
@@ -88,7 +89,7 @@ def predict_sync(
             ingress[replica_of[gpu]] += n
     return SyncPrediction(
         model=model,
-        params=sum(_numel(s) for s in shapes.values()),
+        params=sum(math.prod(s) for s in shapes.values()),
         trainer=asdict(trainer),
         fleet=asdict(fleet),
         engine_dtype=wire.engine_dtype,
@@ -129,13 +130,6 @@ def _relays(plan: Plan) -> int:
     """How many `Relay`s the plan stands for (without making them)."""
     into = Counter(t.dst for t in plan.transfers)
     return sum(into[first] for hop in plan.hops for first in hop)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _by_class(sim: Simulation) -> dict[str, int]:

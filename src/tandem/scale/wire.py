@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.exchange.plan import numel
+
 BLOCK = 128
 ENGINE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "fp8",
                  "float32": "float32", "fp32": "float32"}  # fmt: skip
@@ -41,13 +43,11 @@ class WireFormat:
         return known
 
     def box_bytes(self, name: str, full_shape: tuple[int, ...], box) -> int:
-        numel = 1
-        for lo, hi in box:
-            numel *= hi - lo
+        count = numel(box)
         if self.is_fp8(name, full_shape):
             (r0, r1), (c0, c1) = box
             blocks = (r1 // BLOCK - r0 // BLOCK + (r1 % BLOCK > 0)) * (
                 c1 // BLOCK - c0 // BLOCK + (c1 % BLOCK > 0)
             )
-            return numel + 4 * blocks
-        return numel * WIDTH.get(self.engine_dtype, 2)
+            return count + 4 * blocks
+        return count * WIDTH.get(self.engine_dtype, 2)

@@ -140,17 +140,9 @@ class MooncakeSender(SenderHalf):
         return t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() and t.numel()
 
     def _register(self, tensors: dict[str, torch.Tensor]) -> set[str]:
-        """Pin each tensor's memory for reading in place (`_Pins`); this sender's pins on
-        memory no longer named are dropped first (it may have been freed and reused). The keys
-        whose tensors the engine may read in place."""
-        wanted = {_region(t): t for t in tensors.values()}
-        pins = ProcessEngine.get().pins
-        for region in [r for r in self._held if r not in wanted]:
-            self._held.discard(region)
-            pins.drop(region)
-        for region, t in wanted.items():
-            if region not in self._held and pins.take(region, t):
-                self._held.add(region)
+        """Pin each tensor's memory for reading in place (`_Pins.hold`; a region refused is
+        staged instead). The keys whose tensors the engine may read in place."""
+        ProcessEngine.get().pins.hold(self._held, list(tensors.values()))
         return {key for key, t in tensors.items() if _region(t) in self._held}
 
     def close(self) -> None:
@@ -177,6 +169,24 @@ class _Pins:
         self._engine = engine
         self._lock = threading.Lock()
         self._pins: dict[tuple[int, int], list] = {}  # region -> [tensor, holders]
+
+    def hold(self, held: set[tuple[int, int]], tensors: list[torch.Tensor]) -> list:
+        """Make ``held`` (one holder's pinned regions) the regions of ``tensors``: its pins on
+        memory no longer named dropped first (it may have been freed and reused), then each
+        new one taken. The regions the engine refused (they overlap memory registered
+        otherwise)."""
+        wanted = {_region(t): t for t in tensors}
+        for region in [r for r in held if r not in wanted]:
+            held.discard(region)
+            self.drop(region)
+        refused = []
+        for region, t in wanted.items():
+            if region not in held:
+                if self.take(region, t):
+                    held.add(region)
+                else:
+                    refused.append(region)
+        return refused
 
     def take(self, region: tuple[int, int], t: torch.Tensor) -> bool:
         with self._lock:
@@ -267,16 +277,9 @@ class MooncakeReceiver(ReceiverHalf):
     def _pin_params(self) -> None:
         """Register the live parameters' memory for reads in place (kept while they stay
         where they are: an engine's parameters never move between pushes)."""
-        params = {_region(p): p for p in self.model.parameters()}
-        pins = ProcessEngine.get().pins
-        for region in [r for r in self._params if r not in params]:
-            self._params.discard(region)
-            pins.drop(region)
-        for region, p in params.items():
-            if region not in self._params:
-                if not pins.take(region, p):
-                    raise MooncakeError(f"cannot register a parameter's memory {region}")
-                self._params.add(region)
+        refused = ProcessEngine.get().pins.hold(self._params, list(self.model.parameters()))
+        if refused:
+            raise MooncakeError(f"cannot register parameters' memory {refused}")
 
     def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
         if spec.settings.in_place:
