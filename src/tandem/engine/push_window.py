@@ -81,9 +81,15 @@ class PushWindow:
                 if update.landed or update.exposed:  # cached KV came from the old weights
                     self.blocks.reset_prefix_cache()
                 self.lifecycle.close_update(update.torn, update.landed)
-                if update.torn is None and update.landed:
-                    self.weight_version = spec.version
+                if update.torn is None and update.landed:  # the spec's version (a driver
+                    self.weight_version = update.spec.version  # may name it only at commit)
                 self._resumed.notify_all()
+
+    def relabel_weights(self, version: int) -> None:
+        """Call the weights being served ``version`` from now on (vLLM's
+        ``/update_weight_version``: a trainer names the version after its push landed)."""
+        with self._control():
+            self.weight_version = version
 
     def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
                     records_by_rank: dict[int, list]):  # fmt: skip

@@ -35,7 +35,7 @@ from tandem.exchange.protocol import (
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
-from tandem.exchange.transports import TRANSPORTS, check, p2p
+from tandem.exchange.transports import TRANSPORTS, check, p2p, pushed
 from tandem.exchange.transports.base import Delivery
 from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
@@ -117,8 +117,8 @@ class WeightSender:
             layout = "megatron" if is_megatron_module(model) else "hf"
         self.layout = layout
         self.vocab_size = vocab_size
-        if transport != "auto" and transport not in TRANSPORTS:
-            raise ValueError(f"transport must be 'auto' or one of {sorted(TRANSPORTS)}, "
+        if transport != "auto" and transport not in pushed():
+            raise ValueError(f"transport must be 'auto' or one of {pushed()}, "
                              f"got {transport!r}")  # fmt: skip
         self._address = target_address(target, admin_key)
         self.model = model

@@ -76,7 +76,8 @@ class ExchangeServer:
     def transports(self) -> list[str]:
         """The transports that reach the target's ranks (`Transport.device_types`)."""
         device_type = self.target.weight_device_type
-        return [name for name, t in TRANSPORTS.items() if device_type in t.device_types]
+        return [name for name, t in TRANSPORTS.items()
+                if device_type in t.device_types and t.sender is not None]  # fmt: skip
 
     def close(self) -> None:
         self._closed = True

@@ -144,10 +144,7 @@ async def close_window(request: Request):
 
 
 def _windows(request: Request) -> WindowHost:
-    s = state(request)
-    if s.windows is None:
-        s.windows = WindowHost(s.engine.fleet.target)
-    return s.windows
+    return state(request).windows
 
 
 async def _read(request: Request, kind: type):

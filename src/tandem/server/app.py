@@ -6,13 +6,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from tandem.engine.state import EngineState
-from tandem.server import admin, encode_routes, errors, openai_routes, rl_controls
+from tandem.server import (
+    admin,
+    encode_routes,
+    errors,
+    openai_routes,
+    rl_controls,
+    weight_transfer_routes,
+)
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
               "/v1/models", "/health", "/fleet_state", "/metrics")  # fmt: skip
-_CONTROLS = {route.path for route in rl_controls.router.routes}
+_CONTROLS = {route.path for r in (rl_controls.router, weight_transfer_routes.router)
+             for route in r.routes}  # fmt: skip
 
 
 def build_app(server: ServerState) -> FastAPI:
@@ -23,6 +31,7 @@ def build_app(server: ServerState) -> FastAPI:
     app.include_router(encode_routes.router)
     app.include_router(admin.router)
     app.include_router(rl_controls.router)
+    app.include_router(weight_transfer_routes.router)
     app.add_middleware(_CountRequests, server=server)
 
     @app.get("/health")

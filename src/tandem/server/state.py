@@ -17,6 +17,7 @@ from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError, from_validation
 from tandem.server.metrics import Metrics
 from tandem.server.remote_window import WindowHost
+from tandem.server.weight_transfer import WeightTransfer
 
 
 @dataclass
@@ -26,7 +27,24 @@ class ServerState:
     metrics: Metrics
     chat: ChatTemplate
     created: int = field(default_factory=lambda: int(time.time()))
-    windows: WindowHost | None = None  # push windows held for `tandem router` (made on use)
+    _windows: WindowHost | None = None
+    _transfer: WeightTransfer | None = None
+
+    @property
+    def windows(self) -> WindowHost:
+        """Push windows held open across calls (`tandem router`'s, vLLM's weight transfer):
+        one at a time on this server's target (made on first use)."""
+        if self._windows is None:
+            self._windows = WindowHost(self.engine.fleet.target)
+        return self._windows
+
+    @property
+    def transfer(self) -> WeightTransfer:
+        """vLLM's weight-transfer protocol on this server (made on first use)."""
+        if self._transfer is None:
+            timeout = self.engine.fleet.lead.config.parallel.push_phase_timeout_s
+            self._transfer = WeightTransfer(self.engine.fleet.target, self.windows, timeout)
+        return self._transfer
 
     @property
     def tokenizer(self):

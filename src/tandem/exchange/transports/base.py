@@ -180,7 +180,7 @@ class Transport:
 
     name: str
     modes: tuple[str, ...]  # of `tandem.exchange.settings.MODES`
-    sender: type[SenderHalf]
+    sender: type[SenderHalf] | None  # None: no WeightSender pushes over it (broadcast)
     receiver: type[ReceiverHalf]
     coordinator: type[Coordinator] = Coordinator
     # the receiving ranks take part in moving the bytes (`ReceiverHalf.receive`): the target

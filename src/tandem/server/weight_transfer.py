@@ -1,0 +1,243 @@
+"""vLLM's RL weight transfer on this server's target: the state behind
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights`` and
+``/finish_weight_update`` (`tandem.server.weight_transfer_routes`).
+
+- init: the trainer's group forms (every receiving rank joins it, in a window of its own:
+  `tandem.exchange.transports.broadcast`); it lasts until the next init or a broken broadcast;
+- start: a push window opens on the target (`WindowHost`): no step runs until it closes;
+- update (any number of calls): the call's tensors are planned onto the ranks' pieces (a
+  record per piece of a named tensor), then every rank takes part in each broadcast and lands
+  its records, staged beside the live weights (``mode="staged"``, the default) or in them
+  (``in_place``); a call naming a tensor the engine does not hold, or with the wrong shape, is
+  received and dropped (the trainer is not left hanging) and fails the transfer;
+- finish: every record of the transfer is checked and committed, and the version published
+  (the one given, else the served one + 1); only then.
+
+A failed or abandoned transfer (an error, ``start`` never finished within the idle timeout)
+closes the window as failed: staged, the old version keeps serving; in place, the engine
+refuses requests until a complete push lands, as every tandem push.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, replace
+
+from tandem.dtypes import DTYPES
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.transports.broadcast import TensorMeta, call_handle, group_info
+from tandem.server.remote_window import WindowHost
+
+
+class TransferError(Exception):
+    """A call the protocol's state refuses (``status`` 409) or whose input is wrong (400)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class TransferInit:
+    """`init_info` as tandem takes it (vLLM's `NCCLWeightTransferInitInfo`, and ``mode``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed_bytes: int  # 0: one broadcast per tensor
+    mode: str = "staged"
+
+
+def plan_call(layouts: list[RankLayout], tensors: list[TensorMeta], dtype: str
+              ) -> tuple[dict[int, list[Record]], list[str]]:  # fmt: skip
+    """Per receiving rank, a record for each piece of its parameters that a tensor of the call
+    fills (``offset``: the tensor's index in the call); and every problem with the call's
+    names, dtypes and shapes."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layout in layouts:
+        shapes.update(layout.canonical_shapes())
+    problems, index = [], {}
+    for i, t in enumerate(tensors):
+        if t.name in index:
+            problems.append(f"{t.name} is listed twice")
+        elif t.name not in shapes:
+            problems.append(f"{t.name}: the engine holds no such tensor")
+        elif tuple(t.shape) != shapes[t.name]:
+            problems.append(f"{t.name}: shape {list(t.shape)} sent, the engine's is "
+                            f"{list(shapes[t.name])}")  # fmt: skip
+        index.setdefault(t.name, i)
+    itemsize = DTYPES[dtype].itemsize
+    records: dict[int, list[Record]] = {}
+    for layout in layouts:
+        for region in layout.regions:
+            i = index.get(region.piece.name)
+            if i is None:
+                continue
+            piece = region.piece
+            n = itemsize
+            for a, b in piece.box:
+                n *= b - a
+            records.setdefault(layout.rank, []).append(
+                Record(0, i, n, region.key, piece.region(), piece.box_shape)
+            )
+    return records, problems
+
+
+class WeightTransfer:
+    """One server's side of the protocol (calls are serialized)."""
+
+    def __init__(self, target, windows: WindowHost, timeout_s: float):
+        self.target = target
+        self.windows = windows
+        self.timeout_s = timeout_s
+        self.init_info: TransferInit | None = None
+        self._token: str | None = None  # the open transfer's window
+        self._spec: UpdateSpec | None = None
+        self._records: dict[int, dict[tuple, Record]] = {}
+        self._tensors: set[str] = set()
+        self._started = 0.0
+        self._lock = threading.Lock()
+
+    def world_size(self) -> int:
+        """The receiving ranks (vLLM: TP x PP x DP; here every rank of every replica)."""
+        return len(self.target.weight_layouts())
+
+    def init(self, info: TransferInit) -> None:
+        """Join the trainer's group on every receiving rank (blocks until it forms)."""
+        with self._lock:
+            if self._token is not None:
+                raise TransferError(409, "a weight update is open: finish it first")
+            ranks = self.world_size()
+            if info.world_size != info.rank_offset + ranks:
+                raise TransferError(400, f"world_size must be rank_offset + {ranks} (this "
+                                    f"server's receiving ranks), got {info.world_size}",
+                                    "init_info.world_size")  # fmt: skip
+            spec = self._spec_for(info, self.target.weight_version, [])
+            token = self.windows.open(spec)
+            try:
+                self.windows.run(token, lambda u: u.run(PushPhase.RECEIVE, {}))
+            finally:
+                self.windows.close(token, ok=True)  # nothing landed: nothing changes
+            self.init_info = info
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._abandon()
+            self.init_info = None
+
+    def start(self) -> int:
+        """Open the transfer's window; the version it will publish unless finish names one."""
+        with self._lock:
+            if self.init_info is None:
+                raise TransferError(409, "call /init_weight_transfer_engine first")
+            if self._token is not None:
+                raise TransferError(409, "a weight update is already open")
+            spec = self._spec_for(self.init_info, self.target.weight_version + 1, [])
+            self._token = self.windows.open(spec)
+            self._spec, self._records, self._tensors = spec, {}, set()
+            self._started = time.perf_counter()
+            if spec.settings.in_place:
+                self.windows.run(self._token, lambda u: u.expose())
+            return spec.version
+
+    def update(self, tensors: list[TensorMeta]) -> dict:
+        """Receive one call's broadcasts on every rank."""
+        with self._lock:
+            token = self._open_token()
+            records, problems = plan_call(self.target.weight_layouts(), tensors,
+                                          self._spec.dtype)  # fmt: skip
+            if problems:  # receive and drop the bytes, then fail: the trainer is not left hanging
+                records = {}
+            spec = self._spec_for(self.init_info, self._spec.version, tensors)
+
+            def receive(update):
+                update.spec = spec
+                return update.run(PushPhase.RECEIVE, records)
+
+            try:
+                received = self.windows.run(token, receive)
+            except Exception as exc:
+                self._abandon()
+                raise TransferError(502, f"the update failed; {exc}") from None
+            if problems:
+                self._abandon()
+                raise TransferError(400, f"{len(problems)} problem(s), the transfer is "
+                                    f"dropped and the served version stays: "
+                                    f"{'; '.join(problems[:10])}", "update_info")  # fmt: skip
+            for rank, mine in records.items():
+                held = self._records.setdefault(rank, {})
+                held.update({(r.key, r.region): r for r in mine})
+            self._tensors.update(t.name for t in tensors)
+            return {"tensors": len(tensors), "bytes_received_per_rank": received}
+
+    def finish(self, version: int | None) -> dict:
+        """Check and commit everything the transfer landed; publish ``version``."""
+        with self._lock:
+            token = self._open_token()
+            spec = self._spec
+            if version is not None:
+                spec = replace(spec, version=version)
+            records = {rank: list(held.values()) for rank, held in self._records.items()}
+
+            def commit(update):
+                update.spec = spec
+                update.run(PushPhase.VERIFY, records)
+                return update.run(PushPhase.COMMIT, records)
+
+            try:
+                nbytes = self.windows.run(token, commit)
+                self.windows.close(token, ok=True)
+            except Exception as exc:
+                self._abandon()
+                self._tell(spec.version, str(exc))
+                raise TransferError(502, f"the update failed; {exc}") from None
+            finally:
+                self._token = None
+            seconds = self._tell(spec.version, None)
+            return {"weight_version": spec.version, "tensors": len(self._tensors),
+                    "bytes_committed": nbytes, "seconds": round(seconds, 4)}  # fmt: skip
+
+    def relabel(self, version: int) -> None:
+        """Name the served weights ``version`` (vLLM's ``/update_weight_version``)."""
+        with self._lock:
+            if self._token is not None:
+                raise TransferError(409, "a weight update is open: finish it first")
+            for engine in self.target.engines:
+                engine.relabel_weights(version)
+
+    def _tell(self, version: int, error: str | None) -> float:
+        seconds = time.perf_counter() - self._started
+        for listener in self.target.update_listeners:
+            listener(version, seconds, error)
+        return seconds
+
+    def _open_token(self) -> str:
+        if self._token is None:
+            raise TransferError(409, "call /start_weight_update first")
+        return self._token
+
+    def _abandon(self) -> None:
+        """Close the open window as failed (every rank drops what the transfer held)."""
+        token, self._token = self._token, None
+        if token is None:
+            return
+        try:
+            self.windows.close(token, ok=False)
+        except Exception:  # closed already (timed out): it dropped what it held then
+            pass
+
+    def _spec_for(self, info: TransferInit, version: int, tensors: list[TensorMeta]
+                  ) -> UpdateSpec:  # fmt: skip
+        group = group_info(info.master_address, info.master_port, info.world_size,
+                           self.timeout_s)  # fmt: skip
+        # verify=False: the records carry no sender CRC32s; the receivers check what arrived
+        # against the CRC32s tandem's senders give, and read every landed box back
+        return UpdateSpec(version, PushSettings("broadcast", info.mode, verify=False),
+                          self.target.weight_dtype, info.rank_offset,
+                          staging=(call_handle(tensors, info.packed_bytes),),
+                          group=group)  # fmt: skip
