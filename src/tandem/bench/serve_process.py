@@ -22,10 +22,12 @@ _LISTENING = re.compile(r"^tandem (?:serve: (\S+)|router:) on (http://\S+) ")
 class ServerProcess:
     """``python -m tandem.cli serve --port 0 *args`` (``args`` name the model: ``--model DIR``
     or ``--config FILE``), or with ``command="router"`` a `tandem router` (``args``: its
-    ``--replica URL`` flags); use as a context manager."""
+    ``--replica URL`` flags); use as a context manager. ``python``: the interpreter (default:
+    this one; tests run in vLLM's venv start tandem's)."""
 
-    def __init__(self, args: list[str], start_timeout_s: float = 180.0, command: str = "serve"):
-        cmd = [sys.executable, "-m", "tandem.cli", command, "--port", "0", *args]
+    def __init__(self, args: list[str], start_timeout_s: float = 180.0, command: str = "serve",
+                 python: str | None = None):  # fmt: skip
+        cmd = [python or sys.executable, "-m", "tandem.cli", command, "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -43,7 +43,7 @@ class ServerState:
         """vLLM's weight-transfer protocol on this server (made on first use)."""
         if self._transfer is None:
             timeout = self.engine.fleet.lead.config.parallel.push_phase_timeout_s
-            self._transfer = WeightTransfer(self.engine.fleet.target, self.windows, timeout)
+            self._transfer = WeightTransfer(self.engine.fleet, self.windows, timeout)
         return self._transfer
 
     @property

@@ -89,10 +89,11 @@ def plan_call(layouts: list[RankLayout], tensors: list[TensorMeta], dtype: str
 
 
 class WeightTransfer:
-    """One server's side of the protocol (calls are serialized)."""
+    """One server's side of the protocol (calls are serialized): its ``fleet``'s target."""
 
-    def __init__(self, target, windows: WindowHost, timeout_s: float):
-        self.target = target
+    def __init__(self, fleet, windows: WindowHost, timeout_s: float):
+        self.fleet = fleet
+        self.target = fleet.target
         self.windows = windows
         self.timeout_s = timeout_s
         self.init_info: TransferInit | None = None
@@ -207,7 +208,7 @@ class WeightTransfer:
         with self._lock:
             if self._token is not None:
                 raise TransferError(409, "a weight update is open: finish it first")
-            for engine in self.target.engines:
+            for engine in self.fleet.engines:
                 engine.relabel_weights(version)
 
     def _tell(self, version: int, error: str | None) -> float:
