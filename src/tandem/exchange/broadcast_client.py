@@ -87,27 +87,32 @@ class BroadcastClient:
              version: int | None = None) -> dict:  # fmt: skip
         """One transfer: start, a call per bucket, finish (publishing ``version``, else the
         served one + 1). The server's answer to finish."""
-        self.connect()
-        self._post("/start_weight_update", {})
+        self.start()
         try:
-            bucket: list[tuple[str, torch.Tensor]] = []
-            size = 0
+            bucket = Bucket(self.bucket_bytes)
             for name, tensor in named_tensors:
-                tensor = tensor.detach()
-                if tensor.dtype not in _NAMES:
-                    raise ValueError(f"{name}: dtype {tensor.dtype} is not one of {sorted(DTYPES)}")
-                bucket.append((name, tensor.to("cpu").contiguous()))
-                size += tensor.numel() * tensor.element_size()
-                if size > self.bucket_bytes:  # vLLM's rule: the tensor that crosses goes too
-                    self._send(bucket)
-                    bucket, size = [], 0
-            if bucket:
-                self._send(bucket)
+                if bucket.add(name, tensor):
+                    self.send(bucket.take())
+            if bucket.tensors:
+                self.send(bucket.take())
         except BaseException:
             self.close()  # the server cannot tell a dead trainer from a slow one: leave
             raise
+        return self.finish(version)
+
+    def start(self) -> None:
+        """Open a transfer (joins the group first if need be)."""
+        self.connect()
+        self._post("/start_weight_update", {})
+
+    def finish(self, version: int | None = None) -> dict:
+        """Commit the transfer; the server's answer (the version it published, ...)."""
         body = {} if version is None else {"weight_version": str(version)}
         return self._post("/finish_weight_update", body)
+
+    def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """One ``/update_weights`` call and its broadcast: ``bucket``'s tensors, in order."""
+        self._send(bucket)
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         raw = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
@@ -152,6 +157,28 @@ class BroadcastClient:
             raise TransferFailed(f"{request.full_url}: {exc.code} {exc.read().decode()}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise TransferFailed(f"{request.full_url}: {exc}") from None
+
+
+class Bucket:
+    """Tensors taken from a stream until they pass ``limit`` bytes (vLLM's rule: the tensor
+    that crosses it goes too), detached, on the CPU, contiguous."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.tensors: list[tuple[str, torch.Tensor]] = []
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take one tensor; whether the bucket is full."""
+        if tensor.dtype not in _NAMES:
+            raise ValueError(f"{name}: dtype {tensor.dtype} is not one of {sorted(DTYPES)}")
+        self.tensors.append((name, tensor.detach().to("cpu").contiguous()))
+        self.nbytes += tensor.numel() * tensor.element_size()
+        return self.nbytes > self.limit
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        out, self.tensors, self.nbytes = self.tensors, [], 0
+        return out
 
 
 class _Call(threading.Thread):
