@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: demo test test-slow lint bench vllm clean
+VERL_VENV := .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+
+.PHONY: demo test test-slow lint bench vllm verl clean
 
 # The Mooncake Transfer Engine (transport="mooncake") links the OS's libibverbs.so.1 even for
 # TCP: installed here where apt-get may run.
@@ -43,16 +46,35 @@ $(VLLM_STAMP): pyproject.toml
 
 vllm: $(VLLM_STAMP)
 
+# verl (tandem.integrations.verl) in its own venv: it pins transformers<5.11, and tandem's tests
+# use a newer one as their numerical reference. torch is ours, pinned (verl's base requirements
+# pull no CUDA; its extras pin another torch and are never installed). tandem goes in without
+# its dependencies, then those verl lacks; cachetools is a runtime import of verl's rollout
+# client (listed only in an extra). tests/into_verl runs in this venv.
+$(VERL_STAMP): pyproject.toml
+	test -d $(VERL_VENV) || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VERL_VENV)/bin/pip install --quiet torch==2.13.0 verl==0.9.1 'ray[default]==2.60.0' cachetools
+	$(VERL_VENV)/bin/pip install --quiet --no-deps -e .
+	$(VERL_VENV)/bin/pip install --quiet torch==2.13.0 'isal>=1.6' 'fastapi>=0.110' \
+	    'uvicorn>=0.29' 'matplotlib>=3.8' pytest pytest-timeout
+	$(VERL_VENV)/bin/python -c "import verl, tandem.integrations.verl; print('verl', verl.__version__)"
+	touch $(VERL_STAMP)
+
+verl: $(VERL_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
 # The vLLM venv too: the tests that drive vLLM's CPU build (tests/test_bench_vllm.py) run in CI,
 # and tests/into_vllm (pushes into vLLM engines in this process) runs in that venv.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest -q
 	$(VLLM_VENV)/bin/python -m pytest -q tests/into_vllm
+	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/into_verl
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
@@ -61,4 +83,4 @@ bench: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/tandem bench generate --json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VERL_VENV) build src/*.egg-info .pytest_cache

@@ -50,6 +50,14 @@ class WindowHost:
         """``call(update)`` inside the window; its result (its exception raised here)."""
         return self._get(token).do(call)
 
+    def is_open(self, token: str) -> bool:
+        """Whether the window ``token`` names is still open (not closed, not timed out)."""
+        try:
+            self._get(token)
+        except WindowError:
+            return False
+        return True
+
     def close(self, token: str, ok: bool) -> None:
         """Leave the window: committed (``ok``) or failed (every rank drops what it held).
         Raises what leaving raised."""

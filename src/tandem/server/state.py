@@ -33,9 +33,11 @@ class ServerState:
     @property
     def windows(self) -> WindowHost:
         """Push windows held open across calls (`tandem router`'s, vLLM's weight transfer):
-        one at a time on this server's target (made on first use)."""
+        one at a time on this server's target (made on first use). One left without a call
+        for twice ``--push-phase-timeout`` (600 s by default) is closed as failed."""
         if self._windows is None:
-            self._windows = WindowHost(self.engine.fleet.target)
+            idle = 2 * self.engine.fleet.lead.config.parallel.push_phase_timeout_s
+            self._windows = WindowHost(self.engine.fleet.target, idle_timeout_s=idle)
         return self._windows
 
     @property

@@ -111,7 +111,7 @@ class WeightTransfer:
     def init(self, info: TransferInit) -> None:
         """Join the trainer's group on every receiving rank (blocks until it forms)."""
         with self._lock:
-            if self._token is not None:
+            if self._token is not None and self.windows.is_open(self._token):
                 raise TransferError(409, "a weight update is open: finish it first")
             ranks = self.world_size()
             if info.world_size != info.rank_offset + ranks:
@@ -136,7 +136,7 @@ class WeightTransfer:
         with self._lock:
             if self.init_info is None:
                 raise TransferError(409, "call /init_weight_transfer_engine first")
-            if self._token is not None:
+            if self._token is not None and self.windows.is_open(self._token):
                 raise TransferError(409, "a weight update is already open")
             spec = self._spec_for(self.init_info, self.target.weight_version + 1, [])
             self._token = self.windows.open(spec)
