@@ -28,7 +28,14 @@ def test_push_settings_name_the_bad_field(kwargs, field):
 def test_every_registered_transport_has_both_halves():
     for name, t in TRANSPORTS.items():
         assert t.name == name and "staged" in t.modes
-        assert issubclass(t.sender, SenderHalf) and issubclass(t.receiver, ReceiverHalf)
+        assert issubclass(t.receiver, ReceiverHalf)
+        # broadcast: vLLM's protocol, whose trainers broadcast themselves (no WeightSender)
+        assert issubclass(t.sender, SenderHalf) if name != "broadcast" else t.sender is None
+
+
+def test_weight_sender_refuses_the_broadcast_transport():
+    with pytest.raises(ValueError, match="^transport must be one of .*'shm'.*got 'broadcast'"):
+        check(PushSettings("broadcast"))
 
 
 def layout() -> RankLayout:
