@@ -163,6 +163,13 @@ def _bench(args) -> int:
         from tandem.bench.encode import run
 
         result = run(quick=args.quick, tp=args.tp)
+    elif args.what == "sync" and args.into == "serve":
+        from tandem.bench.sync_serve import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
     elif args.what == "sync" and args.into == "vllm":
         from tandem.bench.sync_vllm import run
 
@@ -337,9 +344,11 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["generate", "serve", "sync", "encode", "fleet"])
     b.add_argument("--json", action="store_true", help="print the full JSON result")
     b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
-    b.add_argument("--into", choices=["tandem", "vllm"], default="tandem",
-                   help="sync: push into tandem's engine (default) or into vLLM's CPU build, "
-                        "against vLLM's own reload_weights (needs `make vllm`)")  # fmt: skip
+    b.add_argument("--into", choices=["tandem", "vllm", "serve"], default="tandem",
+                   help="sync: push into tandem's engine (default), into vLLM's CPU build "
+                        "against vLLM's own reload_weights (needs `make vllm`), or into a "
+                        "`tandem serve` through vLLM's RL weight-transfer protocol against "
+                        "tandem's WeightSender")  # fmt: skip
     b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
