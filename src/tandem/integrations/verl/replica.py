@@ -39,6 +39,11 @@ class TandemReplica(RolloutReplica):
 
         from tandem.integrations.verl.server import TandemServer
 
+        if self.config.enable_rollout_routing_replay:
+            raise ValueError("rollout.enable_rollout_routing_replay: verl replays the experts of "
+                             "every prompt and response position; tandem reports those of "
+                             "generated tokens only (tandem.rl.replay_routing uses them): not "
+                             "offered through verl")  # fmt: skip
         if self.nnodes > 1:
             raise ValueError(f"a tandem rollout replica runs on one node; tp x pp x dp = "
                              f"{self.world_size} is more than n_gpus_per_node = "

@@ -6,9 +6,11 @@ answers verl's calls (``generate`` token in, token out; ``wake_up``, ``sleep``,
 ``min(response_length, prompt_length + response_length - len(prompt))``, clamped to the
 context; log-probs are processed (after temperature and top-k / top-p: verl's
 ``logprobs_mode="processed_logprobs"``, what its trainer recomputes with logits divided by the
-temperature), one per token, when ``sampling_params["logprobs"]`` is set; MoE experts per
-token with ``enable_rollout_routing_replay``; ``extra_fields["global_steps"]`` is the weight
-version that generated the tokens (tandem pushes are versioned by verl's ``global_steps``).
+temperature), one per token, when ``sampling_params["logprobs"]`` is set;
+``extra_fields["global_steps"]`` is the weight version that generated the tokens (tandem
+pushes are versioned by verl's ``global_steps``). verl's routing replay
+(``enable_rollout_routing_replay``) wants the experts of every prompt position too; tandem
+reports those of the generated tokens only, so it is refused (`TandemReplica`).
 """
 
 from __future__ import annotations
@@ -112,9 +114,7 @@ class TandemServer:
                 "top_p": float(params.get("top_p", 1.0)), "top_k": int(params.get("top_k", -1)),
                 "logprobs": 0 if want_logprobs else None, "logprobs_mode": "processed",
                 "request_id": request_id,
-                "ignore_eos": bool(params.get("ignore_eos", self.config.ignore_eos)),
-                "return_routed_experts": bool(self.config.enable_rollout_routing_replay),
-                }  # fmt: skip
+                "ignore_eos": bool(params.get("ignore_eos", self.config.ignore_eos))}  # fmt: skip
         if params.get("seed") is not None:
             body["seed"] = int(params["seed"])
         if float(params.get("repetition_penalty", 1.0)) != 1.0:  # not offered: never dropped
@@ -127,7 +127,6 @@ class TandemServer:
         logprobs = choice["logprobs"]["token_logprobs"] if want_logprobs else None
         aborted = choice.get("finish_reason") == "abort"
         return TokenOutput(token_ids=choice["token_ids"], log_probs=logprobs,
-                           routed_experts=choice.get("routed_experts"),
                            stop_reason="aborted" if aborted else "completed",
                            extra_fields={"global_steps": out.get("weight_version"),
                                          "finish_reason": choice.get("finish_reason")})  # fmt: skip
