@@ -174,3 +174,26 @@ def test_in_place_a_failed_transfer_refuses_requests_until_a_complete_one(model_
         assert greedy(server)[0] == _expected(model_factory("llama", seed=1))
     finally:
         server.stop()
+
+
+def test_a_fleet_takes_the_transfer_on_every_replica(model_factory):
+    engine_dir = model_factory("llama", seed=0)
+    trainer_dir = model_factory("llama", seed=1)
+    server = Server(engine_dir, "--dp", "2", "--admin-key", ADMIN_KEY,
+                    "--kv-cache-memory", str(16 << 20))  # fmt: skip
+    try:
+        assert server.admin("GET", "/get_world_size").json() == {"world_size": 2}
+        assert server.admin("GET", "/get_world_size", params={"include_dp": "false"}).json() == {
+            "world_size": 1
+        }
+        client = BroadcastClient(server.url, ADMIN_KEY)
+        try:
+            client.push(_tensors(trainer_dir).items(), version=4)
+        finally:
+            client.close()
+        assert [r["version"] for r in server.get("/fleet_state").json()] == [4, 4]
+        expected = _expected(trainer_dir)
+        for _ in range(3):  # requests spread over both replicas
+            assert greedy(server)[0] == expected
+    finally:
+        server.stop()
