@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tandem.bench.serve_process import ServerProcess
+from tandem.server.process import ServerProcess
 
 ADMIN_KEY = "test-admin-key-0123456789"
 

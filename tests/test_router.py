@@ -14,8 +14,8 @@ import transformers
 
 from serving import ADMIN_KEY, Server, wait_for
 from tandem import LLM, SamplingParams
-from tandem.bench.serve_process import ServerProcess
 from tandem.exchange import WeightSender
+from tandem.server.process import ServerProcess
 
 pytestmark = pytest.mark.timeout(240)
 

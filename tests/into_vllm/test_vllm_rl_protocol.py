@@ -38,7 +38,7 @@ PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 def server(model_factory):
     if not TANDEM_PYTHON.exists():
         pytest.skip("tandem's venv (.venv) is not there: `make test` makes it")
-    from tandem.bench.serve_process import ServerProcess
+    from tandem.server.process import ServerProcess
 
     engine_dir = model_factory("llama", seed=0)
     server = ServerProcess(["--model", engine_dir, "--tp", "2", "--admin-key", KEY,

@@ -33,7 +33,7 @@ from safetensors import safe_open
 
 from tandem.bench.generate import FULL_MODEL, QUICK_MODEL, bench_model_dir
 from tandem.bench.serve_load import LoadRequest, poisson_offsets, run_load, summarize
-from tandem.bench.serve_process import ServerProcess
+from tandem.server.process import ServerProcess
 
 MODES = ("continuous", "static")
 SERVED_NAME = "tandem-bench"

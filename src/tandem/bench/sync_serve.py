@@ -62,9 +62,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     import transformers
 
     from tandem import LLM, SamplingParams
-    from tandem.bench.serve_process import ServerProcess
     from tandem.exchange import WeightSender
     from tandem.exchange.broadcast_client import BroadcastClient
+    from tandem.server.process import ServerProcess
 
     dirs = _checkpoints(quick)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)

@@ -74,7 +74,7 @@ class TandemServer:
 
         import ray
 
-        from tandem.bench.serve_process import ServerProcess
+        from tandem.server.process import ServerProcess
 
         host = ray.util.get_node_ip_address()
         args = serve_args(self.config, self.model_path, host, self.admin_key)

@@ -1,5 +1,5 @@
-"""A `tandem serve` subprocess (benchmarks, tests): start it, find its URL, read its peak RSS,
-stop it.
+"""A `tandem serve` subprocess (benchmarks, tests, the verl replica): start it, find its URL,
+read its peak RSS, stop it.
 
 The server's output (stdout and stderr together) is drained by a thread so it can never block
 on a full pipe; its last lines go into the error when the server fails to start.
