@@ -25,6 +25,7 @@ from tandem import LLM, SamplingParams
 from tandem.exchange import broadcast_client
 from tandem.exchange.broadcast_client import BroadcastClient, TransferFailed
 from tandem.exchange.transports.broadcast import chunks
+from tandem.wire import free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -94,6 +95,14 @@ def test_bad_calls_name_the_field_and_the_served_version_stays(tp2, model_factor
     r = tp2.admin("POST", "/init_weight_transfer_engine",
                   json={"init_info": info | {"world_size": 3, "backend": "x"}})  # fmt: skip
     assert r.status_code == 400 and "backend" in r.json()["error"]["param"]
+    t0 = time.monotonic()  # no trainer ever comes: the ranks give up after --push-phase-timeout
+    r = tp2.admin(
+        "POST",
+        "/init_weight_transfer_engine",
+        json={"init_info": info | {"world_size": 3, "master_port": free_port()}},
+    )
+    assert r.status_code == 502 and "did not form" in r.json()["error"]["message"]
+    assert time.monotonic() - t0 < 30 and greedy(tp2)[0] == served
     r = tp2.admin("POST", "/update_weight_version", json={"new_version": "step-3"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "new_version"
     assert tp2.post("/start_weight_update").status_code == 401  # no admin key

@@ -73,15 +73,11 @@ class BroadcastClient:
         info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
                 "world_size": world, "packed": True,
                 "packed_buffer_size_bytes": self.bucket_bytes, "mode": self.mode}  # fmt: skip
-        init = _Call(self, "/init_weight_transfer_engine", {"init_info": info})
-        timeout = timedelta(seconds=self.timeout_s)
-        try:
-            self._store = dist.TCPStore(self.host, port, world, is_master=True,
-                                        timeout=timeout, use_libuv=False)  # fmt: skip
-            self._group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, self._store), 0,
-                                                world, timeout)  # fmt: skip
-        finally:
-            init.result()
+        forming = _Form(self.host, port, world, self.timeout_s)
+        # answers once every engine rank joined (or failed to): a refusal ends the wait now,
+        # leaving the group's thread to time out
+        _Call(self, "/init_weight_transfer_engine", {"init_info": info}).result()
+        self._store, self._group = forming.result()
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
              version: int | None = None) -> dict:  # fmt: skip
@@ -179,6 +175,34 @@ class Bucket:
     def take(self) -> list[tuple[str, torch.Tensor]]:
         out, self.tensors, self.nbytes = self.tensors, [], 0
         return out
+
+
+class _Form(threading.Thread):
+    """Host the group's store and form its rank 0, on a thread of its own."""
+
+    def __init__(self, host: str, port: int, world: int, timeout_s: float):
+        super().__init__(name="tandem-transfer-group", daemon=True)
+        self.args = (host, port, world, timedelta(seconds=timeout_s))
+        self.made: tuple | None = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        host, port, world, timeout = self.args
+        try:
+            store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout,
+                                  use_libuv=False)  # fmt: skip
+            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world,
+                                          timeout)  # fmt: skip
+            self.made = (store, group)
+        except BaseException as exc:
+            self.error = exc
+
+    def result(self) -> tuple:
+        self.join()
+        if self.error is not None:
+            raise TransferFailed(f"the group did not form: {self.error}")
+        return self.made
 
 
 class _Call(threading.Thread):

@@ -20,6 +20,7 @@ refuses requests until a complete push lands, as every tandem push.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -79,11 +80,9 @@ def plan_call(layouts: list[RankLayout], tensors: list[TensorMeta], dtype: str
             if i is None:
                 continue
             piece = region.piece
-            n = itemsize
-            for a, b in piece.box:
-                n *= b - a
+            nbytes = math.prod(piece.box_shape) * itemsize
             records.setdefault(layout.rank, []).append(
-                Record(0, i, n, region.key, piece.region(), piece.box_shape)
+                Record(0, i, nbytes, region.key, piece.region(), piece.box_shape)
             )
     return records, problems
 
@@ -118,10 +117,12 @@ class WeightTransfer:
                 raise TransferError(400, f"world_size must be rank_offset + {ranks} (this "
                                     f"server's receiving ranks), got {info.world_size}",
                                     "init_info.world_size")  # fmt: skip
-            spec = self._spec_for(info, self.target.weight_version, [])
+            spec = self._spec_for(info, self.target.weight_version, [], join=True)
             token = self.windows.open(spec)
             try:
                 self.windows.run(token, lambda u: u.run(PushPhase.RECEIVE, {}))
+            except Exception as exc:
+                raise TransferError(502, f"the trainer's group did not form: {exc}") from None
             finally:
                 self.windows.close(token, ok=True)  # nothing landed: nothing changes
             self.init_info = info
@@ -164,17 +165,21 @@ class WeightTransfer:
                 received = self.windows.run(token, receive)
             except Exception as exc:
                 self._abandon()
+                self._tell(spec.version, str(exc))
                 raise TransferError(502, f"the update failed; {exc}") from None
             if problems:
                 self._abandon()
+                self._tell(spec.version, "; ".join(problems))
+                after = ("the engine refuses requests until a complete transfer lands"
+                         if spec.settings.in_place else "the served version stays")  # fmt: skip
                 raise TransferError(400, f"{len(problems)} problem(s), the transfer is "
-                                    f"dropped and the served version stays: "
-                                    f"{'; '.join(problems[:10])}", "update_info")  # fmt: skip
+                                    f"dropped and {after}: {'; '.join(problems[:10])}",
+                                    "update_info")  # fmt: skip
             for rank, mine in records.items():
                 held = self._records.setdefault(rank, {})
                 held.update({(r.key, r.region): r for r in mine})
             self._tensors.update(t.name for t in tensors)
-            return {"tensors": len(tensors), "bytes_received_per_rank": received}
+            return {"tensors": len(tensors), "bytes_received": received}  # by all ranks
 
     def finish(self, version: int | None) -> dict:
         """Check and commit everything the transfer landed; publish ``version``."""
@@ -232,13 +237,13 @@ class WeightTransfer:
         except Exception:  # closed already (timed out): it dropped what it held then
             pass
 
-    def _spec_for(self, info: TransferInit, version: int, tensors: list[TensorMeta]
-                  ) -> UpdateSpec:  # fmt: skip
+    def _spec_for(self, info: TransferInit, version: int, tensors: list[TensorMeta],
+                  join: bool = False) -> UpdateSpec:  # fmt: skip
         group = group_info(info.master_address, info.master_port, info.world_size,
                            self.timeout_s)  # fmt: skip
         # verify=False: the records carry no sender CRC32s; the receivers check what arrived
         # against the CRC32s tandem's senders give, and read every landed box back
         return UpdateSpec(version, PushSettings("broadcast", info.mode, verify=False),
                           self.target.weight_dtype, info.rank_offset,
-                          staging=(call_handle(tensors, info.packed_bytes),),
+                          staging=(call_handle(tensors, info.packed_bytes, join),),
                           group=group)  # fmt: skip

@@ -58,14 +58,16 @@ class TensorMeta:
         return cls(name, dtype, tuple(shape), crc)
 
 
-def call_handle(tensors: list[TensorMeta], packed_bytes: int) -> list:
-    """What every rank is told of one call (`UpdateSpec.staging[0]`)."""
-    return [packed_bytes, [t.to_wire() for t in tensors]]
+def call_handle(tensors: list[TensorMeta], packed_bytes: int, join: bool = False) -> list:
+    """What every rank is told of one call (`UpdateSpec.staging[0]`); ``join``: the trainer's
+    init, each rank (re)joins its group first (a handle of an earlier group at the same
+    address is dropped: a restarted trainer may reuse its port)."""
+    return [packed_bytes, [t.to_wire() for t in tensors], join]
 
 
-def read_handle(handle: list) -> tuple[int, list[TensorMeta]]:
-    packed_bytes, rows = handle
-    return packed_bytes, [TensorMeta.from_wire(row) for row in rows]
+def read_handle(handle: list) -> tuple[int, list[TensorMeta], bool]:
+    packed_bytes, rows, join = handle
+    return packed_bytes, [TensorMeta.from_wire(row) for row in rows], join
 
 
 def chunks(sizes: list[int], packed_bytes: int) -> list[list[int]]:
@@ -93,9 +95,10 @@ def join(info: GroupInfo, rank: int) -> dist.ProcessGroup:
     """This process's handle on the trainer's group (made once per address, then reused)."""
     key = (info.host, info.port, rank)
     if key not in _groups:
-        try:
+        try:  # the store's client retries once: half the timeout each, so the join ends
+            # within the push phase's deadline; it returns once every rank is connected
             store = dist.TCPStore(info.host, info.port, info.world, is_master=False,
-                                  timeout=timedelta(seconds=info.timeout_s),
+                                  timeout=timedelta(seconds=info.timeout_s / 2),
                                   use_libuv=False)  # fmt: skip
             group = dist.ProcessGroupGloo(dist.PrefixStore(info.prefix, store), rank, info.world,
                                           timedelta(seconds=info.timeout_s))  # fmt: skip
@@ -131,8 +134,10 @@ class BroadcastReceiver(ReceiverHalf):
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
         """Take part in every broadcast of the call; land this rank's records' boxes."""
+        packed_bytes, tensors, fresh = read_handle(spec.staging[0])
+        if fresh:
+            leave(spec.group)
         group = join(spec.group, spec.trainers + spec.first_rank + self.rank)
-        packed_bytes, tensors = read_handle(spec.staging[0])
         mine: dict[int, list[Record]] = {}
         for r in records:
             mine.setdefault(r.offset, []).append(r)
