@@ -129,11 +129,16 @@ def test_a_wrong_copy_on_a_relay_quarantines_that_replica_and_it_heals_from_a_pe
         _matches(llm, trainer, 3, 2)
 
 
-def _wait_serving(llm, replicas: int, timeout_s: float = 60.0) -> None:
+def _wait_serving(llm, replicas: int, timeout_s: float = 60.0, version: int | None = None
+                  ) -> None:  # fmt: skip
+    """Until ``replicas`` serve (at ``version``: a rolling push answers its trainer before
+    its later waves, which may not have begun yet)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = llm.fleet_state()
-        if len(state) == replicas and all(s["state"] == "serving" for s in state):
+        if len(state) == replicas and all(
+            s["state"] == "serving" and version in (None, s["version"]) for s in state
+        ):
             return
         time.sleep(0.05)
     raise AssertionError(f"the fleet did not come back: {llm.fleet_state()}")

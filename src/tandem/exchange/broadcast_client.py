@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import crc32
-from tandem.exchange.transports.broadcast import GROUP_PREFIX, TensorMeta, broadcast
+from tandem.exchange.settings import BroadcastTensor
+from tandem.exchange.transports.broadcast import GROUP_PREFIX, broadcast
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -112,7 +113,7 @@ class BroadcastClient:
 
     def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         raw = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
-        metas = [TensorMeta(name, _NAMES[t.dtype], tuple(t.shape), crc32(r))
+        metas = [BroadcastTensor(name, _NAMES[t.dtype], tuple(t.shape), crc32(r))
                  for (name, t), r in zip(bucket, raw, strict=True)]  # fmt: skip
         info = {"names": [m.name for m in metas], "dtype_names": [m.dtype for m in metas],
                 "shapes": [list(m.shape) for m in metas],

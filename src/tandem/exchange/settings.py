@@ -91,12 +91,35 @@ class GroupInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class BroadcastTensor:
+    """One tensor a trainer broadcasts in vLLM's weight-transfer protocol (the broadcast
+    transport), as its sender describes it."""
+
+    name: str
+    dtype: str  # a name in `tandem.dtypes.DTYPES`
+    shape: tuple[int, ...]
+    crc: int | None = None  # CRC32 of its bytes as the sender read them (tandem's senders)
+
+
+@dataclass(frozen=True, slots=True)
+class BroadcastCall:
+    """One ``/update_weights`` call as every receiving rank sees it: its tensors in broadcast
+    order, vLLM's packing (``packed_bytes``; 0: one broadcast per tensor), and ``join``: the
+    trainer's init, each rank (re)joins its group first."""
+
+    tensors: tuple[BroadcastTensor, ...] = ()
+    packed_bytes: int = 0
+    join: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class UpdateSpec:
     """One push as every engine rank sees it: its settings, the engine's dtype, how many trainer
     ranks send, and where to find their bytes (``staging``: per trainer rank, the handle of its
     staged memory, as its transport made it; ``group``: the dist transport's process group;
     ``first_rank``: the target-wide number of this engine's rank 0, where the target is a fleet
-    of engines whose ranks are numbered one after another)."""
+    of engines whose ranks are numbered one after another; ``broadcast``: the call of vLLM's
+    protocol the broadcast transport receives)."""
 
     version: int
     settings: PushSettings
@@ -106,3 +129,4 @@ class UpdateSpec:
     group: GroupInfo | None = None
     bucket_bytes: int = 0
     first_rank: int = 0
+    broadcast: BroadcastCall | None = None

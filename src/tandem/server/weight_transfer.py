@@ -28,8 +28,14 @@ from dataclasses import dataclass, replace
 from tandem.dtypes import DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
-from tandem.exchange.transports.broadcast import TensorMeta, call_handle, group_info
+from tandem.exchange.settings import (
+    BroadcastCall,
+    BroadcastTensor,
+    PushPhase,
+    PushSettings,
+    UpdateSpec,
+)
+from tandem.exchange.transports.broadcast import group_info
 from tandem.server.remote_window import WindowHost
 
 
@@ -54,7 +60,7 @@ class TransferInit:
     mode: str = "staged"
 
 
-def plan_call(layouts: list[RankLayout], tensors: list[TensorMeta], dtype: str
+def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor], dtype: str
               ) -> tuple[dict[int, list[Record]], list[str]]:  # fmt: skip
     """Per receiving rank, a record for each piece of its parameters that a tensor of the call
     fills (``offset``: the tensor's index in the call); and every problem with the call's
@@ -147,7 +153,7 @@ class WeightTransfer:
                 self.windows.run(self._token, lambda u: u.expose())
             return spec.version
 
-    def update(self, tensors: list[TensorMeta]) -> dict:
+    def update(self, tensors: list[BroadcastTensor]) -> dict:
         """Receive one call's broadcasts on every rank."""
         with self._lock:
             token = self._open_token()
@@ -237,7 +243,7 @@ class WeightTransfer:
         except Exception:  # closed already (timed out): it dropped what it held then
             pass
 
-    def _spec_for(self, info: TransferInit, version: int, tensors: list[TensorMeta],
+    def _spec_for(self, info: TransferInit, version: int, tensors: list[BroadcastTensor],
                   join: bool = False) -> UpdateSpec:  # fmt: skip
         group = group_info(info.master_address, info.master_port, info.world_size,
                            self.timeout_s)  # fmt: skip
@@ -245,5 +251,5 @@ class WeightTransfer:
         # against the CRC32s tandem's senders give, and read every landed box back
         return UpdateSpec(version, PushSettings("broadcast", info.mode, verify=False),
                           self.target.weight_dtype, info.rank_offset,
-                          staging=(call_handle(tensors, info.packed_bytes, join),),
+                          broadcast=BroadcastCall(tuple(tensors), info.packed_bytes, join),
                           group=group)  # fmt: skip

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tandem.dtypes import DTYPES
-from tandem.exchange.transports.broadcast import TensorMeta
+from tandem.exchange.settings import BroadcastTensor
 from tandem.server.errors import APIError, from_validation
 from tandem.server.remote_window import WindowError
 from tandem.server.state import read_body, require_admin, state
@@ -102,7 +102,7 @@ def _version(value: str | int | None, param: str) -> int | None:
                    f"weight versions, got {value!r}", param=param)  # fmt: skip
 
 
-def _tensors(info: UpdateInfo) -> list[TensorMeta]:
+def _tensors(info: UpdateInfo) -> list[BroadcastTensor]:
     n = len(info.names)
     for field in ("dtype_names", "shapes") + (("crc32s",) if info.crc32s is not None else ()):
         if len(getattr(info, field)) != n:
@@ -119,7 +119,7 @@ def _tensors(info: UpdateInfo) -> list[TensorMeta]:
             raise APIError(400, f"update_info.shapes[{i}] has a negative size",
                            param="update_info.shapes")  # fmt: skip
         crc = None if info.crc32s is None else info.crc32s[i]
-        out.append(TensorMeta(name, dtype, tuple(shape), crc))
+        out.append(BroadcastTensor(name, dtype, tuple(shape), crc))
     return out
 
 

@@ -21,7 +21,6 @@ tensor in the call; its region is a whole piece of its parameter.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -30,44 +29,14 @@ import torch.distributed as dist
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import checked_copy, crc32, tensor_crc32
 from tandem.exchange.items import Record
-from tandem.exchange.settings import GroupInfo, UpdateSpec
+from tandem.exchange.settings import BroadcastTensor, GroupInfo, UpdateSpec
 from tandem.exchange.transports.base import ReceiverHalf, Transport
 
 GROUP_PREFIX = "weight_transfer_gloo"
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """One tensor of a call, as its sender broadcasts it."""
-
-    name: str
-    dtype: str  # a name in `tandem.dtypes.DTYPES`
-    shape: tuple[int, ...]
-    crc: int | None = None  # CRC32 of its bytes as the sender read them (tandem's senders)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-    def to_wire(self) -> list:
-        return [self.name, self.dtype, list(self.shape), self.crc]
-
-    @classmethod
-    def from_wire(cls, row: list) -> TensorMeta:
-        name, dtype, shape, crc = row
-        return cls(name, dtype, tuple(shape), crc)
-
-
-def call_handle(tensors: list[TensorMeta], packed_bytes: int, join: bool = False) -> list:
-    """What every rank is told of one call (`UpdateSpec.staging[0]`); ``join``: the trainer's
-    init, each rank (re)joins its group first (a handle of an earlier group at the same
-    address is dropped: a restarted trainer may reuse its port)."""
-    return [packed_bytes, [t.to_wire() for t in tensors], join]
-
-
-def read_handle(handle: list) -> tuple[int, list[TensorMeta], bool]:
-    packed_bytes, rows, join = handle
-    return packed_bytes, [TensorMeta.from_wire(row) for row in rows], join
+def nbytes(t: BroadcastTensor) -> int:
+    return math.prod(t.shape) * DTYPES[t.dtype].itemsize
 
 
 def chunks(sizes: list[int], packed_bytes: int) -> list[list[int]]:
@@ -134,8 +103,9 @@ class BroadcastReceiver(ReceiverHalf):
 
     def receive(self, spec: UpdateSpec, records: list[Record]) -> int:
         """Take part in every broadcast of the call; land this rank's records' boxes."""
-        packed_bytes, tensors, fresh = read_handle(spec.staging[0])
-        if fresh:
+        call = spec.broadcast
+        tensors = call.tensors
+        if call.join:  # a handle on an earlier group at this address: a restarted trainer
             leave(spec.group)
         group = join(spec.group, spec.trainers + spec.first_rank + self.rank)
         mine: dict[int, list[Record]] = {}
@@ -144,15 +114,15 @@ class BroadcastReceiver(ReceiverHalf):
         landed: list[tuple[Record, torch.Tensor, int]] = []
         received = 0
         try:
-            for chunk in chunks([t.nbytes for t in tensors], packed_bytes):
-                buf = torch.empty(sum(tensors[i].nbytes for i in chunk), dtype=torch.uint8)
+            for chunk in chunks([nbytes(t) for t in tensors], call.packed_bytes):
+                buf = torch.empty(sum(nbytes(tensors[i]) for i in chunk), dtype=torch.uint8)
                 broadcast(group, buf)
                 received += buf.numel()
                 at = 0
                 for i in chunk:
                     t = tensors[i]
-                    raw = buf[at : at + t.nbytes]
-                    at += t.nbytes
+                    raw = buf[at : at + nbytes(t)]
+                    at += nbytes(t)
                     if t.crc is not None and crc32(raw) != t.crc:
                         raise ValueError(f"checksum mismatch for {t.name} as received")
                     if mine.get(i):
@@ -165,7 +135,7 @@ class BroadcastReceiver(ReceiverHalf):
                 raise ValueError(f"checksum mismatch for {r.where} as landed")
         return received
 
-    def _land(self, spec: UpdateSpec, t: TensorMeta, raw: torch.Tensor, records: list[Record]):
+    def _land(self, spec: UpdateSpec, t: BroadcastTensor, raw: torch.Tensor, records: list[Record]):
         dtype = DTYPES[t.dtype]
         if raw.storage_offset() % dtype.itemsize:  # packed after an odd-sized tensor
             raw = raw.clone()
