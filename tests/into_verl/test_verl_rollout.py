@@ -128,6 +128,15 @@ def test_verl_generates_through_tandem_and_update_weights_lands(cluster, model_f
                  for i, p in enumerate(PROMPTS)]  # fmt: skip
         sampled = await client.generate(request_id="c", prompt_ids=PROMPTS[0],
                                         sampling_params=dict(greedy, temperature=0.7))  # fmt: skip
+        # verl's partial-rollout controls: after abort_all_requests generation is blocked, a
+        # new request waits, and resume_generation lets it run
+        assert await replica.abort_all_requests() is None
+        held = asyncio.ensure_future(client.generate(request_id="d", prompt_ids=PROMPTS[1],
+                                                     sampling_params=dict(greedy)))  # fmt: skip
+        await asyncio.sleep(1.0)
+        assert not held.done()
+        await replica.resume_generation()
+        assert (await held).token_ids == after[1].token_ids
         await replica.shutdown()
         return before, after, sampled
 

@@ -112,7 +112,8 @@ class BroadcastReceiver(ReceiverHalf):
         for r in records:
             mine.setdefault(r.offset, []).append(r)
         landed: list[tuple[Record, torch.Tensor, int]] = []
-        received = 0
+        problems: list[str] = []  # the rest of the call is still received: no rank may
+        received = 0  # leave a broadcast the trainer has begun
         try:
             for chunk in chunks([nbytes(t) for t in tensors], call.packed_bytes):
                 buf = torch.empty(sum(nbytes(tensors[i]) for i in chunk), dtype=torch.uint8)
@@ -124,15 +125,16 @@ class BroadcastReceiver(ReceiverHalf):
                     raw = buf[at : at + nbytes(t)]
                     at += nbytes(t)
                     if t.crc is not None and crc32(raw) != t.crc:
-                        raise ValueError(f"checksum mismatch for {t.name} as received")
-                    if mine.get(i):
+                        problems.append(f"checksum mismatch for {t.name} as received")
+                    elif mine.get(i) and not problems:
                         landed += self._land(spec, t, raw, mine[i])
         except RuntimeError:  # the group broke (the trainer died, a timeout): leave it
             leave(spec.group)
             raise
-        for r, box, crc in landed:
-            if tensor_crc32(box) != crc:
-                raise ValueError(f"checksum mismatch for {r.where} as landed")
+        problems += [f"checksum mismatch for {r.where} as landed"
+                     for r, box, crc in landed if tensor_crc32(box) != crc]  # fmt: skip
+        if problems:
+            raise ValueError("; ".join(problems[:10]))
         return received
 
     def _land(self, spec: UpdateSpec, t: BroadcastTensor, raw: torch.Tensor, records: list[Record]):
@@ -145,8 +147,8 @@ class BroadcastReceiver(ReceiverHalf):
         with torch.no_grad():
             for r in records:
                 piece = pieces[(r.key, r.region)]
-                if piece.name != t.name:
-                    raise ValueError(f"{r.where} holds {piece.name}, not {t.name}")
+                if piece.name != t.name:  # a plan that disagrees with the model: a bug
+                    raise RuntimeError(f"{r.where} holds {piece.name}, not {t.name}")
                 src = full[piece.box_slices()]
                 dst = self._target(spec, r)
                 out.append((r, dst, checked_copy(src, dst, True)))

@@ -10,8 +10,8 @@ arrival, committed only when complete, published as version ``global_steps``. At
 bucket is held beside the trainer's tensors. ``resume(tags)`` / ``release()`` wake the server
 up / put it to sleep (with ``free_cache_engine``).
 
-LoRA adapters (``peft_config``) are refused with a clear error: tandem takes merged weights
-(verl's ``lora.merge=True``) until adapter-only sync lands.
+Adapter-only syncs (``peft_config`` with ``base_sync_done``) are refused with a clear error:
+tandem takes full (merged) weights, verl's ``lora.merge=True``, until adapter-only sync lands.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ class TandemServerAdapter(BaseRollout):
         world = c.tensor_model_parallel_size * c.data_parallel_size * c.pipeline_model_parallel_size
         rank = int(os.environ.get("RANK", "0"))
         self.replica_rank = replica_rank if replica_rank >= 0 else rank // world
-        self.rollout_rank = rank % world if replica_rank < 0 else 0
+        self.rollout_rank = rank % world  # the replica's first rank sends
         self.is_leader_rank = self.rollout_rank == 0
         self._server = None
         self._client: BroadcastClient | None = None
@@ -59,9 +59,10 @@ class TandemServerAdapter(BaseRollout):
 
         if wire_format != "named_tensors":
             raise ValueError(f"tandem takes wire_format='named_tensors', got {wire_format!r}")
-        if peft_config is not None:
-            raise NotImplementedError("tandem's verl rollout takes merged weights: set "
-                                      "actor_rollout_ref.model.lora.merge=True")  # fmt: skip
+        if peft_config and base_sync_done:  # LoRA adapters only (verl's vLLM/SGLang rule)
+            raise NotImplementedError("tandem's verl rollout takes full weights, not LoRA "
+                                      "adapters: set actor_rollout_ref.model.lora.merge="
+                                      "True")  # fmt: skip
         stream = ensure_async_iterator(weights)
         if not self.is_leader_rank:
             async for _ in stream:  # the gathers are collective: read them all
@@ -80,6 +81,11 @@ class TandemServerAdapter(BaseRollout):
         except BaseException:
             client.close()  # a broken group is rebuilt at the next update
             self._client = None
+            try:  # the other ranks still gather: read the rest with them, then fail
+                async for _ in stream:
+                    pass
+            except Exception:  # the stream itself broke: nothing left to read
+                pass
             raise
         server = self._handle()
         await server.set_global_steps.remote(global_steps)

@@ -150,16 +150,18 @@ class TandemServer:
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True,
                                  reject_request: bool = False) -> dict:  # fmt: skip
-        """End every running request (their callers get what was generated); with
-        ``reject_request`` new ones wait until `resume_generation`."""
+        """verl's partial rollout: every running request ends now (its caller gets what was
+        generated, stop_reason ``aborted``) and generation stays blocked, new requests held,
+        until `resume_generation`. ``reject_request`` (fail new requests instead of holding
+        them) is not offered: tandem holds them, as verl allows of backends that cannot."""
         if reject_request:
-            out = await self._call(
-                "POST", "/pause", {"mode": "abort", "clear_cache": reset_prefix_cache}
-            )
-        else:
-            out = await self._call("POST", "/abort_requests", {"abort_all": True})
-            if reset_prefix_cache:
-                await self.clear_kv_cache()
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "tandem holds requests that arrive while generation is blocked: "
+                "reject_request ignored")  # fmt: skip
+        out = await self._call("POST", "/pause",
+                               {"mode": "abort", "clear_cache": reset_prefix_cache})  # fmt: skip
         return {"aborted_count": out["aborted"], "request_ids": []}
 
     async def resume_generation(self):
