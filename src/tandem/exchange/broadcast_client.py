@@ -16,7 +16,6 @@ broadcast gives every rank every byte.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.error
 import urllib.request
@@ -29,7 +28,8 @@ import torch.distributed as dist
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import crc32
 from tandem.exchange.settings import BroadcastTensor
-from tandem.exchange.transports.broadcast import GROUP_PREFIX, broadcast
+from tandem.exchange.transports.broadcast import broadcast, gloo_group
+from tandem.wire import free_port
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
@@ -70,15 +70,25 @@ class BroadcastClient:
         if self._group is not None:
             return
         world = self._get("/get_world_size")["world_size"] + 1
-        port = _free_port(self.host)
+        port = free_port(self.host)
         info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
                 "world_size": world, "packed": True,
                 "packed_buffer_size_bytes": self.bucket_bytes, "mode": self.mode}  # fmt: skip
-        forming = _Form(self.host, port, world, self.timeout_s)
+        forming = _Background("group", self._form, port, world)
         # answers once every engine rank joined (or failed to): a refusal ends the wait now,
         # leaving the group's thread to time out
-        _Call(self, "/init_weight_transfer_engine", {"init_info": info}).result()
-        self._store, self._group = forming.result()
+        self._post("/init_weight_transfer_engine", {"init_info": info})
+        try:
+            self._store, self._group = forming.result()
+        except BaseException as exc:
+            raise TransferFailed(f"the group did not form: {exc}") from None
+
+    def _form(self, port: int, world: int) -> tuple:
+        """Host the group's store and form its rank 0."""
+        store = dist.TCPStore(self.host, port, world, is_master=True,
+                              timeout=timedelta(seconds=self.timeout_s),
+                              use_libuv=False)  # fmt: skip
+        return store, gloo_group(store, 0, world, self.timeout_s)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
              version: int | None = None) -> dict:  # fmt: skip
@@ -109,22 +119,27 @@ class BroadcastClient:
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """One ``/update_weights`` call and its broadcast: ``bucket``'s tensors, in order."""
-        self._send(bucket)
-
-    def _send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         raw = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
         metas = [BroadcastTensor(name, _NAMES[t.dtype], tuple(t.shape), crc32(r))
                  for (name, t), r in zip(bucket, raw, strict=True)]  # fmt: skip
         info = {"names": [m.name for m in metas], "dtype_names": [m.dtype for m in metas],
                 "shapes": [list(m.shape) for m in metas],
                 "crc32s": [m.crc for m in metas]}  # fmt: skip
-        call = _Call(self, "/update_weights", {"update_info": info})
+        call = _Background("update", self._post_or_leave, "/update_weights",
+                           {"update_info": info})  # fmt: skip
         try:
             buf = torch.cat(raw) if len(raw) > 1 else raw[0]
             broadcast(self._group, buf)
             self.bytes_sent += buf.numel()
         finally:
             call.result()
+
+    def _post_or_leave(self, path: str, body: dict) -> dict:
+        try:
+            return self._post(path, body)
+        except BaseException:  # refused: free the broadcast waiting on it
+            self.close()
+            raise
 
     def close(self) -> None:
         """Leave the group (the server's ranks leave it at their next init or failure)."""
@@ -178,60 +193,24 @@ class Bucket:
         return out
 
 
-class _Form(threading.Thread):
-    """Host the group's store and form its rank 0, on a thread of its own."""
+class _Background(threading.Thread):
+    """``call(*args)`` on a thread of its own (what waits on this process's broadcasts)."""
 
-    def __init__(self, host: str, port: int, world: int, timeout_s: float):
-        super().__init__(name="tandem-transfer-group", daemon=True)
-        self.args = (host, port, world, timedelta(seconds=timeout_s))
-        self.made: tuple | None = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        host, port, world, timeout = self.args
-        try:
-            store = dist.TCPStore(host, port, world, is_master=True, timeout=timeout,
-                                  use_libuv=False)  # fmt: skip
-            group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), 0, world,
-                                          timeout)  # fmt: skip
-            self.made = (store, group)
-        except BaseException as exc:
-            self.error = exc
-
-    def result(self) -> tuple:
-        self.join()
-        if self.error is not None:
-            raise TransferFailed(f"the group did not form: {self.error}")
-        return self.made
-
-
-class _Call(threading.Thread):
-    """An HTTP call that waits on this process's broadcasts, made on a thread of its own."""
-
-    def __init__(self, client: BroadcastClient, path: str, body: dict):
-        super().__init__(name=f"tandem-transfer{path.replace('/', '-')}", daemon=True)
-        self.client, self.path, self.body = client, path, body
-        self.answer: dict | None = None
+    def __init__(self, what: str, call, *args):
+        super().__init__(name=f"tandem-transfer-{what}", daemon=True)
+        self.call, self.args = call, args
+        self.answer = None
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            self.answer = self.client._post(self.path, self.body)
+            self.answer = self.call(*self.args)
         except BaseException as exc:
             self.error = exc
-            if self.path == "/update_weights":  # refused: free the broadcast waiting on it
-                self.client.close()
 
-    def result(self) -> dict:
+    def result(self):
         self.join()
         if self.error is not None:
             raise self.error
         return self.answer
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -116,7 +116,7 @@ class WeightTransfer:
     def init(self, info: TransferInit) -> None:
         """Join the trainer's group on every receiving rank (blocks until it forms)."""
         with self._lock:
-            if self._token is not None and self.windows.is_open(self._token):
+            if self._busy():
                 raise TransferError(409, "a weight update is open: finish it first")
             ranks = self.world_size()
             if info.world_size != info.rank_offset + ranks:
@@ -143,7 +143,7 @@ class WeightTransfer:
         with self._lock:
             if self.init_info is None:
                 raise TransferError(409, "call /init_weight_transfer_engine first")
-            if self._token is not None and self.windows.is_open(self._token):
+            if self._busy():
                 raise TransferError(409, "a weight update is already open")
             spec = self._spec_for(self.init_info, self.target.weight_version + 1, [])
             self._token = self.windows.open(spec)
@@ -217,7 +217,7 @@ class WeightTransfer:
     def relabel(self, version: int) -> None:
         """Name the served weights ``version`` (vLLM's ``/update_weight_version``)."""
         with self._lock:
-            if self._token is not None:
+            if self._busy():
                 raise TransferError(409, "a weight update is open: finish it first")
             for engine in self.fleet.engines:
                 engine.relabel_weights(version)
@@ -227,6 +227,10 @@ class WeightTransfer:
         for listener in self.target.update_listeners:
             listener(version, seconds, error)
         return seconds
+
+    def _busy(self) -> bool:
+        """A transfer is open (one whose window closed on its own, idle, is over)."""
+        return self._token is not None and self.windows.is_open(self._token)
 
     def _open_token(self) -> str:
         if self._token is None:

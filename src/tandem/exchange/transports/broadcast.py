@@ -69,13 +69,19 @@ def join(info: GroupInfo, rank: int) -> dist.ProcessGroup:
             store = dist.TCPStore(info.host, info.port, info.world, is_master=False,
                                   timeout=timedelta(seconds=info.timeout_s / 2),
                                   use_libuv=False)  # fmt: skip
-            group = dist.ProcessGroupGloo(dist.PrefixStore(info.prefix, store), rank, info.world,
-                                          timedelta(seconds=info.timeout_s))  # fmt: skip
+            group = gloo_group(store, rank, info.world, info.timeout_s, info.prefix)
         except RuntimeError as exc:
             raise RuntimeError(f"the trainer's group at {info.host}:{info.port} did not form "
                                f"within {info.timeout_s:g} s: {exc}") from None  # fmt: skip
         _groups[key] = (store, group)
     return _groups[key][1]
+
+
+def gloo_group(store: dist.Store, rank: int, world: int, timeout_s: float,
+               prefix: str = GROUP_PREFIX) -> dist.ProcessGroup:  # fmt: skip
+    """The group's gloo handle at ``rank``, over the trainer's store (both ends make it so)."""
+    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world,
+                                 timedelta(seconds=timeout_s))  # fmt: skip
 
 
 def leave(info: GroupInfo) -> None:

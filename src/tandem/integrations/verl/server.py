@@ -176,7 +176,10 @@ class TandemServer:
     async def stop_profile(self):
         pass
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
         if self.process is not None:
             self.process.stop()
             self.process = None

@@ -25,12 +25,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
-from tandem.exchange.transports.broadcast import GROUP_PREFIX, broadcast
+from tandem.exchange.transports.broadcast import broadcast, gloo_group
 
 
 def _client_base():
@@ -44,8 +42,7 @@ class _GlooEndpoint:
 
     def __init__(self, store, rank: int, world_size: int, timeout_s: float):
         self.store = store  # keeps the rendezvous alive
-        self.group = dist.ProcessGroupGloo(dist.PrefixStore(GROUP_PREFIX, store), rank,
-                                           world_size, timedelta(seconds=timeout_s))  # fmt: skip
+        self.group = gloo_group(store, rank, world_size, timeout_s)
 
     def broadcast(self, tensor: torch.Tensor, src: int, stream=None) -> None:
         if src != 0:
