@@ -18,7 +18,12 @@ def _make_tiny_model(args) -> int:
         args.dir, args.family, seed=args.seed, vocab_size=args.vocab_size,
         max_shard_bytes=args.max_shard_bytes,
     )  # fmt: skip
-    print(f"wrote a random-init {args.family} model to {path}")
+    if args.quantization == "fp8":
+        from tandem.models.fp8_checkpoint import save_fp8_checkpoint
+
+        save_fp8_checkpoint(path, path, (args.fp8_block, args.fp8_block))
+    kind = "" if args.quantization is None else f" block-FP8 ({args.fp8_block} x {args.fp8_block})"
+    print(f"wrote a random-init{kind} {args.family} model to {path}")
     return 0
 
 
@@ -76,11 +81,15 @@ def _demo(args) -> int:
     config = DemoConfig(
         model_dir=args.model_dir, out_dir=args.out_dir, **counts,
         placement="disaggregated" if args.disaggregated else "colocate",
-        async_staleness=args.async_staleness, seed=args.seed,
+        async_staleness=args.async_staleness, seed=args.seed, engine_dtype=args.engine_dtype,
+        is_correction=args.is_correction, is_cap=args.is_cap,
     )  # fmt: skip
     mode = config.placement + ("" if args.async_staleness is None else
                                f", async (staleness <= {args.async_staleness})")  # fmt: skip
-    print(f"tandem demo: RL on the built-in tiny model ({mode}): engine LLM(tp=2), trainer "
+    correction = ("no mismatch correction" if config.is_correction == "none" else
+                  f"{config.is_correction} correction, cap {config.is_cap:g}")  # fmt: skip
+    print(f"tandem demo: RL on the built-in tiny model ({mode}): engine LLM(tp=2, "
+          f"{config.engine_dtype}; {correction}), trainer "
           f"FSDP2 x 2 (AdamW), weights by {config.transport}; task: reverse "
           f"{config.digits} digits (Q:472 -> A:274), reward = per-digit accuracy; "
           f"{config.warmup_steps} supervised warm-up steps, then {config.steps} GRPO steps",
@@ -101,6 +110,11 @@ def _demo(args) -> int:
           f"{s['max_kl']:.1e} (whole-vocabulary log-prob gap {s['max_logprob_gap_vocab']:.1e}); "
           f"sync {s['mean_sync_ms']:.0f} ms/step; staleness max {s['staleness_max']}; "
           f"{s['seconds']:.0f} s")  # fmt: skip
+    gap = "-" if s["mean_logprob_gap"] is None else f"{s['mean_logprob_gap']:.1e}"
+    print(f"engine {s['engine_dtype']}, correction {s['is_correction']} (cap {s['is_cap']:g}): "
+          f"sampled-token log-prob gap mean {gap}; importance weight mean "
+          f"{s['mean_is_weight']:.4f}; tokens over the cap {100 * s['is_capped_fraction_mean']:.3f}"
+          f"% (max {100 * s['is_capped_fraction_max']:.3f}% in a step)")  # fmt: skip
     print(f"wrote {log_path} and {plot_path}")
     return 0
 
@@ -238,6 +252,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--vocab-size", type=int, default=512)
     m.add_argument("--max-shard-bytes", type=int, default=None,
                    help="split the weights into shards with an index file")  # fmt: skip
+    m.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: an HF block-FP8 checkpoint (e4m3 + weight_scale_inv)")  # fmt: skip
+    m.add_argument("--fp8-block", type=int, default=128, help="the FP8 scale block's side")
     m.set_defaults(func=_make_tiny_model)
 
     g = sub.add_parser("generate", help="generate from a model directory, one JSON line each")
@@ -301,6 +318,14 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--warmup-steps", type=int, default=None,
                    help="supervised steps before RL (default 10; 0: none)")  # fmt: skip
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--engine-dtype", choices=["float32", "bfloat16", "fp8"], default="float32",
+                   help="the engine's precision (the trainer's is float32; fp8: block-FP8 "
+                        "weights, bfloat16 activations)")  # fmt: skip
+    d.add_argument("--is-correction", choices=["tis", "mis", "none"], default="none",
+                   help="correct the engine/trainer log-prob mismatch by importance weights: "
+                        "truncated (tis) or masked (mis) at --is-cap")  # fmt: skip
+    d.add_argument("--is-cap", type=float, default=2.0, metavar="C",
+                   help="the importance weight's cap (default 2)")  # fmt: skip
     d.add_argument("--model-dir", default=".tandem/tiny-llama")
     d.add_argument("--out-dir", default=".tandem/demo", help="demo.json and demo.png go here")
     d.set_defaults(func=_demo)

@@ -184,6 +184,13 @@ class EngineConfig(BaseModel):
         "matmuls clearly faster than float32 (always on GPUs), else float32 "
         "(`tandem.engine.dtype_probe`)",
     )
+    quantization: Literal["fp8"] | None = Field(
+        None,
+        description="fp8: hold the linear layers' weights as block-FP8 (e4m3 + one float32 "
+        "scale per 128 x 128 block), quantizing a float checkpoint as it loads; an HF FP8 "
+        "checkpoint (quantization_config quant_method 'fp8') is served so without it. "
+        "Matmuls run in `dtype` on the dequantized weight (`tandem.layers.fp8`)",
+    )
     device: str = "cpu"
     packed_weights: bool = Field(
         True,

@@ -44,7 +44,7 @@ CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits fo
 class LLMEngine(EngineControls, EngineEncode, PushWindow):
     def __init__(self, config: EngineConfig):
         import_model_modules(config.model_modules)
-        self.spec = read_model_spec(config.model)
+        self.spec = read_model_spec(config.model, config.quantization)
         self.dtype_choice = resolve_dtype(config, self.spec)  # once: every rank gets the name
         self.config = config = config.model_copy(update={"dtype": self.dtype_choice.dtype})
         self.limits = Limits(self.spec, config)

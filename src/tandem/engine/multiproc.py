@@ -282,7 +282,7 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
         raise ValueError("master_port is required to join an engine on another node")
     dims = config.parallel.dims
     import_model_modules(config.model_modules)
-    spec = read_model_spec(config.model)
+    spec = read_model_spec(config.model, config.quantization)
     check_layout(spec, config, dims)
     store = dist.TCPStore(
         config.parallel.master_addr, config.parallel.master_port, is_master=False,

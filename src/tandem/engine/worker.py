@@ -130,7 +130,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
     pp_rank, tp_rank = dims.coords(args.rank)
     tp_groups = [dist.new_group(dims.tp_ranks(p)) for p in range(dims.pp)]
     tp = TPGroup(tp_rank, dims.tp, tp_groups[pp_rank])
-    spec = read_model_spec(config.model)
+    spec = read_model_spec(config.model, config.quantization)
     stage = split_layers(spec.num_layers, dims.pp, config.parallel.pipeline_layer_split)[pp_rank]
     pipe = PipeChannel(
         dims.rank(pp_rank - 1, tp_rank) if not stage.is_first else None,

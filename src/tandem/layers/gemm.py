@@ -58,19 +58,33 @@ class PackedWeight:
     may have changed (`drop`, or a new storage or version counter value). Owned by the layer
     that holds the weight; the layer passes it to `linear`."""
 
-    __slots__ = ("_copy", "_key", "_refused")
+    __slots__ = ("_copy", "_dense", "_key", "_refused", "_source_key")
 
     def __init__(self) -> None:
         self._copy: torch.Tensor | None = None
         self._key: tuple[int, int] = (0, -1)  # the weight's (data_ptr, _version) when packed
         self._refused = False
+        self._dense: torch.Tensor | None = None  # a weight made from others (`source`)
+        self._source_key: tuple = ()
+
+    def source(self, made_from: tuple, make) -> torch.Tensor:
+        """The weight ``make()`` builds from the tensors in ``made_from`` (a block-FP8
+        weight dequantized; a dtype may close the tuple), kept like the packed copy: remade
+        after `drop` or when one of them has a new storage or version counter value."""
+        key = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t
+                    for t in made_from)  # fmt: skip
+        if self._dense is None or key != self._source_key:
+            self._dense, self._source_key = make(), key
+        return self._dense
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         """The packed copy of ``weight`` (made now if missing or stale), or ``weight`` itself
         where oneDNN refuses to reorder it."""
         if self._refused:
             return weight
-        key = (weight.data_ptr(), weight._version)
+        # a weight made in inference mode (`source`) has no version counter: only its maker
+        # writes it
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if self._copy is None or key != self._key:
             try:
                 self._copy = pack(weight)
@@ -83,6 +97,7 @@ class PackedWeight:
 
     def drop(self) -> None:
         self._copy = None
+        self._dense = None
 
     @property
     def held(self) -> bool:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tandem.layers.fp8 import FP8, Fp8Weight, fp8_placement
 from tandem.layers.gemm import PackedWeight, linear
 from tandem.layers.placement import Piece, cols, rows, set_pieces, whole
 from tandem.parallel import SINGLE, TPGroup
@@ -34,7 +35,42 @@ def _empty(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What the parallel linear layers share: the matmul on the live weight, dense or
+    block-FP8 (`to_fp8`: e4m3 values beside their block scales ``weight_scale_inv``, placed
+    with the weight; computed on the weight dequantized to the input's dtype)."""
+
+    weight: nn.Parameter
+    packed: PackedWeight | None
+    fp8: Fp8Weight | None = None
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight as block-FP8 (before the parameters get storage: on meta)."""
+        pieces = self.weight.pieces
+        placement = fp8_placement(pieces, tuple(self.weight.shape), block)
+        weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8), requires_grad=False)
+        scales = nn.Parameter(torch.empty(placement.shape), requires_grad=False)
+        weight.pieces, weight.keeps_dtype = pieces, True
+        scales.pieces, scales.keeps_dtype = placement.pieces, True
+        self.weight, self.weight_scale_inv = weight, scales
+        self.fp8 = Fp8Weight(placement, block)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight
+        if self.fp8 is not None:
+            values, scales = self.weight, self.weight_scale_inv
+
+            def dense():
+                return self.fp8.dequantize(values, scales, x.dtype)
+
+            if self.packed is None:  # FP8 memory only: dequantized every call
+                weight = dense()
+            else:
+                weight = self.packed.source((values, scales, x.dtype), dense)
+        return linear(x, weight, bias, self.packed)
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's output rows split across ranks; outputs stay sharded.
 
     ``outputs`` lists the sections stacked along the output dim. One section is a plain
@@ -75,10 +111,10 @@ class ColumnParallelLinear(nn.Module):
             set_pieces(self.bias, b_pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return self.matmul(x, self.bias)
 
 
-class QKVParallelLinear(nn.Module):
+class QKVParallelLinear(LinearBase):
     """Fused q/k/v projection: heads split across ranks; kv heads replicated if fewer than ranks."""
 
     def __init__(
@@ -132,11 +168,11 @@ class QKVParallelLinear(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias, self.packed)
+        qkv = self.matmul(x, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b with W's input columns split across ranks; partial sums are all-reduced."""
 
     def __init__(
@@ -165,7 +201,7 @@ class RowParallelLinear(nn.Module):
             self.bias = set_pieces(_empty(out_features), [whole(bias_name, (out_features,))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(linear(x, self.weight, packed=self.packed))
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 

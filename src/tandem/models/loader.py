@@ -18,9 +18,11 @@ from torch import nn
 
 import tandem.models  # noqa: F401  (registers the built-in architectures)
 from tandem.errors import ModelLoadError, UnsupportedModelError
+from tandem.layers.fp8 import scale_name
 from tandem.layers.placement import canonical_shapes, unique_parameters
 from tandem.layers.rotary import RopeParameters
 from tandem.models.base import TandemModel
+from tandem.models.fp8 import QUANTIZATIONS, Fp8Config, QuantizedOnLoad, fp8_names, quantize_layers
 from tandem.models.registry import model_class, registered_architectures
 from tandem.models.stages import Stage, prune_to_stage
 from tandem.parallel import SINGLE, TPGroup
@@ -38,6 +40,7 @@ class ModelSpec:
     cls: type[TandemModel]
     config: BaseModel
     eos_token_ids: tuple[int, ...]
+    fp8: Fp8Config | None = None  # block-FP8 weights (stored so, or quantized on load)
 
     @property
     def max_context_len(self) -> int:
@@ -68,7 +71,12 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def read_model_spec(path: str | Path) -> ModelSpec:
+def read_model_spec(path: str | Path, quantization: str | None = None) -> ModelSpec:
+    """The checked spec of model directory ``path``. ``quantization="fp8"``: serve block-FP8
+    weights (a checkpoint that is not FP8 is quantized as it is loaded, 128 x 128 blocks)."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, "
+                         f"got {quantization!r}")  # fmt: skip
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError("model directory not found", file=str(path))
@@ -100,7 +108,12 @@ def read_model_spec(path: str | Path) -> ModelSpec:
             file=str(config_file),
             field="rope_scaling.rope_type",
         )
-    return ModelSpec(path, arch, cls, config, _eos_token_ids(path, raw))
+    fp8 = None
+    if raw.get("quantization_config") is not None:
+        fp8 = Fp8Config.from_hf(raw["quantization_config"], str(config_file))
+    elif quantization == "fp8":
+        fp8 = Fp8Config()
+    return ModelSpec(path, arch, cls, config, _eos_token_ids(path, raw), fp8)
 
 
 def _eos_token_ids(path: Path, config: dict) -> tuple[int, ...]:
@@ -150,6 +163,8 @@ def build_model(
     (uninitialised: `load_weights` fills it). Other stages' layers never get storage."""
     with torch.device("meta"):
         model = spec.cls(spec.config, tp)
+        if spec.fp8 is not None:
+            quantize_layers(model, spec.fp8)
     prune_to_stage(model, stage or Stage.whole(spec))
     _materialize(model, torch.device(device), dtype)
     for module in model.modules():
@@ -167,8 +182,10 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             if param is None:
                 continue
             if id(param) not in made:
-                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype), False)
-                new.pieces = param.pieces
+                keeps = getattr(param, "keeps_dtype", False)  # block-FP8 values and scales
+                kind = param.dtype if keeps else dtype
+                new = nn.Parameter(torch.empty(param.shape, device=device, dtype=kind), False)
+                new.pieces, new.keeps_dtype = param.pieces, keeps
                 made[id(param)] = new
             module._parameters[name] = made[id(param)]
         for name, buf in module._buffers.items():
@@ -181,10 +198,16 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
     params = unique_parameters(model)
     needed = {p.name: p.full_shape for param in params for p in param.pieces}
     with torch.device("meta"):  # the whole model's names: other stages read the rest
-        known = canonical_shapes(spec.cls(spec.config, SINGLE))
+        whole = spec.cls(spec.config, SINGLE)
+        if spec.fp8 is not None:
+            quantize_layers(whole, spec.fp8)
+        known = canonical_shapes(whole)
     stored = _canonical_names(checkpoint_files(spec.path), spec.cls, known)
     ignorable = spec.cls.unused_checkpoint_tensors(spec.config)
-    problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored]
+    # a float checkpoint served as block-FP8: the scales are made as the weights are read
+    on_load = fp8_names(whole) if spec.fp8 is not None and not spec.fp8.stored else {}
+    made = {scale_name(n) for n in on_load if n in stored}
+    problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored and n not in made]
     problems += [
         f"unexpected tensor {stored[n][0]}"
         for n in sorted(stored)
@@ -201,6 +224,8 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
             if name in stored and tuple(tensor_slice(name).get_shape()) != shape:
                 disk = tuple(tensor_slice(name).get_shape())
                 problems.append(f"tensor {name} has shape {disk}, model expects {shape}")
+        if on_load:
+            tensor_slice = QuantizedOnLoad(tensor_slice, on_load).get
         if problems:
             raise ModelLoadError("; ".join(problems), file=str(spec.path))
         with torch.no_grad():
