@@ -21,6 +21,14 @@ importance-weighted loss and push their shards into the engine (`WeightSender`).
   produced it. Running at most N batches ahead bounds it by N; a group staler than N all the
   same is **dropped**; the others are importance-weighted by the clipped ratio
   exp(logp_trainer - logp_engine) against the log-probs the engine sampled with.
+
+The engine runs in float32 by default, like the trainers, so it serves exactly their policy.
+``engine_dtype="bfloat16"`` (or ``"fp8"``: block-FP8 weights, bfloat16 activations) is what
+users run: the engine's log-probs then drift from the trainers', and on-policy samples are
+quietly off-policy. ``is_correction`` (``"tis"``, ``"mis"``) corrects for it with importance
+weights exp(logp_trainer - logp_engine) truncated or masked at ``is_cap``
+(`tandem.rl.grpo.correct_mismatch`; docs/rl_mismatch.md). Every step reports the mismatch on
+sampled tokens (max and mean |trainer - engine|) and what the correction did.
 """
 
 from __future__ import annotations
@@ -37,10 +45,12 @@ from tandem.engine.outputs import RequestOutput
 from tandem.engine.state import EngineState
 from tandem.models.tiny import make_tiny_model
 from tandem.rl.evaluate import EvalPoint, Evaluator
-from tandem.rl.grpo import group_advantages
+from tandem.rl.grpo import CORRECTIONS, group_advantages
 from tandem.rl.messages import Sample
 from tandem.rl.task import Problem, ReverseTask
 from tandem.rl.trainers import TrainerGroup
+
+ENGINE_DTYPES = ("float32", "bfloat16", "fp8")
 
 
 @dataclass
@@ -62,6 +72,9 @@ class DemoConfig:
     trainer_ranks: int = 2
     engine_tp: int = 2
     seed: int = 0
+    engine_dtype: str = "float32"  # "float32" | "bfloat16" | "fp8" (bfloat16 + FP8 weights)
+    is_correction: str = "none"  # "none" | "tis" | "mis": see `tandem.rl.grpo.correct_mismatch`
+    is_cap: float = 2.0  # the importance weight's cap C (TIS truncates at it, MIS masks above)
 
     def __post_init__(self) -> None:
         minimums = {"steps": 1, "prompts_per_step": self.trainer_ranks, "group_size": 2,
@@ -81,6 +94,14 @@ class DemoConfig:
                              f"{self.placement!r}")  # fmt: skip
         if self.async_staleness is not None and self.async_staleness < 1:
             raise ValueError(f"async_staleness must be >= 1 or None, got {self.async_staleness}")
+        if self.engine_dtype not in ENGINE_DTYPES:
+            raise ValueError(f"engine_dtype must be one of {ENGINE_DTYPES}, got "
+                             f"{self.engine_dtype!r}")  # fmt: skip
+        if self.is_correction not in CORRECTIONS:
+            raise ValueError(f"is_correction must be one of {CORRECTIONS}, got "
+                             f"{self.is_correction!r}")  # fmt: skip
+        if not (isinstance(self.is_cap, int | float) and self.is_cap >= 1):
+            raise ValueError(f"is_cap must be a number >= 1, got {self.is_cap!r}")
 
     def rl_lr(self, step: int) -> float:
         return self.lr + (self.lr_end - self.lr) * step / max(1, self.steps - 1)
@@ -88,6 +109,13 @@ class DemoConfig:
     @property
     def transport(self) -> str:
         return "shm" if self.placement == "colocate" else "dist"
+
+    def engine_options(self) -> dict:
+        """`LLM` options for ``engine_dtype``: FP8 is bfloat16 activations over block-FP8
+        weights (the trainers' pushes are quantized on the way in)."""
+        if self.engine_dtype == "fp8":
+            return {"dtype": "bfloat16", "quantization": "fp8"}
+        return {"dtype": self.engine_dtype}
 
 
 @dataclass
@@ -107,6 +135,9 @@ class StepLog:
     loss: float
     grad_norm: float
     logprob_mismatch: float | None  # max |trainer - engine| over samples of the current version
+    logprob_gap_mean: float | None  # their mean over those samples' tokens
+    is_weight_mean: float  # mean per-token weight the loss applied (no correction: the raw ratio)
+    is_capped_fraction: float  # tokens over the cap: truncated (tis), masked (mis), kept (none)
     staleness_mean: float
     staleness_max: int
     sample_versions: list[list[int]] = field(default_factory=list)  # per group
@@ -144,10 +175,8 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
     started = time.perf_counter()
     logs: list[StepLog] = []
     evals: list[EvalPoint] = []
-    # float32 like the trainers, so a sample's importance ratio starts at 1 (a bfloat16
-    # engine's log-probs differ from a float32 trainer's by its rounding)
     with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
-             seed=config.seed, dtype="float32") as llm:  # fmt: skip
+             seed=config.seed, **config.engine_options()) as llm:  # fmt: skip
         with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
                           config.transport, config.seed) as trainers:  # fmt: skip
             evaluator = Evaluator(llm, trainers, task)
@@ -244,11 +273,13 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
     if config.placement == "colocate" and config.async_staleness is None:
         llm.sleep()  # the trainers get the KV cache's memory while they step
     try:
-        reports = trainers.step(step, version + 1, shares, update, config.rl_lr(step))
+        reports = trainers.step(step, version + 1, shares, update, config.rl_lr(step),
+                                config.is_correction, config.is_cap)  # fmt: skip
     finally:
         if llm.engine.state is EngineState.SLEEPING:
             llm.wake()
     mismatches = [r.logprob_mismatch for r in reports if r.logprob_mismatch is not None]
+    gap_mean, weight_mean, capped = _mismatch_means(reports)
     tokens = sum(len(c.token_ids) for out in rollout.outputs for c in out.outputs)
     all_rewards = rewards or [0.0]
     return StepLog(
@@ -260,6 +291,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
         sync_ms=round(1000 * max(r.push_seconds for r in reports), 2),
         loss=sum(r.loss for r in reports) / len(reports),
         grad_norm=reports[0].grad_norm, logprob_mismatch=max(mismatches) if mismatches else None,
+        logprob_gap_mean=gap_mean, is_weight_mean=weight_mean, is_capped_fraction=capped,
         staleness_mean=sum(stale) / len(stale) if stale else 0.0,
         staleness_max=max(stale, default=0), sample_versions=versions,
     )  # fmt: skip
@@ -272,9 +304,30 @@ def _final_check(llm, trainers, task, params, config) -> dict:
     samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
                for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
     shares = _shares(samples, config.trainer_ranks)
-    reports = trainers.step(-1, llm.weight_version, shares, update=False, lr=0.0)
+    reports = trainers.step(
+        -1,
+        llm.weight_version,
+        shares,
+        update=False,
+        lr=0.0,
+        is_correction=config.is_correction,
+        is_cap=config.is_cap,
+    )
+    gap_mean, weight_mean, capped = _mismatch_means(reports)
     return {"version": llm.weight_version,
-            "logprob_mismatch": max(r.logprob_mismatch for r in reports)}  # fmt: skip
+            "logprob_mismatch": max(r.logprob_mismatch for r in reports),
+            "logprob_gap_mean": gap_mean, "is_weight_mean": weight_mean,
+            "is_capped_fraction": capped}  # fmt: skip
+
+
+def _mismatch_means(reports) -> tuple[float | None, float, float]:
+    """Over every rank's tokens: the mean |trainer - engine| log-prob on fresh samples (None
+    without any), the mean importance weight, the fraction of tokens over the cap."""
+    fresh = sum(r.fresh_tokens for r in reports)
+    tokens = max(1, sum(r.tokens for r in reports))
+    gap = sum(r.logprob_gap_sum for r in reports) / fresh if fresh else None
+    return (gap, sum(r.is_weight_sum for r in reports) / tokens,
+            sum(r.is_over_cap for r in reports) / tokens)  # fmt: skip
 
 
 def _shares(items: list, ranks: int) -> list[list]:

@@ -38,6 +38,8 @@ class TrainBatch:
     update: bool
     lr: float  # the controller owns the schedule
     samples: list[Sample]
+    is_correction: str = "none"  # "none" | "tis" | "mis" (`tandem.rl.grpo.correct_mismatch`)
+    is_cap: float = 2.0
 
 
 @TRAINERS.register("warmup")
@@ -85,6 +87,11 @@ class TrainReport:
     grad_norm: float
     ratio_max: float
     clip_fraction: float
+    tokens: int = 0  # completion tokens in the share
+    fresh_tokens: int = 0  # those of fresh samples
+    logprob_gap_sum: float = 0.0  # sum of |trainer - engine| over fresh samples' tokens
+    is_weight_sum: float = 0.0  # sum of the per-token weights the loss applied (see below)
+    is_over_cap: int = 0  # tokens whose exp(trainer - engine) exceeds the cap
     error: str | None = None
 
 

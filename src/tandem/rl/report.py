@@ -61,12 +61,17 @@ def summary(result: dict) -> dict:
     """The figures a reader checks first. ``eval_*`` is greedy per-digit accuracy (the task's
     mean reward) on held-out problems: ``eval_init`` before the warm-up, ``eval_start`` after
     it (before RL), ``eval_end`` after the last RL step; ``constant_policy_reward`` is the best
-    any single fixed completion gets on those problems."""
+    any single fixed completion gets on those problems. The engine/trainer mismatch on sampled
+    tokens: ``max_logprob_mismatch`` (the largest |gap| of any step), ``mean_logprob_gap`` (the
+    steps' mean gaps, averaged), ``mean_is_weight`` and ``is_capped_fraction_*`` (the tokens
+    over the cap: truncated by TIS, masked by MIS, left alone without a correction)."""
     steps, evals = result["steps"], result["evals"]
     k = max(1, min(3, len(steps) // 3))
     first = [s["reward_mean"] for s in steps[:k]]
     last = [s["reward_mean"] for s in steps[-k:]]
     mismatches = [s["logprob_mismatch"] for s in steps if s["logprob_mismatch"] is not None]
+    gaps = [s["logprob_gap_mean"] for s in steps if s["logprob_gap_mean"] is not None]
+    capped = [s["is_capped_fraction"] for s in steps]
     by_phase = {phase: [e for e in evals if e["phase"] == phase] for phase in ("init", "start")}
     return {
         "eval_init": by_phase["init"][0]["reward"],
@@ -80,8 +85,16 @@ def summary(result: dict) -> dict:
         "steps_averaged": k,
         "warmup_loss_start": result["warmup"][0]["loss"] if result["warmup"] else None,
         "warmup_loss_end": result["warmup"][-1]["loss"] if result["warmup"] else None,
+        "engine_dtype": result["config"]["engine_dtype"],
+        "is_correction": result["config"]["is_correction"],
+        "is_cap": result["config"]["is_cap"],
         "max_logprob_mismatch": max(mismatches, default=None),
+        "mean_logprob_gap": sum(gaps) / len(gaps) if gaps else None,
         "final_logprob_mismatch": result["final_check"]["logprob_mismatch"],
+        "final_logprob_gap_mean": result["final_check"]["logprob_gap_mean"],
+        "mean_is_weight": sum(s["is_weight_mean"] for s in steps) / max(1, len(steps)),
+        "is_capped_fraction_mean": sum(capped) / max(1, len(capped)),
+        "is_capped_fraction_max": max(capped, default=0.0),
         "max_kl": max(e["kl_max"] for e in evals),
         "max_logprob_gap_vocab": max(e["logprob_gap_max"] for e in evals),
         "staleness_max": max((s["staleness_max"] for s in steps), default=0),
@@ -140,7 +153,9 @@ def write(result: dict, out_dir: str | Path) -> tuple[Path, Path]:
     mode = c["placement"] + (
         "" if c["async_staleness"] is None else f", async {c['async_staleness']}"
     )
-    fig.suptitle(f"tandem demo: {result['task']} task, {mode}")
+    engine = c["engine_dtype"] + ("" if c["is_correction"] == "none" else
+                                  f", {c['is_correction']} (cap {c['is_cap']:g})")  # fmt: skip
+    fig.suptitle(f"tandem demo: {result['task']} task, {mode}; engine {engine}")
     fig.tight_layout()
     fig.savefig(plot_path, dpi=100)
     plt.close(fig)

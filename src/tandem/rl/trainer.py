@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tandem.rl.grpo import policy_loss
+from tandem.rl.grpo import correct_mismatch, policy_loss
 from tandem.rl.messages import (
     TRAINERS,
     ScoreBatch,
@@ -134,17 +134,20 @@ def score(model, batch: ScoreBatch, rank: int) -> ScoreReport:
 
 
 def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainReport:
+    """One policy-gradient update on the share (scoring only with ``update=False``), with the
+    batch's mismatch correction (`correct_mismatch`); reports how far the trainer's log-probs
+    are from the engine's and what the correction did."""
     if not batch.samples:  # the controller skips a step on every rank at once
         return TrainReport(rank, batch.step, 0.0, None, 0.0, 0.0, 0.0, 0.0, 0.0)
     start = time.perf_counter()
     logp, behaviour, mask = completion_logprobs(model, batch)
     fresh = torch.tensor([s.fresh for s in batch.samples], dtype=torch.bool)
-    mismatch = None
-    if fresh.any():
-        gap = ((logp.detach() - behaviour).abs() * mask)[fresh]
-        mismatch = float(gap.max())
+    gap = (logp.detach() - behaviour).abs() * mask
+    mismatch = float(gap[fresh].max()) if fresh.any() else None
+    corr = correct_mismatch(logp, behaviour, mask, batch.is_correction, batch.is_cap)
+    weight = corr.ratio if corr.weight is None else corr.weight  # what each token's term gets
     advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
-    loss, stats = policy_loss(logp, behaviour, advantages, mask)
+    loss, stats = policy_loss(logp, corr.old_logp, advantages, corr.mask, is_weight=corr.weight)
     grad_norm, push_seconds = 0.0, 0.0
     if batch.update:
         grad_norm = _update(model, optimizer, loss, batch.lr)
@@ -152,7 +155,9 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
     return TrainReport(
         rank, batch.step, loss.item(), mismatch, push_seconds,
         time.perf_counter() - start - push_seconds, grad_norm, stats["ratio_max"],
-        stats["clip_fraction"],
+        stats["clip_fraction"], tokens=int(mask.sum()), fresh_tokens=int(mask[fresh].sum()),
+        logprob_gap_sum=float(gap[fresh].sum()), is_weight_sum=float((weight * mask).sum()),
+        is_over_cap=int(corr.over_cap.sum()),
     )  # fmt: skip
 
 
@@ -195,7 +200,7 @@ def main() -> int:
                 report = train_step(model, optimizer, sender, msg, args.rank)
         except Exception as exc:
             traceback.print_exc()
-            report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, f"{exc}")
+            report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, error=f"{exc}")
             send_frame(sock, TRAINERS.encode(report))
             return 1
         send_frame(sock, TRAINERS.encode(report))

@@ -73,11 +73,13 @@ class TrainerGroup:
             if proc.poll() is not None:
                 raise TrainerError(f"trainer rank {rank} exited with code {proc.returncode}")
 
-    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool, lr: float
-             ) -> list[TrainReport]:  # fmt: skip
+    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool, lr: float,
+             is_correction: str = "none", is_cap: float = 2.0) -> list[TrainReport]:  # fmt: skip
         """Send every rank its share, wait for all reports (each rank pushes after updating;
-        ``update=False`` only scores: ``lr`` is unused then)."""
-        batches = [TrainBatch(step, version, update, lr, shares[r]) for r in self._ranks]
+        ``update=False`` only scores: ``lr`` is unused then). ``is_correction`` and ``is_cap``:
+        how the loss corrects the engine/trainer mismatch (`tandem.rl.grpo.correct_mismatch`)."""
+        batches = [TrainBatch(step, version, update, lr, shares[r], is_correction, is_cap)
+                   for r in self._ranks]  # fmt: skip
         return self._exchange(batches)
 
     def warmup(self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool,
