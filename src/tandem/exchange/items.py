@@ -12,8 +12,11 @@ from tandem.layers.placement import LocalRegion
 @dataclass(frozen=True, slots=True)
 class SendItem:
     """One box a trainer rank sends: read at ``src`` of its local tensor ``key``; ``nbytes`` in
-    the engine's dtype at ``offset`` of its staging memory (per engine rank: of its stream to
-    ``dst``, for dist); lands at ``dst_region`` of engine rank ``dst``'s parameter ``dst_key``."""
+    ``dtype`` (the engine parameter's) at ``offset`` of its staging memory (per engine rank: of
+    its stream to ``dst``, for dist); lands at ``dst_region`` of engine rank ``dst``'s
+    parameter ``dst_key``. ``name`` / ``origin``: the canonical tensor and the box's first
+    element in it (a float box sent into a block-FP8 weight is quantized with the scales of
+    the blocks it lies in: `tandem.exchange.quantize`)."""
 
     key: str
     src: LocalRegion
@@ -23,6 +26,9 @@ class SendItem:
     dst: int
     dst_key: str
     dst_region: LocalRegion
+    dtype: str
+    name: str
+    origin: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +48,7 @@ class Record:
     key: str
     region: LocalRegion
     box_shape: tuple[int, ...]
+    dtype: str  # the parameter's, which the box arrives in
     crc: int | None = None
     via: int = -1
     forward: tuple[int, ...] = ()

@@ -32,10 +32,16 @@ class RankLayout:
     dtype: str = "float32"  # of its local tensors
     arena: list | None = None  # engine ranks on CPU: `ParamArena.handle()` (shm in_place)
     replica: int = 0  # receiving ranks: which replica of a fleet holds this rank
+    dtypes: dict[str, str] = field(default_factory=dict)  # local tensors not in ``dtype``
+    # receiving ranks: canonical weights held as block-FP8, with their scale block
+    fp8_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
         self.local_shapes[key] = tuple(local_shape)
         self.regions.extend(Region(key, p) for p in pieces)
+
+    def dtype_of(self, key: str) -> str:
+        return self.dtypes.get(key, self.dtype)
 
     def canonical_shapes(self) -> dict[str, tuple[int, ...]]:
         return {r.piece.name: r.piece.full_shape for r in self.regions}

@@ -198,9 +198,11 @@ def plan_fleet(
 def _local_fingerprint(ranks: list[RankLayout], known: dict) -> str:
     """What a replica's ranks hold, blind to their numbering across the fleet. ``known``
     caches it per tuple of region lists: replicas built from the same lists hold the same."""
-    key = tuple((id(lay.regions), id(lay.local_shapes), lay.dtype) for lay in ranks)
+    key = tuple((id(lay.regions), id(lay.local_shapes), lay.dtype, id(lay.dtypes))
+                for lay in ranks)  # fmt: skip
     if key not in known:
-        renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype)
+        renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype,
+                                 dtypes=lay.dtypes, fp8_blocks=lay.fp8_blocks)
                       for j, lay in enumerate(ranks)]  # fmt: skip
         known[key] = (layout_fingerprint(renumbered), ranks)  # ranks keep the ids alive
     return known[key][0]
@@ -358,7 +360,9 @@ def layout_fingerprint(layouts: list[RankLayout]) -> str:
     digest = hashlib.sha256()
     for layout in sorted(layouts, key=lambda lay: lay.rank):
         digest.update(msgpack.packb([layout.rank, layout.replica, layout.dtype,
-                                     sorted(layout.local_shapes.items())]))  # fmt: skip
+                                     sorted(layout.local_shapes.items()),
+                                     sorted(layout.dtypes.items()),
+                                     sorted(layout.fp8_blocks.items())]))  # fmt: skip
         for r in layout.regions:
             p = r.piece
             digest.update(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from tandem.exchange.items import SendItem
 from tandem.exchange.layout import RankLayout
+from tandem.exchange.quantize import Quantized
 from tandem.exchange.settings import GroupInfo, PushSettings
 from tandem.wire import Codec
 
@@ -37,9 +38,12 @@ class PushHello:
 @PUSH.register("plan")
 @dataclass(slots=True)
 class PushPlan:
-    dtype: str  # send boxes in this dtype (the engine's)
+    dtype: str  # the engine's compute dtype (each item says the dtype it travels in)
     size: int  # bytes of this rank's staging memory (staged shm, cuda_ipc)
     items: list[SendItem]
+    # block-FP8 weights whose scales the trainer ranks agree on, then quantize their boxes
+    # with (the same list on every rank: `tandem.exchange.quantize`)
+    quantize: list[Quantized] = field(default_factory=list)
     group: GroupInfo | None = None  # dist: this rank is its trainer rank
     trainers: int = 1  # dist: engine rank e is group rank trainers + e
     bucket_bytes: int = 0

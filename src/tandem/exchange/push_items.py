@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.plan import numel
@@ -27,11 +28,11 @@ def replica_figures(replicas: dict[int, tuple[int, frozenset[int]]],
             for r, (needed, feeds) in sorted(replicas.items())]  # fmt: skip
 
 
-def push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: bool,
-                read_staging: bool):  # fmt: skip
+def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging: bool):
     """Per sender rank: (bytes, `SendItem`s, (engine rank, `Record`)s, (item index, engine
     rank, `Record`)s of the boxes that reach other replicas by relay), and the bytes one copy of
     the fleet's distinct layouts needs (what the senders must send) and each replica needs.
+    Every box travels in the dtype of the engine parameter it lands in.
 
     Offsets count per (sender, receiver) stream with ``per_stream``, else per sender; both
     regions are mapped by their `Piece`. A relay (`Plan.relays`) is carried out by the
@@ -47,17 +48,20 @@ def push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: boo
         for relay in plan.relays:
             forwards[(relay.seed, relay.src)].append(relay.dst)
     seeds = []  # per transfer: (its sender, the item's index there)
+    layouts = {lay.rank: lay for lay in receivers}
     for i, t in enumerate(plan.transfers):
-        nbytes = t.numel * itemsize
+        dtype = layouts[t.dst].dtype_of(t.dst_key)
+        nbytes = t.numel * DTYPES[dtype].itemsize
         box_shape = tuple(b - a for a, b in t.box)
         stream = (t.src, t.dst if per_stream else -1)
         offset = offsets[stream]
         dst_region = t.dst_piece.region(t.box)
         seeds.append((t.src, len(items[t.src])))
         items[t.src].append(SendItem(t.src_key, t.src_piece.region(t.box), box_shape, offset,
-                                     nbytes, t.dst, t.dst_key, dst_region))  # fmt: skip
+                                     nbytes, t.dst, t.dst_key, dst_region, dtype, t.name,
+                                     tuple(a for a, _ in t.box)))  # fmt: skip
         records[t.src].append((t.dst, Record(t.src, offset, nbytes, t.dst_key, dst_region,
-                                             box_shape,
+                                             box_shape, dtype,
                                              forward=tuple(forwards[(i, t.dst)]))))  # fmt: skip
         offsets[stream] += nbytes
     for relay in plan.relays:
@@ -68,7 +72,7 @@ def push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: boo
         else:
             stream = (-1 - relay.src, relay.dst)  # a receiving rank's stream to another
             record = Record(seed.source, offsets[stream], seed.nbytes, seed.key, seed.region,
-                            seed.box_shape, via=relay.src,
+                            seed.box_shape, seed.dtype, via=relay.src,
                             forward=tuple(forwards[(relay.seed, relay.dst)]))  # fmt: skip
             offsets[stream] += seed.nbytes
         relayed[sender].append((index, relay.dst, record))
@@ -76,7 +80,8 @@ def push_items(plan, receivers: list[RankLayout], itemsize: int, per_stream: boo
     by_replica: dict[int, int] = defaultdict(int)
     replica_of = {lay.rank: lay.replica for lay in receivers}
     for lay in receivers:
-        by_replica[lay.replica] += sum(numel(r.piece.box) for r in lay.regions) * itemsize
+        by_replica[lay.replica] += sum(numel(r.piece.box) * DTYPES[lay.dtype_of(r.key)].itemsize
+                                       for r in lay.regions)  # fmt: skip
     feeds: dict[int, set[int]] = defaultdict(set)  # replica -> the replicas it passes boxes
     for relay in [] if read_staging else plan.relays:
         feeds[replica_of[relay.src]].add(replica_of[relay.dst])

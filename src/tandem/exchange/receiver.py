@@ -36,17 +36,16 @@ class WeightSyncError(RuntimeError):
 
 def record_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -> list[str]:
     """Every problem with this rank's records that needs no bytes: unknown parameters, a dtype
-    other than the engine's, boxes that do not fit their region, unknown sources."""
+    other than the parameter's, boxes that do not fit their region, unknown sources."""
     params = dict(model.named_parameters())
-    dtype = DTYPES.get(spec.dtype)
     problems = []
     for r in records:
         param = params.get(r.key)
         if param is None:
             problems.append(f"unknown parameter {r.key}")
             continue
-        if param.dtype != dtype:
-            problems.append(f"{r.key}: sent as {spec.dtype}, engine holds {param.dtype}")
+        if param.dtype != DTYPES.get(r.dtype):
+            problems.append(f"{r.key}: sent as {r.dtype}, engine holds {param.dtype}")
         try:
             shape = tuple(r.region.view(param).shape)
         except (IndexError, RuntimeError) as exc:

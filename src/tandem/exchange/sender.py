@@ -32,6 +32,7 @@ from tandem.exchange.protocol import (
     PushReady,
     ReplicaPush,
 )
+from tandem.exchange.quantize import agree_scales, quantized_items
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
@@ -170,7 +171,7 @@ class WeightSender:
                 reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     try:
-                        delivery = self._deliver(reply, tensors)
+                        delivery = self._deliver(reply, layout, tensors)
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
                     ready = PushReady(delivery.crcs, delivery.bytes_moved, delivery.staging)
@@ -216,6 +217,11 @@ class WeightSender:
         model_type = getattr(getattr(self.model, "config", None), "model_type", None)
         return regroup_hf_experts(dtensor_layout(self.model, self.rank), tensors, model_type)
 
-    def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
-        """This rank's part of the plan, through its transport's sender half."""
+    def _deliver(self, plan: PushPlan, layout: RankLayout, tensors: dict) -> Delivery:
+        """This rank's part of the plan, through its transport's sender half; into a
+        block-FP8 engine, its boxes quantized first with the scales every rank agreed on."""
+        if plan.quantize:
+            scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
+            items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
+            plan = dataclasses.replace(plan, items=items)
         return self._half.deliver(plan, tensors)

@@ -23,13 +23,13 @@ import time
 import weakref
 from collections import defaultdict
 
-from tandem.dtypes import DTYPES
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record
 from tandem.exchange.layout import LayoutMismatch
 from tandem.exchange.plan import PlanCache
 from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
 from tandem.exchange.push_items import push_items, replica_figures
+from tandem.exchange.quantize import scale_sources
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import UpdateWindow, WeightTarget
@@ -300,16 +300,17 @@ class ExchangeServer:
             layout.rank = h.rank
         receivers = self.target.weight_layouts()
         ignore = frozenset(name for h in hellos for name in h.ignore)
+        senders, quantized = scale_sources(senders, receivers)
         plan = self.plans.get(senders, receivers, ignore)
         dtype = self.target.weight_dtype
         transport = TRANSPORTS[settings.transport]
         per_stream, read_staging = transport.per_stream_offsets, transport.shared_staging
         key = (dtype, per_stream, read_staging)  # the same every push of this plan
         if key not in plan.derived:
-            plan.derived[key] = push_items(plan, receivers, DTYPES[dtype].itemsize, per_stream,
-                                           read_staging)  # fmt: skip
+            plan.derived[key] = push_items(plan, receivers, per_stream, read_staging)
         sizes, items, records, relayed, needed, per_replica = plan.derived[key]
-        plans = [PushPlan(dtype, sizes[i], items[i]) for i in range(len(hellos))]
+        plans = [PushPlan(dtype, sizes[i], items[i], quantize=quantized)
+                 for i in range(len(hellos))]  # fmt: skip
         spec = UpdateSpec(version, settings, dtype, len(hellos))
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)

@@ -70,6 +70,13 @@ class LinearBase(nn.Module):
         return linear(x, weight, bias, self.packed)
 
 
+def fp8_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """The canonical weights ``model`` holds as block-FP8, with their scale block."""
+    return {p.name: layer.fp8.block for layer in model.modules()
+            if isinstance(layer, LinearBase) and layer.fp8 is not None
+            for p in layer.weight.pieces}  # fmt: skip
+
+
 class ColumnParallelLinear(LinearBase):
     """y = x W^T + b with W's output rows split across ranks; outputs stay sharded.
 

@@ -93,13 +93,6 @@ def quantize_layers(model: nn.Module, config: Fp8Config) -> list[str]:
     return done
 
 
-def fp8_names(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """The canonical weights ``model`` holds as block-FP8, with their block."""
-    return {p.name: layer.fp8.block for layer in model.modules()
-            if isinstance(layer, LinearBase) and layer.fp8 is not None
-            for p in layer.weight.pieces}  # fmt: skip
-
-
 class QuantizedOnLoad:
     """A float checkpoint read as the block-FP8 one it quantizes to: ``X.weight`` of a
     converted layer reads as its e4m3 values and ``X.weight_scale_inv`` as its scales, made

@@ -15,7 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.layers.fp8 import quantize_blocks, scale_name
-from tandem.models.fp8 import Fp8Config, fp8_names, quantize_layers
+from tandem.layers.linear import fp8_blocks
+from tandem.models.fp8 import Fp8Config, quantize_layers
 from tandem.models.loader import checkpoint_files, read_model_spec
 
 
@@ -31,7 +32,7 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path,
     with torch.device("meta"):
         model = spec.cls(spec.config)
         quantize_layers(model, Fp8Config(tuple(block)))
-    converted = fp8_names(model)
+    converted = fp8_blocks(model)
     tensors = {}
     for name, fname in checkpoint_files(src).items():
         with safe_open(fname, framework="pt") as f:

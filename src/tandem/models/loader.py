@@ -19,10 +19,11 @@ from torch import nn
 import tandem.models  # noqa: F401  (registers the built-in architectures)
 from tandem.errors import ModelLoadError, UnsupportedModelError
 from tandem.layers.fp8 import scale_name
+from tandem.layers.linear import fp8_blocks
 from tandem.layers.placement import canonical_shapes, unique_parameters
 from tandem.layers.rotary import RopeParameters
 from tandem.models.base import TandemModel
-from tandem.models.fp8 import QUANTIZATIONS, Fp8Config, QuantizedOnLoad, fp8_names, quantize_layers
+from tandem.models.fp8 import QUANTIZATIONS, Fp8Config, QuantizedOnLoad, quantize_layers
 from tandem.models.registry import model_class, registered_architectures
 from tandem.models.stages import Stage, prune_to_stage
 from tandem.parallel import SINGLE, TPGroup
@@ -205,7 +206,7 @@ def load_weights(model: nn.Module, spec: ModelSpec) -> None:
     stored = _canonical_names(checkpoint_files(spec.path), spec.cls, known)
     ignorable = spec.cls.unused_checkpoint_tensors(spec.config)
     # a float checkpoint served as block-FP8: the scales are made as the weights are read
-    on_load = fp8_names(whole) if spec.fp8 is not None and not spec.fp8.stored else {}
+    on_load = fp8_blocks(whole) if spec.fp8 is not None and not spec.fp8.stored else {}
     made = {scale_name(n) for n in on_load if n in stored}
     problems = [f"missing tensor {n}" for n in sorted(needed) if n not in stored and n not in made]
     problems += [

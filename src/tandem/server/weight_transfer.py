@@ -36,6 +36,7 @@ from tandem.exchange.settings import (
     UpdateSpec,
 )
 from tandem.exchange.transports.broadcast import group_info
+from tandem.layers.fp8 import scale_name
 from tandem.server.remote_window import WindowHost
 
 
@@ -60,14 +61,16 @@ class TransferInit:
     mode: str = "staged"
 
 
-def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor], dtype: str
+def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor]
               ) -> tuple[dict[int, list[Record]], list[str]]:  # fmt: skip
     """Per receiving rank, a record for each piece of its parameters that a tensor of the call
     fills (``offset``: the tensor's index in the call); and every problem with the call's
     names, dtypes and shapes."""
     shapes: dict[str, tuple[int, ...]] = {}
+    fp8: set[str] = set()
     for layout in layouts:
         shapes.update(layout.canonical_shapes())
+        fp8.update(layout.fp8_blocks)
     problems, index = [], {}
     for i, t in enumerate(tensors):
         if t.name in index:
@@ -77,18 +80,21 @@ def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor], dtype: 
         elif tuple(t.shape) != shapes[t.name]:
             problems.append(f"{t.name}: shape {list(t.shape)} sent, the engine's is "
                             f"{list(shapes[t.name])}")  # fmt: skip
+        elif t.name in fp8 and t.dtype != "float8_e4m3fn":
+            problems.append(f"{t.name}: the engine holds it as block-FP8: send its e4m3 values "
+                            f"and {scale_name(t.name)} (or push with tandem's WeightSender, "
+                            f"which quantizes)")  # fmt: skip
         index.setdefault(t.name, i)
-    itemsize = DTYPES[dtype].itemsize
     records: dict[int, list[Record]] = {}
     for layout in layouts:
         for region in layout.regions:
             i = index.get(region.piece.name)
             if i is None:
                 continue
-            piece = region.piece
-            nbytes = math.prod(piece.box_shape) * itemsize
+            piece, dtype = region.piece, layout.dtype_of(region.key)
+            nbytes = math.prod(piece.box_shape) * DTYPES[dtype].itemsize
             records.setdefault(layout.rank, []).append(
-                Record(0, i, nbytes, region.key, piece.region(), piece.box_shape)
+                Record(0, i, nbytes, region.key, piece.region(), piece.box_shape, dtype)
             )
     return records, problems
 
@@ -157,8 +163,7 @@ class WeightTransfer:
         """Receive one call's broadcasts on every rank."""
         with self._lock:
             token = self._open_token()
-            records, problems = plan_call(self.target.weight_layouts(), tensors,
-                                          self._spec.dtype)  # fmt: skip
+            records, problems = plan_call(self.target.weight_layouts(), tensors)
             if problems:  # receive and drop the bytes, then fail: the trainer is not left hanging
                 records = {}
             spec = self._spec_for(self.init_info, self._spec.version, tensors)

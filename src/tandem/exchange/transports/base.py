@@ -85,19 +85,14 @@ class SenderHalf:
 
     @staticmethod
     def staged(plan, buf: torch.Tensor) -> list[torch.Tensor]:
-        """Each item's place in a uint8 staging buffer, in the engine's dtype and box shape."""
-        dtype = DTYPES[plan.dtype]
-        return [buf[item.offset : item.offset + item.nbytes].view(dtype).view(item.box_shape)
-                for item in plan.items]  # fmt: skip
+        """Each item's place in a uint8 staging buffer, in its dtype and box shape."""
+        return [buf[item.offset : item.offset + item.nbytes].view(DTYPES[item.dtype])
+                .view(item.box_shape) for item in plan.items]  # fmt: skip
 
     @staticmethod
     def source(tensors: dict[str, torch.Tensor], item: SendItem) -> torch.Tensor:
         """The box ``item`` reads, in canonical orientation (a view of the trainer's tensor)."""
         return item.src.view(tensors[item.key])
-
-    @staticmethod
-    def dtype(plan) -> torch.dtype:
-        return DTYPES[plan.dtype]
 
 
 class ReceiverHalf:
@@ -108,10 +103,6 @@ class ReceiverHalf:
         self.model = model
         self.rank = rank
         self.device = device
-
-    @staticmethod
-    def dtype(spec: UpdateSpec) -> torch.dtype:
-        return DTYPES[spec.dtype]
 
     def live(self, records: list[Record]) -> list[torch.Tensor]:
         """Each record's box in its live parameter (a view, canonical orientation)."""
@@ -124,8 +115,8 @@ class ReceiverHalf:
         return 0
 
     def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
-        """Each record's box where its bytes are now, in canonical orientation and the
-        engine's dtype: the staging memory (staged), or the live parameter (in place)."""
+        """Each record's box where its bytes are now, in canonical orientation and its
+        dtype: the staging memory (staged), or the live parameter (in place)."""
         raise NotImplementedError
 
     def landed_crcs(self, spec: UpdateSpec, records: list[Record]) -> list[int]:

@@ -165,7 +165,7 @@ class BroadcastReceiver(ReceiverHalf):
             return self.live([r])[0]
         key = (r.key, r.region.slices)
         if key not in self._staged:
-            self._staged[key] = torch.empty(r.box_shape, dtype=self.dtype(spec),
+            self._staged[key] = torch.empty(r.box_shape, dtype=DTYPES[r.dtype],
                                             device=self.device)  # fmt: skip
         return self._staged[key]
 

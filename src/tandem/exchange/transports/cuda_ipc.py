@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf, Transport
@@ -37,9 +38,8 @@ class CudaIpcReceiver(ReceiverHalf):
         for i in sorted({r.source for r in records}):
             if i not in self._mapped:
                 self._mapped[i] = CudaStaging(spec.staging[i])
-        dtype = self.dtype(spec)
-        return [self._mapped[r.source].tensor(r.offset, r.nbytes, dtype).view(r.box_shape)
-                for r in records]  # fmt: skip
+        return [self._mapped[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype])
+                .view(r.box_shape) for r in records]  # fmt: skip
 
     def commit(self, spec: UpdateSpec, records: list[Record]) -> int:
         try:

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushPlan
@@ -31,7 +32,6 @@ class DistSender(SenderHalf):
         """Send each engine rank its boxes, engine ranks in `p2p.stream_order`."""
         info = plan.group
         group = p2p.join(info, self.rank, info.timeout_s)
-        dtype = self.dtype(plan)
         by_dst: dict[int, list[int]] = {}
         for i, item in enumerate(plan.items):
             by_dst.setdefault(item.dst, []).append(i)
@@ -42,9 +42,10 @@ class DistSender(SenderHalf):
         with torch.no_grad():
             for dst in order:
                 boxes = [self.source(tensors, plan.items[i]) for i in by_dst[dst]]
+                dtypes = [DTYPES[plan.items[i].dtype] for i in by_dst[dst]]
                 try:
                     sent, moved[dst] = p2p.send_boxes(
-                        group, plan.trainers + dst, boxes, dtype, plan.bucket_bytes,
+                        group, plan.trainers + dst, boxes, dtypes, plan.bucket_bytes,
                         self.settings.verify,
                     )  # fmt: skip
                 except RuntimeError as exc:  # gloo / NCCL: a peer died or left the group
@@ -72,7 +73,6 @@ class DistReceiver(ReceiverHalf):
         info = spec.group
         me = spec.first_rank + self.rank  # this rank's number across the target
         group = p2p.join(info, spec.trainers + me, info.timeout_s)
-        dtype = self.dtype(spec)
         relayed = sorted({r.via for r in records if r.via >= 0})
         streams = [(src, [i for i, r in enumerate(records) if r.source == src and r.via < 0])
                    for src in range(spec.trainers)]  # fmt: skip
@@ -94,7 +94,8 @@ class DistReceiver(ReceiverHalf):
                 starts[src] = start
                 for i in mine:
                     r = records[i]
-                    boxes[i] = self._staging[start : start + r.nbytes].view(dtype).view(r.box_shape)
+                    boxes[i] = (self._staging[start : start + r.nbytes].view(DTYPES[r.dtype])
+                                .view(r.box_shape))  # fmt: skip
                     start += r.nbytes
         forwarders = self._forwarders(group, spec, records, boxes)
         crcs: list = [None] * len(records)

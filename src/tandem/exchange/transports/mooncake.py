@@ -29,6 +29,7 @@ from collections import defaultdict
 
 import torch
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import source_crc32
 from tandem.exchange.items import Record
 from tandem.exchange.settings import UpdateSpec
@@ -114,9 +115,9 @@ class MooncakeSender(SenderHalf):
         weakref.finalize(self, _drop_all, ProcessEngine.get().pins, self._held)
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
-        dtype = self.dtype(plan)
+        dtypes = {item.key: DTYPES[item.dtype] for item in plan.items}
         readable = self._register({key: t for key, t in tensors.items()
-                                   if self._in_place(t, dtype)})  # fmt: skip
+                                   if self._in_place(t, dtypes.get(key))})  # fmt: skip
         buf = self._staging.at_least(plan.size)
         crcs: list[int | None] = []
         moved = [0] * (1 + max((item.dst for item in plan.items), default=-1))
@@ -126,7 +127,8 @@ class MooncakeSender(SenderHalf):
             for item, dst in zip(plan.items, self.staged(plan, buf), strict=True):
                 src = self.source(tensors, item)
                 if item.key in readable and src.is_contiguous():
-                    crcs.append(source_crc32(src, dtype) if self.settings.verify else None)
+                    crcs.append(source_crc32(src, DTYPES[item.dtype])
+                                if self.settings.verify else None)  # fmt: skip
                     direct.append([item.offset, src.data_ptr()])
                 else:
                     crcs.append(self.write_box(src, dst))
@@ -284,11 +286,11 @@ class MooncakeReceiver(ReceiverHalf):
     def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:
         if spec.settings.in_place:
             return self.live(records)
-        data, dtype, out, at = self._landing.data, self.dtype(spec), [], 0
+        data, out, at = self._landing.data, [], 0
         if data is None or data.numel() < sum(r.nbytes for r in records):
             raise MooncakeError("nothing received for this push")
         for r in records:
-            out.append(data[at : at + r.nbytes].view(dtype).view(r.box_shape))
+            out.append(data[at : at + r.nbytes].view(DTYPES[r.dtype]).view(r.box_shape))
             at += r.nbytes
         return out
 

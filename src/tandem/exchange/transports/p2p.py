@@ -140,21 +140,22 @@ class Slots:
         return k, self.buffers[k]
 
 
-def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
+def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtypes: list[torch.dtype],
                limit: int, checksum: bool = True) -> tuple[list[int | None], int]:  # fmt: skip
-    """Send ``boxes`` (converted to ``dtype``) to ``dst`` as `frames`; returns each box's CRC32
-    as read from the box (`source_crc32`: never from a packed copy). A contiguous box already
-    in ``dtype`` is sent from its own memory (no copy); the rest are packed into two
+    """Send ``boxes`` (each converted to its entry of ``dtypes``) to ``dst`` as `frames`;
+    returns each box's CRC32 as read from the box (`source_crc32`: never from a packed copy).
+    A contiguous box already in its dtype is sent from its own memory (no copy); the rest are
+    packed into two
     alternating buffers, so packing the next message overlaps this one's send. Also returns the
     bytes sent."""
     boxes = [_rows(b) for b in boxes]
-    sizes = [b.numel() * dtype.itemsize for b in boxes]
+    sizes = [b.numel() * dtype.itemsize for b, dtype in zip(boxes, dtypes, strict=True)]
     crcs: list[int | None] = [0 if checksum else None for _ in boxes]
     slots = Slots("send", boxes[0].device, limit) if boxes else None
     direct_works = []
     for frame in frames(sizes, [b.shape[0] for b in boxes], limit):
         parts = [boxes[i][a:b] for i, a, b in frame]
-        if len(parts) == 1 and parts[0].dtype == dtype and parts[0].is_contiguous():
+        if len(parts) == 1 and parts[0].dtype == dtypes[frame[0][0]] and parts[0].is_contiguous():
             data = _bytes(parts[0])
             if checksum:
                 crcs[frame[0][0]] = tensor_crc32(data, crcs[frame[0][0]])
@@ -163,6 +164,7 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtype: torch.dtype,
         k, buf = slots.take()
         offset = 0
         for (i, _, _), part in zip(frame, parts, strict=True):
+            dtype = dtypes[i]
             n = part.numel() * dtype.itemsize
             if checksum:  # from the source, just before the copy reads it again from cache
                 crcs[i] = source_crc32(part, dtype, crcs[i])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from tandem.dtypes import DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushPlan
@@ -34,9 +35,9 @@ class ShmSender(SenderHalf):
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         if self.settings.in_place:
-            dtype = self.dtype(plan)
             arenas = self._map_arenas(plan.arenas)
-            targets = [item.dst_region.view(arenas[item.dst].param(item.dst_key, dtype))
+            targets = [item.dst_region.view(arenas[item.dst].param(item.dst_key,
+                                                                   DTYPES[item.dtype]))
                        for item in plan.items]  # fmt: skip
         else:
             if self.staging is None or self.staging.size != plan.size:
@@ -71,8 +72,7 @@ class ShmReceiver(ReceiverHalf):
         if spec.settings.in_place:
             return self.live(records)
         segments = self._map(spec, {r.source for r in records})
-        dtype = self.dtype(spec)
-        return [segments[r.source].tensor(r.offset, r.nbytes, dtype).view(r.box_shape)
+        return [segments[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
                 for r in records]  # fmt: skip
 
     def _map(self, spec: UpdateSpec, sources: set[int]) -> dict[int, MappedMemory]:
