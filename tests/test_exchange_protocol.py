@@ -8,6 +8,7 @@ from tandem.engine.messages import CONTROL, ApplyResult, ApplyWeights, Capacity
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PUSH, PushHello, PushPlan, PushReady
+from tandem.exchange.quantize import Quantized
 from tandem.exchange.settings import GroupInfo, PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import ReceiverHalf, SenderHalf
@@ -47,21 +48,31 @@ def layout() -> RankLayout:
 
 def test_messages_round_trip_with_their_named_types():
     region = LocalRegion(((2, 5), (0, 8)), transposed=True)
-    item = SendItem("w", region, (3, 8), 96, 96, 1, "model.w", LocalRegion(((0, 3), (0, 8))))
+    item = SendItem("w", region, (3, 8), 96, 96, 1, "model.w", LocalRegion(((0, 3), (0, 8))),
+                    "bfloat16", "model.w", (2, 0))  # fmt: skip
     settings = PushSettings("dist", "in_place", False)
     group = GroupInfo("h", 1, "p", 4, "gloo")
     for msg in (
         PushHello(0, 2, None, layout(), ["v_head"], settings),
-        PushPlan("bfloat16", 96, [item], group=group, trainers=2),
+        PushPlan(
+            "bfloat16",
+            96,
+            [item],
+            group=group,
+            trainers=2,
+            quantize=[Quantized("model.w", (64, 64), (16, 16))],
+        ),
         PushReady([123, None], [96, 0], None),
     ):
         back = PUSH.decode(PUSH.encode(msg))
         assert back == msg
     assert type(back.crcs) is list
+    plan = PushPlan("float32", 0, [], quantize=[Quantized("model.w", (64, 64), (16, 16))])
+    assert PUSH.decode(PUSH.encode(plan)).quantize[0].block == (16, 16)  # a tuple again
     hello = PUSH.decode(PUSH.encode(PushHello(0, 2, None, layout(), [], settings)))
     assert hello.layout.local_shapes == {"model.qkv": (6, 8)}  # tuples again, not lists
     assert hello.layout.regions[1].piece.box == ((0, 2), (0, 8)) and hello.settings == settings
-    record = Record(1, 96, 96, "model.w", region, (3, 8), crc=7)
+    record = Record(1, 96, 96, "model.w", region, (3, 8), "float8_e4m3fn", crc=7)
     spec = UpdateSpec(3, settings, "float32", 2, staging=([1, 2, 3, 4], None), group=group)
     apply = CONTROL.decode(CONTROL.encode(ApplyWeights(PushPhase.COMMIT, spec, [record] * 3)))
     assert apply == ApplyWeights(PushPhase.COMMIT, spec, [record] * 3)

@@ -113,8 +113,8 @@ def _demo(args) -> int:
     gap = "-" if s["mean_logprob_gap"] is None else f"{s['mean_logprob_gap']:.1e}"
     print(f"engine {s['engine_dtype']}, correction {s['is_correction']} (cap {s['is_cap']:g}): "
           f"sampled-token log-prob gap mean {gap}; importance weight mean "
-          f"{s['mean_is_weight']:.4f}; tokens over the cap {100 * s['is_capped_fraction_mean']:.3f}"
-          f"% (max {100 * s['is_capped_fraction_max']:.3f}% in a step)")  # fmt: skip
+          f"{s['mean_is_weight']:.4f}; tokens over the cap {100 * s['is_capped_fraction_mean']:.2g}"
+          f"% (max {100 * s['is_capped_fraction_max']:.2g}% in a step)")  # fmt: skip
     print(f"wrote {log_path} and {plot_path}")
     return 0
 

@@ -171,7 +171,7 @@ class WeightSender:
                 reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     try:
-                        delivery = self._deliver(reply, layout, tensors)
+                        delivery = self._deliver(*self._quantized(reply, layout, tensors))
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
                     ready = PushReady(delivery.crcs, delivery.bytes_moved, delivery.staging)
@@ -217,11 +217,16 @@ class WeightSender:
         model_type = getattr(getattr(self.model, "config", None), "model_type", None)
         return regroup_hf_experts(dtensor_layout(self.model, self.rank), tensors, model_type)
 
-    def _deliver(self, plan: PushPlan, layout: RankLayout, tensors: dict) -> Delivery:
-        """This rank's part of the plan, through its transport's sender half; into a
-        block-FP8 engine, its boxes quantized first with the scales every rank agreed on."""
-        if plan.quantize:
-            scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
-            items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
-            plan = dataclasses.replace(plan, items=items)
+    def _quantized(self, plan: PushPlan, layout: RankLayout, tensors: dict):
+        """(plan, tensors) as delivered: into a block-FP8 engine, the boxes of its FP8
+        weights quantized with the scales every trainer rank agreed on (`tandem.exchange.
+        quantize`); else as they are."""
+        if not plan.quantize:
+            return plan, tensors
+        scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
+        items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
+        return dataclasses.replace(plan, items=items), tensors
+
+    def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
+        """This rank's part of the plan, through its transport's sender half."""
         return self._half.deliver(plan, tensors)

@@ -49,9 +49,12 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path,
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())},
               str(dst / "model.safetensors"))  # fmt: skip
     config = json.loads((dst / "config.json").read_text())
+    kept = sorted(name.removesuffix(".weight") for name, t in tensors.items()
+                  if t.dim() == 2 and name.endswith(".weight") and name not in converted
+                  and scale_name(name) not in tensors)  # fmt: skip
     config["quantization_config"] = {
         "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": list(block),
+        "weight_block_size": list(block), "modules_to_not_convert": kept,
     }  # fmt: skip
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst
