@@ -216,3 +216,22 @@ def test_an_fsdp2_trainer_whose_shards_cut_blocks_agrees_on_their_scales(fp8_dir
             values, scales = reference_quantize(w)
             assert torch.equal(held[name + "_scale_inv"], scales), name
             assert torch.equal(held[name].view(torch.uint8), values.view(torch.uint8)), name
+
+
+def test_an_fp8_fleet_takes_a_push_and_heals_a_new_replica_from_a_peer(fp8_dirs, model_factory):
+    """Every replica of a fleet (relayed bytes) and one that joins later by a push from a
+    live peer (whose e4m3 values and scales travel as they are) serve the pushed weights."""
+    _, engine_dir = fp8_dirs("llama")
+    trainer_dir, trainer_fp8 = fp8_dirs("llama", seed=1)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
+    with LLM(trainer_fp8, dtype="float32") as llm:
+        expected = _outputs(llm)[0]
+    with LLM(engine_dir, dtype="float32", data_parallel_size=2) as llm:
+        stats = WeightSender(trainer, llm, transport="dist").push(version=1)
+        assert [r.state for r in stats.replicas] == ["committed", "committed"]
+        llm.add_replica()
+        assert [r["version"] for r in llm.fleet_state()] == [1, 1, 1]
+        for out in llm.generate([PROMPTS[0]] * 6, GREEDY):  # spread over the three replicas
+            c = out.outputs[0]
+            assert c.token_ids == expected[0]
+            assert max(abs(a - b) for a, b in zip(c.logprobs, expected[1], strict=True)) < 1e-5

@@ -27,11 +27,14 @@ from tandem.exchange.transports.memory import MappedArena
 class PeerRankSender(WeightSender):
     """One peer rank as a trainer rank: its layout as is, its tensors mapped from its arena."""
 
-    def __init__(self, layout: RankLayout, dtype: torch.dtype, rank: int, world: int,
-                 target, timeout_s: float, transport: str, admin_key: str | None):  # fmt: skip
+    def __init__(self, layout: RankLayout, rank: int, world: int, target, timeout_s: float,
+                 transport: str, admin_key: str | None):  # fmt: skip
         arena = MappedArena(layout.arena)
-        self._tensors = {key: arena.param(key, dtype) for key in layout.local_shapes}
-        self._layout = RankLayout(rank, layout.regions, layout.local_shapes, layout.dtype)
+        # each parameter in its own dtype (block-FP8 values and scales beside the rest)
+        self._tensors = {key: arena.param(key, DTYPES[layout.dtype_of(key)])
+                         for key in layout.local_shapes}  # fmt: skip
+        self._layout = RankLayout(rank, layout.regions, layout.local_shapes, layout.dtype,
+                                  dtypes=layout.dtypes)  # fmt: skip
         self._arena = arena  # the mapping lives as long as the views
         super().__init__(self._tensors, target, transport=transport, mode="in_place", rank=rank,
                          world_size=world, timeout_s=timeout_s,
@@ -53,10 +56,9 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
     if missing:
         raise WeightSyncError(f"the peer's ranks {missing} hold no parameters in shared memory "
                               "(engines on CPU do): it cannot push to a replica")  # fmt: skip
-    dtype = DTYPES[peer.weight_dtype]
     version = peer.weight_version
-    senders = [PeerRankSender(lay, dtype, i, len(layouts), target, timeout_s, transport,
-                              admin_key) for i, lay in enumerate(layouts)]  # fmt: skip
+    senders = [PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key)
+               for i, lay in enumerate(layouts)]  # fmt: skip
     results: list = [None] * len(senders)
 
     def one(i: int) -> None:

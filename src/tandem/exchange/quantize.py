@@ -97,8 +97,8 @@ def agree_scales(quantized: list[Quantized], layout: RankLayout, tensors: dict,
                 origin = tuple(start for start, _ in r.piece.box)
                 amax = torch.maximum(amax, block_amax(box, origin, q.block, grid))
             grids.append(amax)
-        flat = torch.cat([g.flatten() for g in grids])
-        if world_size > 1:
+        flat = torch.cat([g.flatten() for g in grids]) if grids else torch.zeros(0)
+        if world_size > 1 and quantized:
             if not (dist.is_available() and dist.is_initialized()):
                 raise RuntimeError(
                     "a push into a block-FP8 engine from several trainer ranks agrees on the "

@@ -32,7 +32,7 @@ from tandem.exchange.protocol import (
     PushReady,
     ReplicaPush,
 )
-from tandem.exchange.quantize import agree_scales, quantized_items
+from tandem.exchange.quantize import FP8_NAME, agree_scales, quantized_items
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import PushSettings
@@ -221,7 +221,7 @@ class WeightSender:
         """(plan, tensors) as delivered: into a block-FP8 engine, the boxes of its FP8
         weights quantized with the scales every trainer rank agreed on (`tandem.exchange.
         quantize`); else as they are."""
-        if not plan.quantize:
+        if not any(item.dtype == FP8_NAME for item in plan.items):
             return plan, tensors
         scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
         items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)

@@ -12,8 +12,8 @@ _SERVE_FLAGS = ("model", "tp", "pp", "host", "port", "api_key", "admin_key",
                 "served_model_name", "max_waiting_requests", "log_level",
                 "shutdown_timeout_s")  # fmt: skip
 _ENGINE_FLAGS = ("task", "data_parallel_size", "distributed_executor_backend", "ray_address",
-                 "placement_strategy", "dtype", "device", "nnodes", "master_addr", "master_port",
-                 "max_num_seqs",
+                 "placement_strategy", "dtype", "quantization", "device", "nnodes",
+                 "master_addr", "master_port", "max_num_seqs",
                  "kv_cache_memory", "block_size", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching",
                  "collective_timeout_s", "max_staleness", "push_phase_timeout_s")  # fmt: skip
@@ -57,6 +57,8 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--dtype", help="auto (default: bfloat16 where a start-up probe finds it "
                    "faster, else float32), float32, bfloat16, float16 (vLLM's float, "
                    "half)")  # fmt: skip
+    s.add_argument("--quantization", "-q", choices=["fp8"],
+                   help="fp8: block-FP8 weights (FP8 checkpoints are, without it)")  # fmt: skip
     s.add_argument("--device")
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-model-len", type=int)
