@@ -184,6 +184,13 @@ def _bench(args) -> int:
         if not args.json:
             print(summary(result))
             return 0
+    elif args.what == "sync" and args.engine_dtypes:
+        from tandem.bench.sync_dtypes import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
     elif args.what == "sync" and args.into == "vllm":
         from tandem.bench.sync_vllm import run
 
@@ -374,6 +381,9 @@ def parser() -> argparse.ArgumentParser:
                         "against vLLM's own reload_weights (needs `make vllm`), or into a "
                         "`tandem serve` through vLLM's RL weight-transfer protocol against "
                         "tandem's WeightSender")  # fmt: skip
+    b.add_argument("--engine-dtypes", action="store_true",
+                   help="sync: the same float32 trainer into float32, bfloat16 and block-FP8 "
+                        "engines (bytes and seconds)")  # fmt: skip
     b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
