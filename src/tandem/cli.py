@@ -169,6 +169,13 @@ def _bench(args) -> int:
         from tandem.bench.generate_moe import run
 
         result = run(quick=args.quick, tp=args.tp, pp=args.pp)
+    elif args.what == "generate" and args.engine_dtypes:
+        from tandem.bench.generate_dtypes import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
     elif args.what == "generate":
         from tandem.bench.generate import run
 
@@ -383,7 +390,8 @@ def parser() -> argparse.ArgumentParser:
                         "tandem's WeightSender")  # fmt: skip
     b.add_argument("--engine-dtypes", action="store_true",
                    help="sync: the same float32 trainer into float32, bfloat16 and block-FP8 "
-                        "engines (bytes and seconds)")  # fmt: skip
+                        "engines (bytes and seconds); generate: engines of each weight format "
+                        "on the same workloads")  # fmt: skip
     b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
     b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
     b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
