@@ -235,3 +235,19 @@ def test_an_fp8_fleet_takes_a_push_and_heals_a_new_replica_from_a_peer(fp8_dirs,
             c = out.outputs[0]
             assert c.token_ids == expected[0]
             assert max(abs(a - b) for a, b in zip(c.logprobs, expected[1], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [({"quant_method": "awq"}, "quant_method"),
+     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt"),
+     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
+     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+      "scale_fmt")],
+)  # fmt: skip
+def test_an_fp8_config_tandem_cannot_serve_is_refused_naming_the_field(config, field):
+    from tandem.errors import UnsupportedModelError
+    from tandem.models.fp8 import Fp8Config
+
+    with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}"):
+        Fp8Config.from_hf(config, "config.json")

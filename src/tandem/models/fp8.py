@@ -69,11 +69,10 @@ class Fp8Config:
                    for m in self.ignored)  # fmt: skip
 
 
-def quantize_layers(model: nn.Module, config: Fp8Config) -> list[str]:
+def quantize_layers(model: nn.Module, config: Fp8Config) -> None:
     """Turn every parallel linear layer of ``model`` (on meta, before it gets storage) whose
-    weights the config does not skip into block-FP8; the canonical weight names converted.
-    A GPT-2 ``Conv1D`` weight ([in, out]) is not a block-FP8 layout: its layers stay float."""
-    done = []
+    weights the config does not skip into block-FP8 (`tandem.layers.linear.fp8_blocks` lists
+    them). A GPT-2 ``Conv1D`` weight ([in, out]) is not a block-FP8 layout: it stays float."""
     for layer in model.modules():
         if not isinstance(layer, LinearBase):
             continue
@@ -89,8 +88,6 @@ def quantize_layers(model: nn.Module, config: Fp8Config) -> list[str]:
                 field="quantization_config.modules_to_not_convert",
             )
         layer.to_fp8(config.block)
-        done += names
-    return done
 
 
 class QuantizedOnLoad:
