@@ -41,20 +41,31 @@ def grid_shape(shape: tuple[int, int], block: tuple[int, int]) -> tuple[int, int
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
+def _as_blocks(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int]):
+    """``box`` as [row blocks, block rows, column blocks, block columns] of the canonical grid
+    (first blocks: ``origin // block``); zero-padded (a copy) only where the box starts or
+    ends inside a block."""
+    (r0, c0), (br, bc), (rows, cols) = origin, block, box.shape
+    top, left = r0 % br, c0 % bc
+    grid = (-(-(top + rows) // br), -(-(left + cols) // bc))
+    if top or left or (top + rows) % br or (left + cols) % bc:
+        padded = torch.zeros((grid[0] * br, grid[1] * bc), dtype=box.dtype, device=box.device)
+        padded[top : top + rows, left : left + cols] = box
+        box = padded
+    return box.reshape(grid[0], br, grid[1], bc), (top, left)
+
+
 def block_amax(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int],
                grid: tuple[int, int]) -> torch.Tensor:  # fmt: skip
     """Per block of the canonical grid (float32, shape ``grid``): the amax of the elements of
     ``box`` (canonical rows and columns from ``origin``) it holds, 0 where it holds none."""
-    (r0, c0), (br, bc) = origin, block
-    rows, cols = box.shape
     out = torch.zeros(grid, dtype=torch.float32, device=box.device)
     if not box.numel():
         return out
-    g0, g1 = r0 // br, -(-(r0 + rows) // br)
-    h0, h1 = c0 // bc, -(-(c0 + cols) // bc)
-    padded = torch.zeros(((g1 - g0) * br, (h1 - h0) * bc), dtype=torch.float32, device=box.device)
-    padded[r0 - g0 * br : r0 - g0 * br + rows, c0 - h0 * bc : c0 - h0 * bc + cols] = box.abs()
-    out[g0:g1, h0:h1] = padded.view(g1 - g0, br, h1 - h0, bc).amax(dim=(1, 3))
+    blocks, _ = _as_blocks(box, origin, block)
+    amax = torch.maximum(blocks.amax(dim=(1, 3)), -blocks.amin(dim=(1, 3))).float()
+    g0, h0 = origin[0] // block[0], origin[1] // block[1]
+    out[g0 : g0 + amax.shape[0], h0 : h0 + amax.shape[1]] = amax
     return out
 
 
@@ -66,8 +77,15 @@ def block_scales(amax: torch.Tensor) -> torch.Tensor:
 def quantize_box(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int],
                  scales: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """The e4m3 values of canonical box ``box`` (from ``origin``) under the grid's ``scales``."""
-    expanded = _expand(scales, origin, tuple(box.shape), block)
-    return (box.float() / expanded).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    rows, cols = box.shape
+    if not box.numel():
+        return torch.empty((rows, cols), dtype=FP8, device=box.device)
+    blocks, (top, left) = _as_blocks(box, origin, block)
+    g0, h0 = origin[0] // block[0], origin[1] // block[1]
+    mine = scales[g0 : g0 + blocks.shape[0], h0 : h0 + blocks.shape[2]]
+    values = (blocks.float() / mine[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    values = values.view(blocks.shape[0] * block[0], blocks.shape[2] * block[1])
+    return values[top : top + rows, left : left + cols].contiguous()
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK):
