@@ -151,16 +151,19 @@ def _expected_bytes(held: dict[str, torch.Tensor]) -> int:
 
 
 @pytest.mark.parametrize(
-    ("transport", "mode"),
-    [("shm", "staged"), ("shm", "in_place"), ("dist", "staged"), ("dist", "in_place"),
-     ("mooncake", "staged")],
+    ("transport", "mode", "trainer_dtype"),
+    [("shm", "staged", torch.float32), ("shm", "in_place", torch.float32),
+     ("dist", "staged", torch.float32), ("dist", "in_place", torch.float32),
+     ("mooncake", "staged", torch.float32), ("shm", "staged", torch.bfloat16)],
 )  # fmt: skip
-def test_a_float32_push_lands_as_the_reference_quantization_of_the_trainers_weights(
-    fp8_dirs, model_factory, transport, mode
+def test_a_float_push_lands_as_the_reference_quantization_of_the_trainers_weights(
+    fp8_dirs, model_factory, transport, mode, trainer_dtype
 ):
+    """A bfloat16 trainer's weights are quantized from their bfloat16 values (no bfloat16
+    matmul runs: no native bf16 needed)."""
     _, fp8 = fp8_dirs("llama")
     trainer = transformers.AutoModelForCausalLM.from_pretrained(
-        model_factory("llama", seed=1), dtype=torch.float32
+        model_factory("llama", seed=1), dtype=trainer_dtype
     )
     with LLM(fp8, dtype="float32") as llm:
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=1)
@@ -174,7 +177,7 @@ def test_a_float32_push_lands_as_the_reference_quantization_of_the_trainers_weig
             assert torch.equal(held[name + "_scale_inv"], scales), name
             quantized += 1
         elif name in held:
-            assert torch.equal(held[name], w), name
+            assert torch.equal(held[name], w.float()), name
     assert quantized == 14
     # one byte per FP8 weight and 4 per scale and per float32 parameter, counted
     assert stats.bytes_needed == stats.bytes_moved == _expected_bytes(held)
