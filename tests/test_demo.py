@@ -115,13 +115,22 @@ def test_full_demo_meets_its_targets(tmp_path):
 # 0.23 (mean over a step's tokens 0.004-0.011), whole-distribution KL up to 8e-4, whole-vocabulary
 # log-prob gaps up to 0.18 (rare tokens: bfloat16 keeps 8 bits of mantissa)
 BF16_TOLERANCES = dict(tol=0.5, kl_tol=5e-3, vocab_tol=0.5)
+# a block-FP8 engine (bfloat16 activations), one 20-step run: sampled-token gaps up to 1.28 (mean
+# over a step's tokens 0.021-0.047), KL up to 2.2e-2, whole-vocabulary gaps up to 0.71
+FP8_TOLERANCES = dict(tol=3.0, kl_tol=0.1, vocab_tol=2.0)
 
 
-def _check_mismatch(result: dict, summary: dict, correction: str) -> None:
-    """A low-precision engine's mismatch is visible (far above float32's ~1e-5) but small, and
-    the importance weights are reported per step."""
+def _check_mismatch(result: dict, summary: dict, correction: str, gap_mean_max: float = 0.03
+                    ) -> None:  # fmt: skip
+    """A low-precision engine's mismatch is visible (far above float32's ~1e-7 mean gap) but
+    small, and the importance weights are reported per step. (The final check's 16 samples of 2
+    problems can be near-deterministic tokens, where the gap is tiny: no lower bound there.)"""
+    for s in result["steps"]:
+        assert 1e-3 < s["logprob_gap_mean"], s
+        if correction != "none":  # the PPO ratio is against the trainer's own log-probs: 1
+            assert s["clip_fraction"] == 0.0, s
     for s in [*result["steps"], result["final_check"]]:
-        assert 1e-3 < s["logprob_gap_mean"] <= min(s["logprob_mismatch"], 0.03), s
+        assert s["logprob_gap_mean"] <= min(s["logprob_mismatch"], gap_mean_max), s
         assert 0.9 < s["is_weight_mean"] < 1.1 and 0 <= s["is_capped_fraction"] < 0.05, s
     assert (summary["engine_dtype"], summary["is_correction"]) == (
         result["config"]["engine_dtype"],
@@ -172,10 +181,12 @@ def test_short_demo_through_the_cli_with_a_bfloat16_engine_and_mis_learns(llama_
 @pytest.mark.timeout(300)
 def test_short_demo_with_an_fp8_engine_and_tis_learns(llama_dir, tmp_path):
     """Block-FP8 weights, bfloat16 activations (``LLM(quantization="fp8", dtype="bfloat16")``),
-    float32 trainers pushing into it, truncated IS: it learns. The tolerances are bfloat16's
-    until an FP8 run has been measured."""
+    float32 trainers pushing into it, truncated IS: it learns. FP8-sized tolerances
+    (``FP8_TOLERANCES``: measured sampled-token gaps up to 1.28, mean 0.031; KL 2.2e-2)."""
     config = DemoConfig(model_dir=llama_dir, out_dir=str(tmp_path), engine_dtype="fp8",
                         is_correction="tis", **SHORT)  # fmt: skip
     result = run(config)
-    summary = _check(result, config, **BF16_TOLERANCES)
-    _check_mismatch(result, summary, "tis")
+    summary = _check(result, config, **FP8_TOLERANCES)
+    _check_mismatch(result, summary, "tis", gap_mean_max=0.1)
+    # FP8 weights: a mean gap above bfloat16's (measured over 20 steps: 0.031 against 0.0067)
+    assert summary["mean_logprob_gap"] > 0.01

@@ -114,7 +114,8 @@ def _demo(args) -> int:
     print(f"engine {s['engine_dtype']}, correction {s['is_correction']} (cap {s['is_cap']:g}): "
           f"sampled-token log-prob gap mean {gap}; importance weight mean "
           f"{s['mean_is_weight']:.4f}; tokens over the cap {100 * s['is_capped_fraction_mean']:.2g}"
-          f"% (max {100 * s['is_capped_fraction_max']:.2g}% in a step)")  # fmt: skip
+          f"% (max {100 * s['is_capped_fraction_max']:.2g}% in a step); outside PPO's clip "
+          f"{100 * s['clip_fraction_mean']:.2g}%")  # fmt: skip
     print(f"wrote {log_path} and {plot_path}")
     return 0
 

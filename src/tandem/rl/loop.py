@@ -138,6 +138,7 @@ class StepLog:
     logprob_gap_mean: float | None  # their mean over those samples' tokens
     is_weight_mean: float  # mean per-token weight the loss applied (no correction: the raw ratio)
     is_capped_fraction: float  # tokens over the cap: truncated (tis), masked (mis), kept (none)
+    clip_fraction: float  # tokens whose PPO ratio is outside 1 +- 0.2 (tis/mis: ratio 1, none)
     staleness_mean: float
     staleness_max: int
     sample_versions: list[list[int]] = field(default_factory=list)  # per group
@@ -280,6 +281,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
             llm.wake()
     mismatches = [r.logprob_mismatch for r in reports if r.logprob_mismatch is not None]
     gap_mean, weight_mean, capped = _mismatch_means(reports)
+    tokens_trained = sum(r.tokens for r in reports)
     tokens = sum(len(c.token_ids) for out in rollout.outputs for c in out.outputs)
     all_rewards = rewards or [0.0]
     return StepLog(
@@ -292,6 +294,7 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
         loss=sum(r.loss for r in reports) / len(reports),
         grad_norm=reports[0].grad_norm, logprob_mismatch=max(mismatches) if mismatches else None,
         logprob_gap_mean=gap_mean, is_weight_mean=weight_mean, is_capped_fraction=capped,
+        clip_fraction=sum(r.clip_fraction * r.tokens for r in reports) / max(1, tokens_trained),
         staleness_mean=sum(stale) / len(stale) if stale else 0.0,
         staleness_max=max(stale, default=0), sample_versions=versions,
     )  # fmt: skip

@@ -64,7 +64,9 @@ def summary(result: dict) -> dict:
     any single fixed completion gets on those problems. The engine/trainer mismatch on sampled
     tokens: ``max_logprob_mismatch`` (the largest |gap| of any step), ``mean_logprob_gap`` (the
     steps' mean gaps, averaged), ``mean_is_weight`` and ``is_capped_fraction_*`` (the tokens
-    over the cap: truncated by TIS, masked by MIS, left alone without a correction)."""
+    over the cap: truncated by TIS, masked by MIS, left alone without a correction);
+    ``clip_fraction_mean``: the tokens whose PPO ratio PPO's clip bounds (without a correction a
+    lower-precision engine's mismatch puts tokens there; their gradient may be cut)."""
     steps, evals = result["steps"], result["evals"]
     k = max(1, min(3, len(steps) // 3))
     first = [s["reward_mean"] for s in steps[:k]]
@@ -95,6 +97,7 @@ def summary(result: dict) -> dict:
         "mean_is_weight": sum(s["is_weight_mean"] for s in steps) / max(1, len(steps)),
         "is_capped_fraction_mean": sum(capped) / max(1, len(capped)),
         "is_capped_fraction_max": max(capped, default=0.0),
+        "clip_fraction_mean": sum(s["clip_fraction"] for s in steps) / max(1, len(steps)),
         "max_kl": max(e["kl_max"] for e in evals),
         "max_logprob_gap_vocab": max(e["logprob_gap_max"] for e in evals),
         "staleness_max": max((s["staleness_max"] for s in steps), default=0),
