@@ -177,7 +177,7 @@ def test_short_demo_through_the_cli_with_a_bfloat16_engine_and_mis_learns(llama_
     assert result["summary"] == summary
 
 
-@pytest.mark.skip(reason="needs quantization='fp8'")
+@needs_native_bf16
 @pytest.mark.timeout(300)
 def test_short_demo_with_an_fp8_engine_and_tis_learns(llama_dir, tmp_path):
     """Block-FP8 weights, bfloat16 activations (``LLM(quantization="fp8", dtype="bfloat16")``),

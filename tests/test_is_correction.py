@@ -3,6 +3,7 @@ tensors: TIS truncates each token's importance weight at the cap, MIS drops the 
 and without a correction the loss is the demo's loss as it always was. The demo's options for it
 are checked too (`DemoConfig`, `tandem demo` flags)."""
 
+import json
 import math
 
 import pytest
@@ -114,3 +115,22 @@ def test_demo_flags():
     assert (args.engine_dtype, args.is_correction, args.is_cap) == ("bfloat16", "mis", 3.0)
     args = parser().parse_args(["demo"])
     assert (args.engine_dtype, args.is_correction, args.is_cap) == ("float32", "none", 2.0)
+
+
+def test_the_runs_figure_plots_each_run(tmp_path):
+    """`python -m tandem.rl.compare OUT DIR...` reads each run's demo.json and writes the PNG."""
+    from tandem.rl import compare
+
+    for i, dtype in enumerate(("float32", "fp8")):
+        run_dir = tmp_path / dtype
+        run_dir.mkdir()
+        evals = [{"phase": "start", "step": 0, "reward": 0.3},
+                 {"phase": "rl", "step": 5, "reward": 0.5 + i / 10}]  # fmt: skip
+        steps = [{"step": k, "reward_mean": 0.2 + k / 10, "logprob_gap_mean": 1e-3 * (k + 1)}
+                 for k in range(1, 6)]  # fmt: skip
+        result = {"config": {"engine_dtype": dtype, "is_correction": "tis"}, "evals": evals,
+                  "steps": steps}  # fmt: skip
+        (run_dir / "demo.json").write_text(json.dumps(result))
+    out = tmp_path / "runs.png"
+    assert compare.main([str(out), str(tmp_path / "float32"), str(tmp_path / "fp8")]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
