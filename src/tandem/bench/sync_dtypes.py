@@ -101,6 +101,7 @@ def run(quick: bool = False) -> dict[str, Any]:
             names = set(fp8_blocks(_whole_model(path))) if engine == "fp8" else set()
             ranks, checks = run_pushes(llm.exchange_address, path, REPEATS, timeout,
                                        _check(llm, engine, tolerance, names), MODES)  # fmt: skip
+            checks["tolerance"] = tolerance  # this engine's, not float32's
         pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
         needed = {p["bytes_needed"] for p in pushes.values()}
         if len(needed) != 1:
