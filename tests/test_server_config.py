@@ -129,8 +129,11 @@ def test_vllm_flags_without_effect_are_ignored_with_a_warning(flag, capsys):
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["m", "--quantization", "fp8"], "unsupported option --quantization"),
-        (["m", "-q", "fp8", "--enable-lora"], "unsupported options -q, --enable-lora"),
+        (["m", "--quantization-config", "{}"], "unsupported option --quantization-config"),
+        (
+            ["m", "--enable-lora", "--max-loras", "2"],
+            "unsupported options --enable-lora, --max-loras",
+        ),
         (["m", "--speculative-config", "{}"], "unsupported option --speculative-config"),
         (["m", "--load-format", "dummy"], "--load-format dummy: tandem supports only"),
         (["m", "--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8: tandem supports only"),
