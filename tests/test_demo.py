@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from tandem.rl import report
-from tandem.rl.loop import DemoConfig, run
+from tandem.rl.config import DemoConfig
+from tandem.rl.loop import run
 
 SHORT = dict(steps=20, prompts_per_step=32, eval_every=5)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandem.cli import parser
+from tandem.rl.config import DemoConfig
 from tandem.rl.grpo import correct_mismatch, policy_loss
-from tandem.rl.loop import DemoConfig
 
 # the trainer's log-probs and the engine's for three sampled tokens: ratios e, 1 and 2/3
 TRAINER = [[-0.5, -1.0, -2.0]]

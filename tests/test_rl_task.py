@@ -109,7 +109,7 @@ def test_next_token_kl_matches_torch():
      ("placement", "remote"), ("async_staleness", 0)],
 )  # fmt: skip
 def test_demo_config_errors_name_the_field(field, value):
-    from tandem.rl.loop import DemoConfig
+    from tandem.rl.config import DemoConfig
 
     with pytest.raises(ValueError, match=field):
         DemoConfig(**{field: value})

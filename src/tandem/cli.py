@@ -75,7 +75,8 @@ def _classify(args) -> int:
 
 def _demo(args) -> int:
     from tandem.rl import report
-    from tandem.rl.loop import DemoConfig, run
+    from tandem.rl.config import DemoConfig
+    from tandem.rl.loop import run
 
     counts = {k: v for k in ("steps", "warmup_steps") if (v := getattr(args, k)) is not None}
     config = DemoConfig(

@@ -56,18 +56,17 @@ class LinearBase(nn.Module):
         self.fp8 = Fp8Weight(placement, block)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        weight = self.weight
-        if self.fp8 is not None:
-            values, scales = self.weight, self.weight_scale_inv
-
-            def dense():
-                return self.fp8.dequantize(values, scales, x.dtype)
-
-            if self.packed is None:  # FP8 memory only: dequantized every call
-                weight = dense()
-            else:
-                weight = self.packed.source((values, scales, x.dtype), dense)
+        weight = self.weight if self.fp8 is None else self._dequantized(x.dtype)
         return linear(x, weight, bias, self.packed)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 weight in ``dtype``: kept with the packed copy until the values or scales
+        change, or made every call where the layer keeps no packed copy (FP8 memory only)."""
+        values, scales = self.weight, self.weight_scale_inv
+        if self.packed is None:
+            return self.fp8.dequantize(values, scales, dtype)
+        return self.packed.source((values, scales, dtype),
+                                  lambda: self.fp8.dequantize(values, scales, dtype))  # fmt: skip
 
 
 def fp8_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from tandem.rl.loop import StepLog, WarmupLog
+from tandem.rl.logs import StepLog, WarmupLog
 
 
 class Progress:
