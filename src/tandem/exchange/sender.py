@@ -221,9 +221,11 @@ class WeightSender:
         """(plan, tensors) as delivered: into a block-FP8 engine, the boxes of its FP8
         weights quantized with the scales every trainer rank agreed on (`tandem.exchange.
         quantize`); else as they are."""
+        # the agreement is a collective: every rank joins it (the list is the same on all),
+        # whether or not its own boxes include FP8 weights
+        scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
         if not any(item.dtype == FP8_NAME for item in plan.items):
             return plan, tensors
-        scales = agree_scales(plan.quantize, layout, tensors, self.world_size)
         items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
         return dataclasses.replace(plan, items=items), tensors
 
