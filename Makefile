@@ -72,7 +72,7 @@ demo: $(STAMP)
 test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 	$(VLLM_VENV)/bin/python -m pytest -q tests/into_vllm
 	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/into_verl
 

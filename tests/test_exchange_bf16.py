@@ -86,7 +86,7 @@ def test_a_wrong_bfloat16_copy_is_rejected_and_the_old_version_keeps_serving(
 def test_tensor_parallel_ranks_in_place_reject_truncation_then_land_exactly(dirs, trainer):
     """TP=2 workers' shared bfloat16 parameters written by the trainer: a truncating cast
     tears the engine; an honest push then serves exactly what a TP=2 bfloat16 engine loaded
-    from the trainer's checkpoint does (same weights, same ranks: equal log-probs)."""
+    from the trainer's checkpoint does (same weights, same ranks: the same tokens and log-probs)."""
     with LLM(dirs[1], dtype="bfloat16", tensor_parallel_size=2) as llm:
         expected = _outputs(llm)
     with LLM(dirs[0], dtype="bfloat16", tensor_parallel_size=2) as llm:
@@ -97,4 +97,10 @@ def test_tensor_parallel_ranks_in_place_reject_truncation_then_land_exactly(dirs
         with pytest.raises(WeightSyncError, match="refused until a complete push"):
             llm.generate(PROMPTS, GREEDY)
         WeightSender(trainer, llm, transport="shm", mode="in_place").push(version=2)
-        assert llm.weight_version == 2 and _outputs(llm) == expected
+        assert llm.weight_version == 2
+        got = _outputs(llm)
+    # Same tokens; log-probs within 1e-5: two engines' timed GEMM kernel choice may differ
+    # by an ulp under load (a truncated bfloat16 weight moves them by far more).
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, logprobs), (_, want) in zip(got, expected, strict=True):
+        assert max(abs(a - b) for a, b in zip(logprobs, want, strict=True)) < 1e-5
