@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray,mooncake]'
+	$(BIN)/pip install --quiet -e '.[test,megatron,trl,ray,mooncake,lora]'
 	-ldconfig -p | grep -q libibverbs.so.1 || apt-get install -y -qq libibverbs1 \
 	    || (apt-get update -qq && apt-get install -y -qq libibverbs1)
 	touch $(STAMP)

@@ -153,11 +153,26 @@ class RayConfig(_Group):
     ray_cpus_per_rank: float = Field(1.0, gt=0, description="ray: CPUs in each rank's bundle")
 
 
+class LoRAConfig(_Group):
+    """LoRA adapters (`tandem.layers.lora`), by vLLM's option names."""
+
+    enable_lora: bool = Field(
+        False,
+        description="serve LoRA adapters: requests name one (LoRARequest, a completion's "
+        "`model`); trainers push them (WeightSender with lora_name)",
+    )
+    max_loras: int = Field(
+        1, ge=1, description="adapter slots on every rank: adapters (versions) loaded at once"
+    )
+    max_lora_rank: int = Field(16, ge=1, description="the highest adapter rank (PEFT r) served")
+
+
 GROUPS: dict[str, type[_Group]] = {
     "scheduler": SchedulerConfig,
     "cache": CacheConfig,
     "parallel": ParallelConfig,
     "ray": RayConfig,
+    "lora": LoRAConfig,
 }
 _GROUP_OF = {name: group for group, cls in GROUPS.items() for name in cls.model_fields}
 
@@ -218,6 +233,7 @@ class EngineConfig(BaseModel):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
 
     @model_validator(mode="before")
     @classmethod
@@ -241,6 +257,14 @@ class EngineConfig(BaseModel):
         if values.get("task", "generate") != "generate" and isinstance(cache, dict):
             values["cache"] = {"kv_cache_memory": ENCODE_KV_CACHE_BYTES, **cache}
         return values
+
+    @model_validator(mode="after")
+    def _lora_fits(self):
+        if self.lora.enable_lora and self.task != "generate":
+            raise ValueError(f"enable_lora serves generation; task is {self.task!r}")
+        if self.lora.enable_lora and self.parallel.data_parallel_size > 1:
+            raise ValueError("enable_lora with data_parallel_size > 1 is not supported yet")
+        return self
 
     @field_validator("device")
     @classmethod

@@ -15,3 +15,8 @@ class ModelLoadError(ValueError):
 
 class UnsupportedModelError(ModelLoadError):
     """The directory is readable but describes an architecture or option tandem does not run."""
+
+
+class LoRAError(ValueError):
+    """A LoRA adapter cannot be served: unknown, malformed, above ``max_lora_rank``, more
+    adapters than ``max_loras`` slots, or LoRA not enabled. Names the adapter and the field."""

@@ -25,6 +25,8 @@ from tandem.engine.dtype_probe import resolve_dtype
 from tandem.engine.encode import EngineEncode
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager
+from tandem.engine.lora_adapters import EngineLoRA
+from tandem.engine.lora_registry import LoRARegistry
 from tandem.engine.messages import StepResult
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.push_window import PushWindow
@@ -34,6 +36,8 @@ from tandem.engine.state import EngineLifecycle, EngineState
 from tandem.engine.stats import EngineStats
 from tandem.engine.step_message import step_message
 from tandem.engine.tokenizer import Tokenizer
+from tandem.errors import LoRAError
+from tandem.lora.config import LORA_MODULES
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
@@ -41,7 +45,7 @@ HEALTH_CHECK_S = 1.0  # how often a paused step checks that its workers are stil
 CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits for the lock
 
 
-class LLMEngine(EngineControls, EngineEncode, PushWindow):
+class LLMEngine(EngineControls, EngineEncode, PushWindow, EngineLoRA):
     def __init__(self, config: EngineConfig):
         import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model, config.quantization)
@@ -72,6 +76,13 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow):
             batching=config.scheduler.batching,
         )
         self.weight_version = 0
+        self.lora = None  # LoRA adapters' slots (`tandem.engine.lora_registry`)
+        if config.lora.enable_lora:
+            if not any(lay.lora_sites for lay in self.executor.layouts):
+                self.executor.shutdown()
+                raise LoRAError(f"{self.spec.cls.__name__} has no layers LoRA adapts "
+                                f"({', '.join(LORA_MODULES)})")  # fmt: skip
+            self.lora = LoRARegistry(config.lora, self._lora_busy)
         self.lifecycle = EngineLifecycle(weights=config.load_format == "auto")
         self._step_ids = itertools.count()
         self._in_flight: deque[ScheduledBatch] = deque()

@@ -84,6 +84,7 @@ class InProcessExecutor:
             packed_weights=config.packed_weights,
             host_memory_reuse=config.host_memory_reuse,
             load=config.load_format == "auto",
+            lora=config.lora if config.lora.enable_lora else None,
         )
         self.num_blocks = kv_blocks([self.runner.kv_capacity(config.cache.kv_cache_memory)])
         self.runner.allocate_kv_cache(self.num_blocks)

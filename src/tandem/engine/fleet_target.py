@@ -105,6 +105,8 @@ class FleetTarget:
 
     def refuses(self, settings: PushSettings) -> str | None:
         self._settings = settings
+        if settings.adapter is not None:
+            return "a fleet takes no LoRA adapter pushes yet (data_parallel_size > 1)"
         if settings.in_place and not settings.rolling:
             return ("mode='in_place' into a fleet needs policy='rolling' (one wave written at a "
                     "time, the others serving); policy='all' stages: every replica verifies "

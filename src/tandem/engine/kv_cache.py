@@ -15,7 +15,9 @@ Blocks are reference counted. Two things share them:
 
 Cached keys/values were computed by some weights: `reset_prefix_cache` (called on every weight
 push) forgets every digest and starts a new epoch, and a sequence admitted in an older epoch never
-registers blocks, so a cached block never serves tokens under newer weights.
+registers blocks, so a cached block never serves tokens under newer weights. A sequence that
+runs with a LoRA adapter starts its chain from the adapter version's key (`Sequence.lora_key`):
+two adapters, or two versions of one, never share a block.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 def block_digest(parent: bytes, tokens) -> bytes:
-    """The prefix-cache key of a full block: SHA-256 of its parent's digest (``b""`` for the
-    first block) and its token ids as little-endian int64."""
+    """The prefix-cache key of a full block: SHA-256 of its parent's digest (for the first
+    block, ``b""`` or its LoRA adapter version's key) and its token ids as little-endian int64."""
     digest = hashlib.sha256(parent)
     digest.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return digest.digest()
@@ -204,7 +206,7 @@ class BlockManager:
         digests, bs = seq.block_digests, self.block_size
         while len(digests) < count:
             i = len(digests)
-            parent = digests[-1] if digests else b""
+            parent = digests[-1] if digests else seq.lora_key  # adapters cache apart
             digests.append(block_digest(parent, seq.token_ids[i * bs : i * bs + bs]))
         return digests
 

@@ -12,10 +12,12 @@ from tandem.config import EngineConfig
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
 from tandem.engine.fleet import Fleet
+from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
+from tandem.lora.request import LoRARequest
 
 Prompt = str | list[int]
 
@@ -29,6 +31,7 @@ class _Request:
     ids: list[int]
     params: SamplingParams
     priority: int
+    lora: LoadedAdapter | None = None  # the adapter version it runs with
     routed: Routed | None = None
     seqs: list[Sequence] = field(default_factory=list)
 
@@ -108,12 +111,17 @@ class LLM:
         prompts: Prompt | Seq[Prompt],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         ``priority`` (one int per prompt, lower first) matters with
-        ``scheduling_policy="priority"``. All prompts are checked before any is queued: a bad
-        one raises ``ValueError`` and nothing runs.
+        ``scheduling_policy="priority"``. ``lora_request`` (with ``enable_lora``): the LoRA
+        adapter of every prompt, or one per prompt (None: the base model); one batch mixes
+        them. An adapter the engine lacks is loaded from its ``lora_path`` (or tensors)
+        first; each request runs with its adapter's latest version. All prompts are checked
+        before any is queued: a bad one raises ``ValueError`` (`LoRAError` for an adapter)
+        and nothing runs.
         """
         if self.fleet is None:
             raise RuntimeError("this LLM has been shut down")
@@ -129,13 +137,20 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts))
         requests: list[_Request] = []
+        pinned: dict[str, LoadedAdapter] = {}
         try:
-            for prompt, params, prio in zip(prompts, sampling_params, priority, strict=True):
+            for lora in loras:  # every adapter pinned first: none evicts another of the call
+                if lora is not None and lora.lora_name not in pinned:
+                    pinned[lora.lora_name] = self.engine.pin_lora(lora)
+            for prompt, params, prio, lora in zip(prompts, sampling_params, priority, loras,
+                                                  strict=True):  # fmt: skip
                 request_id = str(next(self._request_ids))
                 ids = self.engine.admission.prompt_ids(prompt)
                 text = prompt if isinstance(prompt, str) else None
-                requests.append(_Request(request_id, text, ids, params, prio))
+                adapter = None if lora is None else pinned[lora.lora_name]
+                requests.append(_Request(request_id, text, ids, params, prio, adapter))
                 self._place(requests[-1])
             pending = requests
             while pending:
@@ -156,6 +171,8 @@ class LLM:
             for req in requests:
                 if req.routed is not None:
                     self.fleet.finished(req.routed)
+            for adapter in pinned.values():
+                self.engine.unpin_lora(adapter)
         return [self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
                 for req in requests]  # fmt: skip
 
@@ -167,6 +184,9 @@ class LLM:
         req.routed = self.fleet.route(req.ids, req.params.n, req.params.max_tokens or 0, avoid)
         admission = self.fleet.engines[req.routed.replica].admission
         req.seqs = admission.make_sequences(req.request_id, req.ids, req.params, req.priority)
+        if req.lora is not None:
+            for seq in req.seqs:
+                seq.lora_slot, seq.lora_key = req.lora.slot, req.lora.key
 
     def _encode_images(self, images, pooling: str | None) -> list[list[float]]:
         """Image models: each input a float tensor [channels, size, size] (HF pixel_values)."""
@@ -290,3 +310,17 @@ def _as_prompt_list(prompts) -> list[Prompt]:
         if not isinstance(p, str | list | tuple):
             raise ValueError(f"prompt {i} must be a string or a list of token ids, got {type(p)}")
     return prompts
+
+
+def _per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+    """``generate``'s ``lora_request`` as one entry per prompt."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"got {len(loras)} lora_requests for {count} prompts")
+    for i, lora in enumerate(loras):
+        if lora is not None and not isinstance(lora, LoRARequest):
+            raise TypeError(f"lora_request[{i}]: a LoRARequest or None, "
+                            f"got {type(lora).__name__}")  # fmt: skip
+    return loras

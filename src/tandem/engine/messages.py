@@ -32,6 +32,7 @@ class SeqParams:
     prompt_logprobs: int | None = None  # score the prompt: top-k alternatives per position
     num_prompt_tokens: int = 0  # positions below this are prompt (targets of prompt scoring)
     return_routed_experts: bool = False
+    lora_slot: int = -1  # the LoRA slot its rows apply (`tandem.layers.lora`); -1: none
 
 
 @dataclass(slots=True)

@@ -13,6 +13,7 @@ from typing import get_args
 import numpy as np
 import torch
 
+from tandem.config import LoRAConfig
 from tandem.engine import host_memory
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import (
@@ -36,6 +37,7 @@ from tandem.layers.attention import (
     SharedPrefixGroup,
 )
 from tandem.layers.gemm import disable_packing
+from tandem.layers.lora import LoRARows, attach_lora
 from tandem.layers.moe import SparseMoE
 from tandem.layers.sampler import Sampler, SamplingBatch
 from tandem.models.base import Pooling
@@ -174,6 +176,7 @@ class ModelRunner:
         packed_weights: bool = True,
         host_memory_reuse: bool = True,
         load: bool = True,
+        lora: LoRAConfig | None = None,
     ):
         if host_memory_reuse and device.type == "cpu":
             host_memory.keep_freed()
@@ -186,6 +189,10 @@ class ModelRunner:
         self.model = build_model(spec, tp, dtype, device, self.stage)
         if not packed_weights:
             disable_packing(self.model)
+        self.lora_rows: LoRARows | None = None  # with ``lora``: the adapter slot of each row
+        if lora is not None:
+            self.lora_rows, _ = attach_lora(self.model, lora.max_loras, lora.max_lora_rank,
+                                            dtype, device)  # fmt: skip
         if load:
             load_weights(self.model, spec)
         else:  # load_format="dummy": zeros until a push writes every canonical box
@@ -299,6 +306,8 @@ class ModelRunner:
             and len(kept) < len(input_ids)
         )  # fmt: skip
         keep = self._tensor(kept) if trim else None
+        if self.lora_rows is not None:
+            self._lora_rows(msg, kept if trim else None)
         out = self._run_stage(
             self._tensor(input_ids), self._tensor(positions), meta, routing, keep=keep
         )
@@ -331,6 +340,17 @@ class ModelRunner:
             prompt_logprobs,
             routed_experts,
         )
+
+    def _lora_rows(self, msg: StepMessage, kept: list[int] | None) -> None:
+        """Tell the adapter stacks which slot each row of this step applies."""
+        slots = []
+        for step in msg.seqs:
+            if step.token_ids:
+                slots += [self.seqs[step.seq_id].params.lora_slot] * len(step.token_ids)
+        if any(s >= 0 for s in slots):
+            self.lora_rows.set(slots, kept, self.device)
+        else:
+            self.lora_rows.clear()
 
     def _decode_metadata(
         self, meta: AttentionMetadata, decodes: list[tuple[int, int, list[int]]]
@@ -446,6 +466,8 @@ class ModelRunner:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
+        if self.lora_rows is not None:
+            self.lora_rows.clear()
         extra = {}
         if msg.token_types is not None:
             extra["token_type_ids"] = self._tensor([t for seq in msg.token_types for t in seq])
@@ -474,6 +496,8 @@ class ModelRunner:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
+        if self.lora_rows is not None:
+            self.lora_rows.clear()
         hidden, _ = self._run_stage(
             self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans)
         )

@@ -11,7 +11,7 @@ from tandem.engine.executor import InProcessExecutor
 from tandem.engine.messages import RestoreWeights
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.settings import AdapterPush, AdapterSlot, PushPhase, PushSettings, UpdateSpec
 
 
 class PushWindow:
@@ -50,7 +50,24 @@ class PushWindow:
         return self.lifecycle.unavailable()
 
     def refuses(self, settings: PushSettings) -> str | None:
-        return None  # every transport's every mode (their coordinators check the rest)
+        """Every transport's every mode (their coordinators check the rest); a LoRA
+        adapter's push needs ``enable_lora`` and lands staged (its slot is cleared and
+        written at the commit, while the version before it serves until then)."""
+        if settings.adapter is None:
+            return None
+        if self.lora is None:
+            return "this engine serves no LoRA adapters (start it with enable_lora=True)"
+        if settings.in_place:
+            return "a LoRA adapter's push is staged (mode='staged'): adapters are small"
+        if settings.rolling:
+            return "policy='rolling' is for fleets; one engine commits an adapter at once"
+        return None
+
+    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
+        """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
+        where it lands, and its version if the trainer names none."""
+        with self.lock:
+            return self.lora.plan_push(push, self.weight_layouts())
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:
@@ -64,12 +81,18 @@ class PushWindow:
             self.lifecycle.check_alive()
             if self.lifecycle.weights_released:  # sleep(level=2): memory for the push first
                 self._weight_memory(RestoreWeights())
+            if spec.adapter is not None:  # the slot's adapter leaves (LoRARegistry.begin)
+                self.lora.begin(spec.adapter)
             self.lifecycle.open_update()
             update = WeightUpdate(self, spec, self.weight_version)
+        adapter = spec.adapter
         try:
             yield update
         except BaseException as exc:
-            if update.exposed and update.torn is None:  # broke after writing live weights
+            if adapter is not None:  # the slot may be half-written: it serves nothing now
+                update.torn = None
+                self.lora.failed(adapter, intact=not update.exposed)
+            elif update.exposed and update.torn is None:  # broke after writing live weights
                 update.torn = f"the push of version {spec.version} broke: {exc}"
             try:
                 self.apply_phase(PushPhase.ABORT, spec, {})  # every rank drops what it held
@@ -80,9 +103,14 @@ class PushWindow:
             with self._control():
                 if update.landed or update.exposed:  # cached KV came from the old weights
                     self.blocks.reset_prefix_cache()
-                self.lifecycle.close_update(update.torn, update.landed)
-                if update.torn is None and update.landed:  # the spec's version (a driver
-                    self.weight_version = update.spec.version  # may name it only at commit)
+                if adapter is None:
+                    self.lifecycle.close_update(update.torn, update.landed)
+                    if update.torn is None and update.landed:  # the spec's version (a driver
+                        self.weight_version = update.spec.version  # may name it at commit)
+                else:  # the base weights are as they were; the adapter's version is its own
+                    self.lifecycle.close_update(None, False)
+                    if update.landed:
+                        self.lora.committed(adapter, update.spec.version)
                 self._resumed.notify_all()
 
     def relabel_weights(self, version: int) -> None:

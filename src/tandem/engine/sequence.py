@@ -46,6 +46,8 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.status = SequenceStatus.WAITING
+        self.lora_slot = -1  # the LoRA slot it runs with (-1: the base model)
+        self.lora_key = b""  # its adapter version's prefix-cache key (b"": the base model)
         self.num_cached_tokens = 0  # tokens whose keys/values are in the KV cache
         self.block_table: list[int] = []
         self.finish_reason: str | None = None

@@ -50,4 +50,5 @@ def _seq_params(seq: Sequence) -> SeqParams:
         prompt_logprobs=p.prompt_logprobs,
         num_prompt_tokens=seq.num_prompt_tokens,
         return_routed_experts=p.return_routed_experts,
+        lora_slot=seq.lora_slot,
     )

@@ -63,6 +63,11 @@ class WeightUpdate:
 
     def fail(self, detail: str, phase: str = "delivery") -> None:
         version = self.spec.version
+        if self.spec.adapter is not None:  # the base weights are untouched
+            what = ("its slot is empty until a push lands" if self.exposed
+                    else "the versions loaded before keep serving")  # fmt: skip
+            raise WeightSyncError(f"push of LoRA adapter {self.spec.adapter.name!r} version "
+                                  f"{version} failed in {phase}; {what}: {detail}")  # fmt: skip
         if self.exposed:  # the live parameters already hold (some of) the new bytes
             self.torn = f"{phase} of version {version} failed: {detail}"
             raise WeightSyncError(

@@ -142,6 +142,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
         packed_weights=config.packed_weights,
         host_memory_reuse=config.host_memory_reuse, load=config.load_format == "auto",
+        lora=config.lora if config.lora.enable_lora else None,
     )  # fmt: skip
     layout = engine_layout(runner.model, args.rank, runner.arena)
     capacity = runner.kv_capacity(config.cache.kv_cache_memory)

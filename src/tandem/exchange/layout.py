@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandem.layers.lora import LoraSite
 from tandem.layers.placement import Piece
 
 
@@ -35,6 +36,8 @@ class RankLayout:
     dtypes: dict[str, str] = field(default_factory=dict)  # local tensors not in ``dtype``
     # receiving ranks: canonical weights held as block-FP8, with their scale block
     fp8_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # receiving ranks serving LoRA: their adapter sites (`tandem.layers.lora`)
+    lora_sites: list[LoraSite] = field(default_factory=list)
 
     def add(self, key: str, local_shape: tuple[int, ...], pieces: list[Piece]) -> None:
         self.local_shapes[key] = tuple(local_shape)

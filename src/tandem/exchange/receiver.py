@@ -28,6 +28,7 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 from tandem.layers.gemm import drop_packed
+from tandem.layers.lora import prepare_slot
 
 
 class WeightSyncError(RuntimeError):
@@ -139,6 +140,8 @@ class RankReceiver:
         return problems, at
 
     def _commit(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        if spec.adapter is not None:  # the slot's previous adapter may differ in rank, targets
+            prepare_slot(self.model, spec.adapter.slot, spec.adapter.scale)
         if self._held is not None and self._held[0] == spec.version:
             nbytes = self._commit_held(half, records)
         else:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tandem.errors import LoRAError
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
@@ -35,9 +36,11 @@ from tandem.exchange.protocol import (
 from tandem.exchange.quantize import FP8_NAME, agree_scales, quantized_items
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.server import target_here
-from tandem.exchange.settings import PushSettings
+from tandem.exchange.settings import AdapterPush, PushSettings
 from tandem.exchange.transports import TRANSPORTS, check, p2p, pushed
 from tandem.exchange.transports.base import Delivery
+from tandem.lora.checkpoint import canonical_tensors, is_peft_model, peft_adapter
+from tandem.lora.config import AdapterConfig
 from tandem.wire import PeerGone, recv_frame, send_frame, send_token
 
 LAYOUTS = ("auto", "megatron", "hf")
@@ -78,6 +81,13 @@ class WeightSender:
     live parameter after a staged commit, or the live parameter in place); any mismatch
     rejects the push. ``ignore`` names trainer tensors the engine does not have (a value head).
 
+    LoRA (``lora_name``, or any PEFT model): only the adapter's tensors are sent (A and B of
+    the PEFT model's active adapter, plain or FSDP2-sharded; or a state dict of them with
+    ``lora_config``, PEFT's config), into the engine's slot for adapter ``lora_name``
+    (default: the PEFT adapter's name), where requests naming it (`LoRARequest`) find the
+    latest version pushed; ``keep_versions`` of its latest versions stay loaded, so requests
+    started on one finish on it. Adapter pushes are staged.
+
     ``layout``: how to read the model's boxes. ``megatron``: a megatron-core ``GPTModel``
     (wrapped in DDP / Float16Module or not; TP and PP from ``megatron.core.parallel_state``,
     names mapped by the declarative table `GPT_TO_LLAMA`; ``vocab_size`` is the real vocabulary
@@ -111,7 +121,14 @@ class WeightSender:
         admin_key: str | None = None,
         layout: str = "auto",
         vocab_size: int | None = None,
+        lora_name: str | None = None,
+        keep_versions: int = 1,
+        lora_config=None,
     ):
+        self.adapter: AdapterPush | None = None
+        if lora_name is not None or lora_config is not None or is_peft_model(model):
+            self.adapter = _adapter_push(model, lora_name, keep_versions, lora_config)
+            layout = "hf"
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if layout == "auto":
@@ -123,13 +140,14 @@ class WeightSender:
                              f"got {transport!r}")  # fmt: skip
         self._address = target_address(target, admin_key)
         self.model = model
+        self._lora_config = lora_config
         if transport == "auto":
             on_gpu = any(local_tensor(t).is_cuda for _, t in named_tensors(model))
             # CUDA IPC cannot map a buffer in the process that made it
             here = target_here(self._address)
             in_process = here is not None and here.receivers_in_process
             transport = "cuda_ipc" if on_gpu and not in_process else "shm"
-        self.settings = check(PushSettings(transport, mode, verify))
+        self.settings = check(PushSettings(transport, mode, verify, adapter=self.adapter))
         self.ignore = list(ignore)
         default = dist.is_available() and dist.is_initialized()
         self.rank = rank if rank is not None else (dist.get_rank() if default else 0)
@@ -213,6 +231,10 @@ class WeightSender:
             layout, tensors = megatron_module_layout(self.model, self.rank,
                                                      vocab_size=self.vocab_size)  # fmt: skip
             return layout, {k: t.detach() for k, t in tensors.items()}
+        if self.adapter is not None:  # only the adapter's tensors, by canonical names
+            adapter = _adapter_tensors(self.model, self.adapter.name, self._lora_config)
+            tensors = {name: local_tensor(t) for name, t in adapter.items()}
+            return dtensor_layout(adapter, self.rank), tensors
         tensors = {name: local_tensor(t) for name, t in named_tensors(self.model)}
         model_type = getattr(getattr(self.model, "config", None), "model_type", None)
         return regroup_hf_experts(dtensor_layout(self.model, self.rank), tensors, model_type)
@@ -232,3 +254,31 @@ class WeightSender:
     def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
         """This rank's part of the plan, through its transport's sender half."""
         return self._half.deliver(plan, tensors)
+
+
+def _adapter_push(model, name: str | None, keep_versions: int, lora_config) -> AdapterPush:
+    """What a push of ``model``'s LoRA adapter tells the engine (rank, scale, targets)."""
+    if lora_config is None:
+        if not is_peft_model(model):
+            raise LoRAError("lora_name needs a PEFT model, or a state dict with lora_config")
+        name = name or model.active_adapter
+        config, _ = peft_adapter(model, name)
+    else:
+        config = lora_config if isinstance(lora_config, AdapterConfig) else \
+            AdapterConfig.from_peft(lora_config, f"adapter {name!r}")  # fmt: skip
+    if name is None:
+        raise LoRAError("lora_name is needed to push an adapter from a state dict")
+    try:
+        return AdapterPush(name, config.rank, config.scaling, config.targets, keep_versions)
+    except ValueError as exc:
+        raise LoRAError(str(exc)) from None
+
+
+def _adapter_tensors(model, name: str, lora_config) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (a PEFT model's live parameters, or a state dict's), by
+    canonical names."""
+    if lora_config is None:
+        return peft_adapter(model, name)[1]
+    config = lora_config if isinstance(lora_config, AdapterConfig) else \
+        AdapterConfig.from_peft(lora_config, f"adapter {name!r}")  # fmt: skip
+    return canonical_tensors(dict(model), config, name)

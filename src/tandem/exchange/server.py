@@ -293,12 +293,16 @@ class ExchangeServer:
         if refused is not None:
             raise ValueError(refused)
         version = hellos[0].version
+        adapter = None
+        if settings.adapter is not None:  # a LoRA adapter into its slot (`adapter_plan`)
+            receivers, adapter, next_version = self.target.adapter_plan(settings.adapter)
+        else:
+            receivers, next_version = self.target.weight_layouts(), self.target.weight_version + 1
         if version is None:
-            version = self.target.weight_version + 1
+            version = next_version
         senders = [h.layout for h in hellos]
         for h, layout in zip(hellos, senders, strict=True):
             layout.rank = h.rank
-        receivers = self.target.weight_layouts()
         ignore = frozenset(name for h in hellos for name in h.ignore)
         senders, quantized = scale_sources(senders, receivers)
         plan = self.plans.get(senders, receivers, ignore)
@@ -311,7 +315,7 @@ class ExchangeServer:
         sizes, items, records, relayed, needed, per_replica = plan.derived[key]
         plans = [PushPlan(dtype, sizes[i], items[i], quantize=quantized)
                  for i in range(len(hellos))]  # fmt: skip
-        spec = UpdateSpec(version, settings, dtype, len(hellos))
+        spec = UpdateSpec(version, settings, dtype, len(hellos), adapter=adapter)
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
         return spec, plans, (records, relayed), needed, per_replica

@@ -29,6 +29,30 @@ WAVES = ("wait", "keep")  # a rolling wave's requests: drained first, or kept ac
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterPush:
+    """A push of a LoRA adapter (not the base weights) into the engine's slot(s) for adapter
+    ``name``: rank ``rank`` (PEFT ``r``), scale ``scale`` (PEFT's alpha / r, or alpha /
+    sqrt(r) with rslora), the module names it adapts; ``keep_versions``: how many of the
+    adapter's latest versions stay loaded (a push beyond replaces the oldest)."""
+
+    name: str
+    rank: int
+    scale: float
+    targets: tuple[str, ...]
+    keep_versions: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"lora_name must be a non-empty string, got {self.name!r}")
+        if (
+            isinstance(self.keep_versions, bool)
+            or not isinstance(self.keep_versions, int)
+            or self.keep_versions < 1
+        ):
+            raise ValueError(f"keep_versions must be an int >= 1, got {self.keep_versions!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class PushSettings:
     """How a push travels. ``transport``: a name in `tandem.exchange.transports.TRANSPORTS`;
     ``mode``: ``staged`` (the push lands beside the live weights and is committed only when
@@ -41,7 +65,8 @@ class PushSettings:
     holds the new version while serving the old one; the senders are then free; replicas
     commit in waves of at most ``max_unavailable``, the others serving). ``wave``: ``wait``
     drains a wave's requests before its commit (none straddles versions), ``keep`` commits
-    between two steps of its running requests (their per-token versions say so)."""
+    between two steps of its running requests (their per-token versions say so).
+    ``adapter``: the push carries a LoRA adapter into its slot, not the base weights."""
 
     transport: str
     mode: str = "staged"
@@ -49,6 +74,7 @@ class PushSettings:
     policy: str = "all"
     max_unavailable: int = 1
     wave: str = "wait"
+    adapter: AdapterPush | None = None  # a LoRA adapter's push (`AdapterPush`)
 
     def __post_init__(self):
         if not isinstance(self.transport, str) or not self.transport:
@@ -119,7 +145,8 @@ class UpdateSpec:
     staged memory, as its transport made it; ``group``: the dist transport's process group;
     ``first_rank``: the target-wide number of this engine's rank 0, where the target is a fleet
     of engines whose ranks are numbered one after another; ``broadcast``: the call of vLLM's
-    protocol the broadcast transport receives)."""
+    protocol the broadcast transport receives; ``adapter``: the LoRA slot an adapter push
+    lands in)."""
 
     version: int
     settings: PushSettings
@@ -130,3 +157,16 @@ class UpdateSpec:
     bucket_bytes: int = 0
     first_rank: int = 0
     broadcast: BroadcastCall | None = None
+    adapter: AdapterSlot | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterSlot:
+    """Where an adapter push lands on every engine rank: LoRA slot ``slot``, zeroed and given
+    ``scale`` at the commit, just before the adapter's tensors (of rank ``rank``) are copied
+    in."""
+
+    name: str
+    slot: int
+    scale: float
+    rank: int

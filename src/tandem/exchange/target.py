@@ -16,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.settings import AdapterPush, AdapterSlot, PushPhase, PushSettings, UpdateSpec
 
 # called after every push: (the version pushed, -1 if unknown; seconds it took; the error, or
 # None when it was committed)
@@ -81,6 +81,11 @@ class WeightTarget(Protocol):
 
     def weight_layouts(self) -> list[RankLayout]:
         """What every receiving rank holds, as canonical boxes (``layouts[i].rank == i``)."""
+
+    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
+        """A LoRA adapter's push (only asked where `refuses` let it through): the receiving
+        layouts of the slot it lands in, that slot, and the version it gets if the trainer
+        names none."""
 
     def weight_update(self, spec: UpdateSpec) -> AbstractContextManager[UpdateWindow]:
         """Open the window for one push (waits for the steps in flight)."""

@@ -59,6 +59,12 @@ class LinearBase(nn.Module):
         weight = self.weight if self.fp8 is None else self._dequantized(x.dtype)
         return linear(x, weight, bias, self.packed)
 
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (this layer's output for ``x``) plus each row's adapter delta, where the
+        engine serves LoRA (a ``lora`` submodule: `tandem.layers.lora.LoRAStack`)."""
+        lora = self._modules.get("lora")
+        return y if lora is None else lora(x, y)
+
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The FP8 weight in ``dtype``: kept with the packed copy until the values or scales
         change, or made every call where the layer keeps no packed copy (FP8 memory only)."""
@@ -117,7 +123,7 @@ class ColumnParallelLinear(LinearBase):
             set_pieces(self.bias, b_pieces)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.with_lora(x, self.matmul(x, self.bias))
 
 
 class QKVParallelLinear(LinearBase):
@@ -174,7 +180,7 @@ class QKVParallelLinear(LinearBase):
             )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = self.matmul(x, self.bias)
+        qkv = self.with_lora(x, self.matmul(x, self.bias))
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -207,7 +213,7 @@ class RowParallelLinear(LinearBase):
             self.bias = set_pieces(_empty(out_features), [whole(bias_name, (out_features,))])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+        y = self.tp.all_reduce(self.with_lora(x, self.matmul(x)))
         return y if self.bias is None else y + self.bias
 
 

@@ -9,6 +9,7 @@ from tandem.exchange.adapters.hf import dtype_name
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.transports.memory import ParamArena
 from tandem.layers.linear import fp8_blocks
+from tandem.layers.lora import LoRAStack
 
 
 def engine_layout(model: nn.Module, rank: int, arena: ParamArena | None = None) -> RankLayout:
@@ -27,4 +28,5 @@ def engine_layout(model: nn.Module, rank: int, arena: ParamArena | None = None) 
         if DTYPE_NAMES[param.dtype] != layout.dtype:
             layout.dtypes[name] = DTYPE_NAMES[param.dtype]
     layout.fp8_blocks = fp8_blocks(model)
+    layout.lora_sites = [m.site for m in model.modules() if isinstance(m, LoRAStack)]
     return layout

@@ -143,6 +143,8 @@ class VllmTarget:
         self._server.close()
 
     def refuses(self, settings: PushSettings) -> str | None:
+        if settings.adapter is not None:
+            return "tandem pushes no LoRA adapters into vLLM (vLLM loads them from directories)"
         if settings.in_place:
             return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
                     "repacked for its kernels, so every push into vLLM is staged, then written "

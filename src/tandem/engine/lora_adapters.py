@@ -1,0 +1,93 @@
+"""The engine's LoRA adapters, as callers see them: load one (a PEFT directory or tensors in
+memory), unload it, list them, and pin the one a request runs with.
+
+Loading is a push the engine makes to itself (`WeightSender` with ``lora_name`` into its own
+exchange server): an adapter from a directory lands exactly as a trainer's push does, planned
+by the slots' placement, checksummed where it lands. Which version is in which slot is
+`tandem.engine.lora_registry`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tandem.engine.lora_registry import LoadedAdapter, LoRARegistry
+from tandem.errors import LoRAError
+from tandem.lora.checkpoint import canonical_tensors, read_adapter
+from tandem.lora.config import AdapterConfig
+from tandem.lora.request import LoRARequest
+
+
+class EngineLoRA:
+    """Mixed into `LLMEngine` (its ``lora`` registry, or None without ``enable_lora``)."""
+
+    lora: LoRARegistry | None
+
+    def _lora_registry(self) -> LoRARegistry:
+        if self.lora is None:
+            raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True")
+        return self.lora
+
+    def lora_adapters(self) -> list[LoadedAdapter]:
+        """The latest version of every adapter loaded (none without LoRA)."""
+        return [] if self.lora is None else self.lora.adapters()
+
+    def load_lora_adapter(self, name: str, path: str | None = None, *, int_id: int | None = None,
+                          tensors: Mapping[str, torch.Tensor] | None = None,
+                          config=None) -> LoadedAdapter:  # fmt: skip
+        """Load adapter ``name`` from PEFT directory ``path``, or from ``tensors`` (PEFT's
+        names) with ``config`` (PEFT's config); a loaded one of that name gets a new version.
+        Raises `LoRAError` (and loads nothing) for a malformed adapter, a rank above
+        ``max_lora_rank``, or no free slot."""
+        registry = self._lora_registry()
+        if path is not None:
+            adapter_config, canonical = read_adapter(path, name)
+        elif tensors is not None and config is not None:
+            adapter_config = AdapterConfig.from_peft(config, f"adapter {name!r}")
+            canonical = canonical_tensors(tensors, adapter_config, name)
+        else:
+            raise LoRAError(f"adapter {name!r}: give a path, or tensors with their config")
+        if adapter_config.rank > registry.max_rank:
+            raise LoRAError(f"adapter {name!r}: rank {adapter_config.rank} is above "
+                            f"max_lora_rank {registry.max_rank}")  # fmt: skip
+        from tandem.exchange.receiver import WeightSyncError
+        from tandem.exchange.sender import WeightSender
+
+        registry.set_source(name, int_id, None if path is None else str(path))
+        sender = WeightSender(canonical, self.exchange_server().address, lora_name=name,
+                              lora_config=adapter_config)  # fmt: skip
+        try:
+            sender.push()
+        except WeightSyncError as exc:
+            raise LoRAError(f"adapter {name!r} did not load: {exc}") from None
+        finally:
+            sender.close()
+        return registry.latest(name)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        with self._control():
+            self._lora_registry().unload(name)
+
+    def pin_lora(self, request: LoRARequest) -> LoadedAdapter:
+        """The adapter version ``request`` runs with, held in its slot until `unpin_lora`;
+        loaded first from ``lora_path`` / ``lora_tensors`` when the engine lacks it."""
+        registry = self._lora_registry()
+        if registry.latest(request.lora_name) is None:
+            if request.lora_path is None and request.lora_tensors is None:
+                raise LoRAError(f"adapter {request.lora_name!r} is not loaded and the request "
+                                "gives no lora_path")  # fmt: skip
+            self.load_lora_adapter(request.lora_name, request.lora_path,
+                                   int_id=request.lora_int_id, tensors=request.lora_tensors,
+                                   config=request.lora_config)  # fmt: skip
+        with self._control():
+            return registry.pin(request.lora_name)
+
+    def unpin_lora(self, adapter: LoadedAdapter) -> None:
+        with self._control():
+            self._lora_registry().unpin(adapter.slot)
+
+    def _lora_busy(self) -> set[int]:
+        """Slots that unfinished requests run with."""
+        seqs = self.scheduler.waiting + self.scheduler.running
+        return {s.lora_slot for s in seqs if s.lora_slot >= 0}
