@@ -8,6 +8,14 @@ moved since its last push (version = global_step), so every rollout comes from t
 trained; repeated prompts go to the engine as one request with ``n`` samples, which share the
 prompt's KV blocks.
 
+PEFT (LoRA): a PEFT policy (``GRPOTrainer(..., peft_config=LoraConfig(...))``, or a model
+wrapped by ``get_peft_model``) syncs only its active adapter's A and B tensors, into the
+engine's adapter slot ``lora_name`` (default ``"policy"``), and generates with
+``LoRARequest(lora_name, 1)``: the adapter's latest version on the base weights the engine
+loaded (the same checkpoint as the trainer's base model). The engine must be made with
+``enable_lora=True`` and ``max_lora_rank`` >= the adapter's ``r``; its first push (at the first
+rollout, version 0) is the adapter as PEFT initialised it.
+
 Log-probs: TRL's importance ratio uses ``log_softmax(logits / args.temperature)``. The rollout
 samples at the trainer's temperature by default and asks tandem for processed log-probs (after
 temperature), which are exactly that when top-p is 1 and top-k is off; otherwise it warns.
@@ -19,7 +27,13 @@ import warnings
 from typing import Any
 
 from tandem.engine.sampling_params import SamplingParams
-from tandem.exchange import WeightSender
+from tandem.errors import LoRAError
+from tandem.exchange import PushStats, WeightSender
+from tandem.lora.checkpoint import is_peft_model
+from tandem.lora.config import AdapterConfig
+from tandem.lora.request import LoRARequest
+
+DEFAULT_LORA_NAME = "policy"
 
 
 class TandemRollout:
@@ -30,7 +44,13 @@ class TandemRollout:
     ``temperature`` defaults to the trainer's ``args.temperature``; ``model_name`` (URL form)
     to the server's one model. ``push=False`` never pushes
     (weights synced some other way); `sync` pushes explicitly. ``sender_options`` go to
-    `WeightSender` (transport, mode, ...).
+    `WeightSender` (transport, mode, keep_versions, ...). ``last_push``: the `PushStats` of
+    the latest push.
+
+    A PEFT model pushes only its active LoRA adapter, into the engine's adapter ``lora_name``
+    (default ``"policy"``; only for PEFT models), and generates with it; the engine needs
+    ``enable_lora=True`` and ``max_lora_rank`` >= the adapter's ``r`` (a `LoRAError` says
+    which, before anything is pushed). A ``tandem serve`` URL cannot serve a PEFT policy yet.
     """
 
     def __init__(
@@ -45,8 +65,11 @@ class TandemRollout:
         push: bool = True,
         admin_key: str | None = None,
         model_name: str | None = None,
+        lora_name: str | None = None,
         **sender_options: Any,
     ):
+        if lora_name is not None and (not isinstance(lora_name, str) or not lora_name):
+            raise ValueError(f"lora_name must be a non-empty string, got {lora_name!r}")
         self.llm = llm
         self.max_tokens = max_tokens
         self.temperature = temperature
@@ -57,8 +80,11 @@ class TandemRollout:
         self.admin_key = admin_key
         self.model_name = model_name
         self.sender_options = sender_options
+        self.lora_name = lora_name
         self.version: int | None = None  # the global_step last pushed
         self.pushes = 0
+        self.last_push: PushStats | None = None
+        self._checked: object | None = None  # the PEFT model last checked against the engine
         self._sender: WeightSender | None = None
         self._client = None
         if top_p < 1.0 or top_k > 0:
@@ -70,8 +96,10 @@ class TandemRollout:
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         step = trainer.state.global_step
+        model = _unwrapped(trainer.model, trainer)
+        lora = self._lora(model)
         if self.push and step != self.version:
-            self.sync(trainer.model, step, trainer)
+            self.sync(model, step)
         temperature = self.temperature
         if temperature is None:
             temperature = float(getattr(trainer.args, "temperature", 1.0))
@@ -84,7 +112,7 @@ class TandemRollout:
                            seed=None if self.seed is None else self.seed + first)
             for first, count in groups
         ]  # fmt: skip
-        completions = self._generate([ids[first] for first, _ in groups], params)
+        completions = self._generate([ids[first] for first, _ in groups], params, lora)
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
                                 "weight_version": []}  # fmt: skip
         for (first, count), samples in zip(groups, completions, strict=True):
@@ -97,26 +125,83 @@ class TandemRollout:
                 out["weight_version"].append(version)
         return out
 
-    def sync(self, model, version: int, trainer=None) -> None:
-        """Push ``model``'s weights (unwrapped from accelerate) as ``version``."""
-        model = _pushable(model, trainer)
+    def sync(self, model, version: int, trainer=None) -> PushStats:
+        """Push ``model``'s weights (unwrapped from accelerate) as ``version``; a PEFT
+        model's: only its active adapter, into adapter ``lora_name``."""
+        model = _unwrapped(model, trainer)
+        lora = self._lora(model)
         if self._sender is None or self._sender.model is not model:
             if self._sender is not None:
                 self._sender.close()
             options = dict(self.sender_options)
             if isinstance(self.llm, str):
                 options.setdefault("admin_key", self.admin_key)
+            if lora is not None:
+                options["lora_name"] = lora.lora_name
             self._sender = WeightSender(model, self.llm, **options)
-        self._sender.push(version=version)
+        self.last_push = self._sender.push(version=version)
         self.version = version
         self.pushes += 1
+        return self.last_push
 
-    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list:
-        """Per prompt, its samples as (token ids, log-probs, weight version)."""
+    def _lora(self, model) -> LoRARequest | None:
+        """The adapter the rollouts run with (None: the base model, for a plain model); a PEFT
+        model is first checked against the engine (LoRA enabled, its rank served)."""
+        if not is_peft_model(model):
+            if self.lora_name is not None:
+                raise ValueError(f"TandemRollout: lora_name={self.lora_name!r} needs a PEFT "
+                                 f"model; the trainer's is a {type(model).__name__}")  # fmt: skip
+            return None
+        name = self.lora_name or DEFAULT_LORA_NAME
+        if self._checked is not model:
+            self._check_engine(model, name)
+            self._checked = model
+        return LoRARequest(name, 1)
+
+    def _check_engine(self, model, name: str) -> None:
+        """A clear error, before any push, where the engine cannot serve ``model``'s adapter."""
+        if isinstance(self.llm, str):
+            raise NotImplementedError(
+                "TandemRollout: a PEFT model's adapter cannot be served through a tandem serve "
+                "URL yet (its completions do not select adapters); pass an in-process "
+                "tandem.LLM(..., enable_lora=True)"
+            )
+        adapter = model.active_adapter
+        if not isinstance(adapter, str):
+            raise LoRAError(f"TandemRollout: the PEFT model has active adapters {adapter}; "
+                            "set one with set_adapter()")  # fmt: skip
+        rank = AdapterConfig.from_peft(model.peft_config[adapter], f"adapter {adapter!r}").rank
+        engine = self.llm.engine
+        if engine is None:
+            raise RuntimeError("TandemRollout: the LLM has been shut down")
+        options = engine.config.lora
+        if not options.enable_lora:
+            raise LoRAError(
+                f"TandemRollout: the trainer's model is a PEFT model (adapter {adapter!r}, "
+                f"r={rank}); its adapter is pushed into the engine's adapter {name!r}, so make "
+                f"the engine with LLM(..., enable_lora=True, max_lora_rank>={rank})"
+            )
+        if rank > options.max_lora_rank:
+            raise LoRAError(
+                f"TandemRollout: the PEFT adapter {adapter!r} has r={rank}, above the engine's "
+                f"max_lora_rank={options.max_lora_rank}; make the engine with "
+                f"LLM(..., enable_lora=True, max_lora_rank>={rank})"
+            )
+
+    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams],
+                  lora: LoRARequest | None = None) -> list:  # fmt: skip
+        """Per prompt, its samples as (token ids, log-probs, weight version): with ``lora``,
+        the version of the adapter they ran with (the latest pushed)."""
         if not isinstance(self.llm, str):
-            outputs = self.llm.generate(prompt_ids, params)
-            return [[(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
-                    for o in outputs]  # fmt: skip
+            if lora is None:
+                outputs = self.llm.generate(prompt_ids, params)
+                return [[(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
+                        for o in outputs]  # fmt: skip
+            # requests pin the adapter's latest version when queued, in this thread
+            latest = {a.name: a.version for a in self.llm.engine.lora_adapters()}
+            version = latest.get(lora.lora_name, -1)
+            outputs = self.llm.generate(prompt_ids, params, lora_request=lora)
+            return [[(c.token_ids, c.logprobs, version) for c in o.outputs] for o in outputs]
         return [self._complete(ids, p) for ids, p in zip(prompt_ids, params, strict=True)]
 
     def _complete(self, ids: list[int], p: SamplingParams) -> list:
@@ -160,11 +245,8 @@ def _runs(ids: list[list[int]]) -> list[tuple[int, int]]:
     return runs
 
 
-def _pushable(model, trainer):
-    """The plain model to push, unwrapped from accelerate (DDP). PEFT models are refused for
-    now (their adapters would have to be merged into a copy first)."""
+def _unwrapped(model, trainer):
+    """The model to push, unwrapped from accelerate (DDP): a plain model, or a PEFT model."""
     if trainer is not None and getattr(trainer, "accelerator", None) is not None:
         model = trainer.accelerator.unwrap_model(model)
-    if hasattr(model, "merge_and_unload"):  # PEFT: push base weights with the adapters merged
-        raise NotImplementedError("TandemRollout: PEFT models are not supported yet")
     return model
