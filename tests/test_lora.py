@@ -142,8 +142,9 @@ def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(ll
         assert sender.push().version == 8
         (latest,) = llm.engine.lora_adapters()
         assert (latest.name, latest.version) == ("policy", 8)
-        for prompt, got in zip(PROMPTS, _pairs(llm.generate(PROMPTS, GREEDY, lora_request=policy)),
-                               strict=True):  # fmt: skip
+        outs = llm.generate(PROMPTS, GREEDY, lora_request=policy)
+        assert [(o.lora_request, o.lora_version) for o in outs] == [(policy, 8)] * 2
+        for prompt, got in zip(PROMPTS, _pairs(outs), strict=True):
             _close(got, greedy(merged(trainer), prompt, MAX_TOKENS))
         assert _pairs(llm.generate(PROMPTS, GREEDY)) == base
 
@@ -198,9 +199,7 @@ def test_an_adapter_push_from_a_two_rank_fsdp2_peft_trainer_lands_exactly(llama_
         _close(got, greedy(lora["models"]["a1"], prompt, MAX_TOKENS))
 
 
-def test_a_wrong_copy_of_an_adapter_is_rejected_and_its_last_version_serves(
-    llama_dir, monkeypatch
-):
+def test_a_wrong_copy_of_an_adapter_is_rejected_and_its_last_version_serves(llama_dir, monkeypatch):
     trainer = peft_model(llama_dir, 5)
     with LLM(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
         sender = WeightSender(trainer, llm, lora_name="policy")

@@ -121,4 +121,6 @@ class EngineControls:
             self._resumed.notify_all()
 
     def _weight_memory(self, msg) -> list[str]:
+        if self.lora is not None:  # released or read again: every LoRA slot reads as zeros
+            self.lora.forget_all()
         return self._guarded(lambda: self.executor.weight_memory(msg))

@@ -31,6 +31,7 @@ class _Request:
     ids: list[int]
     params: SamplingParams
     priority: int
+    lora_request: LoRARequest | None = None
     lora: LoadedAdapter | None = None  # the adapter version it runs with
     routed: Routed | None = None
     seqs: list[Sequence] = field(default_factory=list)
@@ -150,7 +151,7 @@ class LLM:
                 ids = self.engine.admission.prompt_ids(prompt)
                 text = prompt if isinstance(prompt, str) else None
                 adapter = None if lora is None else pinned[lora.lora_name]
-                requests.append(_Request(request_id, text, ids, params, prio, adapter))
+                requests.append(_Request(request_id, text, ids, params, prio, lora, adapter))
                 self._place(requests[-1])
             pending = requests
             while pending:
@@ -173,8 +174,13 @@ class LLM:
                     self.fleet.finished(req.routed)
             for adapter in pinned.values():
                 self.engine.unpin_lora(adapter)
-        return [self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
-                for req in requests]  # fmt: skip
+        outputs = []
+        for req in requests:
+            out = self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
+            if req.lora is not None:
+                out.lora_request, out.lora_version = req.lora_request, req.lora.version
+            outputs.append(out)
+        return outputs
 
     def _place(self, req: _Request, avoid: int | None = None) -> None:
         """Route ``req`` (again) and make its sequences on that replica."""

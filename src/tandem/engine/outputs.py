@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,6 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[dict[int, float] | None] | None = None
     replica: int = 0  # which replica of a fleet served it (`LLM(data_parallel_size=R)`)
+    # the LoRA adapter it ran with (vLLM's field) and that adapter's version (its push's)
+    lora_request: Any = None
+    lora_version: int | None = None
