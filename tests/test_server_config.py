@@ -131,8 +131,8 @@ def test_vllm_flags_without_effect_are_ignored_with_a_warning(flag, capsys):
     [
         (["m", "--quantization-config", "{}"], "unsupported option --quantization-config"),
         (
-            ["m", "--enable-lora", "--max-loras", "2"],
-            "unsupported options --enable-lora, --max-loras",
+            ["m", "--lora-dtype", "auto", "--max-cpu-loras", "4"],
+            "unsupported options --lora-dtype, --max-cpu-loras",
         ),
         (["m", "--speculative-config", "{}"], "unsupported option --speculative-config"),
         (["m", "--load-format", "dummy"], "--load-format dummy: tandem supports only"),

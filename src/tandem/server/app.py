@@ -10,6 +10,7 @@ from tandem.server import (
     admin,
     encode_routes,
     errors,
+    lora_routes,
     openai_routes,
     rl_controls,
     weight_transfer_routes,
@@ -19,8 +20,8 @@ from tandem.server.state import ServerState, state
 
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
               "/v1/models", "/health", "/fleet_state", "/metrics")  # fmt: skip
-_CONTROLS = {route.path for r in (rl_controls.router, weight_transfer_routes.router)
-             for route in r.routes}  # fmt: skip
+_CONTROLS = {route.path for r in (rl_controls.router, weight_transfer_routes.router,
+                                   lora_routes.router) for route in r.routes}  # fmt: skip
 
 
 def build_app(server: ServerState) -> FastAPI:
@@ -30,6 +31,7 @@ def build_app(server: ServerState) -> FastAPI:
     app.include_router(openai_routes.router)
     app.include_router(encode_routes.router)
     app.include_router(admin.router)
+    app.include_router(lora_routes.router)
     app.include_router(rl_controls.router)
     app.include_router(weight_transfer_routes.router)
     app.add_middleware(_CountRequests, server=server)

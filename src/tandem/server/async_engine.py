@@ -19,6 +19,7 @@ from tandem.config import EngineConfig
 from tandem.engine.dtype_probe import DtypeChoice
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
+from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
@@ -26,6 +27,7 @@ from tandem.engine.state import EngineAsleepError, EngineState
 from tandem.engine.stats import EngineStats
 from tandem.engine.tokenizer import Tokenizer
 from tandem.exchange.receiver import WeightSyncError
+from tandem.lora.request import LoRARequest
 
 log = logging.getLogger("tandem.serve")
 HEALTH_CHECK_S = 1.0  # how often an idle engine checks its workers
@@ -215,6 +217,27 @@ class AsyncEngine:
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (blocking: call in a thread)."""
         self._core.reset_prefix_cache()
+
+    # LoRA adapters (`tandem.engine.lora_adapters`; the server's side: `ServedAdapters`)
+    def lora_adapters(self) -> list[LoadedAdapter]:
+        """The latest version of every adapter in a slot (none without enable_lora)."""
+        return self._core.lora_adapters()
+
+    def load_lora_adapter(self, name: str, path: str, int_id: int | None = None) -> LoadedAdapter:
+        """Load adapter ``name`` (a new version if loaded) from PEFT directory ``path``
+        (blocking: a push into the engine; call in a thread). Raises LoRAError."""
+        return self._core.load_lora_adapter(name, path, int_id=int_id)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._core.unload_lora_adapter(name)
+
+    def pin_lora(self, request: LoRARequest) -> LoadedAdapter:
+        """The latest version of the adapter, held in its slot until `unpin_lora` (loaded
+        first from ``request.lora_path`` if the engine lacks it; blocking)."""
+        return self._core.pin_lora(request)
+
+    def unpin_lora(self, adapter: LoadedAdapter) -> None:
+        self._core.unpin_lora(adapter)
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""

@@ -17,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
 from tandem.engine.dtype_probe import DtypeChoice
 from tandem.engine.fleet import Fleet
+from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.replica_board import NoReplicaError, ReplicaState
 from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
@@ -29,6 +31,7 @@ from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineState
 from tandem.engine.stats import EngineStats, combined
 from tandem.engine.tokenizer import Tokenizer
+from tandem.lora.request import LoRARequest
 from tandem.server.async_engine import (
     AsyncEngine,
     EngineUnavailable,
@@ -57,6 +60,7 @@ class AsyncFleet:
         self.replicas = [self._engine_thread(r, engine) for r, engine in enumerate(fleet.engines)]
         self._lead = self.replicas[0]
         self._where: dict[str, Routed] = {}  # request id -> where it runs, until over
+        self._on_over: dict[str, Callable[[str], None]] = {}  # request id -> submit's on_over
         self._lock = threading.Lock()
         fleet.replica_listeners.append(self._replica_started)
 
@@ -119,6 +123,23 @@ class AsyncFleet:
         """Check one prompt (every replica has the same limits) and make its samples; their
         ids are unique across the fleet (one admission numbers them all)."""
         return self._lead.prepare(request_id, prompt_ids, params, priority)
+
+    # ----- LoRA adapters: the lead's (enable_lora needs data_parallel_size 1) -----
+    def lora_adapters(self) -> list[LoadedAdapter]:
+        return self.replicas[0].lora_adapters()
+
+    def load_lora_adapter(self, name: str, path: str, int_id: int | None = None) -> LoadedAdapter:
+        return self.replicas[0].load_lora_adapter(name, path, int_id)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.replicas[0].unload_lora_adapter(name)
+
+    def pin_lora(self, request: LoRARequest) -> tuple[LoadedAdapter, Callable[[], None]]:
+        """The adapter version a request runs with (`AsyncEngine.pin_lora`; blocking) and the
+        call that unpins it, on the engine that pinned it."""
+        replica = self.replicas[0]
+        adapter = replica.pin_lora(request)
+        return adapter, lambda: replica.unpin_lora(adapter)
 
     # ----- the fleet as a whole -----
     @property
@@ -202,10 +223,13 @@ class AsyncFleet:
         self.fleet.update_listeners.append(listener)
 
     # ----- requests -----
-    def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]]) -> Submission:
+    def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]],
+               on_over: Callable[[str], None] | None = None) -> Submission:  # fmt: skip
         """Route each request of API call ``call_id`` to a replica and queue them all (or
-        none); every update reaches the call's one queue. Raises QueueFull, EngineUnavailable
-        (no replica can serve), ValueError (a live call has that id)."""
+        none); every update reaches the call's one queue. ``on_over(request_id)`` once each
+        request is over (finished, aborted or failed; on an engine thread), if queued. Raises
+        QueueFull, EngineUnavailable (no replica can serve), ValueError (a live call has that
+        id)."""
         if (why := self.unavailable()) is not None:
             raise EngineUnavailable(why)
         if self.num_waiting + len(requests) > self.max_waiting:
@@ -214,12 +238,20 @@ class AsyncFleet:
             raise ValueError(f"request id {call_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         indexed = list(enumerate(requests))
+        if on_over is not None:
+            with self._lock:
+                self._on_over.update((rid, on_over) for rid, _ in requests)
         try:
             self._place(call_id, indexed, queue, asyncio.get_running_loop(), wait_s=0)
         except NoReplicaError:  # none allowed yet, one will be (a rolling wave): wait apart
             threading.Thread(target=self._place_later, daemon=True,
                              args=(call_id, indexed, queue, asyncio.get_running_loop()),
                              name="tandem-fleet-wait").start()  # fmt: skip
+        except BaseException:  # none queued: none will be over
+            with self._lock:
+                for rid, _ in requests:
+                    self._on_over.pop(rid, None)
+            raise
         return Submission(self, [rid for rid, _ in requests], queue)
 
     def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop,
@@ -251,7 +283,8 @@ class AsyncFleet:
         try:
             self._place(call_id, indexed, queue, loop)
         except NoReplicaError as exc:
-            for i, _ in indexed:
+            for i, (rid, _) in indexed:
+                self._over(rid)
                 loop.call_soon_threadsafe(queue.put_nowait, _failed(i, str(exc)))
 
     def _rerun(self, lost: AsyncEngine, request_id: str, call_id: str | None, tracked,
@@ -276,8 +309,11 @@ class AsyncFleet:
     def _over(self, request_id: str) -> None:
         with self._lock:
             where = self._where.pop(request_id, None)
+            on_over = self._on_over.pop(request_id, None)
         if where is not None:
             self.fleet.finished(where)
+        if on_over is not None:
+            on_over(request_id)
 
     def abort(self, request_id: str) -> None:
         with self._lock:

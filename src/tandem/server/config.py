@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -47,6 +47,10 @@ class ServeConfig(BaseModel):
     max_request_bytes: int = Field(4 << 20, ge=1024, description="larger bodies: 413")
     shutdown_timeout_s: float = Field(10.0, ge=0, description="grace for in-flight requests")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    lora_modules: dict[str, Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start-up: name -> PEFT directory (engine enable_lora)",
+    )
     engine: dict[str, Any] = Field(default_factory=dict, description="other EngineConfig options")
 
     def engine_config(self) -> EngineConfig:
@@ -86,9 +90,17 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
     if clash:
         raise ConfigError(f"{where}: set engine.{sorted(clash)[0]} at the top level (model/tp/pp)")
     try:
-        config.engine_config()
+        engine_config = config.engine_config()
     except ValidationError as exc:
         raise ConfigError(f"{where}: " + _describe(exc.errors(), prefix="engine.")) from None
+    if config.lora_modules and not engine_config.lora.enable_lora:
+        raise ConfigError(f"{where}: `lora_modules` needs LoRA enabled (--enable-lora, engine "
+                          "enable_lora = true)")  # fmt: skip
+    for name in config.lora_modules:
+        if not name or name == config.model_name:
+            why = " (the served model's name)" if name else ""
+            raise ConfigError(f"{where}: `lora_modules`: an adapter may not be named "
+                              f"{name!r}{why}")  # fmt: skip
     return config
 
 

@@ -38,6 +38,7 @@ def serve(config: ServeConfig) -> int:
     async_engine = AsyncFleet(fleet, config.max_waiting_requests)
     try:
         state = ServerState(config, async_engine, Metrics(async_engine), ChatTemplate(config.model))
+        state.lora.load_all(config.lora_modules)  # --lora-modules (LoRAError: cannot start)
         app = build_app(state)
         uv = uvicorn.Config(
             app, log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout_s,

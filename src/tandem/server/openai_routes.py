@@ -1,5 +1,6 @@
 """``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``: OpenAI's shapes, plus
-``token_ids`` on every choice and ``weight_version(s)`` next to ``usage``."""
+``token_ids`` on every choice and ``weight_version(s)`` next to ``usage``. A ``model`` that
+names a LoRA adapter (`tandem.server.served_adapters`) runs the call with it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sequence import Sequence
+from tandem.errors import LoRAError
 from tandem.server.async_engine import (
     EngineUnavailable,
     RequestUpdate,
@@ -21,7 +23,15 @@ from tandem.server.async_engine import (
 )
 from tandem.server.errors import APIError, error_body
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.server.state import ServerState, check_key, read_json, state, until_done
+from tandem.server.served_adapters import Pin, UnknownAdapter, release_soon
+from tandem.server.state import (
+    ServerState,
+    check_key,
+    model_not_found,
+    read_json,
+    state,
+    until_done,
+)
 
 
 def _api_key(request: Request) -> None:
@@ -33,30 +43,63 @@ router = APIRouter(dependencies=[Depends(_api_key)])
 
 @router.get("/v1/models")
 async def models(request: Request):
+    """The served model, then every LoRA adapter as a model of its own (vLLM's cards: ``root``
+    the adapter's directory, ``parent`` the served model)."""
     s = state(request)
-    card = {"id": s.config.model_name, "object": "model", "created": s.created,
-            "owned_by": "tandem", "max_model_len": s.engine.max_model_len}  # fmt: skip
-    return {"object": "list", "data": [card]}
+    base = s.config.model_name
+
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": s.created, "owned_by": "tandem",
+                "max_model_len": s.engine.max_model_len}  # fmt: skip
+
+    adapters = [card(name) | {"root": path, "parent": base} for name, path in s.lora.sources()]
+    return {"object": "list", "data": [card(base), *adapters]}
+
+
+async def _pin(s: ServerState, adapter: str | None) -> Pin | None:
+    """LoRA adapter ``adapter`` (`ServerState.check_model`), pinned for the call; None: the
+    served model. The caller releases it (`_Call` does, once the call is over)."""
+    if adapter is None:
+        return None
+    try:
+        return await s.lora.pin_async(adapter)
+    except UnknownAdapter:  # unloaded since it was checked
+        raise model_not_found(adapter, s.config.model_name, True) from None
+    except LoRAError as exc:  # evicted, and every slot busy now
+        raise APIError(429, str(exc), param="model", code="lora_slots_busy",
+                       headers={"Retry-After": "1"}) from None  # fmt: skip
+
+
+def _prepare(s: ServerState, request_id: str, ids: list[int], params, priority: int,
+             pin: Pin | None) -> list[Sequence]:  # fmt: skip
+    seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, priority))
+    if pin is not None:
+        pin.apply(seqs)
+    return seqs
 
 
 @router.post("/v1/completions")
 async def completions(request: Request):
     s = state(request)
     req: CompletionRequest = await read_json(request, CompletionRequest, s.config.max_request_bytes)
-    s.check_model(req.model)
+    adapter = s.check_model(req.model)
     params = _checked(req.params)
     prompts = req.prompts()
     rid = req.request_id or f"cmpl-{uuid.uuid4().hex}"
-    prepared, prompt_ids = [], []
-    for i, p in enumerate(prompts):
-        ids = s.engine.prompt_ids(p)
-        request_id = prompt_request_id(rid, i)
-        seqs = _checked(lambda ids=ids, r=request_id: s.engine.prepare(r, ids, params,
-                                                                       req.priority))  # fmt: skip
-        prepared.append((request_id, seqs))
-        prompt_ids.append(ids)
-    texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
-    call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage)
+    pin = await _pin(s, adapter)
+    try:
+        prepared, prompt_ids = [], []
+        for i, p in enumerate(prompts):
+            ids = s.engine.prompt_ids(p)
+            request_id = prompt_request_id(rid, i)
+            prepared.append((request_id, _prepare(s, request_id, ids, params, req.priority, pin)))
+            prompt_ids.append(ids)
+        texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
+        call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage,
+                     req.model, pin)  # fmt: skip
+    except BaseException:
+        release_soon(pin)
+        raise
 
     def choice(pi: int, d: CompletionOutput, first: bool) -> dict:
         echo = req.echo and first
@@ -85,16 +128,21 @@ async def chat_completions(request: Request):
     req: ChatCompletionRequest = await read_json(
         request, ChatCompletionRequest, s.config.max_request_bytes
     )
-    s.check_model(req.model)
+    adapter = s.check_model(req.model)
     params = _checked(req.params)
     messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
     text = s.chat.render(messages, req.add_generation_prompt)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
     ids = s.engine.prompt_ids(text)
     request_id = prompt_request_id(rid, 0)
-    seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, req.priority))
-    call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
-                 req.include_usage)  # fmt: skip
+    pin = await _pin(s, adapter)
+    try:
+        seqs = _prepare(s, request_id, ids, params, req.priority, pin)
+        call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
+                     req.include_usage, req.model, pin)  # fmt: skip
+    except BaseException:
+        release_soon(pin)
+        raise
 
     def logprobs(d: CompletionOutput):
         if d.logprobs is None:
@@ -128,13 +176,17 @@ class _Call:
     """One API call's requests: run them to the end (JSON) or stream their deltas (SSE)."""
 
     def __init__(self, s: ServerState, request: Request, rid: str, kind: str, n: int,
-                 prepared: list[tuple[str, list[Sequence]]], include_usage: bool):  # fmt: skip
+                 prepared: list[tuple[str, list[Sequence]]], include_usage: bool, model: str,
+                 pin: Pin | None = None):  # fmt: skip
         self.s, self.request, self.rid, self.kind, self.n = s, request, rid, kind, n
         self.prepared = prepared
         self.include_usage = include_usage
+        self.model = model  # the served model's name, or a LoRA adapter's
         self.arrival = time.monotonic()
         self.first_token: float | None = None
-        self.submission: Submission = s.submit(rid, prepared)
+        # a LoRA adapter stays pinned until every request of the call is over
+        on_over = None if pin is None else s.lora.hold(pin, len(prepared))
+        self.submission: Submission = s.submit(rid, prepared, on_over)
         s.metrics.prompt_tokens.inc(sum(seqs[0].num_prompt_tokens for _, seqs in prepared))
 
     def _seen(self, update: RequestUpdate) -> None:
@@ -155,7 +207,7 @@ class _Call:
     def _head(self, chunk: bool = False) -> dict:
         kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
         return {"id": self.rid, "object": kind, "created": int(time.time()),
-                "model": self.s.config.model_name}  # fmt: skip
+                "model": self.model}  # fmt: skip
 
     async def complete(self, choice: Callable) -> JSONResponse:
         await until_done(self.submission, self.request, self._seen)

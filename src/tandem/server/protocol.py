@@ -200,3 +200,20 @@ class EmbeddingRequest(_EncodeRequest):
 
 class ClassifyRequest(_EncodeRequest):
     """vLLM's ``/v1/classify`` body."""
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=1024)
+    lora_path: str = Field(min_length=1, max_length=4096)  # a PEFT directory on the server
+    load_inplace: bool = False  # vLLM's; tandem loads a new version of a loaded name either way
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    lora_name: str = Field(min_length=1, max_length=1024)
+    lora_int_id: int | None = None  # vLLM's; the name identifies

@@ -16,7 +16,8 @@ _ENGINE_FLAGS = ("task", "data_parallel_size", "distributed_executor_backend", "
                  "master_addr", "master_port", "max_num_seqs",
                  "kv_cache_memory", "block_size", "batching", "max_model_len", "seed",
                  "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching",
-                 "collective_timeout_s", "max_staleness", "push_phase_timeout_s")  # fmt: skip
+                 "collective_timeout_s", "max_staleness", "push_phase_timeout_s",
+                 "enable_lora", "max_loras", "max_lora_rank")  # fmt: skip
 
 
 def add_arguments(s: argparse.ArgumentParser) -> None:
@@ -85,6 +86,13 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--push-phase-timeout", dest="push_phase_timeout_s", type=float,
                    help="seconds a weight push's transport waits before failing the push "
                         "(default 300); ranks silent past it are declared hung")  # fmt: skip
+    s.add_argument("--enable-lora", action=argparse.BooleanOptionalAction,
+                   help="serve LoRA adapters: a request's `model` names one")  # fmt: skip
+    s.add_argument("--max-loras", type=int, help="adapters in slots at once (default 1)")
+    s.add_argument("--max-lora-rank", type=int, help="the highest adapter rank (default 16)")
+    s.add_argument("--lora-modules", nargs="+", action="extend", metavar="NAME=PATH",
+                   help="LoRA adapters to load at start-up: name=path, or vLLM's JSON "
+                   '\'{"name": ..., "path": ...}\'')  # fmt: skip
     s.add_argument("--model-module", action="append", default=[],
                    help="module that registers a custom architecture (repeatable)")  # fmt: skip
     vllm_flags.add_vllm_flags(s)
@@ -97,7 +105,14 @@ def serve_config(args) -> ServeConfig:
     engine = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k) is not None}
     if args.model_module:
         engine["model_modules"] = args.model_module
-    return load_config(args.config, {**flags, "engine": engine})
+    bases: set[str] = set()
+    if args.lora_modules is not None:
+        flags["lora_modules"], bases = vllm_flags.lora_modules(args.lora_modules)
+    config = load_config(args.config, {**flags, "engine": engine})
+    if bases - {config.model_name}:
+        raise ConfigError(f"--lora-modules: base_model_name {sorted(bases)[0]!r} is not the "
+                          f"served model ({config.model_name!r})")  # fmt: skip
+    return config
 
 
 def _vllm_spellings(args) -> None:

@@ -17,6 +17,7 @@ from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError, from_validation
 from tandem.server.metrics import Metrics
 from tandem.server.remote_window import WindowHost
+from tandem.server.served_adapters import ServedAdapters
 from tandem.server.weight_transfer import WeightTransfer
 
 
@@ -29,6 +30,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     _windows: WindowHost | None = None
     _transfer: WeightTransfer | None = None
+    _lora: ServedAdapters | None = None
 
     @property
     def windows(self) -> WindowHost:
@@ -49,21 +51,28 @@ class ServerState:
         return self._transfer
 
     @property
+    def lora(self) -> ServedAdapters:
+        """The LoRA adapters served (``--enable-lora``; made on first use)."""
+        if self._lora is None:
+            self._lora = ServedAdapters(self.engine, self.config.model_name)
+        return self._lora
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def check_model(self, name: str) -> None:
-        if name != self.config.model_name:
-            raise APIError(
-                404,
-                f"model `{name}` does not exist; this server serves `{self.config.model_name}`",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, name: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None for the served model; 404 if
+        it names neither."""
+        if name == self.config.model_name:
+            return None
+        if name in self.lora.names():
+            return name
+        raise model_not_found(name, self.config.model_name, self.lora.enabled)
 
-    def submit(self, call_id: str, requests) -> Submission:
+    def submit(self, call_id: str, requests, on_over=None) -> Submission:
         try:
-            return self.engine.submit(call_id, requests)
+            return self.engine.submit(call_id, requests, on_over)
         except QueueFull as exc:
             raise APIError(429, f"server busy: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
@@ -71,6 +80,12 @@ class ServerState:
             raise APIError(503, str(exc), code="engine_unavailable") from None
         except ValueError as exc:  # a request id already in use
             raise APIError(400, str(exc), param="request_id", code="invalid_value") from None
+
+
+def model_not_found(name: str, served: str, lora: bool) -> APIError:
+    adapters = " and the LoRA adapters GET /v1/models lists" if lora else ""
+    return APIError(404, f"model `{name}` does not exist; this server serves `{served}`"
+                    f"{adapters}", param="model", code="model_not_found")  # fmt: skip
 
 
 def state(request: Request) -> ServerState:

@@ -10,6 +10,7 @@ clear error.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 
@@ -79,6 +80,42 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(option, action=_OnlyValues, dest=argparse.SUPPRESS,
                            default=argparse.SUPPRESS,
                            help=f"accepted with {' or '.join(allowed)} only")  # fmt: skip
+
+
+def lora_modules(items: list[str]) -> tuple[dict[str, str], set[str]]:
+    """vLLM's ``--lora-modules`` values (``name=path``, or JSON ``{"name", "path",
+    "base_model_name"}``) -> ({name: path} in the order given, the base model names given).
+    ConfigError names a bad one."""
+    from tandem.server.config import ConfigError
+
+    modules: dict[str, str] = {}
+    bases: set[str] = set()
+    for item in items:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--lora-modules: {item!r} is not JSON ({exc})") from None
+            fields = {"name", "path", "base_model_name"}
+            if (not isinstance(spec, dict) or set(spec) - fields
+                    or not {"name", "path"} <= set(spec)
+                    or not all(isinstance(v, str) for v in spec.values())):  # fmt: skip
+                raise ConfigError(f"--lora-modules: {item!r}: give a JSON object with strings "
+                                  '"name", "path" and optionally "base_model_name"')  # fmt: skip
+            name, path = spec["name"], spec["path"]
+            if "base_model_name" in spec:
+                bases.add(spec["base_model_name"])
+        elif "=" in item:
+            name, _, path = item.partition("=")
+        else:
+            raise ConfigError(f"--lora-modules: {item!r}: give name=path or JSON "
+                              '{"name": ..., "path": ...}')  # fmt: skip
+        if not name or not path:
+            raise ConfigError(f"--lora-modules: {item!r}: the name and the path must be given")
+        if name in modules:
+            raise ConfigError(f"--lora-modules: adapter {name!r} is given twice")
+        modules[name] = path
+    return modules, bases
 
 
 def dashed(argv: list[str]) -> list[str]:
