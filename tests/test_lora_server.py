@@ -290,6 +290,16 @@ def test_a_client_that_leaves_releases_its_adapter(server, lora):
     assert "left" not in _models(server)
 
 
+def test_adapters_come_back_after_the_weights_are_reloaded(server, lora):
+    """A reload empties the engine's slots; adapters read from a directory stay listed and
+    are read back by their next request."""
+    r = server.admin("POST", "/reload_weights")
+    assert r.status_code == 200, r.text
+    assert "boot" in _models(server)
+    assert _tokens(server, "boot") == lora.want["a"]
+    assert _tokens(server, BASE) == lora.want[None]
+
+
 def test_a_bad_lora_module_stops_the_start_up(llama_dir, lora):
     """--lora-modules with an adapter above max_lora_rank: exit 2 naming it, before serving."""
     import subprocess
