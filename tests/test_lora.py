@@ -19,7 +19,7 @@ import torch
 
 from faulty_writes import faulty_sender, shifted
 from lora_refs import greedy, merged, peft_model, save_adapter
-from tandem import LLM, LoRAError, LoRARequest, SamplingParams
+from tandem import LLM, LoRAError, LoRARequest, LoRASlotsFull, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 from tandem.exchange.transports.base import SenderHalf
 from tandem.wire.frames import free_port
@@ -122,11 +122,13 @@ def test_an_adapter_from_tensors_in_memory_equals_the_one_from_its_directory(lla
     assert from_memory == from_dir
 
 
-def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(llama_dir):
+def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(llama_dir, lora):
     trainer = peft_model(llama_dir, 3)
     adapter_bytes = sum(p.numel() * 4 for n, p in trainer.named_parameters() if "lora_" in n)
     with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
         base = _pairs(llm.generate(PROMPTS, GREEDY))
+        # an SFT adapter first, from its directory; the trainer's pushes replace it
+        assert llm.engine.load_lora_adapter("policy", lora["paths"]["a1"]).path is not None
         sender = WeightSender(trainer, llm, lora_name="policy")
         stats = sender.push(version=7)
         assert stats.bytes_needed == stats.bytes_moved == adapter_bytes
@@ -141,7 +143,7 @@ def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(ll
                     p.add_(0.25)
         assert sender.push().version == 8
         (latest,) = llm.engine.lora_adapters()
-        assert (latest.name, latest.version) == ("policy", 8)
+        assert (latest.name, latest.version, latest.path) == ("policy", 8, None)  # pushed
         outs = llm.generate(PROMPTS, GREEDY, lora_request=policy)
         assert [(o.lora_request, o.lora_version) for o in outs] == [(policy, 8)] * 2
         for prompt, got in zip(PROMPTS, _pairs(outs), strict=True):
@@ -233,8 +235,9 @@ def test_bad_adapters_are_refused_by_name_and_nothing_runs(llama_dir, lora, tmp_
             llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("dora", 4, dora_dir))
         with pytest.raises(LoRAError, match="'nope' is not loaded"):
             llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("nope", 5))
-        three = [_request(lora, "a1"), _request(lora, "a2"), LoRARequest("a3", 3, wide)]
-        with pytest.raises(LoRAError):  # 3 adapters in one call, 2 slots
+        third = save_adapter(peft_model(llama_dir, 9), tmp_path / "third")
+        three = [_request(lora, "a1"), _request(lora, "a2"), LoRARequest("a3", 3, third)]
+        with pytest.raises(LoRASlotsFull, match="all max_loras=2 slots"):  # 3 in one call
             llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=three)
         assert llm.engine.scheduler.has_unfinished() is False
         assert sorted(a.name for a in llm.engine.lora_adapters()) == ["a1", "a2"]

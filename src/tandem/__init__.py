@@ -3,7 +3,7 @@
 from tandem.engine.llm import LLM
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.errors import LoRAError, ModelLoadError, UnsupportedModelError
+from tandem.errors import LoRAError, LoRASlotsFull, ModelLoadError, UnsupportedModelError
 from tandem.integrations import vllm as _vllm  # noqa: F401  (vLLM engines as push targets)
 from tandem.lora.request import LoRARequest
 
@@ -12,6 +12,7 @@ __all__ = [
     "SamplingParams",
     "LoRARequest",
     "LoRAError",
+    "LoRASlotsFull",
     "RequestOutput",
     "CompletionOutput",
     "ModelLoadError",

@@ -20,3 +20,8 @@ class UnsupportedModelError(ModelLoadError):
 class LoRAError(ValueError):
     """A LoRA adapter cannot be served: unknown, malformed, above ``max_lora_rank``, more
     adapters than ``max_loras`` slots, or LoRA not enabled. Names the adapter and the field."""
+
+
+class LoRASlotsFull(LoRAError):
+    """Every LoRA slot holds an adapter that requests run with (or that cannot come back if
+    evicted): no adapter can be loaded now."""

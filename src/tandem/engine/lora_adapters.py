@@ -54,6 +54,8 @@ class EngineLoRA:
         from tandem.exchange.receiver import WeightSyncError
         from tandem.exchange.sender import WeightSender
 
+        with self._control():
+            registry.slot_for(name)  # LoRASlotsFull now, not as a failed push's message
         registry.set_source(name, int_id, None if path is None else str(path))
         sender = WeightSender(canonical, self.exchange_server().address, lora_name=name,
                               lora_config=adapter_config)  # fmt: skip
@@ -63,6 +65,7 @@ class EngineLoRA:
             raise LoRAError(f"adapter {name!r} did not load: {exc}") from None
         finally:
             sender.close()
+            registry.drop_source(name)  # the commit took it, or the load failed
         return registry.latest(name)
 
     def unload_lora_adapter(self, name: str) -> None:

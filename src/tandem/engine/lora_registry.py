@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.config import LoRAConfig
-from tandem.errors import LoRAError
+from tandem.errors import LoRAError, LoRASlotsFull
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import AdapterPush, AdapterSlot
 from tandem.layers.lora import slot_pieces
@@ -88,8 +88,12 @@ class LoRARegistry:
             del self._pins[slot]
 
     def set_source(self, name: str, int_id: int | None, path: str | None) -> None:
-        """Where the next version of ``name`` comes from (what /v1/models shows)."""
+        """Where the version of ``name`` being loaded comes from (its next commit records
+        it; `drop_source` if the load fails)."""
         self._sources[name] = (int_id, path)
+
+    def drop_source(self, name: str) -> None:
+        self._sources.pop(name, None)
 
     def unload(self, name: str) -> None:
         versions = self.versions(name)
@@ -116,14 +120,19 @@ class LoRARegistry:
                             f"{self.max_rank}")  # fmt: skip
         if not layouts or not any(lay.lora_sites for lay in layouts):
             raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora)")
+        slot = self.slot_for(push.name, push.keep_versions)
         versions = self.versions(push.name)
-        if len(versions) >= push.keep_versions:
-            slot = versions[0].slot  # the oldest version kept gives way
-        else:
-            slot = self._free_slot(push.name)
         next_version = versions[-1].version + 1 if versions else 1
         return (slot_layouts(layouts, slot, push, self.max_rank),
                 AdapterSlot(push.name, slot, push.scale, push.rank), next_version)  # fmt: skip
+
+    def slot_for(self, name: str, keep_versions: int = 1) -> int:
+        """The slot the next version of adapter ``name`` would take (`LoRASlotsFull` if
+        none can)."""
+        versions = self.versions(name)
+        if len(versions) >= keep_versions:
+            return versions[0].slot  # the oldest version kept gives way
+        return self._free_slot(name)
 
     def begin(self, adapter: AdapterSlot) -> None:
         """A push into ``adapter.slot`` opens its window (no step runs): what the slot holds
@@ -139,7 +148,8 @@ class LoRARegistry:
     def committed(self, adapter: AdapterSlot, version: int) -> LoadedAdapter:
         """The push into ``adapter.slot`` landed: it serves ``version`` of the adapter now."""
         self._filling.pop(adapter.slot, None)
-        int_id, path = self._sources.get(adapter.name, (None, None))
+        # a load's source is its own: a trainer's later push of the name has none
+        int_id, path = self._sources.pop(adapter.name, (None, None))
         order = next(self._order)
         key = hashlib.sha256(f"lora\0{adapter.name}\0{version}\0{order}".encode()).digest()
         loaded = LoadedAdapter(adapter.name, version, adapter.slot, adapter.rank, key, int_id,
@@ -171,7 +181,7 @@ class LoRARegistry:
                      and (a.path is not None or latest[a.name] is not a)]  # fmt: skip
         if not evictable:
             held = sorted({a.name for a in self.slots if a is not None})
-            raise LoRAError(f"adapter {name!r}: all max_loras={self.max_loras} slots hold "
+            raise LoRASlotsFull(f"adapter {name!r}: all max_loras={self.max_loras} slots hold "
                             f"adapters in use or pushed ({held}); unload one or raise "
                             "max_loras")  # fmt: skip
         victim = min(evictable, key=lambda a: self._used.get(a.slot, 0))

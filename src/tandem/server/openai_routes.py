@@ -23,7 +23,7 @@ from tandem.server.async_engine import (
 )
 from tandem.server.errors import APIError, error_body
 from tandem.server.protocol import ChatCompletionRequest, CompletionRequest
-from tandem.server.served_adapters import Pin, UnknownAdapter, release_soon
+from tandem.server.served_adapters import NoSlotNow, Pin, UnknownAdapter, release_soon
 from tandem.server.state import (
     ServerState,
     check_key,
@@ -65,9 +65,12 @@ async def _pin(s: ServerState, adapter: str | None) -> Pin | None:
         return await s.lora.pin_async(adapter)
     except UnknownAdapter:  # unloaded since it was checked
         raise model_not_found(adapter, s.config.model_name, True) from None
-    except LoRAError as exc:  # evicted, and every slot busy now
+    except NoSlotNow as exc:  # evicted, and every slot busy now
         raise APIError(429, str(exc), param="model", code="lora_slots_busy",
                        headers={"Retry-After": "1"}) from None  # fmt: skip
+    except LoRAError as exc:  # evicted, and its directory no longer reads as an adapter
+        raise APIError(400, str(exc), param="model",
+                       code="invalid_lora_adapter") from None  # fmt: skip
 
 
 def _prepare(s: ServerState, request_id: str, ids: list[int], params, priority: int,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.engine.lora_registry import LoadedAdapter
-from tandem.errors import LoRAError
+from tandem.errors import LoRAError, LoRASlotsFull
 from tandem.lora.request import LoRARequest
 from tandem.server.async_fleet import AsyncFleet
 
@@ -164,7 +164,7 @@ class ServedAdapters:
             request = LoRARequest(name, module.int_id, module.path)
             try:
                 return Pin(*self._engine.pin_lora(request))
-            except LoRAError as exc:
+            except LoRASlotsFull as exc:
                 raise NoSlotNow(f"adapter {name!r} could not be read back from {module.path} "
                                 f"into a slot now: {exc}") from None  # fmt: skip
 
