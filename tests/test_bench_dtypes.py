@@ -13,6 +13,7 @@ from tandem.bench import generate_dtypes, sync_dtypes
 from tandem.bench.generate_bf16 import native_bf16_missing
 
 
+@pytest.mark.slow  # the pushes into each dtype are tested in test_fp8 / test_exchange_bf16
 @pytest.mark.timeout(400)
 def test_quick_sync_into_each_engine_dtype(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

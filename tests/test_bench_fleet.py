@@ -16,6 +16,7 @@ def _positive(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow  # 80 s; the rolling bench's quick run below stays in make test
 @pytest.mark.timeout(400)
 def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the models are cached under ./.tandem

@@ -90,6 +90,7 @@ def test_a_driver_that_dies_raises_with_its_log(tmp_path):
     assert "vllm" in str(failed.value)  # the tail of its log: No module named 'vllm'
 
 
+@pytest.mark.slow  # the vLLM peer of `tandem bench generate`; into_vllm tests vLLM itself
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
 def test_vllm_driver_generates_the_tokens_asked(tmp_path, monkeypatch):
@@ -126,6 +127,7 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
+@pytest.mark.slow  # 60 s; pushes into vLLM are tested in tests/into_vllm
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
 def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ def bert(model_factory):
     return model_factory("bert")
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
 def test_bert_classifier_logits_equal_transformers(bert, tp, pp):
     hf = _hf(bert)
     with LLM(bert, task="classify", tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
@@ -89,7 +89,8 @@ QWEN2_REWARD = {  # qkv bias, tied embeddings, two labels
 }
 
 
-@pytest.mark.parametrize("tp,pp,overrides", [(1, 1, {}), (2, 1, {}), (1, 2, {}),
+@pytest.mark.parametrize("tp,pp,overrides", [(1, 1, {}), (2, 1, {}),
+                                             pytest.param(1, 2, {}, marks=pytest.mark.slow),
                                              (2, 1, QWEN2_REWARD)])  # fmt: skip
 def test_reward_model_scores_the_last_token(model_factory, tp, pp, overrides):
     path = model_factory("llama_reward", **overrides)
@@ -137,7 +138,7 @@ def test_quick_encode_bench_shape(tmp_path, monkeypatch):
                                      "unpadded_vs_transformers_arrival"}  # fmt: skip
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
 def test_vit_classifier_equals_transformers(model_factory, tp, pp):
     path = model_factory("vit")
     hf = transformers.ViTForImageClassification.from_pretrained(path, dtype=torch.float32).eval()

@@ -99,7 +99,7 @@ BIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_att
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sleep_level_2_releases_the_weights_until_a_reload(model_factory, tp):
     model_dir = model_factory("llama", **BIG)
     with LLM(model_dir, tensor_parallel_size=tp, kv_cache_memory=8 << 20) as llm:

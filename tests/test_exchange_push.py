@@ -152,8 +152,9 @@ def _check_matches_transformers(llm, trainer_dir: str, version: int) -> None:
 
 @pytest.mark.parametrize(
     ("transport", "mode"),
-    [("shm", "staged"), ("shm", "in_place"), ("dist", "staged"), ("dist", "in_place")],
-)
+    [("shm", "staged"), pytest.param("shm", "in_place", marks=pytest.mark.slow),
+     pytest.param("dist", "staged", marks=pytest.mark.slow), ("dist", "in_place")],
+)  # fmt: skip
 def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport, mode):
     """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, each transport and mode."""
     engine_dir = model_factory("llama", vocab_size=509)
@@ -164,7 +165,8 @@ def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport, 
         _check_matches_transformers(llm, trainer_dir, 5)
 
 
-@pytest.mark.parametrize("transport", ["shm", "dist"])
+# dist: also tests/test_faults.py's trainer killed mid-push
+@pytest.mark.parametrize("transport", ["shm", pytest.param("dist", marks=pytest.mark.slow)])
 def test_trainer_killed_mid_push_keeps_old_weights_then_next_push_lands(model_factory, transport):
     engine_dir = model_factory("llama", vocab_size=509)
     trainer_dir = model_factory("llama", seed=1, vocab_size=509)
@@ -205,7 +207,8 @@ def test_push_during_generation_lands_between_steps(model_factory):
     assert any(s.output_token_ids[5:] != old[5:] for s, old in zip(seqs, unchanged, strict=True))
 
 
-@pytest.mark.parametrize("transport", ["shm", "dist"])
+# dist: also tests/test_faults.py's torn in-place push
+@pytest.mark.parametrize("transport", ["shm", pytest.param("dist", marks=pytest.mark.slow)])
 def test_in_place_push_broken_midway_refuses_requests_until_a_complete_push(
     model_factory, transport
 ):

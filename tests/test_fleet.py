@@ -102,7 +102,11 @@ def test_same_seed_same_output_on_either_replica(fleet):
     second = fleet.generate([prompt], params)[0]
     assert first.replica != second.replica
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    assert first.outputs[0].logprobs == second.outputs[0].logprobs
+    # within 1e-5, not bit for bit: each replica times its own GEMM kernel choice
+    # (`tandem.layers.gemm_choice`), and under load two replicas may pick differently (CI
+    # saw 4.8e-7 once); a different seed or stream moves them by far more
+    pairs = zip(first.outputs[0].logprobs, second.outputs[0].logprobs, strict=True)
+    assert max(abs(a - b) for a, b in pairs) < 1e-5
 
 
 def test_controls_reach_every_replica_and_state_is_per_replica(fleet):
