@@ -96,7 +96,8 @@ class RankReceiver:
                 half.abort(spec)
             except Exception:  # the push already failed; nothing more to report
                 pass
-        drop_packed(self.model)  # the phase may have written the live weights
+        if spec.adapter is None:  # the phase may have written the live weights (an adapter
+            drop_packed(self.model)  # push writes only LoRA slots, which have no packed copy)
         return (f"rank {self.rank}: " + "; ".join(problems)) if problems else None, nbytes
 
     def _run(self, half: ReceiverHalf, phase: PushPhase, spec: UpdateSpec, records: list[Record]):
