@@ -167,7 +167,16 @@ def _router(args) -> int:
 
 
 def _bench(args) -> int:
-    if args.what == "generate" and args.model_family == "qwen3_moe":
+    if args.lora and args.what != "generate":
+        raise ValueError(f"--lora goes with `tandem bench generate`, not {args.what}")
+    if args.what == "generate" and args.lora:
+        from tandem.bench.generate_lora import run, summary
+
+        result = run(quick=args.quick)
+        if not args.json:
+            print(summary(result))
+            return 0
+    elif args.what == "generate" and args.model_family == "qwen3_moe":
         from tandem.bench.generate_moe import run
 
         result = run(quick=args.quick, tp=args.tp, pp=args.pp)
@@ -401,6 +410,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--rolling", action="store_true",
                    help="fleet: 3 replicas under load while pushes run, stop-the-world against "
                         "rolling, and a replica killed mid-push")  # fmt: skip
+    b.add_argument("--lora", action="store_true",
+                   help="generate: a batch mixing 4 LoRA adapters, one adapter, and the base "
+                        "model; adapter push vs full push")  # fmt: skip
     b.add_argument("--no-vllm", action="store_true",
                    help="generate: leave out the vLLM peer (made by `make vllm`)")  # fmt: skip
     b.set_defaults(func=_bench)
