@@ -38,8 +38,9 @@ engine's base weights are still the PEFT model's when they are checked. Seconds 
 best and median of the timed pushes; bytes are ``PushStats.bytes_needed``. The check's
 generate call (1 prompt, `NEW_TOKENS` tokens) is timed as the first call after each push
 (``generate_after_push_seconds``) and again right after (``generate_again_seconds``), medians:
-what a push costs the steps that follow it (a receiver drops the packed copies of the weights
-after every push phase, `tandem.layers.gemm.drop_packed`).
+what a push costs the steps that follow it (a full push drops the packed copies of the
+weights, `tandem.layers.gemm.drop_packed`, remade on their next use; an adapter push keeps
+them).
 ``ratios.adapter_push_bytes_vs_full`` and ``adapter_push_seconds_vs_full`` (best over best).
 """
 
