@@ -168,11 +168,13 @@ def test_keep_versions_keeps_the_last_n_versions_in_their_slots(llama_dir):
                         p.mul_(1.5)
             sender.push(version=version)
             slot = registry.latest("policy").slot
-            snapshots[version] = (slot, stacks[0].lora_a[slot].clone())
+            rows = slice(slot * stacks[0].width, (slot + 1) * stacks[0].width)
+            snapshots[version] = (slot, stacks[0].lora_a[rows].clone())
             held = [(a.version, a.slot) for a in registry.versions("policy")]
             assert [v for v, _ in held] == ([1] if version == 1 else [version - 1, version])
         slot2, a2 = snapshots[2]
-        assert torch.equal(stacks[0].lora_a[slot2], a2)  # version 2 untouched by version 3
+        rows2 = slice(slot2 * stacks[0].width, (slot2 + 1) * stacks[0].width)
+        assert torch.equal(stacks[0].lora_a[rows2], a2)  # version 2 untouched by version 3
         assert snapshots[3][0] == snapshots[1][0] != slot2  # 3 took the slot of 1
         out = llm.generate(PROMPTS[:1], GREEDY, lora_request=LoRARequest("policy", 1))
         _close(_pairs(out)[0], greedy(merged(trainer), PROMPTS[0], MAX_TOKENS))

@@ -123,7 +123,7 @@ class LoRARegistry:
         slot = self.slot_for(push.name, push.keep_versions)
         versions = self.versions(push.name)
         next_version = versions[-1].version + 1 if versions else 1
-        return (slot_layouts(layouts, slot, push, self.max_rank),
+        return (slot_layouts(layouts, slot, push, self.max_rank, self.max_loras),
                 AdapterSlot(push.name, slot, push.scale, push.rank), next_version)  # fmt: skip
 
     def slot_for(self, name: str, keep_versions: int = 1) -> int:
@@ -188,15 +188,16 @@ class LoRARegistry:
         return victim.slot
 
 
-def slot_layouts(layouts: list[RankLayout], slot: int, push: AdapterPush,
-                 max_rank: int) -> list[RankLayout]:  # fmt: skip
+def slot_layouts(layouts: list[RankLayout], slot: int, push: AdapterPush, max_rank: int,
+                 slots: int) -> list[RankLayout]:  # fmt: skip
     """Every rank's receiving layout for an adapter push into ``slot``: the canonical A and B
     of each target module, placed in that slot's tensors (`tandem.layers.lora.slot_pieces`)."""
     out = []
     for lay in layouts:
         mine = RankLayout(lay.rank, dtype=lay.dtype, arena=lay.arena, replica=lay.replica)
         for site in lay.lora_sites:
-            for key, shape, pieces in slot_pieces(site, slot, push.rank, max_rank, push.targets):
+            tensors = slot_pieces(site, slot, push.rank, max_rank, push.targets, slots)
+            for key, shape, pieces in tensors:
                 if pieces:
                     mine.add(key, shape, pieces)
         out.append(mine)

@@ -348,7 +348,7 @@ class ModelRunner:
             if step.token_ids:
                 slots += [self.seqs[step.seq_id].params.lora_slot] * len(step.token_ids)
         if any(s >= 0 for s in slots):
-            self.lora_rows.set(slots, kept, self.device)
+            self.lora_rows.set(slots, kept, self.device, self.dtype)
         else:
             self.lora_rows.clear()
 
