@@ -193,3 +193,27 @@ def test_a_target_nothing_adapts_is_refused_by_name():
     """Not an address, no ``exchange_address``, no integration's adapter takes it."""
     with pytest.raises(TypeError, match="cannot push into a dict: give an LLM"):
         WeightSender(_Tiny(0), {"exchange": "nowhere"})
+
+
+def test_a_target_without_adapter_slots_refuses_an_adapter_push_and_keeps_its_weights():
+    """A LoRA adapter's push needs an `AdapterTarget` (an engine with enable_lora); a target
+    that only has the `WeightTarget` members refuses it before any byte moves."""
+    from tandem.exchange import AdapterTarget
+
+    live = _Tiny(0)
+    before = {n: p.clone() for n, p in live.named_parameters()}
+    target = _FakeTarget(live)
+    assert not isinstance(target, AdapterTarget)
+    config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4),
+               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2)}  # fmt: skip
+    server = ExchangeServer(target)
+    try:
+        sender = WeightSender(adapter, server.address, lora_name="policy", lora_config=config)
+        with pytest.raises(WeightSyncError, match="_FakeTarget takes no LoRA adapter pushes"):
+            sender.push(version=1)
+        sender.close()
+    finally:
+        server.close()
+    assert all(torch.equal(p, before[n]) for n, p in live.named_parameters())
+    assert target.weight_version == 0

@@ -66,7 +66,7 @@ class PushWindow:
     def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
         """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
         where it lands, and its version if the trainer names none."""
-        with self.lock:
+        with self._control():
             return self.lora.plan_push(push, self.weight_layouts())
 
     @contextmanager

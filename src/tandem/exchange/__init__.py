@@ -6,7 +6,7 @@ from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.sender import PushStats, WeightSender
 from tandem.exchange.settings import PushSettings
-from tandem.exchange.target import UpdateWindow, WeightTarget
+from tandem.exchange.target import AdapterTarget, UpdateWindow, WeightTarget
 
 __all__ = [
     "ExchangeAddress",
@@ -22,5 +22,6 @@ __all__ = [
     "WeightSender",
     "WeightSyncError",
     "WeightTarget",
+    "AdapterTarget",
     "plan_transfers",
 ]

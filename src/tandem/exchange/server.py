@@ -32,7 +32,7 @@ from tandem.exchange.push_items import push_items, replica_figures
 from tandem.exchange.quantize import scale_sources
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
-from tandem.exchange.target import UpdateWindow, WeightTarget
+from tandem.exchange.target import AdapterTarget, UpdateWindow, WeightTarget
 from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import Coordinator
 from tandem.wire import MAX_FRAME, PeerGone, read_hello, recv_frame, send_frame
@@ -294,7 +294,9 @@ class ExchangeServer:
             raise ValueError(refused)
         version = hellos[0].version
         adapter = None
-        if settings.adapter is not None:  # a LoRA adapter into its slot (`adapter_plan`)
+        if settings.adapter is not None:  # a LoRA adapter into its slot (`AdapterTarget`)
+            if not isinstance(self.target, AdapterTarget):
+                raise ValueError(f"a {type(self.target).__name__} takes no LoRA adapter pushes")
             receivers, adapter, next_version = self.target.adapter_plan(settings.adapter)
         else:
             receivers, next_version = self.target.weight_layouts(), self.target.weight_version + 1

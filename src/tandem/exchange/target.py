@@ -82,14 +82,20 @@ class WeightTarget(Protocol):
     def weight_layouts(self) -> list[RankLayout]:
         """What every receiving rank holds, as canonical boxes (``layouts[i].rank == i``)."""
 
-    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
-        """A LoRA adapter's push (only asked where `refuses` let it through): the receiving
-        layouts of the slot it lands in, that slot, and the version it gets if the trainer
-        names none."""
-
     def weight_update(self, spec: UpdateSpec) -> AbstractContextManager[UpdateWindow]:
         """Open the window for one push (waits for the steps in flight)."""
 
     def unavailable(self) -> str | None:
         """Why the target refuses every request now (dead, torn weights, none loaded), or
         None; for the messages of a failed push."""
+
+
+@runtime_checkable
+class AdapterTarget(Protocol):
+    """What a target that takes LoRA adapter pushes (`PushSettings.adapter`) has beside the
+    `WeightTarget` members: an engine with ``enable_lora``. Any other target refuses them."""
+
+    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
+        """The receiving layouts of the slot the adapter's push lands in, that slot, and the
+        version it gets if the trainer names none (only asked where `refuses` let it
+        through)."""
