@@ -16,43 +16,29 @@ from types import SimpleNamespace
 from unittest.mock import MagicMock
 
 import openai
-import peft
 import pytest
 import torch
 import transformers
 
+from lora_refs import greedy, merged, peft_model, save_adapter
 from serving import ADMIN_KEY, Server, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 PROMPT = [5, 17, 99, 3, 42]
 MAX_TOKENS = 6
 BASE = "tiny"
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _adapter(model_dir: str, path: Path, seed: int, r: int = 4, alpha: float = 8,
-             targets=ALL, rslora: bool = False):  # fmt: skip
-    """A PEFT adapter with random non-zero A and B (PEFT starts B at 0), saved at ``path``;
-    returns the merged model (the reference)."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                             use_rslora=rslora, lora_dropout=0.0)  # fmt: skip
-    model = peft.get_peft_model(base, config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    model.save_pretrained(str(path))
-    return model.merge_and_unload().eval()
+def _adapter(model_dir: str, path: Path, seed: int, **config):
+    """A PEFT adapter with random non-zero A and B (`lora_refs.peft_model`), saved at
+    ``path``; returns the merged model (the reference)."""
+    model = peft_model(model_dir, seed, **config)
+    save_adapter(model, path)
+    return merged(model)
 
 
 def _greedy(model, prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
+    return greedy(model, prompt, max_tokens)[0]
 
 
 @pytest.fixture(scope="module")
