@@ -195,9 +195,8 @@ class EngineConfig(BaseModel):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
-        description="auto: bfloat16 where a start-up probe finds this machine's bfloat16 "
-        "matmuls clearly faster than float32 (always on GPUs), else float32 "
-        "(`tandem.engine.dtype_probe`)",
+        description="auto: bfloat16 on GPUs and on CPUs that declare bfloat16 units "
+        "(amx_bf16, avx512_bf16, Arm bf16), else float32 (`tandem.engine.dtype_auto`)",
     )
     quantization: Literal["fp8"] | None = Field(
         None,

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from tandem.config import EngineConfig
 from tandem.engine.admission import Admission, Limits
 from tandem.engine.controls import EngineControls
-from tandem.engine.dtype_probe import resolve_dtype
+from tandem.engine.dtype_auto import resolve_dtype
 from tandem.engine.encode import EngineEncode
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager

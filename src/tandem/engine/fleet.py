@@ -326,7 +326,7 @@ def _start_all(configs: list[EngineConfig]) -> list[LLMEngine]:
     its own workers; what a process sets up once, such as joining a Ray cluster, the first one
     has done); if any fails, the others are shut down and the first error raised."""
     first = LLMEngine(configs[0])
-    same = {"dtype": first.config.dtype}  # resolved once ("auto" probes): one dtype per fleet
+    same = {"dtype": first.config.dtype}  # "auto" resolved once: one dtype per fleet
     with ThreadPoolExecutor(len(configs) - 1) as pool:
         futures = [pool.submit(LLMEngine, c.model_copy(update=same)) for c in configs[1:]]
     engines, errors = [first], []

@@ -86,7 +86,7 @@ class LLM:
     @property
     def dtype(self) -> str:
         """The dtype the engine runs in (``"bfloat16"``, ``"float32"``, ...): ``dtype="auto"``
-        resolved at start-up (`tandem.engine.dtype_probe`; ``llm.engine.dtype_choice`` says
+        resolved at start-up (`tandem.engine.dtype_auto`; ``llm.engine.dtype_choice`` says
         why)."""
         return self.engine.config.dtype
 

@@ -12,6 +12,7 @@ and torch share one OpenMP pool.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -35,13 +36,22 @@ LINK = ("-shared", "-fopenmp")
 
 
 def cpu_flags() -> str:
+    """The CPU's feature line from /proc/cpuinfo (x86 ``flags``, Arm ``Features``), else the
+    machine's name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return os.uname().machine
+
+
+@functools.cache
+def cpu_features() -> frozenset[str]:
+    """The features the CPU declares (``avx512_bf16``, ``amx_bf16``, Arm's ``bf16``, ...)."""
+    line = cpu_flags()
+    return frozenset(line.partition(":")[2].split()) if ":" in line else frozenset()
 
 
 def compiler() -> str | None:
@@ -81,7 +91,8 @@ class Library:
     """One kernel source, built on first need: ``available()`` says whether it serves this
     process, ``dll`` is the loaded library once it does. ``setup`` declares the C signatures;
     ``off`` is the environment variable whose value ``torch`` turns the kernels off; ``instead``
-    names what serves when they do not (logged)."""
+    names what serves when they do not (logged as a warning, or at debug level where the CPU
+    lacks the feature ``needs`` names: nothing is wrong then)."""
 
     def __init__(
         self,
@@ -90,9 +101,10 @@ class Library:
         off: str,
         what: str,
         instead: str = "torch",
+        needs: str | None = None,
     ):
         self.source, self.setup, self.off, self.what = source, setup, off, what
-        self.instead = instead
+        self.instead, self.needs = instead, needs
         self.dll: ctypes.CDLL | None = None
         self.why_not: str | None = None
 
@@ -101,6 +113,10 @@ class Library:
         if self.dll is None and self.why_not is None:
             if os.environ.get(self.off, "") == "torch":
                 self.why_not = f"{self.off}=torch"
+            elif self.needs is not None and self.needs not in cpu_features():
+                self.why_not = f"the CPU declares no {self.needs}"
+                logger.debug("%s off, %s serves: %s", self.what, self.instead, self.why_not)
+                return False
             else:
                 try:
                     dll = build(self.source)

@@ -79,7 +79,12 @@ def _declare_vector(dll: ctypes.CDLL) -> None:
 
 
 _amx = Library(
-    SOURCE, _declare, "TANDEM_ATTENTION", "AMX paged prefill kernel", "the vector kernel (or torch)"
+    SOURCE,
+    _declare,
+    "TANDEM_ATTENTION",
+    "AMX paged prefill kernel",
+    "the vector kernel (or torch)",
+    needs="amx_bf16",
 )
 _vector = Library(VECTOR_SOURCE, _declare_vector, "TANDEM_ATTENTION", "paged prefill kernel")
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from tandem.config import EngineConfig
-from tandem.engine.dtype_probe import DtypeChoice
+from tandem.engine.dtype_auto import DtypeChoice
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
 from tandem.engine.lora_registry import LoadedAdapter

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
-from tandem.engine.dtype_probe import DtypeChoice
+from tandem.engine.dtype_auto import DtypeChoice
 from tandem.engine.fleet import Fleet
 from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.replica_board import NoReplicaError, ReplicaState

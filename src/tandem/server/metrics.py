@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tandem.engine.dtype_probe import DtypeChoice
+from tandem.engine.dtype_auto import DtypeChoice
 from tandem.engine.state import EngineState
 from tandem.server.async_fleet import AsyncFleet
 
@@ -68,17 +68,10 @@ class Metrics:
 
 
 def _dtype_gauges(choice: DtypeChoice, registry: CollectorRegistry) -> None:
-    """``tandem_dtype_info{dtype, source, reason} 1``: the dtype the engine runs in and why;
-    with ``dtype="auto"`` probed, ``tandem_dtype_probe_gflops{dtype}``: the matmul rates that
-    decided it."""
+    """``tandem_dtype_info{dtype, source, reason} 1``: the dtype the engine runs in and why."""
     info = Gauge("tandem_dtype_info", "the dtype the engine runs in (source, reason: why)",
                  ["dtype", "source", "reason"], registry=registry)  # fmt: skip
     info.labels(dtype=choice.dtype, source=choice.source, reason=choice.reason).set(1)
-    if choice.source == "probe":
-        rates = Gauge("tandem_dtype_probe_gflops", "dtype='auto' probe: matmul GFLOP/s",
-                      ["dtype"], registry=registry)  # fmt: skip
-        rates.labels(dtype="float32").set(choice.float32_gflops)
-        rates.labels(dtype="bfloat16").set(choice.bfloat16_gflops)
 
 
 class _TokenCounter:
