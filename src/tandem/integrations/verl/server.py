@@ -119,8 +119,8 @@ class TandemServer:
             body["seed"] = int(params["seed"])
         if float(params.get("repetition_penalty", 1.0)) != 1.0:  # not offered: never dropped
             raise ValueError(
-                "tandem has no repetition_penalty (it offers presence_penalty and "
-                "frequency_penalty); leave rollout.repetition_penalty at 1.0"
+                "tandem has no repetition_penalty (nor any other penalty); leave "
+                "rollout.repetition_penalty at 1.0"
             )
         out = await self._call("POST", "/v1/completions", body, admin=False)
         choice = out["choices"][0]
