@@ -1,6 +1,7 @@
 """`tandem serve` driven by the official `openai` client: outputs equal the offline `LLM`."""
 
 import json
+import socket
 
 import openai
 import pytest
@@ -166,6 +167,32 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     assert wait_for(lambda: server.metric("tandem_kv_blocks_used") == 0, timeout=10)
     assert server.metric("tandem_running_sequences") == 0
     assert server.metric("tandem_generation_tokens_total") < 10_000
+
+
+def test_client_leaving_a_non_streamed_request_is_a_499(server):
+    """As vLLM and nginx count it: the request is aborted, no 500, no traceback in the log."""
+    labels = {"endpoint": "/v1/completions", "status": "499"}
+    left = server.metric("tandem_requests_total", **labels)
+    errors = server.metric("tandem_requests_total", endpoint="/v1/completions", status="500")
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": "A long story", "max_tokens": 400,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    assert server.admin("POST", "/pause?mode=keep").status_code == 200  # it waits: no race
+    try:
+        with socket.create_connection((host, int(port))) as s:  # closes before the answer
+            s.sendall(head + body)
+            assert wait_for(lambda: server.metric("tandem_queue_depth") == 1, timeout=10)
+        assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 1,
+                        timeout=10), server.output  # fmt: skip
+        assert wait_for(lambda: server.metric("tandem_queue_depth") == 0, timeout=10)
+    finally:
+        assert server.admin("POST", "/resume").status_code == 200
+    assert server.metric("tandem_running_sequences") == 0
+    assert server.metric("tandem_requests_total", endpoint="/v1/completions",
+                         status="500") == errors  # fmt: skip
+    assert "Traceback" not in server.output
 
 
 def test_admin_routes_need_the_key(server):

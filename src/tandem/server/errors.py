@@ -3,11 +3,19 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+log = logging.getLogger("tandem.serve")
+
+# What vLLM and nginx count a request as when its client leaves before the answer.
+CLIENT_CLOSED_REQUEST = 499
 
 _TYPES = {
     400: "invalid_request_error",
@@ -42,6 +50,10 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client left before its answer was ready (its requests are aborted)."""
 
 
 def error_body(status: int, message: str, param=None, code=None) -> dict:
@@ -94,6 +106,15 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         return from_validation(exc).response()
+
+    async def _left(request: Request, exc: Exception):
+        log.info("%s %s: the client disconnected before the answer (%d); nothing left running",
+                 request.method, request.url.path, CLIENT_CLOSED_REQUEST)  # fmt: skip
+        return Response(status_code=CLIENT_CLOSED_REQUEST)  # counted in the metrics only
+
+    # while generating (its requests are aborted), or while its body was still arriving
+    app.add_exception_handler(ClientDisconnected, _left)
+    app.add_exception_handler(ClientDisconnect, _left)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):

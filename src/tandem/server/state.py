@@ -14,7 +14,7 @@ from tandem.server.async_engine import EngineUnavailable, QueueFull, Submission
 from tandem.server.async_fleet import AsyncFleet
 from tandem.server.chat import ChatTemplate
 from tandem.server.config import ServeConfig
-from tandem.server.errors import APIError, from_validation
+from tandem.server.errors import APIError, ClientDisconnected, from_validation
 from tandem.server.metrics import Metrics
 from tandem.server.remote_window import WindowHost
 from tandem.server.served_adapters import ServedAdapters
@@ -138,7 +138,8 @@ async def read_json(request: Request, model: type[BaseModel], limit: int) -> Bas
 
 
 async def until_done(submission: Submission, request: Request, on_update=None) -> None:
-    """Consume a submission's updates; if the client goes away first, abort it."""
+    """Consume a submission's updates; if the client goes away first, abort it and raise
+    `ClientDisconnected` (answered 499)."""
 
     async def consume():
         async for update in submission.updates():
@@ -155,7 +156,7 @@ async def until_done(submission: Submission, request: Request, on_update=None) -
                 except EngineUnavailable as exc:
                     raise APIError(503, str(exc), code="engine_unavailable") from None
             if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected()
     finally:
         task.cancel()
         submission.abort()
