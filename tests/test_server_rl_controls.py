@@ -58,7 +58,7 @@ def _running(server: Server, n: int = 1) -> bool:
 
 def test_pause_abort_returns_partial_rollouts_then_resume(server):
     before = server.metric("tandem_generation_tokens_total")
-    thread, out = _run(server, _body(max_tokens=2000, logprobs=0, n=2))
+    thread, out = _run(server, _body(max_tokens=500, logprobs=0, n=2))
     assert wait_for(lambda: server.metric("tandem_generation_tokens_total") > before + 8)
     r = server.admin("POST", "/pause", params={"mode": "abort"})
     assert r.status_code == 200, r.text
@@ -108,7 +108,7 @@ def test_pause_wait_answers_once_running_requests_finished(server):
 
 
 def test_abort_requests_by_id_and_all(server):
-    first, a = _run(server, _body(max_tokens=3000, request_id="rollout-a"))
+    first, a = _run(server, _body(max_tokens=500, request_id="rollout-a"))
     assert wait_for(lambda: _running(server))  # rollout-a runs
     second, b = _run(server, _body(max_tokens=60, request_id="rollout-b"))
     dup = server.post("/v1/completions", json=_body(max_tokens=2, request_id="rollout-a"))
@@ -120,7 +120,7 @@ def test_abort_requests_by_id_and_all(server):
     assert a["r"].json()["id"] == "rollout-a"
     assert a["r"].json()["choices"][0]["finish_reason"] == "abort"
     assert b["r"].json()["choices"][0]["finish_reason"] == "length"
-    third, c = _run(server, _body(max_tokens=3000))
+    third, c = _run(server, _body(max_tokens=500))
     assert wait_for(lambda: _running(server))
     assert len(server.admin("POST", "/abort_requests?abort_all=true").json()["aborted"]) == 1
     third.join(timeout=30)
@@ -132,7 +132,7 @@ def test_abort_names_exactly_the_call_given(server):
     named ``foo-1`` (or ``foo-0``) is its own call, untouched by an abort of ``foo``."""
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
             "ignore_eos": True, "max_tokens": 400}  # fmt: skip
-    first, foo = _run(server, _body(max_tokens=3000, request_id="foo"))
+    first, foo = _run(server, _body(max_tokens=500, request_id="foo"))
     assert wait_for(lambda: _running(server))
     second, foo0 = _run(server, chat | {"request_id": "foo-0"}, "/v1/chat/completions")
     third, foo1 = _run(server, chat | {"request_id": "foo-1"}, "/v1/chat/completions")

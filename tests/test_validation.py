@@ -58,9 +58,26 @@ def test_bad_prompts_raise_and_nothing_runs(llm, prompt, message):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_max_tokens_capped_by_context(llm):
+def test_an_error_names_the_prompt_by_its_place_in_the_list(llm):
+    prompts = ["A good prompt", [5, 6], [5, 99999], "another"]
+    with pytest.raises(ValueError, match=r"^prompt 2: prompt has token ids outside"):
+        llm.generate(prompts, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match=r"^prompt 0: prompt is empty"):
+        llm.generate([""], SamplingParams(max_tokens=4))
+
+
+def test_max_tokens_past_the_context_is_refused_none_fills_it(llm):
+    """As vLLM: max_tokens over what the prompt leaves of max_model_len is an error naming the
+    field and the limit (nothing runs); None generates up to the limit."""
     prompt = [7] * 60
-    out = llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    with pytest.raises(ValueError, match=r"prompt 0: max_tokens is too large: 50.*64.*<= 4"):
+        llm.generate([prompt], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    with pytest.raises(ValueError, match="max_tokens is too large: 1000000000"):
+        llm.generate(["hi"], SamplingParams(max_tokens=10**9))
+    assert not llm.engine.has_unfinished()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert len(llm.generate([prompt], params)[0].outputs[0].token_ids) == 4
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4 and out[0].outputs[0].finish_reason == "length"
 
 

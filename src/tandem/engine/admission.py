@@ -38,6 +38,19 @@ class Limits:
             )
 
 
+class RequestError(ValueError):
+    """A request the engine refuses; ``field`` names what the caller changes: ``"prompt"`` or
+    ``"max_tokens"`` (the server maps it to its request's field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+    def at(self, where: str) -> RequestError:
+        """The same error about one prompt of many: ``where`` (``"prompt 2"``) leads."""
+        return RequestError(self.field, f"{where}: {self}")
+
+
 class Admission:
     """Checks requests against the model, the limits and the KV cache; prompts -> ids."""
 
@@ -78,39 +91,51 @@ class Admission:
         max_len = self.limits.max_model_len
         for i, ids in enumerate(inputs):
             if not ids:
-                raise ValueError(f"input {i} is empty")
+                raise RequestError("input", f"input {i} is empty")
             if len(ids) > max_len:
-                raise ValueError(f"input {i} has {len(ids)} tokens; max_model_len is {max_len}")
+                raise RequestError(
+                    "input", f"input {i} has {len(ids)} tokens; max_model_len is {max_len}"
+                )
             bad = self._bad_ids(ids)
             if bad:
-                raise ValueError(f"input {i}: {bad}")
+                raise RequestError("input", f"input {i}: {bad}")
         return pooling
 
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:
-        """Check one request and turn it into its ``n`` samples (not queued yet)."""
+        """Check one request and turn it into its ``n`` samples (not queued yet).
+        `RequestError` names the field to change, as vLLM's server does: a prompt that is
+        empty, holds ids outside the vocabulary or leaves no room, a ``max_tokens`` past
+        what the context leaves (None: all of it)."""
         if self.task != "generate":
             raise ValueError(f"this engine's task is {self.task!r}, not 'generate'")
         if not prompt_ids:
-            raise ValueError(f"request {request_id}: prompt is empty")
+            raise RequestError("prompt", "prompt is empty")
         bad = self._bad_ids(prompt_ids)
         if bad:
-            raise ValueError(f"request {request_id}: {bad}")
+            raise RequestError("prompt", f"prompt has {bad}")
         max_len = self.limits.max_model_len
         room = max_len - len(prompt_ids)
         if room < 1 and not (params.max_tokens == 0 and room == 0):
-            raise ValueError(
-                f"request {request_id}: prompt has {len(prompt_ids)} tokens; max_model_len is "
-                f"{max_len} and at least one token must be generated"
-            )
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+            raise RequestError(
+                "prompt", f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} and "
+                "at least one token must be generated"
+            )  # fmt: skip
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise RequestError(
+                "max_tokens", f"max_tokens is too large: {params.max_tokens}; the context is "
+                f"{max_len} tokens (max_model_len) and the prompt has {len(prompt_ids)}, so "
+                f"max_tokens <= {room}"
+            )  # fmt: skip
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         need = blocks_for(len(prompt_ids) + max(max_tokens, 1), self.blocks.block_size)
         if need > self.blocks.num_blocks:
-            raise ValueError(
-                f"request {request_id}: needs {need} KV blocks but the cache has "
-                f"{self.blocks.num_blocks}; raise kv_cache_memory or lower max_tokens"
-            )
+            raise RequestError(
+                "prompt" if params.max_tokens is None else "max_tokens",
+                f"needs {need} KV blocks but the cache has {self.blocks.num_blocks}; raise "
+                "kv_cache_memory or lower max_tokens",
+            )  # fmt: skip
         now = time.monotonic()
         return [
             Sequence(

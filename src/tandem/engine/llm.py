@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.admission import RequestError
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
 from tandem.engine.fleet import Fleet
@@ -145,14 +146,18 @@ class LLM:
             for lora in loras:  # every adapter pinned first: none evicts another of the call
                 if lora is not None and lora.lora_name not in pinned:
                     pinned[lora.lora_name] = self.engine.pin_lora(lora)
-            for prompt, params, prio, lora in zip(prompts, sampling_params, priority, loras,
-                                                  strict=True):  # fmt: skip
+            for i, (prompt, params, prio, lora) in enumerate(
+                zip(prompts, sampling_params, priority, loras, strict=True)
+            ):
                 request_id = str(next(self._request_ids))
                 ids = self.engine.admission.prompt_ids(prompt)
                 text = prompt if isinstance(prompt, str) else None
                 adapter = None if lora is None else pinned[lora.lora_name]
                 requests.append(_Request(request_id, text, ids, params, prio, lora, adapter))
-                self._place(requests[-1])
+                try:
+                    self._place(requests[-1])
+                except RequestError as exc:  # named by its place in the caller's list
+                    raise exc.at(f"prompt {i}") from None
             pending = requests
             while pending:
                 for r in sorted({req.routed.replica for req in pending}):
