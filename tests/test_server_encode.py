@@ -42,7 +42,8 @@ def test_embeddings_through_the_openai_client(model_factory):
         assert by_ids["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6)
         for bad, param in (({"input": []}, "input"), ({"input": "x", "dimensions": 8},
                            "dimensions"), ({"input": "x", "encoding_format": "hex"},
-                           "encoding_format"), ({"input": [[]]}, "input.0")):  # fmt: skip
+                           "encoding_format"), ({"input": [[]]}, "input.0"),
+                           ({"input": [[5, 10**6]]}, "input")):  # fmt: skip
             r = server.post("/v1/embeddings", json={"model": "enc", **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = server.post("/v1/completions", json={"model": "enc", "prompt": "x"})

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from fastapi import APIRouter, Depends, Request
 
+from tandem.engine.admission import RequestError
 from tandem.engine.encode import unit_norm
 from tandem.server.async_engine import EngineUnavailable
 from tandem.server.errors import APIError
@@ -76,6 +77,8 @@ async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], in
     inputs, types = s.engine.tokenize_inputs(items)
     try:
         rows = await s.engine.encode(inputs, types, pooling)
+    except RequestError as exc:  # an input empty, too long, or with ids outside the vocabulary
+        raise APIError(400, str(exc), param=exc.field, code="invalid_value") from None
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
     except EngineUnavailable as exc:

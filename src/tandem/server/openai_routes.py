@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tandem.engine.admission import RequestError
 from tandem.engine.outputs import CompletionOutput
 from tandem.engine.sequence import Sequence
 from tandem.errors import LoRAError
@@ -74,8 +75,19 @@ async def _pin(s: ServerState, adapter: str | None) -> Pin | None:
 
 
 def _prepare(s: ServerState, request_id: str, ids: list[int], params, priority: int,
-             pin: Pin | None) -> list[Sequence]:  # fmt: skip
-    seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, priority))
+             pin: Pin | None, fields: dict[str, str],
+             where: str | None = None) -> list[Sequence]:  # fmt: skip
+    """One prompt's samples; a refusal is a 400 whose ``param`` is the request's field
+    (``fields`` maps the engine's names, "prompt" and "max_tokens", to the route's), led by
+    ``where`` (which prompt of several)."""
+    try:
+        seqs = s.engine.prepare(request_id, ids, params, priority)
+    except RequestError as exc:
+        message = str(exc) if where is None else f"{where}: {exc}"
+        raise APIError(400, message, param=fields.get(exc.field, exc.field),
+                       code="invalid_value") from None  # fmt: skip
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
     if pin is not None:
         pin.apply(seqs)
     return seqs
@@ -92,10 +104,13 @@ async def completions(request: Request):
     pin = await _pin(s, adapter)
     try:
         prepared, prompt_ids = [], []
+        fields = {"prompt": "prompt", "max_tokens": "max_tokens"}
         for i, p in enumerate(prompts):
             ids = s.engine.prompt_ids(p)
             request_id = prompt_request_id(rid, i)
-            prepared.append((request_id, _prepare(s, request_id, ids, params, req.priority, pin)))
+            where = f"prompt {i}" if len(prompts) > 1 else None
+            seqs = _prepare(s, request_id, ids, params, req.priority, pin, fields, where)
+            prepared.append((request_id, seqs))
             prompt_ids.append(ids)
         texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
         call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage,
@@ -140,7 +155,9 @@ async def chat_completions(request: Request):
     request_id = prompt_request_id(rid, 0)
     pin = await _pin(s, adapter)
     try:
-        seqs = _prepare(s, request_id, ids, params, req.priority, pin)
+        limit = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        fields = {"prompt": "messages", "max_tokens": limit}
+        seqs = _prepare(s, request_id, ids, params, req.priority, pin, fields)
         call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
                      req.include_usage, req.model, pin)  # fmt: skip
     except BaseException:
