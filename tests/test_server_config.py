@@ -148,6 +148,32 @@ def test_vllm_flags_tandem_lacks_are_refused_by_name(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_kv_cache_memory_takes_bytes_or_a_fraction(capsys):
+    """As the help and docs say: an integer is bytes, a fraction (0, 1] of free memory."""
+    for given, taken in (("0.05", 0.05), ("1048576", 1 << 20), ("1e9", 10**9), ("1", 1)):
+        kv = _serve_config(["m", "--kv-cache-memory", given]).engine_config().flat()
+        assert (kv["kv_cache_memory"], type(kv["kv_cache_memory"])) == (taken, type(taken))
+    with pytest.raises(ConfigError, match="kv_cache_memory.*fraction"):
+        _serve_config(["m", "--kv-cache-memory-bytes", "1.5"])
+    with pytest.raises(SystemExit):
+        _serve_config(["m", "--kv-cache-memory", "lots"])
+    assert "give bytes (an integer) or a fraction" in capsys.readouterr().err
+
+
+def test_serve_help_shows_no_internal_placeholders():
+    done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "--gpu-memory-utilization VALUE" in done.stdout
+    assert "SUPPRESS" not in done.stdout and "--load-format {auto,safetensors}" in done.stdout
+
+
+def test_a_check_across_settings_has_no_empty_label():
+    with pytest.raises(ConfigError) as err:
+        _serve_config(["m", "--enable-lora", "--data-parallel-size", "2"])
+    assert str(err.value) == ("command line: enable_lora with data_parallel_size > 1 is not "
+                              "supported yet")  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "argv,message",
     [

@@ -107,12 +107,15 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
 def _describe(errors: list[dict], prefix: str = "") -> str:
     out = []
     for error in errors:
-        loc = prefix + ".".join(str(p) for p in flat_location(error["loc"]))
+        field = ".".join(str(p) for p in flat_location(error["loc"]))
+        loc = prefix + field
+        msg = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             out.append(f"unknown key `{loc}`")
         elif error["type"] == "missing":
             out.append(f"`{loc}` is required")
+        elif not field:  # a check across settings: its message names them
+            out.append(msg)
         else:
-            msg = error["msg"].removeprefix("Value error, ")
             out.append(f"`{loc}`: {msg} (got {error.get('input')!r})")
     return "; ".join(out)

@@ -64,7 +64,9 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--max-num-seqs", type=int)
     s.add_argument("--max-model-len", type=int)
     s.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", dest="kv_cache_memory",
-                   type=int, help="KV cache bytes per rank")  # fmt: skip
+                   type=_bytes_or_fraction, metavar="BYTES|FRACTION",
+                   help="KV cache per rank: bytes (an integer), or a fraction in (0, 1] of the "
+                   "free device memory (default 1 GiB)")  # fmt: skip
     s.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     s.add_argument("--batching", choices=["continuous", "static"])
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default 2048)")
@@ -96,6 +98,20 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--model-module", action="append", default=[],
                    help="module that registers a custom architecture (repeatable)")  # fmt: skip
     vllm_flags.add_vllm_flags(s)
+
+
+def _bytes_or_fraction(text: str) -> int | float:
+    """``--kv-cache-memory``: ``1073741824`` (bytes), ``0.05`` (a fraction), ``1e9`` (bytes)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (an integer) or a fraction "
+                                         "in (0, 1]") from None  # fmt: skip
+    return int(value) if value > 1 and value.is_integer() else value
 
 
 def serve_config(args) -> ServeConfig:

@@ -73,12 +73,13 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     """Register the ignored and value-checked vLLM flags on ``parser`` (`tandem serve`)."""
     group = parser.add_argument_group("vLLM flags tandem ignores (a warning names each)")
     for flag in IGNORED:
-        group.add_argument(*flag.spellings, action=_Warn, why=flag.why,
-                           nargs=None if flag.takes_value else 0, dest=argparse.SUPPRESS,
-                           default=argparse.SUPPRESS, help=flag.why)  # fmt: skip
+        value = {"nargs": None, "metavar": "VALUE"} if flag.takes_value else {"nargs": 0}
+        group.add_argument(*flag.spellings, action=_Warn, why=flag.why, **value,
+                           dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                           help=flag.why)  # fmt: skip
     for option, allowed in ONLY_VALUES.items():
         group.add_argument(option, action=_OnlyValues, dest=argparse.SUPPRESS,
-                           default=argparse.SUPPRESS,
+                           default=argparse.SUPPRESS, metavar="{" + ",".join(allowed) + "}",
                            help=f"accepted with {' or '.join(allowed)} only")  # fmt: skip
 
 
