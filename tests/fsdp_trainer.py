@@ -2,9 +2,10 @@
 
     python tests/fsdp_trainer.py RANK PORT MODEL_DIR EXCHANGE_ADDRESS VERSION TRANSPORT MODE [die]
 
-With ``die``, rank 1 is killed mid-push: with shm after it staged (or wrote in place) its boxes
-and before it told the engine; with dist after sending engine rank 0 its boxes and before
-engine rank 1's.
+Exits 0 when pushed, 3 when the push failed, 4 when it was refused as stale
+(`StaleVersionError`). With ``die``, rank 1 is killed mid-push: with shm after it staged (or
+wrote in place) its boxes and before it told the engine; with dist after sending engine rank 0
+its boxes and before engine rank 1's.
 """
 
 import os
@@ -16,7 +17,7 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tandem.exchange import WeightSender, WeightSyncError
+from tandem.exchange import StaleVersionError, WeightSender, WeightSyncError
 
 
 class _DiesMidPush(WeightSender):
@@ -47,6 +48,9 @@ def main() -> int:
     except WeightSyncError as exc:
         print(f"rank {rank}: push failed: {exc}", flush=True)
         return 3
+    except StaleVersionError as exc:
+        print(f"rank {rank}: push refused: {exc}", flush=True)
+        return 4
     print(f"rank {rank}: pushed version {stats.version}, {stats.bytes_sent} bytes", flush=True)
     assert stats.bytes_moved == stats.bytes_needed
     dist.destroy_process_group()

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from serving import ADMIN_KEY, Server, wait_for
-from tandem import LLM, SamplingParams
+from tandem import LLM, SamplingParams, StaleVersionError
 from tandem.exchange import WeightSender
 from tandem.server.process import ServerProcess
 
@@ -115,6 +115,32 @@ def test_one_push_through_the_router_updates_every_replica(router, replicas, mod
     assert [s.get("/health").json()["weight_version"] for s in replicas] == [version] * 2
     for server in replicas:  # each replica now decodes what transformers does on those weights
         _decodes(server, trainer)
+
+
+def test_fleet_state_is_current_once_a_push_returned(replicas, model_factory):
+    """The router's board reads the versions a push left as soon as the push returns, not at
+    the next health poll (30 s away here); a push at a version not above the fleet's is
+    refused, and a rollback reaches every replica."""
+    router = Router(*replicas, extra=("--admin-key", ADMIN_KEY, "--health-interval", "30"))
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(
+        model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+    before = max(s.get("/health").json()["weight_version"] for s in replicas)
+    sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport="shm")
+    try:
+        assert wait_for(lambda: router.client.get("/health").json()["status"] == "ok", 30)
+        for version in (before + 10, before + 11):
+            assert sender.push(version=version).version == version
+            state = router.client.get("/fleet_state").json()
+            assert [(s["state"], s["version"]) for s in state] == [("serving", version)] * 2
+        with pytest.raises(StaleVersionError) as caught:
+            sender.push(version=before + 11)
+        assert (caught.value.requested, caught.value.served) == (before + 11, before + 11)
+        assert sender.push(version=before, rollback=True).version == before  # as it was
+        state = router.client.get("/fleet_state").json()
+        assert [(s["state"], s["version"]) for s in state] == [("serving", before)] * 2
+    finally:
+        sender.close()
+        router.stop()
 
 
 def _decodes(server: Server, trainer) -> None:

@@ -1,13 +1,23 @@
 """tandem: serve the policy across processes, take the trainer's weights in place."""
 
+from tandem._version import package_version
 from tandem.engine.llm import LLM
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
-from tandem.errors import LoRAError, LoRASlotsFull, ModelLoadError, UnsupportedModelError
+from tandem.errors import (
+    LoRAError,
+    LoRASlotsFull,
+    ModelLoadError,
+    StaleVersionError,
+    UnsupportedModelError,
+)
 from tandem.integrations import vllm as _vllm  # noqa: F401  (vLLM engines as push targets)
 from tandem.lora.request import LoRARequest
 
+__version__ = package_version()
+
 __all__ = [
+    "__version__",
     "LLM",
     "SamplingParams",
     "LoRARequest",
@@ -17,4 +27,5 @@ __all__ = [
     "CompletionOutput",
     "ModelLoadError",
     "UnsupportedModelError",
+    "StaleVersionError",
 ]

@@ -25,3 +25,21 @@ class LoRAError(ValueError):
 class LoRASlotsFull(LoRAError):
     """Every LoRA slot holds an adapter that requests run with (or that cannot come back if
     evicted): no adapter can be loaded now."""
+
+
+class StaleVersionError(ValueError):
+    """A push names a version not greater than the one its target serves (a fleet: the newest
+    any replica holds; a LoRA adapter: that adapter's latest), without ``rollback=True``.
+    Refused before any byte moves: the target keeps serving its weights untouched. Names both
+    versions (``requested``, ``served``) and, for an adapter, its name (``adapter``)."""
+
+    def __init__(self, requested: int, served: int, adapter: str | None = None):
+        what = "the target serves" if adapter is None else f"adapter {adapter!r} serves"
+        super().__init__(
+            f"version {requested} is not greater than version {served} {what}: versions only "
+            f"go forward; push a version above {served}, or push(version={requested}, "
+            f"rollback=True) to roll back on purpose"
+        )
+        self.requested = requested
+        self.served = served
+        self.adapter = adapter

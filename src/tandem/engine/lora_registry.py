@@ -112,9 +112,9 @@ class LoRARegistry:
 
     # ----- pushes -----
     def plan_push(self, push: AdapterPush, layouts: list[RankLayout]
-                  ) -> tuple[list[RankLayout], AdapterSlot, int]:  # fmt: skip
+                  ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
         """The slot a push of ``push`` fills, the receiving layouts of that slot, and the
-        version it gets if the trainer names none (the adapter's latest + 1)."""
+        adapter's latest version (None: none is loaded)."""
         if push.rank > self.max_rank:
             raise LoRAError(f"adapter {push.name!r}: rank {push.rank} is above max_lora_rank "
                             f"{self.max_rank}")  # fmt: skip
@@ -122,9 +122,9 @@ class LoRARegistry:
             raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora)")
         slot = self.slot_for(push.name, push.keep_versions)
         versions = self.versions(push.name)
-        next_version = versions[-1].version + 1 if versions else 1
+        latest = versions[-1].version if versions else None
         return (slot_layouts(layouts, slot, push, self.max_rank, self.max_loras),
-                AdapterSlot(push.name, slot, push.scale, push.rank), next_version)  # fmt: skip
+                AdapterSlot(push.name, slot, push.scale, push.rank), latest)  # fmt: skip
 
     def slot_for(self, name: str, keep_versions: int = 1) -> int:
         """The slot the next version of adapter ``name`` would take (`LoRASlotsFull` if

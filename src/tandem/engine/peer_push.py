@@ -48,7 +48,8 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
                    admin_key: str | None = None) -> PushStats:  # fmt: skip
     """Push ``peer``'s weights (an `LLMEngine` serving) into ``target`` (serving no request;
     what `WeightSender` takes: an exchange address, a `tandem serve` URL with ``admin_key``),
-    at the peer's version, ``in_place`` over ``transport`` (``shm``: the
+    at the peer's version (whatever the target served before: a rollback, in
+    `WeightSender.push`'s terms), ``in_place`` over ``transport`` (``shm``: the
     same host; ``dist``: any); the first peer rank's stats. Raises `WeightSyncError` naming
     what failed."""
     layouts = peer.weight_layouts()
@@ -63,7 +64,9 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
 
     def one(i: int) -> None:
         try:
-            results[i] = senders[i].push(version)
+            # a copy of the peer's version, never news: it may equal the replica's (one just
+            # added, or torn by a push at its version) or, after a rollback, lie below it
+            results[i] = senders[i].push(version, rollback=True)
         except BaseException as exc:
             results[i] = exc
 

@@ -63,9 +63,10 @@ class PushWindow:
             return "policy='rolling' is for fleets; one engine commits an adapter at once"
         return None
 
-    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
+    def adapter_plan(self, push: AdapterPush
+                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
         """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
-        where it lands, and its version if the trainer names none."""
+        where it lands, and the adapter's latest version (None: none is loaded)."""
         with self._control():
             return self.lora.plan_push(push, self.weight_layouts())
 

@@ -1,5 +1,6 @@
 """Weight exchange: trainer layouts -> plan -> transports -> the engine's live parameters."""
 
+from tandem.errors import StaleVersionError
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.layout import LayoutMismatch, RankLayout, Region
 from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
@@ -17,6 +18,7 @@ __all__ = [
     "PushStats",
     "RankLayout",
     "Region",
+    "StaleVersionError",
     "Transfer",
     "UpdateWindow",
     "WeightSender",

@@ -91,10 +91,12 @@ class BroadcastClient:
         return store, gloo_group(store, 0, world, self.timeout_s)
 
     def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             version: int | None = None) -> dict:  # fmt: skip
+             version: int | None = None, *, rollback: bool = False) -> dict:  # fmt: skip
         """One transfer: start, a call per bucket, finish (publishing ``version``, else the
-        served one + 1). The server's answer to finish."""
-        self.start()
+        served one + 1). The server's answer to finish. A ``version`` not greater than the
+        served one is refused at start (`TransferFailed`, HTTP 409), before any byte moves,
+        unless ``rollback``."""
+        self.start(version, rollback=rollback)
         try:
             bucket = Bucket(self.bucket_bytes)
             for name, tensor in named_tensors:
@@ -105,17 +107,16 @@ class BroadcastClient:
         except BaseException:
             self.close()  # the server cannot tell a dead trainer from a slow one: leave
             raise
-        return self.finish(version)
+        return self.finish(version, rollback=rollback)
 
-    def start(self) -> None:
-        """Open a transfer (joins the group first if need be)."""
+    def start(self, version: int | None = None, *, rollback: bool = False) -> None:
+        """Open a transfer (joins the group first if need be), to publish ``version``."""
         self.connect()
-        self._post("/start_weight_update", {})
+        self._post("/start_weight_update", _version_body(version, rollback))
 
-    def finish(self, version: int | None = None) -> dict:
+    def finish(self, version: int | None = None, *, rollback: bool = False) -> dict:
         """Commit the transfer; the server's answer (the version it published, ...)."""
-        body = {} if version is None else {"weight_version": str(version)}
-        return self._post("/finish_weight_update", body)
+        return self._post("/finish_weight_update", _version_body(version, rollback))
 
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """One ``/update_weights`` call and its broadcast: ``bucket``'s tensors, in order."""
@@ -169,6 +170,11 @@ class BroadcastClient:
             raise TransferFailed(f"{request.full_url}: {exc.code} {exc.read().decode()}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise TransferFailed(f"{request.full_url}: {exc}") from None
+
+
+def _version_body(version: int | None, rollback: bool) -> dict:
+    body = {} if version is None else {"weight_version": str(version)}
+    return body | ({"rollback": True} if rollback else {})
 
 
 class Bucket:

@@ -33,6 +33,7 @@ class PushHello:
     layout: RankLayout
     ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
     settings: PushSettings
+    rollback: bool = False  # a version not above the served one is meant (else refused)
 
 
 @PUSH.register("plan")
@@ -82,3 +83,6 @@ class PushDone:
     bytes_needed: int = 0  # one copy of what the target holds (each distinct replica layout)
     bytes_moved: int = 0  # by all trainer ranks, as their transports counted
     replicas: list[ReplicaPush] = field(default_factory=list)
+    # refused before any byte moved: ``version`` is not above this served one
+    # (`tandem.errors.StaleVersionError`)
+    stale_served: int | None = None

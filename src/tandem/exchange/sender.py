@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.errors import LoRAError
+from tandem.errors import LoRAError, StaleVersionError
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
@@ -162,8 +162,16 @@ class WeightSender:
         return self.settings.transport
 
     def push(self, version: int | None = None, policy: str = "all", max_unavailable: int = 1,
-             wave: str = "wait") -> PushStats:  # fmt: skip
+             wave: str = "wait", *, rollback: bool = False) -> PushStats:  # fmt: skip
         """Send this rank's boxes and wait until the engine committed (or rejected) them.
+
+        ``version``: what the target serves once it commits; None: the version it serves + 1
+        (a LoRA adapter: its latest + 1, else 1). Versions only go forward: a version not
+        greater than the one served (a fleet: the newest any replica holds; an adapter: its
+        latest) is refused before any byte moves, on every trainer rank, with
+        `tandem.errors.StaleVersionError` naming both, and the target keeps serving its
+        weights. ``rollback=True`` (every rank alike) takes such a version on purpose: the
+        weights pushed serve under it from then on (a fleet: on every replica it reaches).
 
         A fleet (``data_parallel_size`` > 1, or `tandem router`): ``policy="all"`` commits
         every replica together; ``"rolling"`` returns once every replica verified and holds
@@ -178,8 +186,10 @@ class WeightSender:
             )
         )
         layout, tensors = self._local()
+        if not isinstance(rollback, bool):
+            raise ValueError(f"rollback must be a bool, got {rollback!r}")
         hello = PushHello(self.rank, self.world_size, version, layout, self.ignore,
-                          settings)  # fmt: skip
+                          settings, rollback)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         with socket.create_connection(endpoint, timeout=self.timeout_s) as sock:
@@ -201,6 +211,9 @@ class WeightSender:
                 raise WeightSyncError(f"lost the engine during the push ({exc})") from None
         if not isinstance(reply, PushDone):
             raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
+        if reply.stale_served is not None:
+            name = self.adapter.name if self.adapter is not None else None
+            raise StaleVersionError(reply.version, reply.stale_served, name)
         if reply.error is not None:
             raise WeightSyncError(reply.error)
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()

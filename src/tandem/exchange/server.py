@@ -23,6 +23,7 @@ import time
 import weakref
 from collections import defaultdict
 
+from tandem.errors import StaleVersionError
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record
 from tandem.exchange.layout import LayoutMismatch
@@ -169,6 +170,8 @@ class ExchangeServer:
                 moved,
                 replica_figures(per_replica, update.ingress(), update.failures()),
             )
+        except StaleVersionError as exc:  # refused before any plan went out: nothing moved
+            done = PushDone(exc.requested, str(exc), stale_served=exc.served)
         except (PeerGone, OSError) as exc:
             self._retire_group()
             done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
@@ -284,7 +287,7 @@ class ExchangeServer:
         world = {h.world for h in hellos}
         if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
             raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
-        for field in ("version", "settings"):
+        for field in ("version", "settings", "rollback"):
             values = {repr(getattr(h, field)) for h in hellos}
             if len(values) != 1:
                 raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
@@ -297,11 +300,14 @@ class ExchangeServer:
         if settings.adapter is not None:  # a LoRA adapter into its slot (`AdapterTarget`)
             if not isinstance(self.target, AdapterTarget):
                 raise ValueError(f"a {type(self.target).__name__} takes no LoRA adapter pushes")
-            receivers, adapter, next_version = self.target.adapter_plan(settings.adapter)
+            receivers, adapter, served = self.target.adapter_plan(settings.adapter)
         else:
-            receivers, next_version = self.target.weight_layouts(), self.target.weight_version + 1
+            receivers, served = self.target.weight_layouts(), self.target.weight_version
         if version is None:
-            version = next_version
+            version = 1 if served is None else served + 1
+        elif served is not None and version <= served and not hellos[0].rollback:
+            name = None if adapter is None else adapter.name
+            raise StaleVersionError(version, served, name)
         senders = [h.layout for h in hellos]
         for h, layout in zip(hellos, senders, strict=True):
             layout.rank = h.rank

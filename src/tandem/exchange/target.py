@@ -54,7 +54,9 @@ class WeightTarget(Protocol):
 
     @property
     def weight_version(self) -> int:
-        """The version the target serves (committed); a push without one gets this + 1."""
+        """The version the target serves (committed; a fleet: the newest any replica holds).
+        A push without one gets this + 1; one naming a version not above it is refused
+        (`tandem.errors.StaleVersionError`) unless it is a rollback."""
 
     @property
     def weight_dtype(self) -> str:
@@ -95,7 +97,9 @@ class AdapterTarget(Protocol):
     """What a target that takes LoRA adapter pushes (`PushSettings.adapter`) has beside the
     `WeightTarget` members: an engine with ``enable_lora``. Any other target refuses them."""
 
-    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int]:
+    def adapter_plan(self, push: AdapterPush
+                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
         """The receiving layouts of the slot the adapter's push lands in, that slot, and the
-        version it gets if the trainer names none (only asked where `refuses` let it
-        through)."""
+        adapter's latest version (None: none is loaded; a push naming no version gets the
+        latest + 1, else 1; one naming a version not above the latest is refused unless it is
+        a rollback). Only asked where `refuses` let the push through."""

@@ -126,8 +126,10 @@ class TandemRollout:
         return out
 
     def sync(self, model, version: int, trainer=None) -> PushStats:
-        """Push ``model``'s weights (unwrapped from accelerate) as ``version``; a PEFT
-        model's: only its active adapter, into adapter ``lora_name``."""
+        """Push ``model``'s weights (unwrapped from accelerate) as ``version`` (the
+        trainer's global step: versions only go forward, but step 0 is taken whatever the
+        engine serves); a PEFT model's: only its active adapter, into adapter
+        ``lora_name``."""
         model = _unwrapped(model, trainer)
         lora = self._lora(model)
         if self._sender is None or self._sender.model is not model:
@@ -139,7 +141,9 @@ class TandemRollout:
             if lora is not None:
                 options["lora_name"] = lora.lora_name
             self._sender = WeightSender(model, self.llm, **options)
-        self.last_push = self._sender.push(version=version)
+        # step 0 is where a run starts: its weights replace whatever the engine serves (the
+        # checkpoint's version 0, or an earlier run's), a rollback in the engine's terms
+        self.last_push = self._sender.push(version=version, rollback=version == 0)
         self.version = version
         self.pushes += 1
         return self.last_push

@@ -34,12 +34,20 @@ class RouterFleet:
         self.board = ReplicaBoard(len(pool.replicas), self._versions)
         self.replicas = [RemoteReplica(r.url, admin_key or "") for r in pool.replicas]
         self.target = FleetTarget(self.replicas, exchange_host, self.board, self._drain)
+        self.target.update_listeners.append(self._pushed)
         self._healing: set[int] = set()
         self._lock = threading.Lock()  # the replica lists, grown by `add`
         pool.routable = lambda i: self.board.state(i) is ReplicaState.SERVING
 
     def _versions(self) -> list[int]:
         return [r.health.get("weight_version") or 0 for r in self.pool.replicas]
+
+    def _pushed(self, version: int, seconds: float, error: str | None) -> None:
+        """After every push through the router, before its trainers are answered (a rolling
+        push: once its last wave committed): every replica's health again, so `state` and
+        the board read the versions the push left, not the last poll's."""
+        for i in range(len(self.pool.replicas)):
+            self.pool.check_one_blocking(i)
 
     def _drain(self, replica: int, timeout_s: float) -> None:
         """A rolling wave's ``wait``: the requests the router sent the replica finish."""

@@ -27,6 +27,7 @@ class Replica:
     reason: str | None = "not checked yet"
     health: dict = field(default_factory=dict)  # its last /health body
     checked_at: float = 0.0
+    asked_at: float = 0.0  # when the check recorded last was sent (time.monotonic)
 
 
 class ReplicaPool:
@@ -51,14 +52,14 @@ class ReplicaPool:
 
     def check_one_blocking(self, i: int) -> None:
         """`_check` one replica from a thread that is not the event loop's."""
-        replica = self.replicas[i]
+        replica, asked = self.replicas[i], time.monotonic()
         try:
             r = httpx.get(f"{replica.url}/health", timeout=self.timeout_s)
         except httpx.HTTPError as exc:
-            _record(replica, None, {}, f"no answer from {replica.url}/health "
-                                       f"({type(exc).__name__})")  # fmt: skip
+            _record(replica, asked, None, {}, f"no answer from {replica.url}/health "
+                                              f"({type(exc).__name__})")  # fmt: skip
             return
-        _record(replica, r.status_code, _json(r), None)
+        _record(replica, asked, r.status_code, _json(r), None)
 
     async def watch(self) -> None:
         """Check every replica's health, forever (cancel to stop)."""
@@ -72,13 +73,14 @@ class ReplicaPool:
         await asyncio.gather(*(self._check(r) for r in self.replicas))
 
     async def _check(self, replica: Replica) -> None:
+        asked = time.monotonic()
         try:
             r = await self.client.get(f"{replica.url}/health", timeout=self.timeout_s)
         except httpx.HTTPError as exc:
-            _record(replica, None, {}, f"no answer from {replica.url}/health "
-                                       f"({type(exc).__name__})")  # fmt: skip
+            _record(replica, asked, None, {}, f"no answer from {replica.url}/health "
+                                              f"({type(exc).__name__})")  # fmt: skip
             return
-        _record(replica, r.status_code, _json(r), None)
+        _record(replica, asked, r.status_code, _json(r), None)
 
     def route(self, units: list[int], samples: int, max_tokens: int) -> Routed | None:
         """The healthy replica for a request (None: none is healthy)."""
@@ -120,8 +122,14 @@ def _json(r: httpx.Response) -> dict:
     return body if isinstance(body, dict) else {}
 
 
-def _record(replica: Replica, status: int | None, body: dict, unreachable: str | None) -> None:
-    """One health check's outcome: healthy when it answered 200 with ``status: ok``."""
+def _record(replica: Replica, asked: float, status: int | None, body: dict,
+            unreachable: str | None) -> None:  # fmt: skip
+    """One health check's outcome (sent at ``asked``): healthy when it answered 200 with
+    ``status: ok``. A check sent before the one recorded last is dropped: its answer may
+    predate a push that the later one saw."""
+    if asked < replica.asked_at:
+        return
+    replica.asked_at = asked
     replica.health = body
     replica.healthy = unreachable is None and status == 200 and body.get("status") == "ok"
     replica.reason = None if replica.healthy else (

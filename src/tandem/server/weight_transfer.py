@@ -4,7 +4,8 @@
 
 - init: the trainer's group forms (every receiving rank joins it, in a window of its own:
   `tandem.exchange.transports.broadcast`); it lasts until the next init or a broken broadcast;
-- start: a push window opens on the target (`WindowHost`): no step runs until it closes;
+- start: a push window opens on the target (`WindowHost`): no step runs until it closes
+  (tandem's senders name the version there, so a stale one is refused before any byte moves);
 - update (any number of calls): the call's tensors are planned onto the ranks' pieces (a
   record per piece of a named tensor), then every rank takes part in each broadcast and lands
   its records, staged beside the live weights (``mode="staged"``, the default) or in them
@@ -12,6 +13,11 @@
   received and dropped (the trainer is not left hanging) and fails the transfer;
 - finish: every record of the transfer is checked and committed, and the version published
   (the one given, else the served one + 1); only then.
+
+Versions only go forward, as with every push: a version not greater than the served one (a
+fleet: the newest any replica holds) is refused (409, naming both) unless the call says
+``rollback``; refused at start, nothing moves; refused at finish (vLLM's clients name it only
+there), the transfer is dropped: staged, the served weights stay untouched.
 
 A failed or abandoned transfer (an error, ``start`` never finished within the idle timeout)
 closes the window as failed: staged, the old version keeps serving; in place, the engine
@@ -43,10 +49,12 @@ from tandem.server.remote_window import WindowHost
 class TransferError(Exception):
     """A call the protocol's state refuses (``status`` 409) or whose input is wrong (400)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None):  # fmt: skip
         super().__init__(message)
         self.status = status
         self.param = param
+        self.code = code
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +121,7 @@ class WeightTransfer:
         self._records: dict[int, dict[tuple, Record]] = {}
         self._tensors: set[str] = set()
         self._started = 0.0
+        self._rollback = False  # the open transfer's start said rollback
         self._lock = threading.Lock()
 
     def world_size(self) -> int:
@@ -144,14 +153,20 @@ class WeightTransfer:
             self._abandon()
             self.init_info = None
 
-    def start(self) -> int:
-        """Open the transfer's window; the version it will publish unless finish names one."""
+    def start(self, version: int | None = None, rollback: bool = False) -> int:
+        """Open the transfer's window; the version it will publish unless finish names one
+        (``version``, checked now: see `forward`; else the served one + 1)."""
         with self._lock:
             if self.init_info is None:
                 raise TransferError(409, "call /init_weight_transfer_engine first")
             if self._busy():
                 raise TransferError(409, "a weight update is already open")
-            spec = self._spec_for(self.init_info, self.target.weight_version + 1, [])
+            served = self.target.weight_version
+            if version is None:
+                version = served + 1
+            self.forward(version, rollback, served)
+            self._rollback = rollback
+            spec = self._spec_for(self.init_info, version, [])
             self._token = self.windows.open(spec)
             self._spec, self._records, self._tensors = spec, {}, set()
             self._started = time.perf_counter()
@@ -192,12 +207,19 @@ class WeightTransfer:
             self._tensors.update(t.name for t in tensors)
             return {"tensors": len(tensors), "bytes_received": received}  # by all ranks
 
-    def finish(self, version: int | None) -> dict:
-        """Check and commit everything the transfer landed; publish ``version``."""
+    def finish(self, version: int | None, rollback: bool = False) -> dict:
+        """Check and commit everything the transfer landed; publish ``version`` (a stale one,
+        see `forward`, drops the transfer)."""
         with self._lock:
             token = self._open_token()
             spec = self._spec
             if version is not None:
+                try:
+                    self.forward(version, rollback or self._rollback)
+                except TransferError as exc:
+                    self._abandon()
+                    self._tell(version, str(exc))
+                    raise
                 spec = replace(spec, version=version)
             records = {rank: list(held.values()) for rank, held in self._records.items()}
 
@@ -219,13 +241,28 @@ class WeightTransfer:
             return {"weight_version": spec.version, "tensors": len(self._tensors),
                     "bytes_committed": nbytes, "seconds": round(seconds, 4)}  # fmt: skip
 
-    def relabel(self, version: int) -> None:
-        """Name the served weights ``version`` (vLLM's ``/update_weight_version``)."""
+    def relabel(self, version: int, rollback: bool = False) -> None:
+        """Name the served weights ``version`` (vLLM's ``/update_weight_version``): the
+        served one again, a greater one, or a smaller one with ``rollback``."""
         with self._lock:
             if self._busy():
                 raise TransferError(409, "a weight update is open: finish it first")
+            if version != self.target.weight_version:
+                self.forward(version, rollback, param="new_version")
             for engine in self.fleet.engines:
                 engine.relabel_weights(version)
+
+    def forward(
+        self, version: int, rollback: bool, served: int | None = None, param: str = "weight_version"
+    ) -> None:
+        """Refuse (409, naming ``param``) a version not greater than the served one, unless
+        it is a rollback."""
+        served = self.target.weight_version if served is None else served
+        if version <= served and not rollback:
+            raise TransferError(409, f"{param} {version} is not greater than version {served} "
+                                f"the engine serves: versions only go forward; send a greater "
+                                f"one, or rollback: true to roll back on purpose", param,
+                                "stale_version")  # fmt: skip
 
     def _tell(self, version: int, error: str | None) -> float:
         seconds = time.perf_counter() - self._started

@@ -6,7 +6,10 @@
 adds the bearer token). Bodies are checked strictly: an unknown field is a 400 naming it.
 
 Versions: vLLM's are strings, tandem's integers; a ``weight_version`` must be one written in
-decimal digits.
+decimal digits. They only go forward: one not greater than the served version is a 409
+(``code: stale_version``, naming the field) unless the body says ``"rollback": true``
+(`tandem.server.weight_transfer`). tandem's client names the version at start as well, where
+a refusal moves nothing.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ class InitBody(_Body):
 
 class StartBody(_Body):
     is_checkpoint_format: bool | None = None  # older vLLM clients send it; nothing changes
+    # tandem's: the version finish will publish, refused here if stale (nothing moved yet)
+    weight_version: str | int | None = None
+    rollback: bool = False  # a version not greater than the served one is meant
 
 
 class UpdateInfo(_Body):
@@ -71,10 +77,12 @@ class UpdateBody(_Body):
 
 class FinishBody(_Body):
     weight_version: str | int | None = None
+    rollback: bool = False
 
 
 class VersionBody(_Body):
     new_version: str | int
+    rollback: bool = False
 
 
 async def _body(request: Request, model: type[_Body]) -> _Body:
@@ -127,7 +135,9 @@ async def _run(call, *args):
     try:
         return await asyncio.to_thread(call, *args)
     except TransferError as exc:
-        code = {400: "invalid_value", 409: "conflict"}.get(exc.status, "transfer_failed")
+        code = exc.code or {400: "invalid_value", 409: "conflict"}.get(
+            exc.status, "transfer_failed"
+        )
         raise APIError(exc.status, str(exc), param=exc.param, code=code) from None
     except WindowError as exc:  # another push holds the target's window
         raise APIError(409, str(exc), code="conflict") from None
@@ -154,8 +164,9 @@ async def shutdown_weight_transfer_engine(request: Request):
 @router.post("/start_weight_update")
 async def start_weight_update(request: Request):
     """Open the transfer: no step runs until it finishes (pause generation first)."""
-    await _body(request, StartBody)
-    version = await _run(state(request).transfer.start)
+    body = await _body(request, StartBody)
+    version = _version(body.weight_version, "weight_version")
+    version = await _run(state(request).transfer.start, version, body.rollback)
     return {"message": "Weight update started", "weight_version": version}
 
 
@@ -177,7 +188,7 @@ async def finish_weight_update(request: Request):
     """Check and commit what the transfer landed; publish the version (given, or + 1)."""
     body = await _body(request, FinishBody)
     version = _version(body.weight_version, "weight_version")
-    stats = await _run(state(request).transfer.finish, version)
+    stats = await _run(state(request).transfer.finish, version, body.rollback)
     return {"message": "Weight update finished"} | stats
 
 
@@ -185,7 +196,7 @@ async def finish_weight_update(request: Request):
 async def update_weight_version(request: Request):
     body = await _body(request, VersionBody)
     version = _version(body.new_version, "new_version")
-    await _run(state(request).transfer.relabel, version)
+    await _run(state(request).transfer.relabel, version, body.rollback)
     return {"success": True, "new_version": str(version)}
 
 
