@@ -38,6 +38,15 @@ def test_bad_model_dir_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_serve_with_a_hub_id_says_to_download_it(tmp_path):
+    done = subprocess.run([*TANDEM, "serve", "--model", "Qwen/Qwen2.5-0.5B", "--port", "0"],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path)  # fmt: skip
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "looks like a Hugging Face hub id" in done.stderr
+    assert "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir" in done.stderr
+
+
+@pytest.mark.timeout(120)
 def test_engine_never_imports_transformers(llama_dir):
     code = (
         "import sys; from tandem import LLM, SamplingParams; import tandem.cli; "

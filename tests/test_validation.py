@@ -117,6 +117,17 @@ def _edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def test_a_hub_id_is_told_to_download_first(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no local meta-llama/ here
+    with pytest.raises(ModelLoadError, match="model directory not found") as err:
+        LLM("meta-llama/Llama-3.2-1B")
+    assert "Hugging Face hub id" in str(err.value)
+    assert "huggingface-cli download meta-llama/Llama-3.2-1B --local-dir" in str(err.value)
+    with pytest.raises(ModelLoadError) as err:
+        LLM(str(tmp_path / "nowhere"))  # a path, not an id: no hint
+    assert "hub id" not in str(err.value)
+
+
 def test_missing_directory_and_files_name_the_file(model_copy, tmp_path, llama_dir):
     with pytest.raises(ModelLoadError, match="nowhere"):
         LLM(str(tmp_path / "nowhere"))

@@ -7,6 +7,7 @@ canonical tensor from disk (a tensor-parallel rank reads only its shard).
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,19 @@ class ModelSpec:
         return self.config.hidden_size
 
 
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _hub_hint(path: Path) -> str:
+    """For a missing ``org/name``: what to do with a Hugging Face hub id."""
+    name = path.as_posix()
+    if not _HUB_ID.fullmatch(name) or path.parent.is_dir():
+        return ""
+    return (f"; {name!r} looks like a Hugging Face hub id, and tandem loads only local "
+            f"directories (it downloads nothing): download it first, e.g. `huggingface-cli "
+            f"download {name} --local-dir DIR`, then pass DIR")  # fmt: skip
+
+
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise ModelLoadError("file not found", file=str(path))
@@ -80,7 +94,7 @@ def read_model_spec(path: str | Path, quantization: str | None = None) -> ModelS
                          f"got {quantization!r}")  # fmt: skip
     path = Path(path)
     if not path.is_dir():
-        raise ModelLoadError("model directory not found", file=str(path))
+        raise ModelLoadError("model directory not found" + _hub_hint(path), file=str(path))
     config_file = path / "config.json"
     raw = _read_json(config_file)
     archs = raw.get("architectures")
