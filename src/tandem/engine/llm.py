@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.admission import RequestError
+from tandem.engine.chat_template import NoChatTemplate
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
 from tandem.engine.fleet import Fleet
@@ -18,6 +20,7 @@ from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
+from tandem.engine.tokenizer import Tokenizer
 from tandem.lora.request import LoRARequest
 
 Prompt = str | list[int]
@@ -105,8 +108,49 @@ class LLM:
         return self.fleet.exchange_server().address
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The engine's tokenizer (vLLM's name): ``encode``, ``decode``,
+        ``apply_chat_template``; None for a model without one (an image model)."""
+        return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Seq[Mapping] | Seq[Seq[Mapping]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """`generate` on chats (vLLM's): ``messages`` is one conversation (a list of
+        ``{"role", "content"}`` dicts) or a list of them, each rendered with the model's chat
+        template by the code ``tandem serve``'s ``/v1/chat/completions`` uses
+        (`tandem.engine.chat_template`; ``chat_template`` names one of several templates or
+        is template text), then encoded without adding special tokens (the template writes
+        them). Raises ``ValueError`` (`NoChatTemplate`, `ChatTemplateError`) before anything
+        runs."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise NoChatTemplate("this model has no tokenizer, so no chat template")
+        conversations = list(messages)
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]
+        if not conversations:
+            raise ValueError("messages is empty")
+        texts = [tokenizer.chat_template.render(c, add_generation_prompt, chat_template,
+                                                **(chat_template_kwargs or {}))
+                 for c in conversations]  # fmt: skip
+        # the template writes the special tokens (BOS...): the tokenizer adds none, as in
+        # transformers' apply_chat_template and vLLM
+        ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+        outputs = self.generate(ids, sampling_params, lora_request=lora_request)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def generate(
         self,

@@ -13,7 +13,7 @@ import uvicorn
 from tandem.engine.fleet import Fleet
 from tandem.server.app import build_app
 from tandem.server.async_fleet import AsyncFleet
-from tandem.server.chat import ChatTemplate
+from tandem.server.chat import ServedChat
 from tandem.server.config import ServeConfig
 from tandem.server.metrics import Metrics
 from tandem.server.state import ServerState
@@ -37,7 +37,9 @@ def serve(config: ServeConfig) -> int:
         raise
     async_engine = AsyncFleet(fleet, config.max_waiting_requests)
     try:
-        state = ServerState(config, async_engine, Metrics(async_engine), ChatTemplate(config.model))
+        tokenizer = async_engine.tokenizer
+        chat = ServedChat(None if tokenizer is None else tokenizer.chat_template)
+        state = ServerState(config, async_engine, Metrics(async_engine), chat)
         state.lora.load_all(config.lora_modules)  # --lora-modules (LoRAError: cannot start)
         app = build_app(state)
         uv = uvicorn.Config(

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 
 from tandem.server.async_engine import EngineUnavailable, QueueFull, Submission
 from tandem.server.async_fleet import AsyncFleet
-from tandem.server.chat import ChatTemplate
+from tandem.server.chat import ServedChat
 from tandem.server.config import ServeConfig
 from tandem.server.errors import APIError, ClientDisconnected, from_validation
 from tandem.server.metrics import Metrics
@@ -26,7 +26,7 @@ class ServerState:
     config: ServeConfig
     engine: AsyncFleet
     metrics: Metrics
-    chat: ChatTemplate
+    chat: ServedChat
     created: int = field(default_factory=lambda: int(time.time()))
     _windows: WindowHost | None = None
     _transfer: WeightTransfer | None = None
