@@ -25,17 +25,17 @@ WRONG = {  # strict schemas (no coercion): each of these is the wrong type for t
     "float": st.text() | st.booleans() | containers,
     "bool": st.integers() | st.text() | st.floats(allow_nan=False) | containers,
 }
-SAMPLING = {  # field -> (kind, nullable, (min, max))
+SAMPLING = {  # field -> (kind, nullable: null means the default, (min, max))
     "model": ("str", False, None),
     "max_tokens": ("int", True, (1, MAX_INT)),
-    "temperature": ("float", False, (0, 2)),
-    "top_p": ("float", False, (0, 1)),  # > 0
-    "top_k": ("int", False, (-1, MAX_INT)),
-    "n": ("int", False, (1, 64)),
+    "temperature": ("float", True, (0, 2)),
+    "top_p": ("float", True, (0, 1)),  # > 0
+    "top_k": ("int", True, (-1, MAX_INT)),
+    "n": ("int", True, (1, 64)),
     "seed": ("int", True, (0, MAX_INT)),
-    "stream": ("bool", False, None),
-    "presence_penalty": ("float", False, (-2, 2)),
-    "frequency_penalty": ("float", False, (-2, 2)),
+    "stream": ("bool", True, None),
+    "presence_penalty": ("float", True, (-2, 2)),
+    "frequency_penalty": ("float", True, (-2, 2)),
     "user": ("str", True, None),
     "ignore_eos": ("bool", False, None),
     "include_stop_str_in_output": ("bool", False, None),
@@ -44,12 +44,12 @@ SAMPLING = {  # field -> (kind, nullable, (min, max))
 }
 COMPLETION = SAMPLING | {
     "logprobs": ("int", True, (0, 20)),
-    "echo": ("bool", False, None),
+    "echo": ("bool", True, None),
     "best_of": ("int", True, (1, 64)),
 }
 CHAT = SAMPLING | {
     "max_completion_tokens": ("int", True, (1, MAX_INT)),
-    "logprobs": ("bool", False, None),
+    "logprobs": ("bool", True, None),
     "top_logprobs": ("int", True, (0, 20)),
     "add_generation_prompt": ("bool", False, None),
 }

@@ -3,6 +3,7 @@
 import concurrent.futures
 
 import httpx
+import openai
 import pytest
 
 from serving import Server
@@ -97,6 +98,66 @@ def test_limits_name_the_field_the_prompt_and_the_limit(server):
     r = server.post("/v1/chat/completions", json=long)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     _ok(server)
+
+
+# Every optional field OpenAI's API accepts as null, and vLLM's extensions it accepts as null;
+# null means the field's default. (`max_tokens: null` is not the default 16 of /v1/completions
+# but up to the context, as in vLLM, so the completions list leaves it out.)
+NULLABLE = {
+    "/v1/completions": ["best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "n",
+                        "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
+                        "temperature", "top_p", "user", "top_k", "stop_token_ids",
+                        "return_token_ids"],
+    "/v1/chat/completions": ["frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
+                             "max_tokens", "n", "presence_penalty", "response_format", "seed",
+                             "stop", "stream", "stream_options", "temperature", "tool_choice",
+                             "tools", "top_logprobs", "top_p", "user", "top_k", "stop_token_ids",
+                             "return_token_ids"],
+}  # fmt: skip
+
+
+def _base(server, route: str) -> dict:
+    if route == "/v1/completions":
+        return _completion(server)
+    return {"model": server.model, "messages": [{"role": "user", "content": "Hello"}]}
+
+
+@pytest.mark.parametrize("route", NULLABLE)
+def test_null_means_the_default(server, route):
+    nulls = dict.fromkeys(NULLABLE[route])
+    r = server.post(route, json=_base(server, route) | nulls)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    # same seed: the sampled tokens show temperature, top_p, top_k, n... took their defaults
+    seeded = server.post(route, json=_base(server, route) | nulls | {"seed": 7})
+    plain = server.post(route, json=_base(server, route) | {"seed": 7})
+    assert seeded.status_code == plain.status_code == 200, seeded.text
+    assert seeded.json()["choices"] == plain.json()["choices"]
+    assert seeded.json()["usage"] == plain.json()["usage"]
+
+
+def test_null_is_still_a_wrong_type_where_vllm_refuses_it(server):
+    for field in ("ignore_eos", "priority", "model", "prompt"):
+        r = server.post("/v1/completions", json=_completion(server, **{field: None}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    _ok(server)
+
+
+def test_openai_client_none_is_null(server):
+    """The official client sends ``temperature=None`` as ``"temperature": null``."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    nones = dict(temperature=None, top_p=None, n=None, presence_penalty=None,
+                 frequency_penalty=None, stop=None, logit_bias=None, user=None)  # fmt: skip
+    kw = dict(model=server.model, prompt="Hello", max_tokens=5, seed=3)
+    assert client.completions.create(**kw, **nones, echo=None, logprobs=None).choices[0].text == (
+        client.completions.create(**kw).choices[0].text
+    )
+    kw = dict(model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+              seed=3)  # fmt: skip
+    got = client.chat.completions.create(**kw, **nones, logprobs=None, top_logprobs=None)
+    assert got.choices[0].message.content == (
+        client.chat.completions.create(**kw).choices[0].message.content
+    )
 
 
 def test_chat_without_template_is_400(model_factory, tmp_path):

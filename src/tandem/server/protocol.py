@@ -1,7 +1,9 @@
 """Request schemas of the OpenAI-compatible routes (OpenAI field names, strict types).
 
 Unknown fields and values of the wrong type are rejected (400, naming the field) rather than
-silently ignored or coerced: a typo in ``temprature`` must not sample at temperature 1.
+silently ignored or coerced: a typo in ``temprature`` must not sample at temperature 1. ``null``
+means the field's default wherever OpenAI's API or vLLM accept it (the official client sends
+``"temperature": null`` for ``temperature=None``); elsewhere it is a wrong type.
 Extensions beyond OpenAI's fields follow vLLM's names (``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``include_stop_str_in_output``, ``skip_special_tokens``,
 ``request_id``, ``return_token_ids``, ``detokenize``, ``return_routed_experts``) plus
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tandem.engine.sampling_params import SamplingParams
 from tandem.server.errors import APIError
@@ -21,6 +23,13 @@ MAX_INT = 2**63 - 1
 REQUEST_ID_PATTERN = r"^[\w.:-]+$"  # no `#`: the engine's per-prompt ids are `<id>#<index>`
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+def _null_is_default(cls: type[BaseModel], value, info: ValidationInfo):
+    """A ``mode="before"`` field validator: ``null`` becomes the field's default."""
+    if value is None:
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+    return value
 
 
 class StreamOptions(BaseModel):
@@ -56,6 +65,11 @@ class _Sampling(BaseModel):
     return_token_ids: bool = False  # also return the prompt's token ids on every choice
     detokenize: bool = True  # False: no text, token ids and log-probs only
     return_routed_experts: bool = False  # MoE: each token's experts (routing replay)
+
+    _nullable = field_validator(
+        "temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
+        "stop_token_ids", "return_token_ids", mode="before",
+    )(_null_is_default)  # fmt: skip
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -104,6 +118,8 @@ class CompletionRequest(_Sampling):
     best_of: int | None = Field(None, ge=1, le=64)
     suffix: None = None
 
+    _nullable_echo = field_validator("echo", mode="before")(_null_is_default)
+
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
@@ -151,6 +167,8 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+
+    _nullable_logprobs = field_validator("logprobs", mode="before")(_null_is_default)
 
     def params(self) -> SamplingParams:
         if self.tools or self.tool_choice not in (None, "none"):
