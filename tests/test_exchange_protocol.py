@@ -89,7 +89,8 @@ def test_a_hello_with_untyped_settings_is_malformed():
     unknown = PUSH.decode(hello.replace(b"\xa3shm", b"\xa3xyz"))  # the exchange server's check
     with pytest.raises(ValueError, match="transport must be one of"):
         check(unknown.settings)
-    old_wire = ["hello", 0, 1, None, [0, "float32", [], [], None], [], ["shm", "staged", True]]
+    old_wire = ["hello", 0, 1, None, [0, "float32", [], [], None], [], ["shm", "staged", True],
+                False]  # fmt: skip
     with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
         PUSH.decode(msgpack.packb(old_wire))
 
