@@ -170,7 +170,8 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
 
 
 def test_client_leaving_a_non_streamed_request_is_a_499(server):
-    """As vLLM and nginx count it: the request is aborted, no 500, no traceback in the log."""
+    """As vLLM and nginx count it, whether the client leaves while its body arrives or while it
+    waits: the request is aborted, no 500, no traceback in the log."""
     labels = {"endpoint": "/v1/completions", "status": "499"}
     left = server.metric("tandem_requests_total", **labels)
     errors = server.metric("tandem_requests_total", endpoint="/v1/completions", status="500")
@@ -179,12 +180,15 @@ def test_client_leaving_a_non_streamed_request_is_a_499(server):
                        "ignore_eos": True}).encode()  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with socket.create_connection((host, int(port))) as s:  # closes halfway through the body
+        s.sendall(head + body[:10])
+    assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 1)
     assert server.admin("POST", "/pause?mode=keep").status_code == 200  # it waits: no race
     try:
         with socket.create_connection((host, int(port))) as s:  # closes before the answer
             s.sendall(head + body)
             assert wait_for(lambda: server.metric("tandem_queue_depth") == 1, timeout=10)
-        assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 1,
+        assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 2,
                         timeout=10), server.output  # fmt: skip
         assert wait_for(lambda: server.metric("tandem_queue_depth") == 0, timeout=10)
     finally:
