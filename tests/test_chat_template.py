@@ -176,9 +176,10 @@ def test_get_tokenizer_applies_the_chat_template_as_transformers(llm, named_mode
     )
 
 
-def test_llm_chat_adds_no_special_tokens_the_template_did_not_write(model_factory, tmp_path):
+def test_chat_adds_no_special_tokens_the_template_did_not_write(model_factory, tmp_path):
     """A tokenizer whose post-processor prepends BOS (Llama 3's): the template writes
-    ``{{ bos_token }}`` itself, so the chat is encoded without adding it again."""
+    ``{{ bos_token }}`` itself, so the chat is encoded without adding it again, offline and
+    by the server (vLLM's ``add_special_tokens: false`` for chat)."""
     from tokenizers import Tokenizer, processors
 
     model_dir = _save(model_factory("llama"), tmp_path / "m", BRIEF)
@@ -198,6 +199,11 @@ def test_llm_chat_adds_no_special_tokens_the_template_did_not_write(model_factor
             CHAT, add_generation_prompt=True, tokenize=False
         )
         assert llm.get_tokenizer().apply_chat_template(CHAT, add_generation_prompt=True) == want
+    with Server(str(model_dir)) as s:
+        body = {"model": s.model, "messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+        r = s.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == want
 
 
 def test_server_renders_a_checkpoint_saved_by_current_transformers(llm, named_model):

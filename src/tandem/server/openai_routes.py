@@ -151,7 +151,7 @@ async def chat_completions(request: Request):
     messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
     text = s.chat.render(messages, req.add_generation_prompt)
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    ids = s.engine.prompt_ids(text)
+    ids = s.tokenizer.encode(text, add_special_tokens=False)  # the template writes them
     request_id = prompt_request_id(rid, 0)
     pin = await _pin(s, adapter)
     try:
