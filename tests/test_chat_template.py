@@ -176,19 +176,28 @@ def test_get_tokenizer_applies_the_chat_template_as_transformers(llm, named_mode
     )
 
 
-def test_chat_adds_no_special_tokens_the_template_did_not_write(model_factory, tmp_path):
-    """A tokenizer whose post-processor prepends BOS (Llama 3's): the template writes
-    ``{{ bos_token }}`` itself, so the chat is encoded without adding it again, offline and
-    by the server (vLLM's ``add_special_tokens: false`` for chat)."""
+def _prepending_bos(model_dir: Path) -> Path:
+    """``model_dir`` with a tokenizer whose post-processor prepends BOS (as Llama 3's)."""
     from tokenizers import Tokenizer, processors
 
-    model_dir = _save(model_factory("llama"), tmp_path / "m", BRIEF)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     bos = json.loads((model_dir / "tokenizer_config.json").read_text())["bos_token"]
     tok.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
     )
     tok.save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+def test_chat_adds_no_special_tokens_the_template_did_not_write(model_factory, tmp_path):
+    """A tokenizer whose post-processor prepends BOS (Llama 3's): the template writes
+    ``{{ bos_token }}`` itself, so the chat is encoded without adding it again, offline and
+    by the server (vLLM's ``add_special_tokens: false`` for chat)."""
+    from tokenizers import Tokenizer
+
+    model_dir = _prepending_bos(_save(model_factory("llama"), tmp_path / "m", BRIEF))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    bos = json.loads((model_dir / "tokenizer_config.json").read_text())["bos_token"]
     hf = transformers.AutoTokenizer.from_pretrained(model_dir)
     want = list(hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False))
     assert want.count(tok.token_to_id(bos)) == 1
@@ -220,3 +229,39 @@ def test_server_renders_a_checkpoint_saved_by_current_transformers(llm, named_mo
         choice = r.json()["choices"][0]
         assert choice["prompt_token_ids"] == want_ids
         assert choice["token_ids"] == want.token_ids
+
+
+def test_server_takes_vllms_chat_template_kwargs_and_add_special_tokens(model_factory, tmp_path):
+    """vLLM's chat fields: ``chat_template_kwargs`` reach the template as variables (Qwen3's
+    ``enable_thinking``), ``add_special_tokens: true`` adds the tokenizer's own on top; a
+    kwarg the request's own fields set is refused by name."""
+    think = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}A:{% if enable_thinking is defined and not "
+        "enable_thinking %} /no_think{% endif %}{% endif %}"
+    )
+    model_dir = _prepending_bos(_save(model_factory("llama"), tmp_path / "m", think))
+    hf = transformers.AutoTokenizer.from_pretrained(model_dir)
+    plain = hf.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    no_think = hf.apply_chat_template(
+        CHAT, add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
+    assert plain != no_think
+    with Server(str(model_dir)) as s:
+
+        def prompt_ids(**extra):
+            body = {"model": s.model, "messages": CHAT, "max_tokens": 1, "return_token_ids": True}
+            r = s.post("/v1/chat/completions", json=body | extra)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["prompt_token_ids"]
+
+        assert prompt_ids() == hf(plain, add_special_tokens=False)["input_ids"]
+        kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+        assert prompt_ids(**kwargs) == hf(no_think, add_special_tokens=False)["input_ids"]
+        with_specials = hf(plain, add_special_tokens=True)["input_ids"]
+        assert with_specials != hf(plain, add_special_tokens=False)["input_ids"]
+        assert prompt_ids(add_special_tokens=True) == with_specials
+        reserved = {"model": s.model, "messages": CHAT, "chat_template_kwargs": {"messages": []}}
+        r = s.post("/v1/chat/completions", json=reserved)
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "chat_template_kwargs", r.text

@@ -149,9 +149,9 @@ async def chat_completions(request: Request):
     adapter = s.check_model(req.model)
     params = _checked(req.params)
     messages = [m.model_dump(exclude_none=True) | {"content": m.text()} for m in req.messages]
-    text = s.chat.render(messages, req.add_generation_prompt)
+    text = s.chat.render(messages, req.add_generation_prompt, **(req.chat_template_kwargs or {}))
     rid = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-    ids = s.tokenizer.encode(text, add_special_tokens=False)  # the template writes them
+    ids = s.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     request_id = prompt_request_id(rid, 0)
     pin = await _pin(s, adapter)
     try:

@@ -23,6 +23,8 @@ MAX_INT = 2**63 - 1
 REQUEST_ID_PATTERN = r"^[\w.:-]+$"  # no `#`: the engine's per-prompt ids are `<id>#<index>`
 TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
 StopString = Annotated[str, Field(min_length=1, max_length=256)]
+# what a chat's own fields set; `chat_template` (template text from a request) is not taken
+RESERVED_TEMPLATE_VARIABLES = {"messages", "tools", "add_generation_prompt", "chat_template"}
 
 
 def _null_is_default(cls: type[BaseModel], value, info: ValidationInfo):
@@ -167,8 +169,22 @@ class ChatCompletionRequest(_Sampling):
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # vLLM's: extra variables for the chat template (Qwen3's ``enable_thinking``, ...), and
+    # whether the tokenizer adds its special tokens on top of what the template wrote
+    chat_template_kwargs: dict[str, Any] | None = Field(None, max_length=64)
+    add_special_tokens: bool = False
 
-    _nullable_logprobs = field_validator("logprobs", mode="before")(_null_is_default)
+    _nullable_logprobs = field_validator("logprobs", "add_special_tokens", mode="before")(
+        _null_is_default
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_template_variables(cls, kwargs: dict[str, Any] | None):
+        reserved = sorted(set(kwargs or ()) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise ValueError(f"{reserved} are set by the request itself, not by kwargs")
+        return kwargs
 
     def params(self) -> SamplingParams:
         if self.tools or self.tool_choice not in (None, "none"):
