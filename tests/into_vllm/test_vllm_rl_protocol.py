@@ -114,11 +114,13 @@ def test_vllm_trainer_client_pushes_and_completions_follow(server, packed):
     _send(url, model, packed)
     _, after = _call(url + "/weight_info")
     assert int(after["weight_version"]) == int(info["weight_version"]) + 1  # finish: + 1
-    status, body = _call(url + "/update_weight_version", "POST", {"new_version": "40"})
-    assert status == 200 and _call(url + "/weight_info")[1]["weight_version"] == "40"
+    named = int(after["weight_version"]) + 40  # a trainer's own step number (versions only
+    status, body = _call(url + "/update_weight_version", "POST",  # go forward)
+                         {"new_version": str(named)})  # fmt: skip
+    assert status == 200 and _call(url + "/weight_info")[1]["weight_version"] == str(named)
     for ids in PROMPTS:
         tokens, logprobs, version = _complete(url, ids)
-        assert version == 40
+        assert version == named
         with torch.no_grad():
             logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
         assert tokens == logits.argmax(-1).tolist()
