@@ -31,6 +31,8 @@ from tandem.engine.state import EngineState
 log = logging.getLogger(__name__)
 
 FAULTS = (EngineState.DEAD, EngineState.TORN)  # what quarantines a replica
+VERSION_POLL_S = 0.05  # `wait_for_version` looks again at least this often (a commit by a
+# push with policy "all" changes versions without a board change)
 
 
 class Fleet:
@@ -138,10 +140,13 @@ class Fleet:
         return self.engines[replica].exchange_server().address
 
     def _drain(self, replica: int, timeout_s: float) -> None:
-        """Return once ``replica`` runs no request (a rolling wave's ``wait``)."""
+        """Return once ``replica`` runs no request (a rolling wave's ``wait``), or has left
+        its wave: dead (its requests run again elsewhere) or quarantined."""
         deadline = time.monotonic() + timeout_s
         engine = self.engines[replica]
         while engine.has_unfinished() and time.monotonic() < deadline:
+            if engine.state in FAULTS or self.board.state(replica) is not ReplicaState.UPDATING:
+                return
             time.sleep(0.005)
 
     def heal_later(self, replica: int) -> None:
@@ -171,7 +176,7 @@ class Fleet:
         if not isinstance(self.target, FleetTarget):
             raise ValueError("a fleet of one replica has no peer to heal from")
         reason = self.board.reason(replica)
-        self.board.set(replica, ReplicaState.JOINING)
+        self.board.set(replica, ReplicaState.JOINING, reason)  # why it heals
         try:
             engine = self.engines[replica]
             engine.check_health()  # workers that exited while it sat quarantined
@@ -214,7 +219,12 @@ class Fleet:
 
     def _pull(self, replica: int) -> None:
         """``replica`` (joining) takes the newest serving peer's weights; then it serves."""
-        with self.target.lock:  # no push writes the peer's weights while they are read
+        # no push writes the peer's weights while they are read: a push under way (a rolling
+        # one, its waves bounded by their deadlines) ends first
+        if not self.target.lock.acquire(timeout=self.timeout_s):
+            raise TimeoutError(f"replica {replica} waited {self.timeout_s:g} s for the push "
+                               "under way to end; it heals on the next check")  # fmt: skip
+        try:
             versions = self._versions()
             peers = [r for r in self.board.allowed() if r != replica]
             if not peers:
@@ -226,6 +236,8 @@ class Fleet:
             with self.lock:
                 self.router.forget(replica)
             self.board.set(replica, ReplicaState.SERVING)
+        finally:
+            self.target.lock.release()
         log.info("replica %d serves version %d, pulled from replica %d", replica,
                  self.engines[replica].weight_version, peer)  # fmt: skip
 
@@ -300,6 +312,7 @@ class Fleet:
         with self.lock:
             loads = list(self.router.loads)
         states = self.board.snapshot()
+        rolling_to = self.board.rolling_to
         out = []
         for r, engine in enumerate(self.engines):
             state = states[r].state.value
@@ -309,8 +322,31 @@ class Fleet:
                      "load": loads[r]}  # fmt: skip
             if states[r].reason and states[r].state is ReplicaState.QUARANTINED:
                 entry["reason"] = states[r].reason
+            if rolling_to is not None and engine.weight_version < rolling_to:
+                entry["rolling_to"] = rolling_to
             out.append(entry)
         return out
+
+    def wait_for_version(self, version: int, timeout_s: float | None = None) -> None:
+        """Until every serving replica serves ``version`` or newer (see `LLM`)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            self.check_replicas()  # a replica dead meanwhile serves nothing: not waited for
+            states, versions = self.board.snapshot(), self._versions()
+            serving = [versions[r] for r, s in enumerate(states)
+                       if s.state is ReplicaState.SERVING]  # fmt: skip
+            if serving and min(serving) >= version:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                now = ", ".join(f"replica {r} {s['state']} at {s['version']}"
+                                for r, s in enumerate(self.fleet_state()))  # fmt: skip
+                raise TimeoutError(f"not every serving replica serves version {version} after "
+                                   f"{timeout_s:g} s: {now}")  # fmt: skip
+            with self.board.changed:
+                self.board.changed.wait(
+                    VERSION_POLL_S if left is None else min(left, VERSION_POLL_S)
+                )
 
     def shutdown(self) -> None:
         with self.lock:

@@ -37,7 +37,9 @@ from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener, UpdateWindow
 
-# drain(replica, timeout_s): return once the replica runs no request (or the time is up)
+DRAIN_MARGIN_S = 5.0  # past a drain's own deadline, its wave stops waiting for it
+# drain(replica, timeout_s): return once the replica runs no request, has left the wave
+# (quarantined) or the time is up
 Drain = Callable[[int, float], None]
 # pull(peer, replica): write the peer's weights into the replica's (which serves nothing)
 Pull = Callable[[int, int], None]
@@ -263,15 +265,16 @@ class FleetUpdate:
         """Commit the held replicas, at most ``max_unavailable`` at a time; the others
         serve."""
         settings, board, moved = self.spec.settings, self.target.board, 0
-        order, self.held = self.held, []
+        pending, self.held = self.held, []
         try:
-            for i in range(0, len(order), settings.max_unavailable):
-                wave = order[i : i + settings.max_unavailable]
+            while pending := self._still_in(pending):
+                wave = pending[: settings.max_unavailable]
+                pending = pending[settings.max_unavailable :]
                 for r in wave:
                     board.set(r, ReplicaState.UPDATING)
                 if settings.wave == "wait" and self.target.drain is not None:
                     self._drain(wave)
-                for r in wave:
+                for r in self._still_in(wave):  # one lost while it drained left the push
                     self._open(r)
                 opened = [r for r in wave if r in self.windows]
                 nbytes, errors = self._on(opened, PushPhase.COMMIT, parts)
@@ -289,6 +292,23 @@ class FleetUpdate:
             raise WeightSyncError(f"the commit of version {self.spec.version} failed on every "
                                   f"replica: {self._failures()}")  # fmt: skip
         return moved
+
+    def _still_in(self, replicas: list[int]) -> list[int]:
+        """Those of ``replicas`` (held, waiting for their wave) still in the fleet: one
+        quarantined meanwhile (its engine died, or it is healing) left the push, and heals to
+        the newest version from a peer; none waits for it."""
+        board, kept = self.target.board, []
+        for r in replicas:
+            state = board.state(r)
+            if state in (ReplicaState.SERVING, ReplicaState.UPDATING):
+                if (why := self.target.engines[r].unavailable()) is None:
+                    kept.append(r)
+                    continue
+                self._quarantine(r, f"lost before its wave committed: {why}")
+            else:
+                self.failed[r] = f"lost before its wave committed ({state.value}"
+                self.failed[r] += f": {board.reason(r)})" if board.reason(r) else ")"
+        return kept
 
     def _pull_wave(self, wave: list[int], sources: list[int]) -> dict[int, str]:
         """Write each replica of ``wave`` from one of ``sources``, side by side, under one
@@ -313,13 +333,18 @@ class FleetUpdate:
         return errors
 
     def _drain(self, wave: list[int]) -> None:
-        threads = [threading.Thread(target=self.target.drain,
-                                    args=(r, self.target.phase_timeout_s), daemon=True)
+        """Each replica of ``wave`` finishes its requests (or is lost), side by side, under
+        one deadline: the wave commits when it passes either way (requests still running
+        then cross the commit, their version spans saying so)."""
+        timeout = self.target.phase_timeout_s
+        threads = [threading.Thread(target=self.target.drain, args=(r, timeout),
+                                    name=f"tandem-drain-{r}", daemon=True)
                    for r in wave]  # fmt: skip
         for t in threads:
             t.start()
+        deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
         for t in threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def _on(self, replicas: list[int], phase: PushPhase, parts) -> tuple[int, dict[int, str]]:
         """``phase`` on ``replicas``, each on a thread, all under one deadline: (bytes moved,

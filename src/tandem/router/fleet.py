@@ -108,7 +108,7 @@ class RouterFleet:
         """A live peer pushes its weights into ``replica``; then it serves. Raises if none
         can (it stays quarantined)."""
         reason = self.board.reason(replica)
-        self.board.set(replica, ReplicaState.JOINING)
+        self.board.set(replica, ReplicaState.JOINING, reason)  # why it heals
         try:
             with self.target.lock:  # no push writes the peer's weights while it sends them
                 versions = self._versions()
