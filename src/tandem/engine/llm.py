@@ -326,8 +326,15 @@ class LLM:
     def fleet_state(self) -> list[dict]:
         """Each replica: ``{"replica", "state", "version", "load"}`` (state ``serving``,
         ``updating``, ``quarantined`` (with its ``reason``) or ``joining``; version: the one
-        it has committed; load: the tokens it still owes to routed requests)."""
+        it has committed; load: the tokens it still owes to routed requests; while a rolling
+        push rolls out, ``rolling_to``: its version, on the replicas yet to commit it)."""
         return self.fleet.fleet_state()
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> None:
+        """Return once every serving replica (a single engine: it) serves ``version`` or a
+        newer one: a rolling push's last wave has committed, a healed replica caught up.
+        `TimeoutError` past ``timeout`` seconds, naming each replica's state and version."""
+        self.fleet.wait_for_version(version, timeout)
 
     def add_replica(self) -> int:
         """Grow the fleet by one replica (``data_parallel_size`` >= 2): it starts reading

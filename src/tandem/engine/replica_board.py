@@ -79,6 +79,11 @@ class ReplicaBoard:
             self._rolling_to = version
             self.changed.notify_all()
 
+    @property
+    def rolling_to(self) -> int | None:
+        """The version a rolling push is rolling out (held everywhere, committing in waves)."""
+        return self._rolling_to
+
     def newest(self, versions: list[int] | None = None) -> int:
         """The newest version any replica serving serves, or the one being rolled out."""
         versions = self.versions() if versions is None else versions

@@ -5,6 +5,7 @@ from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.layout import LayoutMismatch, RankLayout, Region
 from tandem.exchange.plan import Plan, PlanCache, Transfer, plan_transfers
 from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.rollout import RolloutResult
 from tandem.exchange.sender import PushStats, WeightSender
 from tandem.exchange.settings import PushSettings
 from tandem.exchange.target import AdapterTarget, UpdateWindow, WeightTarget
@@ -18,6 +19,7 @@ __all__ = [
     "PushStats",
     "RankLayout",
     "Region",
+    "RolloutResult",
     "StaleVersionError",
     "Transfer",
     "UpdateWindow",

@@ -86,3 +86,24 @@ class PushDone:
     # refused before any byte moved: ``version`` is not above this served one
     # (`tandem.errors.StaleVersionError`)
     stale_served: int | None = None
+
+
+@PUSH.register("rollout_progress")
+@dataclass(slots=True)
+class RolloutProgress:
+    """A rolling push still rolling out (sent every few seconds after its `PushDone`, so a
+    trainer waiting on it tells a slow rollout from a lost engine): the replicas so far."""
+
+    version: int
+    replicas: list[ReplicaPush] = field(default_factory=list)
+
+
+@PUSH.register("rollout_done")
+@dataclass(slots=True)
+class RolloutDone:
+    """A rolling push's end: how each replica came out (``committed``, or ``failed`` saying
+    why: lost before its wave, or its commit failed); ``error``: it committed nowhere."""
+
+    version: int
+    replicas: list[ReplicaPush] = field(default_factory=list)
+    error: str | None = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ from tandem.exchange.protocol import (
 )
 from tandem.exchange.quantize import FP8_NAME, agree_scales, quantized_items
 from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.rollout import Rollout, RolloutResult
 from tandem.exchange.server import target_here
 from tandem.exchange.settings import AdapterPush, PushSettings
 from tandem.exchange.transports import TRANSPORTS, check, p2p, pushed
@@ -60,11 +61,28 @@ class PushStats:
     replicas: tuple[ReplicaPush, ...] = ()
     # by this rank, into staging, where the transport reads the rest in place (mooncake)
     bytes_staged: int | None = None
+    # a rolling push answered before its waves committed: their report (see `wait`)
+    rollout: Rollout | None = field(default=None, compare=False, repr=False)
 
     @property
     def failed(self) -> dict[int, str]:
-        """The replicas that left the push (quarantined) and why."""
+        """The replicas that left the push (quarantined) and why, as the push was answered
+        (a rolling push's waves may lose more: see `wait`)."""
         return {r.replica: r.error or "" for r in self.replicas if r.state == "failed"}
+
+    @property
+    def rolling(self) -> bool:
+        """Whether the push is still rolling out (its waves committing replica by replica)."""
+        return self.rollout is not None and not self.rollout.done
+
+    def wait(self, timeout: float | None = None) -> RolloutResult:
+        """Until the push has ended on every replica (a rolling push: its last wave; any
+        other push: already): which replicas committed and which were lost and why
+        (`RolloutResult`). `TimeoutError` past ``timeout`` seconds (the rollout goes on);
+        `WeightSyncError` if a rollout committed nowhere or the engine was lost."""
+        if self.rollout is None:
+            return RolloutResult(self.version, self.replicas)
+        return self.rollout.wait(timeout)
 
 
 class WeightSender:
@@ -192,7 +210,9 @@ class WeightSender:
                           settings, rollback)  # fmt: skip
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
-        with socket.create_connection(endpoint, timeout=self.timeout_s) as sock:
+        rollout = None  # a rolling push: the connection then reports its rollout
+        sock = socket.create_connection(endpoint, timeout=self.timeout_s)
+        try:
             try:
                 send_token(sock, self._address.token)
                 send_frame(sock, PUSH.encode(hello))
@@ -209,6 +229,15 @@ class WeightSender:
                 # the engine may still be reading the staging memory: never write it again
                 self._half.close()
                 raise WeightSyncError(f"lost the engine during the push ({exc})") from None
+            if (
+                isinstance(reply, PushDone)
+                and reply.error is None
+                and any(r.state == "rolling" for r in reply.replicas)
+            ):
+                rollout = Rollout(sock, reply.version, tuple(reply.replicas))
+        finally:
+            if rollout is None:
+                sock.close()
         if not isinstance(reply, PushDone):
             raise WeightSyncError(f"unexpected reply {type(reply).__name__} from the engine")
         if reply.stale_served is not None:
@@ -220,7 +249,8 @@ class WeightSender:
         return PushStats(reply.version, sum(sent), reply.bytes_needed, reply.bytes_moved,
                          time.perf_counter() - start, self.transport, sent,
                          tuple(reply.replicas),
-                         delivery.bytes_staged if delivery is not None else None)  # fmt: skip
+                         delivery.bytes_staged if delivery is not None else None,
+                         rollout)  # fmt: skip
 
     def close(self) -> None:
         """Release this sender's staging memory and its mappings of engine memory (also

@@ -32,6 +32,7 @@ from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushRe
 from tandem.exchange.push_items import push_items, replica_figures
 from tandem.exchange.quantize import scale_sources
 from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.rollout import RolloutReport
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.target import AdapterTarget, UpdateWindow, WeightTarget
 from tandem.exchange.transports import TRANSPORTS, check
@@ -141,9 +142,11 @@ class ExchangeServer:
         version = None
         start = time.perf_counter()
         answered = []
+        report: list[RolloutReport] = []  # a rolling push's, once its trainers were answered
 
         def answer(done: PushDone) -> None:
-            """Tell every trainer rank how the push went (once): they are free then."""
+            """Tell every trainer rank how the push went (once): they are free then. A
+            rolling push held everywhere keeps their connections to report its rollout."""
             if answered:
                 return
             answered.append(done)
@@ -152,15 +155,21 @@ class ExchangeServer:
                     send_frame(sock, PUSH.encode(done))
                 except OSError:
                     pass
-                sock.close()
+                if not report:
+                    sock.close()
 
         try:
             spec, plans, records, needed, per_replica = self._plan(hellos)
             version = spec.version
 
             def held(update, moved: int) -> None:  # rolling: the trainers are free now
-                answer(PushDone(version, None, needed, moved, replica_figures(
-                    per_replica, update.ingress(), update.failures(), "rolling")))  # fmt: skip
+                def so_far():
+                    return replica_figures(per_replica, update.ingress(), update.failures(),
+                                           "rolling")  # fmt: skip
+
+                report.append(RolloutReport(socks, version, so_far))
+                answer(PushDone(version, None, needed, moved, so_far()))
+                report[0].start()
 
             moved, update = self._push(spec, socks, plans, records, held)
             done = PushDone(
@@ -184,6 +193,8 @@ class ExchangeServer:
             done = PushDone(version or -1, f"{type(exc).__name__}: {exc}")
         for listener in self.target.update_listeners:
             listener(done.version, time.perf_counter() - start, done.error)
+        if report:  # the rollout's end, to the trainers answered when it was held
+            report[0].finish(done.replicas, done.error)
         answer(done)
 
     def _serving(self) -> str:
