@@ -6,13 +6,15 @@ weights."""
 
 import os
 import signal
+import textwrap
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.exchange import WeightSender
+from tandem.exchange import WeightSender, WeightSyncError
 from test_fleet_push import _matches, _trainer  # noqa: E402
 from test_fleet_rolling import _Load, _scale  # noqa: E402
 
@@ -32,14 +34,14 @@ def _until(what: str, ok, timeout_s: float = DEADLINE_S):
 
 
 @contextmanager
-def _fleet_under_load(model_factory, replicas: int = 3):
-    """(llm, trainer, sender, load): a fleet with requests running on every replica."""
+def _fleet_under_load(model_factory, transport: str = "shm", **options):
+    """(llm, trainer, sender, load): a fleet of 3 with requests running on every replica."""
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     trainer = _trainer(trainer_dir)
-    with LLM(engine_dir, data_parallel_size=replicas) as llm:
+    with LLM(engine_dir, data_parallel_size=3, **options) as llm:
         load = _Load(llm, LOAD)
         _until("requests on every replica", lambda: all(s["load"] for s in llm.fleet_state()))
-        yield llm, trainer, WeightSender(trainer, llm), load
+        yield llm, trainer, WeightSender(trainer, llm, transport=transport), load
 
 
 def _kill(llm, replica: int) -> None:
@@ -103,3 +105,159 @@ def test_a_push_issued_while_a_rollout_commits_is_queued_behind_it(model_factory
         assert all("rolling_to" not in s for s in llm.fleet_state())
         load.stop()
         _matches(llm, trainer, 6, 3)
+
+
+KILL_IN_PHASE = """
+    import os, signal
+    from tandem.exchange import receiver
+
+    honest = receiver.RankReceiver.handle
+
+    def handle(self, phase, spec, records):
+        if phase.value == os.environ["TANDEM_TEST_KILL_PHASE"] and spec.version == 1:
+            try:  # the first worker to reach the phase dies, here, mid-push
+                os.close(os.open(os.environ["TANDEM_TEST_KILL_MARK"], os.O_CREAT | os.O_EXCL))
+                os.kill(os.getpid(), signal.SIGKILL)
+            except FileExistsError:
+                pass
+        return honest(self, phase, spec, records)
+
+    receiver.RankReceiver.handle = handle
+"""
+
+
+def _healed_at(llm, version: int, trainer, load) -> None:
+    """Every replica serving ``version``; no generate call of the load failed meanwhile; then
+    every replica equals transformers on the trainer's weights."""
+    llm.wait_for_version(version, timeout=DEADLINE_S)
+    _until(f"every replica serving {version}", lambda: _states(llm) == [("serving", version)] * 3)
+    assert load.stop()
+    _matches(llm, trainer, version, 3)
+
+
+def _states(llm) -> list[tuple[str, int]]:
+    return [(s["state"], s["version"]) for s in llm.fleet_state()]
+
+
+def _updating(llm) -> list[int]:
+    """The replicas whose wave is draining or committing (a list: truthy once one is)."""
+    return [s["replica"] for s in llm.fleet_state() if s["state"] == "updating"]
+
+
+def _kill_in(phase: str, tmp_path, monkeypatch) -> None:
+    """The worker of the first replica to reach ``phase`` of the push of version 1 is
+    SIGKILLed there (a `sitecustomize` every worker starts with)."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(KILL_IN_PHASE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TANDEM_TEST_KILL_MARK", str(tmp_path / "killed"))
+    monkeypatch.setenv("TANDEM_TEST_KILL_PHASE", phase)
+
+
+def test_a_replica_killed_receiving_fails_the_push_at_its_deadline_and_the_retry_lands(
+    model_factory, tmp_path, monkeypatch
+):
+    """Matrix cell (a), over dist (where replicas receive: shm replicas read the trainer's
+    staging as they verify): the push's process group breaks, so the push fails on every
+    replica by the group's deadline and each keeps version 0; the lost one heals; the retry
+    reaches all three."""
+    _kill_in("receive", tmp_path, monkeypatch)
+    with _fleet_under_load(model_factory, "dist", push_phase_timeout_s=5) as (
+        llm, trainer, sender, load,
+    ):  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError):
+            sender.push(version=1, policy="rolling", max_unavailable=1)
+        assert time.monotonic() - start < 30 and (tmp_path / "killed").exists()
+        _until("the lost replica healed", lambda: _states(llm) == [("serving", 0)] * 3)
+        assert sender.push(version=1, policy="rolling").wait(DEADLINE_S).committed == [0, 1, 2]
+        _healed_at(llm, 1, trainer, load)
+
+
+@pytest.mark.parametrize("phase", ["verify", "hold", "commit"])
+def test_a_replica_killed_in_each_phase_of_a_rolling_push_heals_and_nothing_is_lost(
+    model_factory, tmp_path, monkeypatch, phase
+):
+    """Matrix cells (b) verifying, (c) holding its copy, (e) committing its wave."""
+    _kill_in(phase, tmp_path, monkeypatch)
+    with _fleet_under_load(model_factory) as (llm, trainer, sender, load):
+        stats = sender.push(version=1, policy="rolling", max_unavailable=1)
+        ended = stats.wait(timeout=DEADLINE_S)
+        assert (tmp_path / "killed").exists()
+        assert len(ended.committed) == 2 and len(ended.failed) == 1, ended
+        assert "exited" in next(iter(ended.failed.values())), ended
+        _healed_at(llm, 1, trainer, load)
+
+
+def test_the_replica_draining_for_its_wave_killed_heals_and_nothing_is_lost(model_factory):
+    """Matrix cell (d): the replica whose wave drains is the one lost."""
+    with _fleet_under_load(model_factory) as (llm, trainer, sender, load):
+        stats = sender.push(version=1, policy="rolling", max_unavailable=1)
+        (draining,) = _until("a wave draining", lambda: _updating(llm))
+        _kill(llm, draining)
+        ended = stats.wait(timeout=DEADLINE_S)
+        # (it may have committed just before it died: then it heals to the version it had)
+        assert list(ended.failed) in ([draining], []), ended
+        _healed_at(llm, 1, trainer, load)
+
+
+def _all_back(llm) -> bool:
+    """Every replica serving, on workers that are running (not killed and unreaped)."""
+    if any(state != "serving" for state, _ in _states(llm)):
+        return False
+    for w in llm.worker_locations():
+        try:
+            status = Path(f"/proc/{w['pid']}/status").read_text()
+        except OSError:
+            return False
+        if "\nState:\tZ" in status:
+            return False
+    return True
+
+
+KILL_IN_HEAL = """
+    import os, signal
+    from tandem.exchange import receiver
+    from tandem.exchange.settings import PushPhase
+
+    honest = receiver.RankReceiver.handle
+
+    def handle(self, phase, spec, records):
+        if phase is PushPhase.VERIFY and spec.settings.in_place:  # a heal: a peer's push
+            try:  # once: the healing worker itself, or the peer's worker, dies here
+                os.close(os.open(os.environ["TANDEM_TEST_KILL_MARK"], os.O_CREAT | os.O_EXCL))
+                pid = int(os.environ["TANDEM_TEST_KILL_PID"] or os.getpid())
+                os.kill(pid, signal.SIGKILL)
+            except FileExistsError:
+                pass
+        return honest(self, phase, spec, records)
+
+    receiver.RankReceiver.handle = handle
+"""
+
+
+@pytest.mark.parametrize("victim", ["healing", "peer"])
+def test_a_replica_or_its_peer_killed_during_a_heal_both_heal_and_a_push_lands(
+    model_factory, tmp_path, monkeypatch, victim
+):
+    """Matrix cells (g) a replica being healed and (h) the peer it heals from, each SIGKILLed
+    while the peer's push into the healing replica verifies: every lost replica heals again
+    (from a live peer), then a rolling push reaches all three."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(KILL_IN_HEAL))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TANDEM_TEST_KILL_MARK", str(tmp_path / "killed"))
+    monkeypatch.setenv("TANDEM_TEST_KILL_PID", "")
+    with _fleet_under_load(model_factory) as (llm, trainer, sender, load):
+        pids = {w["replica"]: w["pid"] for w in llm.worker_locations()}
+        if victim == "peer":  # replica 2 heals from replica 0 (the lowest at the newest version)
+            monkeypatch.setenv("TANDEM_TEST_KILL_PID", str(pids[0]))  # its restarted worker's
+        _kill(llm, 2)
+        _until("the heal's fault", lambda: (tmp_path / "killed").exists())
+
+        def back() -> bool:  # (the peer's worker killed: restarted; the kill may lag the mark)
+            now = {w["replica"]: w["pid"] for w in llm.worker_locations()}
+            return (victim == "healing" or now[0] != pids[0]) and _all_back(llm)
+
+        _until("every replica serving again on live workers", back, timeout_s=2 * DEADLINE_S)
+        stats = sender.push(version=1, policy="rolling", max_unavailable=1)
+        assert stats.wait(timeout=DEADLINE_S).committed == [0, 1, 2]
+        _healed_at(llm, 1, trainer, load)
