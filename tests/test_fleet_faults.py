@@ -261,3 +261,24 @@ def test_a_replica_or_its_peer_killed_during_a_heal_both_heal_and_a_push_lands(
         stats = sender.push(version=1, policy="rolling", max_unavailable=1)
         assert stats.wait(timeout=DEADLINE_S).committed == [0, 1, 2]
         _healed_at(llm, 1, trainer, load)
+
+
+def test_the_replica_draining_for_its_wave_stopped_past_the_deadline_heals(model_factory):
+    """Matrix cell (d) with SIGSTOP: the stopped replica's step is not answered within
+    ``collective_timeout_s`` (or its commit within the push deadline), so its workers are
+    killed; its requests run again elsewhere, the waves go on, it heals; nothing hangs."""
+    options = {"collective_timeout_s": 3.0, "push_phase_timeout_s": 2.0}
+    with _fleet_under_load(model_factory, **options) as (llm, trainer, sender, load):
+        start = time.monotonic()
+        stats = sender.push(version=1, policy="rolling", max_unavailable=1)
+        (draining,) = _until("a wave draining", lambda: _updating(llm))
+        (pid,) = [w["pid"] for w in llm.worker_locations() if w["replica"] == draining]
+        os.kill(pid, signal.SIGSTOP)
+        ended = stats.wait(timeout=DEADLINE_S)
+        assert len(ended.committed) >= 2, ended
+        _healed_at(llm, 1, trainer, load)
+        assert time.monotonic() - start < DEADLINE_S
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
+        )  # killed, not left stopped

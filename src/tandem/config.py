@@ -97,7 +97,11 @@ class ParallelConfig(_Group):
         None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
     )
     worker_start_timeout_s: float = Field(300.0, gt=0)
-    collective_timeout_s: float = Field(120.0, gt=0)
+    collective_timeout_s: float = Field(
+        120.0, gt=0, description="the ranks' torch.distributed collectives, and how long the "
+        "engine waits for a step's result before it declares a rank hung (killed: a fleet "
+        "quarantines the replica and runs its requests again elsewhere)",
+    )  # fmt: skip
     push_phase_timeout_s: float = Field(
         300.0, gt=0, description="how long a weight push's transport waits (trainers staging, "
         "joining the dist group, each transfer) before it fails the push; a rank still silent "

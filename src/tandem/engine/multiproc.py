@@ -65,6 +65,8 @@ class MultiprocExecutor:
         self.max_in_flight = dims.pp
         # past the transport's own timeouts (push_phase_timeout_s): a rank still silent is hung
         self._phase_timeout_s = config.parallel.hung_after_s
+        # a step's result: a rank silent this long is hung (SIGSTOP, a livelock), never waited on
+        self._step_timeout_s = config.parallel.collective_timeout_s
         self._token = secrets.token_hex(16)
         self._server = ControlServer(config.parallel.master_addr, self._token, dims.world_size)
         self._store = None
@@ -137,7 +139,7 @@ class MultiprocExecutor:
         return [f"rank {d.rank}: {d.error}" for d in done if d.error is not None]
 
     def collect(self) -> StepResult:
-        return self._receive(StepResult, deadline=None)
+        return self._receive(StepResult, deadline=time.monotonic() + self._step_timeout_s)
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         """Run an encode on every rank (no step in flight); the sampling rank's result."""
@@ -161,7 +163,8 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 for proc in self._procs:  # hung: nothing it does now can be trusted
                     proc.kill()
-                raise EngineDeadError(f"workers did not report {kind.__name__} in time")
+                raise EngineDeadError(f"workers did not report {kind.__name__} in time "
+                                      "(hung: killed)")  # fmt: skip
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if a worker process on this host has exited."""
