@@ -333,8 +333,10 @@ class Fleet:
         while True:
             self.check_replicas()  # a replica dead meanwhile serves nothing: not waited for
             states, versions = self.board.snapshot(), self._versions()
+            # a replica in its wave serves again once committed: it is waited for; one
+            # quarantined or joining heals to the newest version and is not
             serving = [versions[r] for r, s in enumerate(states)
-                       if s.state is ReplicaState.SERVING]  # fmt: skip
+                       if s.state in (ReplicaState.SERVING, ReplicaState.UPDATING)]  # fmt: skip
             if serving and min(serving) >= version:
                 return
             left = None if deadline is None else deadline - time.monotonic()

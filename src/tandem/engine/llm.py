@@ -332,7 +332,8 @@ class LLM:
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> None:
         """Return once every serving replica (a single engine: it) serves ``version`` or a
-        newer one: a rolling push's last wave has committed, a healed replica caught up.
+        newer one: a rolling push's last wave has committed (a replica in its wave counts as
+        serving; one quarantined or joining does not: it heals to the newest version).
         `TimeoutError` past ``timeout`` seconds, naming each replica's state and version."""
         self.fleet.wait_for_version(version, timeout)
 
