@@ -77,17 +77,9 @@ async def _pin(s: ServerState, adapter: str | None) -> Pin | None:
 def _prepare(s: ServerState, request_id: str, ids: list[int], params, priority: int,
              pin: Pin | None, fields: dict[str, str],
              where: str | None = None) -> list[Sequence]:  # fmt: skip
-    """One prompt's samples; a refusal is a 400 whose ``param`` is the request's field
-    (``fields`` maps the engine's names, "prompt" and "max_tokens", to the route's), led by
-    ``where`` (which prompt of several)."""
-    try:
-        seqs = s.engine.prepare(request_id, ids, params, priority)
-    except RequestError as exc:
-        message = str(exc) if where is None else f"{where}: {exc}"
-        raise APIError(400, message, param=fields.get(exc.field, exc.field),
-                       code="invalid_value") from None  # fmt: skip
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+    """One prompt's samples; a refusal is a 400 naming the request's field (`_checked`), led
+    by ``where`` (which prompt of several)."""
+    seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, priority), fields, where)
     if pin is not None:
         pin.apply(seqs)
     return seqs
@@ -281,10 +273,16 @@ def _prompt_scores(seqs: list[Sequence]) -> Sequence:
     return max(seqs, key=lambda seq: len(seq.prompt_logprobs))
 
 
-def _checked(call):
-    """Run a check that raises ValueError; turn it into a 400."""
+def _checked(call, fields: dict[str, str] | None = None, where: str | None = None):
+    """Run a check that raises ValueError; turn it into a 400. A `RequestError` names the
+    request's field (``fields`` maps the engine's names, "prompt" and "max_tokens", to the
+    route's) and is led by ``where`` (which prompt of several)."""
     try:
         return call()
+    except RequestError as exc:
+        exc = exc if where is None else exc.at(where)
+        param = (fields or {}).get(exc.field, exc.field)
+        raise APIError(400, str(exc), param=param, code="invalid_value") from None
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
 
