@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from serving import alive
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 from test_fleet_push import _matches, _trainer  # noqa: E402
@@ -115,9 +116,9 @@ KILL_IN_PHASE = """
 
     def handle(self, phase, spec, records):
         if phase.value == os.environ["TANDEM_TEST_KILL_PHASE"] and spec.version == 1:
-            try:  # the first worker to reach the phase dies, here, mid-push
+            try:  # the first worker to reach the phase dies (or stops), here, mid-push
                 os.close(os.open(os.environ["TANDEM_TEST_KILL_MARK"], os.O_CREAT | os.O_EXCL))
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, os.environ["TANDEM_TEST_KILL_SIGNAL"]))
             except FileExistsError:
                 pass
         return honest(self, phase, spec, records)
@@ -144,13 +145,14 @@ def _updating(llm) -> list[int]:
     return [s["replica"] for s in llm.fleet_state() if s["state"] == "updating"]
 
 
-def _kill_in(phase: str, tmp_path, monkeypatch) -> None:
-    """The worker of the first replica to reach ``phase`` of the push of version 1 is
-    SIGKILLed there (a `sitecustomize` every worker starts with)."""
+def _kill_in(phase: str, tmp_path, monkeypatch, sig: str = "SIGKILL") -> None:
+    """The worker of the first replica to reach ``phase`` of the push of version 1 is sent
+    ``sig`` there (a `sitecustomize` every worker starts with)."""
     (tmp_path / "sitecustomize.py").write_text(textwrap.dedent(KILL_IN_PHASE))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("TANDEM_TEST_KILL_MARK", str(tmp_path / "killed"))
     monkeypatch.setenv("TANDEM_TEST_KILL_PHASE", phase)
+    monkeypatch.setenv("TANDEM_TEST_KILL_SIGNAL", sig)
 
 
 def test_a_replica_killed_receiving_fails_the_push_at_its_deadline_and_the_retry_lands(
@@ -278,7 +280,27 @@ def test_the_replica_draining_for_its_wave_stopped_past_the_deadline_heals(model
         assert len(ended.committed) >= 2, ended
         _healed_at(llm, 1, trainer, load)
         assert time.monotonic() - start < DEADLINE_S
-        assert (
-            not Path(f"/proc/{pid}").exists()
-            or "State:\tZ" in Path(f"/proc/{pid}/status").read_text()
-        )  # killed, not left stopped
+        assert not alive(pid)  # killed, not left stopped
+
+
+def test_a_replica_stopped_while_verifying_past_the_deadline_heals(
+    model_factory, tmp_path, monkeypatch
+):
+    """Matrix cell (b) with SIGSTOP: the stopped replica does not answer the verify phase
+    within ``push_phase_timeout_s``: it fails the push by timeout (the others commit their
+    waves), its workers are killed, not left stopped, and it heals."""
+    _kill_in("verify", tmp_path, monkeypatch, "SIGSTOP")
+    options = {"collective_timeout_s": 3.0, "push_phase_timeout_s": 2.0}
+    with _fleet_under_load(model_factory, **options) as (llm, trainer, sender, load):
+        pids = {w["replica"]: w["pid"] for w in llm.worker_locations()}
+        start = time.monotonic()
+        stats = sender.push(version=1, policy="rolling", max_unavailable=1)
+        ended = stats.wait(timeout=DEADLINE_S)
+        assert (tmp_path / "killed").exists()
+        assert len(ended.committed) == 2 and len(ended.failed) == 1, ended
+        ((stopped, why),) = ended.failed.items()
+        assert "verify" in why and "within 4 s (push_phase_timeout_s" in why, why
+        _healed_at(llm, 1, trainer, load)
+        assert time.monotonic() - start < DEADLINE_S
+        pid = pids[stopped]
+        assert not alive(pid)  # killed, not left stopped

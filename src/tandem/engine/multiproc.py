@@ -95,7 +95,8 @@ class MultiprocExecutor:
         try:
             deadline = time.monotonic() + config.parallel.worker_start_timeout_s
             self._server.accept_all(deadline, self.check_alive)
-            loaded = [self._receive(Capacity, deadline) for _ in range(dims.world_size)]
+            within = f"worker_start_timeout_s={config.parallel.worker_start_timeout_s:g} s"
+            loaded = [self._receive(Capacity, deadline, within) for _ in range(dims.world_size)]
             self.num_blocks = kv_blocks([m.num_blocks for m in loaded])
             self.layouts = sorted((m.layout for m in loaded), key=lambda lay: lay.rank)
             self._server.broadcast(Start(self.num_blocks))
@@ -118,7 +119,8 @@ class MultiprocExecutor:
         except PeerGone as exc:
             raise EngineDeadError(self._root_cause(str(exc))) from None
         deadline = time.monotonic() + self._phase_timeout_s  # a hung rank: the engine is dead
-        results = [self._receive(ApplyResult, deadline) for _ in self.layouts]
+        within = f"{self._phase_timeout_s:g} s (push_phase_timeout_s and a margin)"
+        results = [self._receive(ApplyResult, deadline, within) for _ in self.layouts]
         return [r.error for r in results if r.error is not None], sum(r.nbytes for r in results)
 
     def set_kv_cache(self, allocate: bool) -> None:
@@ -139,14 +141,17 @@ class MultiprocExecutor:
         return [f"rank {d.rank}: {d.error}" for d in done if d.error is not None]
 
     def collect(self) -> StepResult:
-        return self._receive(StepResult, deadline=time.monotonic() + self._step_timeout_s)
+        within = f"collective_timeout_s={self._step_timeout_s:g} s"
+        return self._receive(StepResult, time.monotonic() + self._step_timeout_s, within)
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         """Run an encode on every rank (no step in flight); the sampling rank's result."""
         self.submit(msg)
         return self._receive(EncodeResult, deadline=None)
 
-    def _receive(self, kind, deadline: float | None):
+    def _receive(self, kind, deadline: float | None, within: str = ""):
+        """The next ``kind`` message from a worker; past ``deadline`` (set by ``within``, the
+        setting named in the error) the workers are killed."""
         while True:
             self.check_alive()
             try:
@@ -163,7 +168,7 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 for proc in self._procs:  # hung: nothing it does now can be trusted
                     proc.kill()
-                raise EngineDeadError(f"workers did not report {kind.__name__} in time "
+                raise EngineDeadError(f"workers did not report {kind.__name__} within {within} "
                                       "(hung: killed)")  # fmt: skip
 
     def check_alive(self) -> None:
