@@ -17,7 +17,7 @@ from serving import alive
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 from test_fleet_push import _matches, _trainer  # noqa: E402
-from test_fleet_rolling import _Load, _scale  # noqa: E402
+from test_fleet_rolling import _Load, _scale, _trainer_process  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -304,3 +304,24 @@ def test_a_replica_stopped_while_verifying_past_the_deadline_heals(
         assert time.monotonic() - start < DEADLINE_S
         pid = pids[stopped]
         assert not alive(pid)  # killed, not left stopped
+
+
+def test_the_trainer_killed_while_replicas_receive_leaves_every_replica_serving_the_old_one(
+    model_factory,
+):
+    """The trainer (its own process, over dist) dies a few boxes into its send, the replicas
+    receiving: the push fails on every replica within the push deadline, none is
+    torn or quarantined, every replica serves version 0 throughout, and the next push lands."""
+    with _fleet_under_load(model_factory, "dist", push_phase_timeout_s=5) as (
+        llm, trainer, sender, load,
+    ):  # fmt: skip
+        start = time.monotonic()
+        proc = _trainer_process(model_factory("llama", seed=1), llm.exchange_address, 1,
+                                "receiving", "dist")  # fmt: skip
+        assert proc.wait(DEADLINE_S) == 17
+        _until(
+            "every replica serving 0, none updating", lambda: _states(llm) == [("serving", 0)] * 3
+        )
+        assert time.monotonic() - start < DEADLINE_S
+        assert sender.push(version=1, policy="rolling").wait(DEADLINE_S).committed == [0, 1, 2]
+        _healed_at(llm, 1, trainer, load)
