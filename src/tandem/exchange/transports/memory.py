@@ -26,9 +26,18 @@ class SharedMemory:
     def __init__(self, size: int, name: str = "tandem"):
         self.size = size
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        weakref.finalize(self, os.close, self.fd)  # the mapping outlives it while tensors do
-        os.ftruncate(self.fd, max(size, 1))
-        self.map = mmap.mmap(self.fd, max(size, 1))
+        try:
+            os.ftruncate(self.fd, max(size, 1))
+            self.map = mmap.mmap(self.fd, max(size, 1))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        # The descriptor `handle` names lives exactly as long as the memory: it closes with
+        # the mapping (which tensors viewing it keep), not with this object, and not at
+        # interpreter exit while tensors still view the mapping (the kernel closes it then).
+        # Closed with this object, it went while the mapping's own descriptor kept the memory:
+        # a handle of live memory that no longer opened.
+        weakref.finalize(self.map, os.close, self.fd).atexit = False
 
     @property
     def data(self) -> torch.Tensor:
@@ -49,11 +58,10 @@ class MappedMemory:
         self.size = size
         path = f"/proc/{pid}/fd/{fd}"
         try:
-            handle = _open_memfd(pid, fd, inode)
+            handle = os.open(path, os.O_RDWR)
         except OSError as exc:
-            alive = "alive" if os.path.exists(f"/proc/{pid}") else "gone"
-            raise RuntimeError(f"cannot open the peer's {what} at {path} (process {pid} "
-                               f"{alive}): {exc}") from None  # fmt: skip
+            raise RuntimeError(f"cannot open the peer's {what} at {path} "
+                               f"({_whereabouts(pid, fd)}): {exc}") from None  # fmt: skip
         try:
             st = os.fstat(handle)
             if (st.st_ino, st.st_size) != (inode, max(size, 1)):
@@ -82,22 +90,18 @@ class MappedMemory:
         """Nothing to do: the mapping stays for later pushes; it goes with this object."""
 
 
-def _open_memfd(pid: int, fd: int, inode: int) -> int:
-    """Open the peer's memfd at ``/proc/PID/fd/FD``. If that descriptor is gone while the
-    memory lives on (the peer's mapping holds a descriptor of its own; seen to happen to an
-    engine worker's arena), the peer's other descriptor of the same memfd inode. The caller
-    checks inode and size of whatever this opens."""
+def _whereabouts(pid: int, fd: int) -> str:
+    """Why ``/proc/PID/fd/FD`` did not open, as far as ``/proc`` tells: the process is gone,
+    exited (killed, not yet reaped: ``/proc/PID`` stays, its descriptors do not), or alive
+    without that descriptor (the memory was freed, or the process is exiting)."""
     try:
-        return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
-    except FileNotFoundError:
-        for other in os.listdir(f"/proc/{pid}/fd"):  # FileNotFoundError: the process is gone
-            path = f"/proc/{pid}/fd/{other}"
-            try:
-                if os.readlink(path).startswith("/memfd:") and os.stat(path).st_ino == inode:
-                    return os.open(path, os.O_RDWR)
-            except OSError:
-                continue
-        raise
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"process {pid} gone"
+    if state in ("Z", "X"):
+        return f"process {pid} exited"
+    return f"process {pid} alive, holding no descriptor {fd}: its memory was freed, or it exits"
 
 
 def _bytes(buf: mmap.mmap, size: int) -> torch.Tensor:
