@@ -58,6 +58,9 @@ class RequestUpdate:
     weight_versions: list[int]  # versions that produced the request's tokens so far
     num_output_tokens: int
     error: str | None = None  # the engine failed; the request is over
+    # the request's replica was lost and nothing of it had reached the client: it runs again
+    # from its prompt on another replica, and these are its samples now
+    restarted: list[Sequence] | None = None
 
 
 class Submission:
@@ -94,6 +97,7 @@ class _Tracked:
     seqs: list[Sequence]
     queue: asyncio.Queue
     loop: asyncio.AbstractEventLoop
+    streams: bool = True  # its tokens reach the client as posted (else at the end, as one)
     sent_tokens: list[int] = field(default_factory=list)  # per sample, already posted
     sent_chars: list[int] = field(default_factory=list)
     done: list[bool] = field(default_factory=list)  # its final update went out
@@ -263,13 +267,16 @@ class AsyncEngine:
         return Submission(self, [rid for rid, _ in requests], queue)
 
     def enqueue(self, call_id: str, requests: list[tuple[int, tuple[str, list[Sequence]]]],
-                queue: asyncio.Queue, on_over=None, loop=None) -> None:  # fmt: skip
+                queue: asyncio.Queue, on_over=None, loop=None,
+                streams: bool = True) -> None:  # fmt: skip
         """Queue requests of API call ``call_id`` (each with its index in the call), posting
         their updates to ``queue`` (on ``loop``: the running one by default);
-        ``on_over(request_id)`` once each is over (finished, aborted or failed). ValueError if
-        a live call has that id."""
+        ``on_over(request_id)`` once each is over (finished, aborted or failed); ``streams``:
+        whether the client sees tokens as they are posted. ValueError if a live call has
+        that id."""
         loop = loop or asyncio.get_running_loop()
-        tracked = [(rid, _Tracked(i, seqs, queue, loop)) for i, (rid, seqs) in requests]
+        tracked = [(rid, _Tracked(i, seqs, queue, loop, streams))
+                   for i, (rid, seqs) in requests]  # fmt: skip
         with self._cond:
             if call_id in self._live.values():
                 raise ValueError(f"request id {call_id!r} is already in use")
@@ -469,7 +476,8 @@ class AsyncEngine:
         for rid, t in tracked.items():
             if self._core.state is not EngineState.DEAD:
                 self._core.abort(t.seqs)
-            if lost and not any(t.sent_tokens) and self.on_lost(rid, calls[rid], t, reason):
+            went_out = t.streams and any(t.sent_tokens)  # an answer in one piece: nothing did
+            if lost and not went_out and self.on_lost(rid, calls[rid], t, reason):
                 continue  # nothing went out yet: it runs again on another replica
             why = f"{self.label} was lost: {reason}" if lost else reason
             t.post(RequestUpdate(t.prompt_index, [], True, [], 0, error=why))

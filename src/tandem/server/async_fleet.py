@@ -224,10 +224,14 @@ class AsyncFleet:
 
     # ----- requests -----
     def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]],
-               on_over: Callable[[str], None] | None = None) -> Submission:  # fmt: skip
+               on_over: Callable[[str], None] | None = None,
+               streams: bool = True) -> Submission:  # fmt: skip
         """Route each request of API call ``call_id`` to a replica and queue them all (or
         none); every update reaches the call's one queue. ``on_over(request_id)`` once each
-        request is over (finished, aborted or failed; on an engine thread), if queued. Raises
+        request is over (finished, aborted or failed; on an engine thread), if queued.
+        ``streams``: the client sees tokens as they come (a request whose replica is lost
+        runs again elsewhere only if none went out; answered in one piece, it always may).
+        Raises
         QueueFull, EngineUnavailable (no replica can serve), ValueError (a live call has that
         id)."""
         if (why := self.unavailable()) is not None:
@@ -242,10 +246,10 @@ class AsyncFleet:
             with self._lock:
                 self._on_over.update((rid, on_over) for rid, _ in requests)
         try:
-            self._place(call_id, indexed, queue, asyncio.get_running_loop(), wait_s=0)
+            self._place(call_id, indexed, queue, asyncio.get_running_loop(), streams, wait_s=0)
         except NoReplicaError:  # none allowed yet, one will be (a rolling wave): wait apart
             threading.Thread(target=self._place_later, daemon=True,
-                             args=(call_id, indexed, queue, asyncio.get_running_loop()),
+                             args=(call_id, indexed, queue, asyncio.get_running_loop(), streams),
                              name="tandem-fleet-wait").start()  # fmt: skip
         except BaseException:  # none queued: none will be over
             with self._lock:
@@ -254,7 +258,7 @@ class AsyncFleet:
             raise
         return Submission(self, [rid for rid, _ in requests], queue)
 
-    def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop,
+    def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop, streams: bool,
                wait_s: float | None = None, avoid: int | None = None) -> None:  # fmt: skip
         """Route each (index, (request id, sequences)) of a call and queue it on its replica
         (all routed before any is queued). NoReplicaError if none may take them within
@@ -277,11 +281,12 @@ class AsyncFleet:
             self._where.update(routed)
             replicas = {r: self.replicas[r] for r in by_replica}
         for r, mine in sorted(by_replica.items()):
-            replicas[r].enqueue(call_id, mine, queue, self._over, loop)
+            replicas[r].enqueue(call_id, mine, queue, self._over, loop, streams)
 
-    def _place_later(self, call_id: str, indexed: list, queue: asyncio.Queue, loop) -> None:
+    def _place_later(self, call_id: str, indexed: list, queue: asyncio.Queue, loop,
+                     streams: bool) -> None:  # fmt: skip
         try:
-            self._place(call_id, indexed, queue, loop)
+            self._place(call_id, indexed, queue, loop, streams)
         except NoReplicaError as exc:
             for i, (rid, _) in indexed:
                 self._over(rid)
@@ -290,7 +295,8 @@ class AsyncFleet:
     def _rerun(self, lost: AsyncEngine, request_id: str, call_id: str | None, tracked,
                reason: str) -> bool:  # fmt: skip
         """A request ``lost`` could not finish and nothing of it went out: run it again on
-        another replica (fresh samples). Whether one took it."""
+        another replica (fresh samples, which the call is told of first). Whether one took
+        it."""
         if call_id is None:
             return False
         first = tracked.seqs[0]
@@ -298,8 +304,9 @@ class AsyncFleet:
         try:
             seqs = self._lead.prepare(request_id, prompt, first.params, first.priority)
             avoid = self.replicas.index(lost) if lost in self.replicas else None
+            tracked.post(RequestUpdate(tracked.prompt_index, [], False, [], 0, restarted=seqs))
             self._place(call_id, [(tracked.prompt_index, (request_id, seqs))], tracked.queue,
-                        tracked.loop, avoid=avoid)  # fmt: skip
+                        tracked.loop, tracked.streams, avoid=avoid)  # fmt: skip
         except Exception as exc:  # no replica left, or the call id went: it fails as lost
             log.warning("request %s lost with its replica (%s) and not run again: %s",
                         request_id, reason, exc)  # fmt: skip

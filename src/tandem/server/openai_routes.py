@@ -106,7 +106,7 @@ async def completions(request: Request):
             prompt_ids.append(ids)
         texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
         call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage,
-                     req.model, pin)  # fmt: skip
+                     req.model, pin, req.stream)  # fmt: skip
     except BaseException:
         release_soon(pin)
         raise
@@ -151,7 +151,7 @@ async def chat_completions(request: Request):
         fields = {"prompt": "messages", "max_tokens": limit}
         seqs = _prepare(s, request_id, ids, params, req.priority, pin, fields)
         call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
-                     req.include_usage, req.model, pin)  # fmt: skip
+                     req.include_usage, req.model, pin, req.stream)  # fmt: skip
     except BaseException:
         release_soon(pin)
         raise
@@ -189,7 +189,7 @@ class _Call:
 
     def __init__(self, s: ServerState, request: Request, rid: str, kind: str, n: int,
                  prepared: list[tuple[str, list[Sequence]]], include_usage: bool, model: str,
-                 pin: Pin | None = None):  # fmt: skip
+                 pin: Pin | None = None, streams: bool = True):  # fmt: skip
         self.s, self.request, self.rid, self.kind, self.n = s, request, rid, kind, n
         self.prepared = prepared
         self.include_usage = include_usage
@@ -198,10 +198,13 @@ class _Call:
         self.first_token: float | None = None
         # a LoRA adapter stays pinned until every request of the call is over
         on_over = None if pin is None else s.lora.hold(pin, len(prepared))
-        self.submission: Submission = s.submit(rid, prepared, on_over)
+        self.submission: Submission = s.submit(rid, prepared, on_over, streams)
         s.metrics.prompt_tokens.inc(sum(seqs[0].num_prompt_tokens for _, seqs in prepared))
 
     def _seen(self, update: RequestUpdate) -> None:
+        if update.restarted is not None:  # its replica was lost: it runs again elsewhere
+            request_id, _ = self.prepared[update.prompt_index]
+            self.prepared[update.prompt_index] = (request_id, update.restarted)
         if self.first_token is None and any(d.token_ids for d in update.deltas):
             self.first_token = time.monotonic()
             self.s.metrics.ttft.observe(self.first_token - self.arrival)
@@ -239,6 +242,8 @@ class _Call:
         try:
             async for update in self.submission.updates():
                 self._seen(update)
+                if update.restarted is not None:
+                    continue
                 choices = []
                 for d in update.deltas:
                     key = (update.prompt_index, d.index)

@@ -70,9 +70,9 @@ class ServerState:
             return name
         raise model_not_found(name, self.config.model_name, self.lora.enabled)
 
-    def submit(self, call_id: str, requests, on_over=None) -> Submission:
+    def submit(self, call_id: str, requests, on_over=None, streams: bool = True) -> Submission:
         try:
-            return self.engine.submit(call_id, requests, on_over)
+            return self.engine.submit(call_id, requests, on_over, streams)
         except QueueFull as exc:
             raise APIError(429, f"server busy: {exc}", code="queue_full",
                            headers={"Retry-After": "1"}) from None  # fmt: skip
