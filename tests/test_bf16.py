@@ -93,7 +93,7 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
 def test_parallel_ranks_match_transformers_bf16(llama_dir, tp, pp):
     with LLM(llama_dir, dtype="bfloat16", tensor_parallel_size=tp,
              pipeline_parallel_size=pp) as llm:  # fmt: skip
-        assert {lay.dtype for lay in llm.engine.executor.layouts} == {"bfloat16"}
+        assert {lay.dtype for lay in llm.engine.weight_layouts()} == {"bfloat16"}
         _check_generation(llm, _hf(llama_dir))
 
 

@@ -49,7 +49,7 @@ def test_bert_classifier_logits_equal_transformers(bert, tp, pp):
         # token types are respected: a pair's second segment has type 1
         ids = got_ids = llm.engine.tokenizer.encode(TEXTS[0])
         types = [0] * 3 + [1] * (len(ids) - 3)
-        row = llm.engine.encode([got_ids], [types], None)[0]
+        row = llm.engine.encoder.encode([got_ids], [types], None)[0]
         with torch.no_grad():
             want = hf(torch.tensor([ids]), token_type_ids=torch.tensor([types])).logits[0]
             plain = hf(torch.tensor([ids])).logits[0]

@@ -23,14 +23,14 @@ def test_abort_frees_blocks_and_the_rest_go_on(llama_dir):
         engine.add(a + b)
         for _ in range(3):
             engine.step()
-        used = engine.blocks.num_blocks - engine.blocks.num_free
+        used = engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_free
         engine.abort(a)
         assert a[0].finish_reason == "abort" and not a[0].block_table
-        assert engine.blocks.num_blocks - engine.blocks.num_free < used
+        assert engine.scheduler.blocks.num_blocks - engine.scheduler.blocks.num_free < used
         while engine.has_unfinished():
             engine.step()
         assert b[0].output_token_ids == expected  # aborting a neighbour changes nothing
-        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
         waiting = engine.admission.make_sequences("c", [1, 2, 3], PARAMS)
         engine.add(waiting)
         engine.abort(waiting)  # never scheduled: just dropped
@@ -61,7 +61,7 @@ def test_sleep_mid_generation_preempts_and_resumes(llama_dir):
         for _ in range(4):
             engine.step()
         llm.sleep()  # the running sequence loses its blocks, keeps its tokens
-        assert engine.blocks.num_free == engine.blocks.num_blocks
+        assert engine.scheduler.blocks.num_free == engine.scheduler.blocks.num_blocks
         llm.wake()
         while engine.has_unfinished():
             engine.step()

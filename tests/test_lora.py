@@ -97,8 +97,8 @@ def test_the_prefix_cache_is_keyed_by_adapter(llama_dir, lora):
     long_prompt = [(7 * i + 3) % 400 + 5 for i in range(40)]  # 2 full blocks of 16 + 8
     with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
         for name in ("a1", "a2"):  # loading is a push, which empties the prefix cache
-            llm.engine.load_lora_adapter(name, lora["paths"][name])
-        stats = llm.engine.blocks.stats
+            llm.engine.adapters.load(name, lora["paths"][name])
+        stats = llm.engine.scheduler.blocks.stats
         order = ["a1", None, "a2", "a1", None]
         hits = []
         for name in order:
@@ -118,7 +118,7 @@ def test_an_adapter_from_tensors_in_memory_equals_the_one_from_its_directory(lla
     with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
         from_memory = _pairs(llm.generate(PROMPTS, GREEDY, lora_request=memory))
         from_dir = _pairs(llm.generate(PROMPTS, GREEDY, lora_request=_request(lora, "a2")))
-        assert [a.name for a in llm.engine.lora_adapters()] == ["a2", "mem"]
+        assert [a.name for a in llm.engine.adapters.loaded()] == ["a2", "mem"]
     assert from_memory == from_dir
 
 
@@ -128,7 +128,7 @@ def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(ll
     with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
         base = _pairs(llm.generate(PROMPTS, GREEDY))
         # an SFT adapter first, from its directory; the trainer's pushes replace it
-        assert llm.engine.load_lora_adapter("policy", lora["paths"]["a1"]).path is not None
+        assert llm.engine.adapters.load("policy", lora["paths"]["a1"]).path is not None
         sender = WeightSender(trainer, llm, lora_name="policy")
         stats = sender.push(version=7)
         assert stats.bytes_needed == stats.bytes_moved == adapter_bytes
@@ -142,7 +142,7 @@ def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(ll
                 if "lora_B" in name:
                     p.add_(0.25)
         assert sender.push().version == 8
-        (latest,) = llm.engine.lora_adapters()
+        (latest,) = llm.engine.adapters.loaded()
         assert (latest.name, latest.version, latest.path) == ("policy", 8, None)  # pushed
         outs = llm.generate(PROMPTS, GREEDY, lora_request=policy)
         assert [(o.lora_request, o.lora_version) for o in outs] == [(policy, 8)] * 2
@@ -156,7 +156,7 @@ def test_keep_versions_keeps_the_last_n_versions_in_their_slots(llama_dir):
     tensors (a request pinned to it finishes on it); the third replaces the oldest."""
     trainer = peft_model(llama_dir, 4)
     with LLM(llama_dir, enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
-        registry = llm.engine.lora
+        registry = llm.engine.adapters.registry
         stacks = [m for m in llm.engine.executor.runner.model.modules()
                   if type(m).__name__ == "LoRAStack"]  # fmt: skip
         sender = WeightSender(trainer, llm, lora_name="policy", keep_versions=2)
@@ -220,7 +220,7 @@ def test_a_wrong_copy_of_an_adapter_is_rejected_and_its_last_version_serves(llam
                                "before keep serving|versions loaded before keep serving.*"
                                "checksum mismatch"):  # fmt: skip
                 sender.push(version=2)
-        assert llm.engine.lora.latest("policy").version == 1
+        assert llm.engine.adapters.registry.latest("policy").version == 1
         assert _pairs(llm.generate(PROMPTS, GREEDY, lora_request=policy)) == before
 
 
@@ -242,7 +242,7 @@ def test_bad_adapters_are_refused_by_name_and_nothing_runs(llama_dir, lora, tmp_
         with pytest.raises(LoRASlotsFull, match="all max_loras=2 slots"):  # 3 in one call
             llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=three)
         assert llm.engine.scheduler.has_unfinished() is False
-        assert sorted(a.name for a in llm.engine.lora_adapters()) == ["a1", "a2"]
+        assert sorted(a.name for a in llm.engine.adapters.loaded()) == ["a1", "a2"]
         _close(_pairs(llm.generate(PROMPTS[:1], GREEDY, lora_request=_request(lora, "a1")))[0],
                greedy(lora["models"]["a1"], PROMPTS[0], MAX_TOKENS))  # fmt: skip
     with LLM(llama_dir) as llm:
@@ -267,6 +267,6 @@ def test_three_adapters_share_two_slots_across_calls(llama_dir, lora, tmp_path):
             out = llm.generate(PROMPTS[:1], GREEDY, lora_request=request)
             model = merged(third) if name == "a3" else lora["models"][name]
             _close(_pairs(out)[0], greedy(model, PROMPTS[0], MAX_TOKENS))
-        assert sorted(a.name for a in llm.engine.lora_adapters()) == ["a1", "a3"]
-        llm.engine.unload_lora_adapter("a3")
-        assert [a.name for a in llm.engine.lora_adapters()] == ["a1"]
+        assert sorted(a.name for a in llm.engine.adapters.loaded()) == ["a1", "a3"]
+        llm.engine.adapters.unload("a3")
+        assert [a.name for a in llm.engine.adapters.loaded()] == ["a1"]

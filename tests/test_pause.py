@@ -45,7 +45,7 @@ def test_pause_keep_freezes_then_a_push_lands_and_sequences_go_on(model_factory)
         thread, result = _in_thread(llm, PROMPTS, params)
         _wait_for(lambda: _generated(llm) >= 4)
         llm.pause("keep")
-        assert llm.engine.paused == "keep"
+        assert llm.engine.controls.paused == "keep"
         frozen = _generated(llm)
         time.sleep(0.3)
         assert _generated(llm) == frozen and thread.is_alive()  # no step while kept

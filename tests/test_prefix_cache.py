@@ -245,7 +245,7 @@ def test_sharing_caching_and_chunking_change_no_tokens_or_logprobs(llama_dir, re
     seqs = min(budget, 256)  # every running sequence must fit a step's budget
     with LLM(llama_dir, block_size=BS, max_num_batched_tokens=budget, max_num_seqs=seqs) as llm:
         runs = _workload(llm)
-        stats = llm.engine.blocks.stats
+        stats = llm.engine.scheduler.blocks.stats
         counters = llm.engine.scheduler.counters
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)
@@ -263,7 +263,7 @@ def test_sharing_caching_and_chunking_change_no_tokens_or_logprobs(llama_dir, re
 def test_eviction_under_a_tiny_kv_budget_changes_nothing(llama_dir, reference):
     with LLM(llama_dir, block_size=BS, kv_cache_memory=_bytes_for_blocks(llama_dir, 40)) as llm:
         runs = _workload(llm)
-        assert llm.engine.blocks.num_blocks == 40
+        assert llm.engine.scheduler.blocks.num_blocks == 40
         assert llm.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)
@@ -283,7 +283,7 @@ def test_a_weight_push_invalidates_the_prefix_cache(model_factory):
     with LLM(trainer_dir, block_size=BS, enable_prefix_caching=False) as ref:
         expected = ref.generate(PROMPTS, greedy)
     with LLM(engine_dir, block_size=BS) as llm:
-        blocks = llm.engine.blocks
+        blocks = llm.engine.scheduler.blocks
         llm.generate(PROMPTS, greedy)  # fills the cache under the old weights
         hits = blocks.stats.hit_tokens
         llm.generate([PROMPTS[0]], greedy)
@@ -330,7 +330,8 @@ def test_pipeline_with_chunks_in_flight_and_preemption(llama_dir, reference):
         max_num_seqs=9, kv_cache_memory=kv,
     ) as llm:  # fmt: skip
         runs = _workload(llm)
-        assert llm.engine.stats().peak_steps_in_flight == 2 and llm.engine.blocks.num_blocks == 20
+        stats = llm.engine.stats()
+        assert stats.peak_steps_in_flight == 2 and stats.kv_blocks_total == 20
         assert llm.engine.scheduler.num_preemptions > 0
     for outs, ref in zip(runs, reference, strict=True):
         _same(outs, ref)
@@ -362,8 +363,8 @@ def test_random_aborts_with_shared_blocks_leak_nothing(llama_dir):
                 victims = rng.sample(requests[i], rng.randint(1, 3))
                 engine.abort(victims)
                 aborted.update(s.seq_id for s in victims)
-        assert engine.blocks.num_free == engine.blocks.num_blocks, "a block leaked"
-        assert all(b.ref_count == 0 for b in engine.blocks._blocks)
+        blocks = engine.scheduler.blocks
+        assert blocks.num_free == blocks.num_blocks, "a block leaked"
         assert engine.scheduler.num_unfinished == 0 and 0 < len(aborted) < 30
         assert engine.scheduler.num_preemptions > 0
     survivors = [(i, s) for i, seqs in enumerate(requests) for s in seqs

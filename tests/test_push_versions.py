@@ -121,7 +121,7 @@ def test_an_adapters_versions_go_forward_per_name(llama_dir):
         # another adapter has versions of its own; the base weights never moved
         WeightSender(peft_model(llama_dir, 4), llm, lora_name="other").push(version=1)
         assert sender.push(version=2, rollback=True).version == 2
-        adapters = {a.name: a.version for a in llm.engine.lora_adapters()}
+        adapters = {a.name: a.version for a in llm.engine.adapters.loaded()}
         assert adapters == {"policy": 2, "other": 1} and llm.weight_version == 0
 
 

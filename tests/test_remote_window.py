@@ -26,17 +26,19 @@ def test_one_window_at_a_time_by_token_and_quiet_fronts_time_out(llama_dir):
     with LLM(llama_dir) as llm:
         host = WindowHost(llm.fleet.target, idle_timeout_s=0.5)
         token = host.open(_spec(1))
-        assert llm.engine.lifecycle.updating
+        assert llm.engine.controls.lifecycle.updating
         with pytest.raises(WindowError, match="another"):
             host.open(_spec(2))
         with pytest.raises(WindowError, match="no such"):
             host.run("not-the-token", lambda update: None)
         assert host.run(token, lambda update: update.run(PushPhase.VERIFY, {})) == 0
         host.close(token, ok=False)  # the front aborted: nothing committed
-        assert not llm.engine.lifecycle.updating and llm.weight_version == 0 and _serves(llm)
+        assert not llm.engine.controls.lifecycle.updating
+        assert llm.weight_version == 0 and _serves(llm)
 
         quiet = host.open(_spec(3))
         time.sleep(1.0)  # the front went quiet past idle_timeout_s
         with pytest.raises(WindowError, match="no such"):
             host.run(quiet, lambda update: None)
-        assert not llm.engine.lifecycle.updating and llm.weight_version == 0 and _serves(llm)
+        assert not llm.engine.controls.lifecycle.updating
+        assert llm.weight_version == 0 and _serves(llm)

@@ -125,7 +125,7 @@ def test_preemption_when_kv_cache_is_small_gives_identical_outputs(llama_dir, ll
     with LLM(llama_dir, kv_cache_memory=12 * block_bytes) as small:
         got = _tokens(small.generate(prompts, params))
         assert small.engine.scheduler.num_preemptions > 0
-        assert small.engine.blocks.num_free == small.engine.blocks.num_blocks
+        assert small.engine.scheduler.blocks.num_free == small.engine.scheduler.blocks.num_blocks
     assert got == expected
 
 

@@ -107,7 +107,7 @@ def test_grpo_trainer_on_a_peft_model_syncs_the_adapter_and_logprobs_match(model
         # the first push is PEFT's initial adapter (B = 0: the base model); training moved it
         assert seen[0]["moved"] == 0.0 and seen[-1]["moved"] > 1e-3, seen
         assert llm.weight_version == 0  # the base weights were never pushed
-        assert [(a.name, a.version) for a in llm.engine.lora_adapters()] == [("policy", 2)]
+        assert [(a.name, a.version) for a in llm.engine.adapters.loaded()] == [("policy", 2)]
 
 
 @pytest.mark.timeout(120)
@@ -145,7 +145,7 @@ def test_peft_model_needs_an_engine_serving_its_adapter(model_factory):
         rollout = TandemRollout(llm, max_tokens=4)
         with pytest.raises(LoRAError, match="r=4, above the engine's max_lora_rank=2"):
             rollout(["the cat"], trainer_of(peft_model))
-        assert rollout.pushes == 0 and llm.engine.lora_adapters() == []
+        assert rollout.pushes == 0 and llm.engine.adapters.loaded() == []
 
         # a second adapter (as TRL adds "ref" for a wrapped model with beta != 0) stays home
         small = get_peft_model(
@@ -161,7 +161,7 @@ def test_peft_model_needs_an_engine_serving_its_adapter(model_factory):
         rollout = TandemRollout(llm, max_tokens=4, seed=1, lora_name="mine")
         out = rollout(["the cat"] * 2, trainer_of(small))
         assert rollout.last_push.bytes_needed == _adapter_bytes(small, "default")
-        assert [(a.name, a.version) for a in llm.engine.lora_adapters()] == [("mine", 0)]
+        assert [(a.name, a.version) for a in llm.engine.adapters.loaded()] == [("mine", 0)]
         for ids, completion, logprobs in zip(out["prompt_ids"], out["completion_ids"],
                                              out["logprobs"], strict=True):  # fmt: skip
             expected = _completion_logprobs(small, ids, completion)

@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import torch
 
+from tandem.engine.admission import Admission
+from tandem.engine.engine_lock import EngineLock
 from tandem.engine.messages import EncodeMessage
+from tandem.engine.state import EngineLifecycle
+from tandem.engine.stepper import Stepper
 
 
-class EngineEncode:
-    """Mixed into `LLMEngine`: its lock, step ids, admission and executor."""
+class Encoder:
+    """The engine's embed / classify calls: they run under the engine lock, between steps."""
 
-    encode_batches = 0  # model passes
-    encode_inputs = 0  # sequences encoded in them
+    def __init__(self, lock: EngineLock, stepper: Stepper, lifecycle: EngineLifecycle,
+                 admission: Admission, task: str):  # fmt: skip
+        self._lock = lock
+        self._stepper = stepper
+        self._lifecycle = lifecycle
+        self._admission = admission
+        self._task = task
+        self.batches = 0  # model passes
+        self.inputs = 0  # sequences encoded in them
 
     def encode(
         self,
@@ -25,10 +36,10 @@ class EngineEncode:
         ``mean`` of its last hidden states; default: the model's) and, for task ``classify``,
         through its head: one row per input. Sequences are packed unpadded into batches of
         at most ``max_num_batched_tokens`` tokens; batches run between generation steps."""
-        pooling = self.admission.check_encode(inputs, pooling)
-        return self.run_encode(inputs, token_types, pooling, pixels)
+        pooling = self._admission.check_encode(inputs, pooling)
+        return self.run(inputs, token_types, pooling, pixels)
 
-    def run_encode(
+    def run(
         self,
         inputs: list[list[int]],
         token_types: list[list[int]] | None,
@@ -37,21 +48,23 @@ class EngineEncode:
     ) -> list[list[float]]:
         """`encode` on inputs `Admission.check_encode` accepted (its pooling resolved)."""
         rows: list[list[float]] = []
-        with self._control():
-            self._drain_in_flight()
-            self.lifecycle.check_runnable()
-            for batch in pack(inputs, self.limits.max_num_batched_tokens):
+        budget = self._admission.limits.max_num_batched_tokens
+        executor = self._stepper.executor
+        with self._lock.control():
+            self._stepper.drain()
+            self._lifecycle.check_runnable()
+            for batch in pack(inputs, budget):
                 msg = EncodeMessage(
-                    step_id=next(self._step_ids),
+                    step_id=self._stepper.next_step_id(),
                     seqs=[inputs[i] for i in batch],
                     token_types=None if token_types is None else [token_types[i] for i in batch],
                     pooling=pooling,
-                    task=self.config.task,
+                    task=self._task,
                     pixels=None if pixels is None else [pixels[i] for i in batch],
                 )
-                rows.extend(self._guarded(lambda msg=msg: self.executor.encode(msg)).rows)
-                self.encode_batches += 1
-                self.encode_inputs += len(batch)
+                rows.extend(self._stepper.guarded(lambda msg=msg: executor.encode(msg)).rows)
+                self.batches += 1
+                self.inputs += len(batch)
         return rows
 
 

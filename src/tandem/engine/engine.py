@@ -1,51 +1,64 @@
 """The engine core: requests in, one scheduled model step at a time, finished sequences out.
 
 `LLMEngine.step` is the token path: schedule a batch (`Scheduler`), run it on every rank
-(`Executor`: `submit`, then `collect` the sampling rank's `StepResult`), and process the outputs
-(`OutputProcessor.record_step`). What else the engine does lives beside it, one concern per
-module: admission (`admission.py`), embed / classify (`encode.py`), pause / abort / sleep /
-wake (`controls.py`) and the weight-push window (`push_window.py`); the lifecycle they all move
-through is `state.EngineLifecycle`.
+(`Stepper`: the executor's `submit`, then `collect` the sampling rank's `StepResult`), and
+process the outputs (`OutputProcessor.record_step`). The engine is made of parts that own
+their state, each in its own module, sharing one lock (`EngineLock`): admission
+(`admission.py`), the scheduler with its KV blocks, the stepper, the controls with the
+lifecycle (`controls.py`, `state.EngineLifecycle`), embed / classify (`encode.py`), LoRA
+adapters (`lora_adapters.py`) and the weights' push window (`push_window.py`).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import threading
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from tandem.config import EngineConfig
 from tandem.engine.admission import Admission, Limits
-from tandem.engine.controls import EngineControls
+from tandem.engine.controls import Controls
 from tandem.engine.dtype_auto import resolve_dtype
-from tandem.engine.encode import EngineEncode
+from tandem.engine.encode import Encoder
+from tandem.engine.engine_lock import EngineLock
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager
-from tandem.engine.lora_adapters import EngineLoRA
+from tandem.engine.lora_adapters import Adapters
 from tandem.engine.lora_registry import LoRARegistry
-from tandem.engine.messages import StepResult
 from tandem.engine.output_processor import OutputProcessor
 from tandem.engine.push_window import PushWindow
-from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineLifecycle, EngineState
 from tandem.engine.stats import EngineStats
-from tandem.engine.step_message import step_message
+from tandem.engine.stepper import Stepper
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import LoRAError
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import AdapterPush, AdapterSlot, PushSettings, UpdateSpec
 from tandem.lora.config import LORA_MODULES
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
 
 HEALTH_CHECK_S = 1.0  # how often a paused step checks that its workers are still there
-CONTROL_YIELD_S = 0.0002  # how long `step` sleeps while a control call waits for the lock
 
 
-class LLMEngine(EngineControls, EngineEncode, PushWindow, EngineLoRA):
+class LLMEngine:
+    """One engine: requests in, one scheduled model step at a time, finished sequences out.
+
+    Its public API:
+    - what it serves: ``spec``, ``config``, ``dtype_choice``, ``limits``, ``tokenizer``,
+      ``admission`` (checks requests and makes their sequences), ``outputs`` (their text);
+    - the requests: `add`, `step`, `abort`, `has_unfinished`, `batch_window_left`,
+      `reset_prefix_cache`, `stats`, ``scheduler`` (read-only: what waits and runs);
+    - ``controls`` (`Controls`: pause, resume, abort by request, sleep, wake, reload, and the
+      ``lifecycle``), ``encoder`` (`Encoder`: embed / classify), ``adapters`` (`Adapters`:
+      LoRA), ``window`` (`PushWindow`: the weights' version and a push's window);
+    - as a weight-push target (`tandem.exchange.WeightTarget` and `AdapterTarget`):
+      `exchange_server`, ``weight_version``, ``update_listeners``, ``weight_dtype``,
+      ``weight_device_type``, ``receivers_in_process``, `weight_layouts`, `refuses`,
+      `adapter_plan`, `weight_update`, `unavailable`;
+    - `state`, `check_health`, ``executor``, `worker_locations`, `shutdown`.
+    """
+
     def __init__(self, config: EngineConfig):
         import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model, config.quantization)
@@ -59,134 +72,81 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow, EngineLoRA):
             self.outputs = OutputProcessor(
                 self.tokenizer, self.spec.eos_token_ids, self.limits.max_model_len
             )
-        self.executor: Executor = _make_executor(self.spec, config)
-        self.blocks = BlockManager(
-            self.executor.num_blocks,
+        executor: Executor = _make_executor(self.spec, config)
+        self._blocks = BlockManager(
+            executor.num_blocks,
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         self.admission = Admission(self.spec, config.task, self.limits, self.tokenizer,
-                                   self.blocks)  # fmt: skip
+                                   self._blocks)  # fmt: skip
         self.scheduler = Scheduler(
-            self.blocks,
+            self._blocks,
             config.scheduler.max_num_seqs,
             self.limits.max_num_batched_tokens,
             policy=config.scheduler.scheduling_policy,
             max_wait_s=config.scheduler.max_wait_s,
             batching=config.scheduler.batching,
         )
-        self.weight_version = 0
-        self.lora = None  # LoRA adapters' slots (`tandem.engine.lora_registry`)
+        lora = None  # LoRA adapters' slots (`tandem.engine.lora_registry`)
         if config.lora.enable_lora:
-            if not any(lay.lora_sites for lay in self.executor.layouts):
-                self.executor.shutdown()
+            if not any(lay.lora_sites for lay in executor.layouts):
+                executor.shutdown()
                 raise LoRAError(f"{self.spec.cls.__name__} has no layers LoRA adapts "
                                 f"({', '.join(LORA_MODULES)})")  # fmt: skip
-            self.lora = LoRARegistry(config.lora, self._lora_busy)
-        self.lifecycle = EngineLifecycle(weights=config.load_format == "auto")
-        self._step_ids = itertools.count()
-        self._in_flight: deque[ScheduledBatch] = deque()
-        self._released: list[int] = []  # finished sequences the ranks may forget
-        self._peak_in_flight = 0
-        self.lock = threading.RLock()  # one step or one control call at a time
-        self._resumed = threading.Condition(self.lock)  # a pause, a push or an abort ended
-        self._controls = 0  # control calls waiting for the lock (`_control`)
-        self._controls_lock = threading.Lock()
-        # The exchange server calls these after every push attempt with (version, seconds,
-        # error or None): metrics, logs.
-        self.update_listeners: list[Callable[[int, float, str | None], None]] = []
-
-    @contextmanager
-    def _control(self) -> Iterator[None]:
-        """The engine lock for a call from outside the stepping loop (pause, resume, abort,
-        a push's phases, sleep, new requests): `step` lets it in before its next step, so a
-        thread stepping in a tight loop cannot starve it (locks are not fair)."""
-        with self._controls_lock:
-            self._controls += 1
-        try:
-            with self.lock:
-                yield
-        finally:
-            with self._controls_lock:
-                self._controls -= 1
+            lora = LoRARegistry(config.lora, self.scheduler.lora_slots)
+        lifecycle = EngineLifecycle(weights=config.load_format == "auto")
+        self._lock = EngineLock()
+        self._stepper = Stepper(executor, self.scheduler, self.outputs, lifecycle)
+        self.window = PushWindow(self._lock, self._stepper, lifecycle, self._blocks, lora)
+        self.controls = Controls(self._lock, lifecycle, self.scheduler, self._blocks,
+                                 self._stepper, self.window, self.spec.path)  # fmt: skip
+        self.encoder = Encoder(self._lock, self._stepper, lifecycle, self.admission, config.task)
+        self.adapters = Adapters(lora, self._lock, lambda: self.exchange_server().address)
+        self._exchange = None
 
     def step(self, for_seqs: list[Sequence] | None = None) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
         returns the sequences that finished in it. While paused or updating it waits; with
         ``for_seqs`` it returns as soon as those are finished (by another thread's step)."""
-        while self._controls:  # a control call (pause, push, abort...) goes first
-            time.sleep(CONTROL_YIELD_S)
-        with self.lock:
+        with self._lock.step():
             if not self._wait_for_work(for_seqs):
                 return []
-            self._guarded(self._schedule)
-            return self._process_outputs(self._guarded(self.executor.collect))
+            self._stepper.fill(self.window.version)
+            finished = self._stepper.finish_oldest()
+            if finished:
+                self._lock.resumed.notify_all()  # `step` callers waiting on these
+            return finished
 
     def _wait_for_work(self, for_seqs: list[Sequence] | None) -> bool:
         """Wait out a pause or a push window (raising EngineDeadError if a worker dies
         meanwhile); whether there is a step to run."""
-        while (self.lifecycle.updating or self.held()) and self.has_unfinished():
+        lifecycle = self.controls.lifecycle
+        while (lifecycle.updating or self.controls.held()) and self.has_unfinished():
             if for_seqs is not None and all(seq.finished for seq in for_seqs):
                 return False  # another thread's step or an abort finished them
-            if not self._resumed.wait(timeout=HEALTH_CHECK_S) and not self.lifecycle.updating:
-                self._guarded(self.executor.check_alive)  # paused: are the workers there?
-            self.lifecycle.check_alive()
+            if not self._lock.resumed.wait(timeout=HEALTH_CHECK_S) and not lifecycle.updating:
+                self._stepper.guarded(self._stepper.executor.check_alive)  # paused: workers?
+            lifecycle.check_alive()
         if not self.has_unfinished():  # aborted (pause, abort) while this call waited
             return False
-        self.lifecycle.check_runnable()
+        lifecycle.check_runnable()
         return True
-
-    def _schedule(self) -> None:
-        """Submit batches until the pipeline is full: each step in flight takes its share of
-        the unfinished sequences, disjoint from the others'."""
-        depth = self.executor.max_in_flight
-        while len(self._in_flight) < depth:
-            busy = {s.seq_id for b in self._in_flight for s in b.seqs}
-            share = math.ceil(self.scheduler.num_unfinished / depth)
-            batch = self.scheduler.schedule(busy, max_seqs=max(1, share))
-            if not batch:
-                break
-            self.executor.submit(step_message(next(self._step_ids), batch, self._released))
-            self._released = []
-            self._in_flight.append(batch)
-            self._peak_in_flight = max(self._peak_in_flight, len(self._in_flight))
-        if not self._in_flight:
-            raise RuntimeError("scheduler produced an empty batch with requests pending")
-
-    def _process_outputs(self, result: StepResult) -> list[Sequence]:
-        """The oldest step's results onto its sequences; the ones that finished."""
-        batch = self._in_flight.popleft()
-        self.outputs.record_step(batch.seqs, batch.samples, result, self.weight_version)
-        self.scheduler.finish_step(batch)
-        finished = [s for s in batch.seqs if s.finished]
-        self._released.extend(s.seq_id for s in finished)
-        if finished:
-            self._resumed.notify_all()  # `step` callers waiting on these
-        return finished
-
-    def _drain_in_flight(self) -> None:
-        while self._in_flight:
-            self._process_outputs(self._guarded(self.executor.collect))
-
-    def _guarded(self, call):
-        """Run an executor call; a dead worker marks the engine dead and stops the rest."""
-        try:
-            return call()
-        except EngineDeadError as exc:
-            self.lifecycle.died(str(exc))
-            self.executor.shutdown()
-            raise
 
     def add(self, seqs: list[Sequence]) -> None:
         """Queue sequences from `Admission.make_sequences` (a request's samples share its
         prompt)."""
-        with self._control():
+        with self._lock.control():
             requests: dict[str, list[Sequence]] = {}
             for seq in seqs:
                 requests.setdefault(seq.request_id, []).append(seq)
             for samples in requests.values():
                 self.scheduler.add_request(samples)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop these sequences now (see `Controls.abort`)."""
+        self.controls.abort(seqs)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -200,26 +160,26 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow, EngineLoRA):
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix block (blocks in use stay with their sequences)."""
-        with self._control():
-            self.blocks.reset_prefix_cache()
+        with self._lock.control():
+            self._blocks.reset_prefix_cache()
 
     @property
     def state(self) -> EngineState:
-        return self.lifecycle.state
+        return self.controls.lifecycle.state
 
     def check_health(self) -> None:
         """Notice a dead worker while idle (marks the engine dead). Skipped while a step or a
         weight update holds the engine: those notice it themselves."""
-        if self.state is not EngineState.DEAD and self.lock.acquire(blocking=False):
+        if self.state is not EngineState.DEAD and self._lock.try_acquire():
             try:
-                self._guarded(self.executor.check_alive)
+                self._stepper.guarded(self._stepper.executor.check_alive)
             except EngineDeadError:
                 pass
             finally:
-                self.lock.release()
+                self._lock.release()
 
     def stats(self) -> EngineStats:
-        blocks, scheduler = self.blocks, self.scheduler
+        blocks, scheduler = self._blocks, self.scheduler
         return EngineStats(
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_used=blocks.num_blocks - blocks.num_free,
@@ -232,15 +192,88 @@ class LLMEngine(EngineControls, EngineEncode, PushWindow, EngineLoRA):
             num_waiting=scheduler.num_unfinished - len(scheduler.running),
             num_running=len(scheduler.running),
             num_preemptions=scheduler.num_preemptions,
-            peak_steps_in_flight=self._peak_in_flight,
-            encode_batches=self.encode_batches,
-            encode_inputs=self.encode_inputs,
+            peak_steps_in_flight=self._stepper.peak_in_flight,
+            encode_batches=self.encoder.batches,
+            encode_inputs=self.encoder.inputs,
         )
+
+    @property
+    def executor(self) -> Executor:
+        """The executor driving the ranks (an in-process one holds its `ModelRunner`)."""
+        return self._stepper.executor
+
+    def worker_locations(self) -> list[dict]:
+        """Where each rank runs: ``{rank, node_id, pid}``."""
+        return self._stepper.executor.worker_locations()
+
+    # ----- a weight-push target (`tandem.exchange.WeightTarget`, `AdapterTarget`) -----
+    def exchange_server(self):
+        """The exchange server trainers push into (started on first use)."""
+        if self._exchange is None:
+            from tandem.exchange.server import ExchangeServer
+
+            # the transport's own waits end first: an error, not a rank declared dead
+            timeout = self.config.parallel.push_phase_timeout_s
+            self._exchange = ExchangeServer(self, host=self.config.exchange_host,
+                                            stage_timeout_s=timeout)  # fmt: skip
+        return self._exchange
+
+    @property
+    def weight_version(self) -> int:
+        return self.window.version
+
+    @property
+    def update_listeners(self) -> list[Callable[[int, float, str | None], None]]:
+        return self.window.update_listeners
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.config.dtype
+
+    @property
+    def weight_device_type(self) -> str:
+        return self.config.torch_device.type
+
+    @property
+    def receivers_in_process(self) -> bool:
+        return isinstance(self._stepper.executor, InProcessExecutor)
+
+    def weight_layouts(self) -> list[RankLayout]:
+        """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
+        return self._stepper.executor.layouts
+
+    def unavailable(self) -> str | None:
+        return self.controls.lifecycle.unavailable()
+
+    def refuses(self, settings: PushSettings) -> str | None:
+        """Every transport's every mode (their coordinators check the rest); a LoRA
+        adapter's push needs ``enable_lora`` and lands staged (its slot is cleared and
+        written at the commit, while the version before it serves until then)."""
+        if settings.adapter is None:
+            return None
+        if self.adapters.registry is None:
+            return "this engine serves no LoRA adapters (start it with enable_lora=True)"
+        if settings.in_place:
+            return "a LoRA adapter's push is staged (mode='staged'): adapters are small"
+        if settings.rolling:
+            return "policy='rolling' is for fleets; one engine commits an adapter at once"
+        return None
+
+    def adapter_plan(self, push: AdapterPush
+                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+        """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
+        where it lands, and the adapter's latest version (None: none is loaded)."""
+        with self._lock.control():
+            return self.adapters.registry.plan_push(push, self.weight_layouts())
+
+    def weight_update(self, spec: UpdateSpec):
+        """The window of one push (`PushWindow.weight_update`)."""
+        return self.window.weight_update(spec)
 
     def shutdown(self) -> None:
         if self._exchange is not None:
             self._exchange.close()
-        self.executor.shutdown()
+        self._stepper.executor.shutdown()
 
 
 def _make_executor(spec, config: EngineConfig) -> Executor:

@@ -49,7 +49,7 @@ class Fleet:
         lead = self.engines[0]
         # every replica, restarted or added ones too, runs the dtype the lead resolved
         self.config = config.model_copy(update={"dtype": lead.config.dtype})
-        self.router = Router(replicas, lead.config.cache.block_size, lead.blocks.num_blocks)
+        self.router = Router(replicas, lead.config.cache.block_size, lead.stats().kv_blocks_total)
         self.lock = threading.Lock()  # the router's, and the replica list's
         self.board = ReplicaBoard(replicas, self._versions, config.parallel.max_staleness)
         self.timeout_s = config.parallel.push_phase_timeout_s
@@ -231,8 +231,8 @@ class Fleet:
                 raise NoReplicaError(f"no live peer to pull from: {self.board.why_none()}")
             peer = max(peers, key=lambda r: (versions[r], -r))
             push_from_peer(self.engines[peer], self._address(replica), self.timeout_s)
-            if (mode := self.engines[peer].paused) is not None:  # paused as the fleet is
-                self.engines[replica].pause(mode)
+            if (mode := self.engines[peer].controls.paused) is not None:  # paused as the fleet is
+                self.engines[replica].controls.pause(mode)
             with self.lock:
                 self.router.forget(replica)
             self.board.set(replica, ReplicaState.SERVING)
@@ -305,7 +305,7 @@ class Fleet:
     def worker_locations(self) -> list[dict]:
         return [{**loc, "replica": r}
                 for r, engine in enumerate(self.engines)
-                for loc in engine.executor.worker_locations()]  # fmt: skip
+                for loc in engine.worker_locations()]  # fmt: skip
 
     def fleet_state(self) -> list[dict]:
         self.check_replicas()
@@ -316,7 +316,7 @@ class Fleet:
         out = []
         for r, engine in enumerate(self.engines):
             state = states[r].state.value
-            if states[r].state is ReplicaState.SERVING and engine.lifecycle.updating:
+            if states[r].state is ReplicaState.SERVING and engine.controls.lifecycle.updating:
                 state = "updating"  # policy "all": every replica's window is open
             entry = {"replica": r, "state": state, "version": engine.weight_version,
                      "load": loads[r]}  # fmt: skip

@@ -85,7 +85,7 @@ class LLM:
         if self.engine.spec.cls.inputs == "pixels":
             return self._encode_images(inputs, pooling)
         ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
-        return self.engine.encode(ids, types, pooling)
+        return self.engine.encoder.encode(ids, types, pooling)
 
     @property
     def dtype(self) -> str:
@@ -189,7 +189,7 @@ class LLM:
         try:
             for lora in loras:  # every adapter pinned first: none evicts another of the call
                 if lora is not None and lora.lora_name not in pinned:
-                    pinned[lora.lora_name] = self.engine.pin_lora(lora)
+                    pinned[lora.lora_name] = self.engine.adapters.pin(lora)
             for i, (prompt, params, prio, lora) in enumerate(
                 zip(prompts, sampling_params, priority, loras, strict=True)
             ):
@@ -205,7 +205,8 @@ class LLM:
             pending = requests
             while pending:
                 for r in sorted({req.routed.replica for req in pending}):
-                    self.fleet.engines[r].lifecycle.check_runnable()  # asleep, torn: queue none
+                    # asleep, torn: queue none
+                    self.fleet.engines[r].controls.lifecycle.check_runnable()
                 work: dict[int, list[Sequence]] = {}
                 for req in pending:
                     self.fleet.engines[req.routed.replica].add(req.seqs)
@@ -222,7 +223,7 @@ class LLM:
                 if req.routed is not None:
                     self.fleet.finished(req.routed)
             for adapter in pinned.values():
-                self.engine.unpin_lora(adapter)
+                self.engine.adapters.unpin(adapter)
         outputs = []
         for req in requests:
             out = self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
@@ -255,7 +256,7 @@ class LLM:
                                  f"got {got}")  # fmt: skip
         rows = [[0] * spec.config.rows_per_image for _ in images]
         pixels = [image.detach().float().flatten().tolist() for image in images]
-        return self.engine.encode(rows, None, pooling, pixels)
+        return self.engine.encoder.encode(rows, None, pooling, pixels)
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence],
                 replica: int) -> RequestOutput:  # fmt: skip
@@ -286,15 +287,15 @@ class LLM:
         far (``generate`` returns them); ``wait`` lets running sequences finish and admits none;
         ``keep`` freezes them with their KV cache in place. A ``generate`` called while paused
         waits for `resume`. Weight pushes land while paused. Every replica of a fleet."""
-        self.fleet.each(lambda engine: engine.pause(mode))
+        self.fleet.each(lambda engine: engine.controls.pause(mode))
 
     def resume(self) -> None:
-        self.fleet.each(lambda engine: engine.resume())
+        self.fleet.each(lambda engine: engine.controls.resume())
 
     def abort(self, request_ids: list[str] | None = None) -> None:
         """End these requests (None: all) now, with what they generated so far; their
         ``generate`` call returns them with finish_reason ``abort``."""
-        self.fleet.each(lambda engine: engine.abort_requests(request_ids))
+        self.fleet.each(lambda engine: engine.controls.abort_requests(request_ids))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (a weight push does this itself)."""
@@ -306,16 +307,16 @@ class LLM:
         cache, level 2 the weights too. `generate` raises `EngineAsleepError` until `wake`;
         after level 2 it raises `WeightsReleasedError` until a push lands or
         `reload_weights`."""
-        self.fleet.each(lambda engine: engine.sleep(level))
+        self.fleet.each(lambda engine: engine.controls.sleep(level))
         self.fleet.forget_prefixes()
 
     def wake(self) -> None:
         """Re-allocate what `sleep` released."""
-        self.fleet.each(lambda engine: engine.wake())
+        self.fleet.each(lambda engine: engine.controls.wake())
 
     def reload_weights(self) -> None:
         """Read the weights from the model directory again (version 0)."""
-        self.fleet.each(lambda engine: engine.reload_weights())
+        self.fleet.each(lambda engine: engine.controls.reload_weights())
         self.fleet.forget_prefixes()
 
     def worker_locations(self) -> list[dict]:

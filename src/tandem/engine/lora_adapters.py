@@ -8,10 +8,11 @@ by the slots' placement, checksummed where it lands. Which version is in which s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
+from tandem.engine.engine_lock import EngineLock
 from tandem.engine.lora_registry import LoadedAdapter, LoRARegistry
 from tandem.errors import LoRAError
 from tandem.lora.checkpoint import canonical_tensors, read_adapter
@@ -19,28 +20,33 @@ from tandem.lora.config import AdapterConfig
 from tandem.lora.request import LoRARequest
 
 
-class EngineLoRA:
-    """Mixed into `LLMEngine` (its ``lora`` registry, or None without ``enable_lora``)."""
+class Adapters:
+    """The engine's LoRA adapters (``registry``: the slots, or None without ``enable_lora``);
+    loads go through the engine's own exchange server (``exchange_address`` makes it)."""
 
-    lora: LoRARegistry | None
+    def __init__(self, registry: LoRARegistry | None, lock: EngineLock,
+                 exchange_address: Callable[[], str]):  # fmt: skip
+        self.registry = registry
+        self._lock = lock
+        self._exchange_address = exchange_address
 
-    def _lora_registry(self) -> LoRARegistry:
-        if self.lora is None:
+    def _registry(self) -> LoRARegistry:
+        if self.registry is None:
             raise LoRAError("LoRA is not enabled: start the engine with enable_lora=True")
-        return self.lora
+        return self.registry
 
-    def lora_adapters(self) -> list[LoadedAdapter]:
+    def loaded(self) -> list[LoadedAdapter]:
         """The latest version of every adapter loaded (none without LoRA)."""
-        return [] if self.lora is None else self.lora.adapters()
+        return [] if self.registry is None else self.registry.adapters()
 
-    def load_lora_adapter(self, name: str, path: str | None = None, *, int_id: int | None = None,
+    def load(self, name: str, path: str | None = None, *, int_id: int | None = None,
                           tensors: Mapping[str, torch.Tensor] | None = None,
                           config=None) -> LoadedAdapter:  # fmt: skip
         """Load adapter ``name`` from PEFT directory ``path``, or from ``tensors`` (PEFT's
         names) with ``config`` (PEFT's config); a loaded one of that name gets a new version.
         Raises `LoRAError` (and loads nothing) for a malformed adapter, a rank above
         ``max_lora_rank``, or no free slot."""
-        registry = self._lora_registry()
+        registry = self._registry()
         if path is not None:
             adapter_config, canonical = read_adapter(path, name)
         elif tensors is not None and config is not None:
@@ -54,10 +60,10 @@ class EngineLoRA:
         from tandem.exchange.receiver import WeightSyncError
         from tandem.exchange.sender import WeightSender
 
-        with self._control():
+        with self._lock.control():
             registry.slot_for(name)  # LoRASlotsFull now, not as a failed push's message
         registry.set_source(name, int_id, None if path is None else str(path))
-        sender = WeightSender(canonical, self.exchange_server().address, lora_name=name,
+        sender = WeightSender(canonical, self._exchange_address(), lora_name=name,
                               lora_config=adapter_config)  # fmt: skip
         try:
             sender.push()
@@ -68,29 +74,23 @@ class EngineLoRA:
             registry.drop_source(name)  # the commit took it, or the load failed
         return registry.latest(name)
 
-    def unload_lora_adapter(self, name: str) -> None:
-        with self._control():
-            self._lora_registry().unload(name)
+    def unload(self, name: str) -> None:
+        with self._lock.control():
+            self._registry().unload(name)
 
-    def pin_lora(self, request: LoRARequest) -> LoadedAdapter:
-        """The adapter version ``request`` runs with, held in its slot until `unpin_lora`;
+    def pin(self, request: LoRARequest) -> LoadedAdapter:
+        """The adapter version ``request`` runs with, held in its slot until `unpin`;
         loaded first from ``lora_path`` / ``lora_tensors`` when the engine lacks it."""
-        registry = self._lora_registry()
+        registry = self._registry()
         if registry.latest(request.lora_name) is None:
             if request.lora_path is None and request.lora_tensors is None:
                 raise LoRAError(f"adapter {request.lora_name!r} is not loaded and the request "
                                 "gives no lora_path")  # fmt: skip
-            self.load_lora_adapter(request.lora_name, request.lora_path,
-                                   int_id=request.lora_int_id, tensors=request.lora_tensors,
-                                   config=request.lora_config)  # fmt: skip
-        with self._control():
+            self.load(request.lora_name, request.lora_path, int_id=request.lora_int_id,
+                      tensors=request.lora_tensors, config=request.lora_config)  # fmt: skip
+        with self._lock.control():
             return registry.pin(request.lora_name)
 
-    def unpin_lora(self, adapter: LoadedAdapter) -> None:
-        with self._control():
-            self._lora_registry().unpin(adapter.slot)
-
-    def _lora_busy(self) -> set[int]:
-        """Slots that unfinished requests run with."""
-        seqs = self.scheduler.waiting + self.scheduler.running
-        return {s.lora_slot for s in seqs if s.lora_slot >= 0}
+    def unpin(self, adapter: LoadedAdapter) -> None:
+        with self._lock.control():
+            self._registry().unpin(adapter.slot)

@@ -1,74 +1,35 @@
-"""The engine as a weight-push target (`tandem.exchange.WeightTarget`): its ranks' layouts,
-dtype and device, and the window in which one push's phases run while no step does
-(`tandem.engine.weight_update`, driven by the exchange server)."""
+"""The engine's weights as a push sees them: the version they are, whether they hold memory
+(`sleep(level=2)` releases it, `reload_weights` reads the checkpoint again), and the window in
+which one push's phases run while no step does (`tandem.engine.weight_update`, driven by the
+exchange server)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from tandem.engine.executor import InProcessExecutor
-from tandem.engine.messages import RestoreWeights
+from tandem.engine.engine_lock import EngineLock
+from tandem.engine.kv_cache import BlockManager
+from tandem.engine.lora_registry import LoRARegistry
+from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
+from tandem.engine.state import EngineLifecycle
+from tandem.engine.stepper import Stepper
 from tandem.engine.weight_update import WeightUpdate
-from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import AdapterPush, AdapterSlot, PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
 class PushWindow:
-    """Mixed into `LLMEngine`: its lock, lifecycle, blocks and executor. With the engine's
-    ``weight_version`` and ``update_listeners`` it makes the engine a `WeightTarget`."""
-
-    _exchange = None
-
-    def exchange_server(self):
-        if self._exchange is None:
-            from tandem.exchange.server import ExchangeServer
-
-            # the transport's own waits end first: an error, not a rank declared dead
-            timeout = self.config.parallel.push_phase_timeout_s
-            self._exchange = ExchangeServer(self, host=self.config.exchange_host,
-                                            stage_timeout_s=timeout)  # fmt: skip
-        return self._exchange
-
-    @property
-    def weight_dtype(self) -> str:
-        return self.config.dtype
-
-    @property
-    def weight_device_type(self) -> str:
-        return self.config.torch_device.type
-
-    @property
-    def receivers_in_process(self) -> bool:
-        return isinstance(self.executor, InProcessExecutor)
-
-    def weight_layouts(self) -> list[RankLayout]:
-        """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
-        return self.executor.layouts
-
-    def unavailable(self) -> str | None:
-        return self.lifecycle.unavailable()
-
-    def refuses(self, settings: PushSettings) -> str | None:
-        """Every transport's every mode (their coordinators check the rest); a LoRA
-        adapter's push needs ``enable_lora`` and lands staged (its slot is cleared and
-        written at the commit, while the version before it serves until then)."""
-        if settings.adapter is None:
-            return None
-        if self.lora is None:
-            return "this engine serves no LoRA adapters (start it with enable_lora=True)"
-        if settings.in_place:
-            return "a LoRA adapter's push is staged (mode='staged'): adapters are small"
-        if settings.rolling:
-            return "policy='rolling' is for fleets; one engine commits an adapter at once"
-        return None
-
-    def adapter_plan(self, push: AdapterPush
-                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
-        """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
-        where it lands, and the adapter's latest version (None: none is loaded)."""
-        with self._control():
-            return self.lora.plan_push(push, self.weight_layouts())
+    def __init__(self, lock: EngineLock, stepper: Stepper, lifecycle: EngineLifecycle,
+                 blocks: BlockManager, lora: LoRARegistry | None):  # fmt: skip
+        self._lock = lock
+        self._stepper = stepper
+        self._lifecycle = lifecycle
+        self._blocks = blocks
+        self._lora = lora
+        self.version = 0  # the weights serving (0: the checkpoint's)
+        # called after every push attempt with (version, seconds, error or None): the
+        # exchange server calls them (metrics, logs)
+        self.update_listeners: list[Callable[[int, float, str | None], None]] = []
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:
@@ -77,22 +38,22 @@ class PushWindow:
         Waiting and running requests go on afterwards with the new weights, each recording
         the versions it used. The lock is held only while a phase runs, never while the caller
         waits on trainers."""
-        with self._control():
-            self._drain_in_flight()
-            self.lifecycle.check_alive()
-            if self.lifecycle.weights_released:  # sleep(level=2): memory for the push first
-                self._weight_memory(RestoreWeights())
+        with self._lock.control():
+            self._stepper.drain()
+            self._lifecycle.check_alive()
+            if self._lifecycle.weights_released:  # sleep(level=2): memory for the push first
+                self.memory(RestoreWeights())
             if spec.adapter is not None:  # the slot's adapter leaves (LoRARegistry.begin)
-                self.lora.begin(spec.adapter)
-            self.lifecycle.open_update()
-            update = WeightUpdate(self, spec, self.weight_version)
+                self._lora.begin(spec.adapter)
+            self._lifecycle.open_update()
+            update = WeightUpdate(self.apply_phase, spec, self.version)
         adapter = spec.adapter
         try:
             yield update
         except BaseException as exc:
             if adapter is not None:  # the slot may be half-written: it serves nothing now
                 update.torn = None
-                self.lora.failed(adapter, intact=not update.exposed)
+                self._lora.failed(adapter, intact=not update.exposed)
             elif update.exposed and update.torn is None:  # broke after writing live weights
                 update.torn = f"the push of version {spec.version} broke: {exc}"
             try:
@@ -101,27 +62,41 @@ class PushWindow:
                 pass
             raise
         finally:
-            with self._control():
+            with self._lock.control():
                 if update.landed or update.exposed:  # cached KV came from the old weights
-                    self.blocks.reset_prefix_cache()
+                    self._blocks.reset_prefix_cache()
                 if adapter is None:
-                    self.lifecycle.close_update(update.torn, update.landed)
+                    self._lifecycle.close_update(update.torn, update.landed)
                     if update.torn is None and update.landed:  # the spec's version (a driver
-                        self.weight_version = update.spec.version  # may name it at commit)
+                        self.version = update.spec.version  # may name it at commit)
                 else:  # the base weights are as they were; the adapter's version is its own
-                    self.lifecycle.close_update(None, False)
+                    self._lifecycle.close_update(None, False)
                     if update.landed:
-                        self.lora.committed(adapter, update.spec.version)
-                self._resumed.notify_all()
-
-    def relabel_weights(self, version: int) -> None:
-        """Call the weights being served ``version`` from now on (vLLM's
-        ``/update_weight_version``: a trainer names the version after its push landed)."""
-        with self._control():
-            self.weight_version = version
+                        self._lora.committed(adapter, update.spec.version)
+                self._lock.resumed.notify_all()
 
     def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
                     records_by_rank: dict[int, list]):  # fmt: skip
         """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
-        with self._control():
-            return self._guarded(lambda: self.executor.apply(phase, spec, records_by_rank))
+        with self._lock.control():
+            executor = self._stepper.executor
+            return self._stepper.guarded(lambda: executor.apply(phase, spec, records_by_rank))
+
+    def relabel(self, version: int) -> None:
+        """Call the weights being served ``version`` from now on (vLLM's
+        ``/update_weight_version``: a trainer names the version after its push landed)."""
+        with self._lock.control():
+            self.version = version
+
+    def memory(self, msg: ReleaseWeights | RestoreWeights | ReloadWeights) -> list[str]:
+        """Release, restore or reload the weights' memory on every rank (under the lock): the
+        errors reported. Every LoRA slot reads as zeros afterwards."""
+        if self._lora is not None:
+            self._lora.forget_all()
+        executor = self._stepper.executor
+        return self._stepper.guarded(lambda: executor.weight_memory(msg))
+
+    def reloaded(self) -> None:
+        """The checkpoint was read again: version 0 serves."""
+        self.version = 0
+        self._lifecycle.push_landed()

@@ -198,6 +198,10 @@ class Scheduler:
             self.running.append(child)
             batch.add(child, 0, logits_from=parent_index)
 
+    def lora_slots(self) -> set[int]:
+        """The LoRA slots that unfinished sequences run with."""
+        return {s.lora_slot for s in self.unfinished() if s.lora_slot >= 0}
+
     def unfinished(self) -> list[Sequence]:
         """Every sequence not finished: running, waiting, and samples waiting inside their
         request's first sequence."""

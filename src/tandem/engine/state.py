@@ -24,7 +24,7 @@ NO_WEIGHTS_REASON = (
 
 
 class PauseMode(Enum):
-    """How `LLMEngine.pause` stops generation (vLLM's ``/pause`` modes)."""
+    """How `Controls.pause` stops generation (vLLM's ``/pause`` modes)."""
 
     ABORT = "abort"  # unfinished sequences end now, keeping what they generated
     WAIT = "wait"  # no new sequence is admitted; running ones finish

@@ -12,6 +12,7 @@ until a complete push lands.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from tandem.exchange.items import Record
 from tandem.exchange.receiver import WeightSyncError
@@ -19,12 +20,12 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
 class WeightUpdate:
-    """Drives the phases of one push on every engine rank (``engine.apply_phase``); what a
-    failure means depends on whether the live weights were already touched. The engine's
-    `tandem.exchange.UpdateWindow`."""
+    """Drives the phases of one push on every engine rank (``apply_phase``: the engine's
+    `PushWindow.apply_phase`); what a failure means depends on whether the live weights were
+    already touched. The engine's `tandem.exchange.UpdateWindow`."""
 
-    def __init__(self, engine, spec: UpdateSpec, serving: int):
-        self.engine = engine
+    def __init__(self, apply_phase: Callable, spec: UpdateSpec, serving: int):
+        self._apply_phase = apply_phase
         self.spec = spec
         self.serving = serving  # the version serving when the push began (for messages)
         self.exposed = False  # bytes may have gone into the live parameters
@@ -43,7 +44,7 @@ class WeightUpdate:
         whether the old version still serves, on any rank's error."""
         if phase is PushPhase.COMMIT and not self.spec.settings.in_place:
             self.exposed = True  # a staged commit writes the live parameters
-        errors, nbytes = self.engine.apply_phase(phase, self.spec, records_by_rank)
+        errors, nbytes = self._apply_phase(phase, self.spec, records_by_rank)
         if errors:
             self.fail("; ".join(errors), phase.value)
         if phase is PushPhase.COMMIT:

@@ -202,7 +202,7 @@ class TandemRollout:
                 return [[(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
                         for o in outputs]  # fmt: skip
             # requests pin the adapter's latest version when queued, in this thread
-            latest = {a.name: a.version for a in self.llm.engine.lora_adapters()}
+            latest = {a.name: a.version for a in self.llm.engine.adapters.loaded()}
             version = latest.get(lora.lora_name, -1)
             outputs = self.llm.generate(prompt_ids, params, lora_request=lora)
             return [[(c.token_ids, c.logprobs, version) for c in o.outputs] for o in outputs]

@@ -113,7 +113,7 @@ class _Tracked:
 
 @dataclass
 class _Encode:
-    """One API call's inputs for `LLMEngine.encode`, answered on its event loop."""
+    """One API call's inputs for `Encoder.encode`, answered on its event loop."""
 
     inputs: list[list[int]]
     types: list[list[int]] | None
@@ -200,7 +200,7 @@ class AsyncEngine:
 
     @property
     def torn_reason(self) -> str | None:
-        lifecycle = self._core.lifecycle
+        lifecycle = self._core.controls.lifecycle
         return lifecycle.reason if lifecycle.state is EngineState.TORN else None
 
     def stats(self) -> EngineStats:
@@ -225,29 +225,29 @@ class AsyncEngine:
     # LoRA adapters (`tandem.engine.lora_adapters`; the server's side: `ServedAdapters`)
     def lora_adapters(self) -> list[LoadedAdapter]:
         """The latest version of every adapter in a slot (none without enable_lora)."""
-        return self._core.lora_adapters()
+        return self._core.adapters.loaded()
 
     def load_lora_adapter(self, name: str, path: str, int_id: int | None = None) -> LoadedAdapter:
         """Load adapter ``name`` (a new version if loaded) from PEFT directory ``path``
         (blocking: a push into the engine; call in a thread). Raises LoRAError."""
-        return self._core.load_lora_adapter(name, path, int_id=int_id)
+        return self._core.adapters.load(name, path, int_id=int_id)
 
     def unload_lora_adapter(self, name: str) -> None:
-        self._core.unload_lora_adapter(name)
+        self._core.adapters.unload(name)
 
     def pin_lora(self, request: LoRARequest) -> LoadedAdapter:
         """The latest version of the adapter, held in its slot until `unpin_lora` (loaded
         first from ``request.lora_path`` if the engine lacks it; blocking)."""
-        return self._core.pin_lora(request)
+        return self._core.adapters.pin(request)
 
     def unpin_lora(self, adapter: LoadedAdapter) -> None:
-        self._core.unpin_lora(adapter)
+        self._core.adapters.unpin(adapter)
 
     def unavailable(self) -> str | None:
         """Why no request can be served now, or None."""
         if self._closed is not None:
             return self._closed
-        return self._core.lifecycle.unavailable()
+        return self._core.unavailable()
 
     def prepare(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
@@ -299,43 +299,43 @@ class AsyncEngine:
     def sleep(self, level: int = 1) -> None:
         """Release the KV cache (level 2: and the weights); requests queue up until `wake`
         (blocking: call in a thread)."""
-        self._core.sleep(level)
+        self._core.controls.sleep(level)
 
     def wake(self, kv_cache: bool = True, weights: bool = True) -> None:
-        self._core.wake(kv_cache, weights)
+        self._core.controls.wake(kv_cache, weights)
         self._poke()
 
     def reload_weights(self) -> None:
         """The checkpoint's weights again (blocking: call in a thread)."""
-        self._core.reload_weights()
+        self._core.controls.reload_weights()
         self._poke()
 
     @property
     def memory_released(self) -> dict[str, bool]:
-        lifecycle = self._core.lifecycle
+        lifecycle = self._core.controls.lifecycle
         return {"kv_cache": lifecycle.kv_released, "weights": lifecycle.weights_released}
 
     @property
     def paused(self) -> str | None:
-        return self._core.paused
+        return self._core.controls.paused
 
     def pause(self, mode: str, timeout: float | None = None) -> int:
-        """Stop generating (`LLMEngine.pause`); the callers of aborted requests get their
+        """Stop generating (`Controls.pause`); the callers of aborted requests get their
         partial outputs. ``wait`` returns once the running sequences finished (or after
         ``timeout`` seconds: TimeoutError, still paused). Returns the sequences aborted.
         Blocking: call in a thread."""
-        aborted = self._core.pause(mode)
+        aborted = self._core.controls.pause(mode)
         self._poke(publish=True)
         if mode == "wait":
             deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._core.held() and self._core.state is EngineState.RUNNING:
+            while not self._core.controls.held() and self._core.state is EngineState.RUNNING:
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"running requests did not finish in {timeout} s")
                 time.sleep(0.005)
         return len(aborted)
 
     def resume(self) -> None:
-        self._core.resume()
+        self._core.controls.resume()
         self._poke()
 
     def abort_requests(self, call_ids: list[str] | None) -> list[str]:
@@ -347,7 +347,7 @@ class AsyncEngine:
         if call_ids is not None:
             wanted = set(call_ids)
             live = {rid: call for rid, call in live.items() if call in wanted}
-        aborted = self._core.abort_requests(set(live))
+        aborted = self._core.controls.abort_requests(set(live))
         self._poke(publish=True)
         return sorted({live[seq.request_id] for seq in aborted})
 
@@ -388,7 +388,8 @@ class AsyncEngine:
     # ----- engine thread -----
     def _runnable(self) -> bool:
         core = self._core
-        return core.has_unfinished() and core.state is EngineState.RUNNING and not core.held()
+        running = core.state is EngineState.RUNNING
+        return core.has_unfinished() and running and not core.controls.held()
 
     def _lost(self) -> bool:
         """Requests are held by an engine that died or was torn while they could not step
@@ -457,7 +458,7 @@ class AsyncEngine:
                 for call in group:
                     types += call.types or [[0] * len(ids) for ids in call.inputs]
             try:
-                rows = self._core.run_encode(inputs, types, pooling)
+                rows = self._core.encoder.run(inputs, types, pooling)
             except (EngineDeadError, EngineAsleepError, RuntimeError) as exc:
                 for call in group:
                     call.answer(None, EngineUnavailable(str(exc)))

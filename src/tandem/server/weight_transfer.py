@@ -250,7 +250,7 @@ class WeightTransfer:
             if version != self.target.weight_version:
                 self.forward(version, rollback, param="new_version")
             for engine in self.fleet.engines:
-                engine.relabel_weights(version)
+                engine.window.relabel(version)
 
     def forward(
         self, version: int, rollback: bool, served: int | None = None, param: str = "weight_version"
