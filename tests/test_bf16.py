@@ -77,7 +77,7 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
     with LLM(path, dtype="bfloat16") as llm:
         runner = llm.engine.executor.runner
         assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
-        for ids, logits in zip(PROMPTS, runner.score(PROMPTS), strict=True):
+        for ids, logits in zip(PROMPTS, llm.score(PROMPTS, logprobs=False), strict=True):
             expected = _ref_logits(ref, ids)
             assert (logits.float() - expected).abs().max().item() <= bf16_tolerance(expected)
         _check_generation(llm, ref)
@@ -93,7 +93,7 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
 def test_parallel_ranks_match_transformers_bf16(llama_dir, tp, pp):
     with LLM(llama_dir, dtype="bfloat16", tensor_parallel_size=tp,
              pipeline_parallel_size=pp) as llm:  # fmt: skip
-        assert {lay.dtype for lay in llm.engine.weight_layouts()} == {"bfloat16"}
+        assert {lay.dtype for lay in llm.engine.target.weight_layouts()} == {"bfloat16"}
         _check_generation(llm, _hf(llama_dir))
 
 

@@ -125,7 +125,7 @@ def test_every_rank_gets_the_engines_choice(llama_dir, monkeypatch):
     monkeypatch.setattr(dtype_auto, "cpu_features", lambda: told)
     with LLM(llama_dir, tensor_parallel_size=2) as llm:
         assert llm.dtype == opposite
-        assert [lay.dtype for lay in llm.engine.weight_layouts()] == [opposite, opposite]
+        assert [lay.dtype for lay in llm.engine.target.weight_layouts()] == [opposite, opposite]
         out = llm.generate([[5, 9, 33]], SamplingParams(max_tokens=3, temperature=0))
         assert len(out[0].outputs[0].token_ids) == 3
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tandem import LLM
-from tandem.engine.engine import LLMEngine
+from tandem.engine.engine_target import EngineTarget
 from tandem.exchange import (
     ExchangeAddress,
     UpdateWindow,
@@ -36,10 +36,10 @@ def test_the_protocol_names_no_engine_internals():
 
 
 def test_the_engine_is_a_weight_target(llama_dir):
-    assert all(hasattr(LLMEngine, name) for name in PROTOCOL - {"weight_version",
-                                                                "update_listeners"})  # fmt: skip
+    assert all(hasattr(EngineTarget, name) for name in PROTOCOL - {"weight_version",
+                                                                   "update_listeners"})  # fmt: skip
     with LLM(llama_dir) as llm:
-        engine = llm.engine
+        engine = llm.engine.target
         assert isinstance(engine, WeightTarget)
         assert engine.weight_dtype == "float32" and engine.weight_device_type == "cpu"
         assert engine.receivers_in_process and engine.unavailable() is None

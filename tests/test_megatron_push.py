@@ -83,7 +83,8 @@ def test_a_megatron_layout_that_disagrees_fails_before_any_byte_moves(model_fact
     }  # one layer of two: layer 1 is missing
     with LLM(model_dir) as llm:
         with pytest.raises(LayoutMismatch, match="model.layers.1.self_attn.q_proj.weight"):
-            plan_transfers([megatron_layout(shapes, cfg, 0, 1, 0)], llm.engine.weight_layouts())
+            layouts = llm.engine.target.weight_layouts()
+            plan_transfers([megatron_layout(shapes, cfg, 0, 1, 0)], layouts)
         wrong_heads = MegatronLlamaConfig(hidden=64, heads=4, kv_heads=1, head_dim=16,
                                           intermediate=176, vocab=500, padded_vocab=512,
                                           layers=2)  # fmt: skip

@@ -11,14 +11,13 @@ adapters (`lora_adapters.py`) and the weights' push window (`push_window.py`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from tandem.config import EngineConfig
 from tandem.engine.admission import Admission, Limits
 from tandem.engine.controls import Controls
 from tandem.engine.dtype_auto import resolve_dtype
 from tandem.engine.encode import Encoder
 from tandem.engine.engine_lock import EngineLock
+from tandem.engine.engine_target import EngineTarget
 from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
 from tandem.engine.kv_cache import BlockManager
 from tandem.engine.lora_adapters import Adapters
@@ -32,8 +31,6 @@ from tandem.engine.stats import EngineStats
 from tandem.engine.stepper import Stepper
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import LoRAError
-from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import AdapterPush, AdapterSlot, PushSettings, UpdateSpec
 from tandem.lora.config import LORA_MODULES
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
@@ -51,12 +48,10 @@ class LLMEngine:
       `reset_prefix_cache`, `stats`, ``scheduler`` (read-only: what waits and runs);
     - ``controls`` (`Controls`: pause, resume, abort by request, sleep, wake, reload, and the
       ``lifecycle``), ``encoder`` (`Encoder`: embed / classify), ``adapters`` (`Adapters`:
-      LoRA), ``window`` (`PushWindow`: the weights' version and a push's window);
-    - as a weight-push target (`tandem.exchange.WeightTarget` and `AdapterTarget`):
-      `exchange_server`, ``weight_version``, ``update_listeners``, ``weight_dtype``,
-      ``weight_device_type``, ``receivers_in_process``, `weight_layouts`, `refuses`,
-      `adapter_plan`, `weight_update`, `unavailable`;
-    - `state`, `check_health`, ``executor``, `worker_locations`, `shutdown`.
+      LoRA), ``window`` (`PushWindow`: the weights' version and a push's window), ``target``
+      (`EngineTarget`: the push side, with its exchange server);
+    - ``weight_version``, `state`, `unavailable`, `check_health`, ``executor``,
+      `worker_locations`, `shutdown`.
     """
 
     def __init__(self, config: EngineConfig):
@@ -102,8 +97,9 @@ class LLMEngine:
         self.controls = Controls(self._lock, lifecycle, self.scheduler, self._blocks,
                                  self._stepper, self.window, self.spec.path)  # fmt: skip
         self.encoder = Encoder(self._lock, self._stepper, lifecycle, self.admission, config.task)
-        self.adapters = Adapters(lora, self._lock, lambda: self.exchange_server().address)
-        self._exchange = None
+        self.adapters = Adapters(lora, self._lock,
+                                 lambda: self.target.exchange_server().address)  # fmt: skip
+        self.target = EngineTarget(self)  # the push side
 
     def step(self, for_seqs: list[Sequence] | None = None) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
@@ -206,73 +202,17 @@ class LLMEngine:
         """Where each rank runs: ``{rank, node_id, pid}``."""
         return self._stepper.executor.worker_locations()
 
-    # ----- a weight-push target (`tandem.exchange.WeightTarget`, `AdapterTarget`) -----
-    def exchange_server(self):
-        """The exchange server trainers push into (started on first use)."""
-        if self._exchange is None:
-            from tandem.exchange.server import ExchangeServer
-
-            # the transport's own waits end first: an error, not a rank declared dead
-            timeout = self.config.parallel.push_phase_timeout_s
-            self._exchange = ExchangeServer(self, host=self.config.exchange_host,
-                                            stage_timeout_s=timeout)  # fmt: skip
-        return self._exchange
-
     @property
     def weight_version(self) -> int:
+        """The version of the weights serving (0: the checkpoint's)."""
         return self.window.version
 
-    @property
-    def update_listeners(self) -> list[Callable[[int, float, str | None], None]]:
-        return self.window.update_listeners
-
-    @property
-    def weight_dtype(self) -> str:
-        return self.config.dtype
-
-    @property
-    def weight_device_type(self) -> str:
-        return self.config.torch_device.type
-
-    @property
-    def receivers_in_process(self) -> bool:
-        return isinstance(self._stepper.executor, InProcessExecutor)
-
-    def weight_layouts(self) -> list[RankLayout]:
-        """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
-        return self._stepper.executor.layouts
-
     def unavailable(self) -> str | None:
+        """Why no request can be served now (dead, torn weights, none loaded), or None."""
         return self.controls.lifecycle.unavailable()
 
-    def refuses(self, settings: PushSettings) -> str | None:
-        """Every transport's every mode (their coordinators check the rest); a LoRA
-        adapter's push needs ``enable_lora`` and lands staged (its slot is cleared and
-        written at the commit, while the version before it serves until then)."""
-        if settings.adapter is None:
-            return None
-        if self.adapters.registry is None:
-            return "this engine serves no LoRA adapters (start it with enable_lora=True)"
-        if settings.in_place:
-            return "a LoRA adapter's push is staged (mode='staged'): adapters are small"
-        if settings.rolling:
-            return "policy='rolling' is for fleets; one engine commits an adapter at once"
-        return None
-
-    def adapter_plan(self, push: AdapterPush
-                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
-        """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
-        where it lands, and the adapter's latest version (None: none is loaded)."""
-        with self._lock.control():
-            return self.adapters.registry.plan_push(push, self.weight_layouts())
-
-    def weight_update(self, spec: UpdateSpec):
-        """The window of one push (`PushWindow.weight_update`)."""
-        return self.window.weight_update(spec)
-
     def shutdown(self) -> None:
-        if self._exchange is not None:
-            self._exchange.close()
+        self.target.close()
         self._stepper.executor.shutdown()
 
 

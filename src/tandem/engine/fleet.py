@@ -47,6 +47,7 @@ class Fleet:
         else:
             self.engines = _start_all(configs)
         lead = self.engines[0]
+        self.targets = [engine.target for engine in self.engines]  # what a push updates
         # every replica, restarted or added ones too, runs the dtype the lead resolved
         self.config = config.model_copy(update={"dtype": lead.config.dtype})
         self.router = Router(replicas, lead.config.cache.block_size, lead.stats().kv_blocks_total)
@@ -54,12 +55,12 @@ class Fleet:
         self.board = ReplicaBoard(replicas, self._versions, config.parallel.max_staleness)
         self.timeout_s = config.parallel.push_phase_timeout_s
         self.target = (
-            lead
+            lead.target
             if replicas == 1
             # what pushes update: the transport's waits end first (timeout_s), then a replica's
             # ranks are declared hung (hung_after_s), then the fleet stops waiting for it
             else FleetTarget(
-                self.engines,
+                self.targets,
                 lead.config.exchange_host,
                 self.board,
                 drain=self._drain,
@@ -137,7 +138,7 @@ class Fleet:
             self.router.forget(replica)
 
     def _address(self, replica: int) -> str:
-        return self.engines[replica].exchange_server().address
+        return self.engines[replica].target.exchange_server().address
 
     def _drain(self, replica: int, timeout_s: float) -> None:
         """Return once ``replica`` runs no request (a rolling wave's ``wait``), or has left
@@ -188,6 +189,7 @@ class Fleet:
                         engine.shutdown()
                         raise RuntimeError("the fleet was shut down")
                     self.engines[replica] = engine
+                    self.targets[replica] = engine.target
                 for listener in self.replica_listeners:
                     listener(replica, engine)
             self._pull(replica)
@@ -208,6 +210,7 @@ class Fleet:
                 raise RuntimeError("replicas were added at the same time")
             self.router.add_replica()
             self.engines.append(engine)
+            self.targets.append(engine.target)
         for listener in self.replica_listeners:
             listener(replica, engine)
         try:
@@ -353,7 +356,7 @@ class Fleet:
     def shutdown(self) -> None:
         with self.lock:
             self._closed = True
-        if self.target is not self.lead:
+        if self.target is not self.lead.target:
             self.target.close()
         for engine in self.engines:
             engine.shutdown()

@@ -47,9 +47,9 @@ Pull = Callable[[int, int], None]
 
 class FleetTarget:
     """The replicas of one fleet as a push target: each a `WeightTarget` of its own (an
-    `LLMEngine`, or a `tandem serve` behind `tandem router`). ``host``: where the fleet's
-    exchange server listens for trainers. ``board``: the replicas' states, shared with the
-    front's router. ``drain``: how a rolling wave waits for its requests (None: it does not).
+    engine's `EngineTarget`, or a `tandem serve` behind `tandem router`). ``host``: where the
+    fleet's exchange server listens for trainers. ``board``: the replicas' states, shared with
+    the front's router. ``drain``: how a rolling wave waits for its requests (None: it does not).
     ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined.
     ``pull``: how a replica takes a peer's weights (None: in-place rolling pushes are
     refused). ``stage_timeout_s``: the exchange server's (trainers staging, the dist group).
@@ -57,13 +57,13 @@ class FleetTarget:
     The exchange server asks `refuses` first for every push, then `weight_layouts`, then
     opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
 
-    def __init__(self, engines: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
+    def __init__(self, replicas: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
                  drain: Drain | None = None, phase_timeout_s: float = 600.0,
                  pull: Pull | None = None, stage_timeout_s: float = 600.0):  # fmt: skip
-        self.engines = engines
+        self.replicas = replicas  # the fleet's own list: a restarted replica's target replaces
         self.host = host
         self.board = board or ReplicaBoard(
-            len(engines), lambda: [e.weight_version for e in engines]
+            len(replicas), lambda: [r.weight_version for r in replicas]
         )
         self.drain = drain
         self.pull = pull
@@ -91,19 +91,19 @@ class FleetTarget:
     def weight_version(self) -> int:
         """The newest version any replica holds: a push without a version gets the next one,
         so versions never run backwards when a replica is lost."""
-        return max(engine.weight_version for engine in self.engines)
+        return max(replica.weight_version for replica in self.replicas)
 
     @property
     def weight_dtype(self) -> str:
-        return self.engines[0].weight_dtype
+        return self.replicas[0].weight_dtype
 
     @property
     def weight_device_type(self) -> str:
-        return self.engines[0].weight_device_type
+        return self.replicas[0].weight_device_type
 
     @property
     def receivers_in_process(self) -> bool:
-        return any(engine.receivers_in_process for engine in self.engines)
+        return any(replica.receivers_in_process for replica in self.replicas)
 
     def refuses(self, settings: PushSettings) -> str | None:
         self._settings = settings
@@ -120,7 +120,7 @@ class FleetTarget:
         if not members:
             return self.board.why_none()
         for r in members:
-            if (why := self.engines[r].refuses(settings)) is not None:
+            if (why := self.replicas[r].refuses(settings)) is not None:
                 return f"replica {r}: {why}"
         return None
 
@@ -131,7 +131,7 @@ class FleetTarget:
         settings = self._settings
         if settings is not None and settings.in_place:  # the first wave only
             members = members[: settings.max_unavailable]
-        per_replica = {r: self.engines[r].weight_layouts() for r in members}
+        per_replica = {r: self.replicas[r].weight_layouts() for r in members}
         self._first_ranks, first = {}, 0
         for r in members:
             self._first_ranks[r] = first
@@ -301,7 +301,7 @@ class FleetUpdate:
         for r in replicas:
             state = board.state(r)
             if state in (ReplicaState.SERVING, ReplicaState.UPDATING):
-                if (why := self.target.engines[r].unavailable()) is None:
+                if (why := self.target.replicas[r].unavailable()) is None:
                     kept.append(r)
                     continue
                 self._quarantine(r, f"lost before its wave committed: {why}")
@@ -372,7 +372,7 @@ class FleetUpdate:
         return sum(moved.get(r, 0) for r in replicas if r not in errors), errors
 
     def _open(self, r: int) -> None:
-        manager = self.target.engines[r].weight_update(self.target.replica_spec(self.spec, r))
+        manager = self.target.replicas[r].weight_update(self.target.replica_spec(self.spec, r))
         try:
             self.windows[r] = manager.__enter__()
         except Exception as exc:

@@ -15,6 +15,8 @@ import torch
 from tandem.engine.engine_lock import EngineLock
 from tandem.engine.lora_registry import LoadedAdapter, LoRARegistry
 from tandem.errors import LoRAError
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.settings import AdapterPush, AdapterSlot
 from tandem.lora.checkpoint import canonical_tensors, read_adapter
 from tandem.lora.config import AdapterConfig
 from tandem.lora.request import LoRARequest
@@ -73,6 +75,12 @@ class Adapters:
             sender.close()
             registry.drop_source(name)  # the commit took it, or the load failed
         return registry.latest(name)
+
+    def plan_push(self, push: AdapterPush, layouts: list[RankLayout]
+                  ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+        """Where a push of adapter ``push`` lands (`LoRARegistry.plan_push`, under the lock)."""
+        with self._lock.control():
+            return self._registry().plan_push(push, layouts)
 
     def unload(self, name: str) -> None:
         with self._lock.control():

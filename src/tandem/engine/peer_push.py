@@ -52,7 +52,7 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
     `WeightSender.push`'s terms), ``in_place`` over ``transport`` (``shm``: the
     same host; ``dist``: any); the first peer rank's stats. Raises `WeightSyncError` naming
     what failed."""
-    layouts = peer.weight_layouts()
+    layouts = peer.target.weight_layouts()
     missing = [lay.rank for lay in layouts if lay.arena is None]
     if missing:
         raise WeightSyncError(f"the peer's ranks {missing} hold no parameters in shared memory "

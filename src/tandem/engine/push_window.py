@@ -14,7 +14,7 @@ from tandem.engine.lora_registry import LoRARegistry
 from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
 from tandem.engine.state import EngineLifecycle
 from tandem.engine.stepper import Stepper
-from tandem.engine.weight_update import WeightUpdate
+from tandem.engine.weight_update import UpdateState, WeightUpdate
 from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
@@ -37,25 +37,24 @@ class PushWindow:
         until it closes; the caller runs the push's phases in it (`WeightUpdate.run`).
         Waiting and running requests go on afterwards with the new weights, each recording
         the versions it used. The lock is held only while a phase runs, never while the caller
-        waits on trainers."""
+        waits on trainers. What the push writes is its plan's: the base weights, or one
+        LoRA adapter's slot."""
+        if spec.adapter is None:
+            plan = _BaseWeights(self, self._lifecycle, spec)
+        else:
+            plan = _AdapterSlot(self._lora, self._lifecycle, spec)
         with self._lock.control():
             self._stepper.drain()
             self._lifecycle.check_alive()
             if self._lifecycle.weights_released:  # sleep(level=2): memory for the push first
                 self.memory(RestoreWeights())
-            if spec.adapter is not None:  # the slot's adapter leaves (LoRARegistry.begin)
-                self._lora.begin(spec.adapter)
+            plan.open()
             self._lifecycle.open_update()
-            update = WeightUpdate(self.apply_phase, spec, self.version)
-        adapter = spec.adapter
+            update = WeightUpdate(self.apply_phase, spec, self.version, plan)
         try:
             yield update
         except BaseException as exc:
-            if adapter is not None:  # the slot may be half-written: it serves nothing now
-                update.torn = None
-                self._lora.failed(adapter, intact=not update.exposed)
-            elif update.exposed and update.torn is None:  # broke after writing live weights
-                update.torn = f"the push of version {spec.version} broke: {exc}"
+            plan.broke(update, exc)
             try:
                 self.apply_phase(PushPhase.ABORT, spec, {})  # every rank drops what it held
             except Exception:  # a dead rank: the engine is marked dead by apply_phase
@@ -63,16 +62,9 @@ class PushWindow:
             raise
         finally:
             with self._lock.control():
-                if update.landed or update.exposed:  # cached KV came from the old weights
+                if update.state is not UpdateState.OPEN:  # cached KV came from old weights
                     self._blocks.reset_prefix_cache()
-                if adapter is None:
-                    self._lifecycle.close_update(update.torn, update.landed)
-                    if update.torn is None and update.landed:  # the spec's version (a driver
-                        self.version = update.spec.version  # may name it at commit)
-                else:  # the base weights are as they were; the adapter's version is its own
-                    self._lifecycle.close_update(None, False)
-                    if update.landed:
-                        self._lora.committed(adapter, update.spec.version)
+                plan.close(update)
                 self._lock.resumed.notify_all()
 
     def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
@@ -100,3 +92,58 @@ class PushWindow:
         """The checkpoint was read again: version 0 serves."""
         self.version = 0
         self._lifecycle.push_landed()
+
+
+class _BaseWeights:
+    """A push of the model's weights: bytes written and then a failure leave the engine torn
+    (refusing requests until a complete push lands); landing sets the engine's version."""
+
+    tears = True
+    lost = "requests are refused until a complete push lands"
+
+    def __init__(self, window: PushWindow, lifecycle: EngineLifecycle, spec: UpdateSpec):
+        self._window, self._lifecycle, self._spec = window, lifecycle, spec
+        self.subject = f"update to version {spec.version}"
+
+    def kept(self, serving: int) -> str:
+        return f"version {serving} keeps serving"
+
+    def open(self) -> None:
+        pass
+
+    def broke(self, update: WeightUpdate, exc: BaseException) -> None:
+        if update.state is UpdateState.EXPOSED:  # broke after writing live weights
+            update.tear(f"the push of version {self._spec.version} broke: {exc}")
+
+    def close(self, update: WeightUpdate) -> None:
+        self._lifecycle.close_update(update.torn_reason, update.state is UpdateState.LANDED)
+        if update.state is UpdateState.LANDED:  # the spec's version (a driver may name it
+            self._window.version = update.spec.version  # at commit)
+
+
+class _AdapterSlot:
+    """A push of one LoRA adapter into its slot: the base weights are untouched, so nothing
+    tears the engine; the slot serves nothing while it is written, and what it held before
+    comes back if the push failed before writing it."""
+
+    tears = False
+    lost = "its slot is empty until a push lands"
+
+    def __init__(self, lora: LoRARegistry, lifecycle: EngineLifecycle, spec: UpdateSpec):
+        self._lora, self._lifecycle = lora, lifecycle
+        self._adapter = spec.adapter
+        self.subject = f"push of LoRA adapter {spec.adapter.name!r} version {spec.version}"
+
+    def kept(self, serving: int) -> str:
+        return "the versions loaded before keep serving"
+
+    def open(self) -> None:
+        self._lora.begin(self._adapter)  # the slot's adapter leaves: no request pins it
+
+    def broke(self, update: WeightUpdate, exc: BaseException) -> None:
+        self._lora.failed(self._adapter, intact=update.state is UpdateState.OPEN)
+
+    def close(self, update: WeightUpdate) -> None:
+        self._lifecycle.close_update(None, False)  # the base weights are as they were
+        if update.state is UpdateState.LANDED:  # the adapter's version is its own
+            self._lora.committed(self._adapter, update.spec.version)

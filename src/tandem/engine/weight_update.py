@@ -13,42 +13,70 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from enum import Enum
+from typing import Protocol
 
 from tandem.exchange.items import Record
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
+class UpdatePlan(Protocol):
+    """What one kind of push writes (the base weights, or one LoRA adapter's slot) and what
+    its outcomes mean there (`tandem.engine.push_window`)."""
+
+    subject: str  # "update to version 3", "push of LoRA adapter 'a' version 2"
+    lost: str  # what a failure after bytes reached the live weights leaves
+    tears: bool  # whether such a failure leaves the engine refusing requests
+
+    def kept(self, serving: int) -> str:
+        """What keeps serving when the push is rejected before touching anything."""
+
+
+class UpdateState(Enum):
+    """Where one push stands on the engine's weights."""
+
+    OPEN = "open"  # phases may run; the live weights are untouched
+    EXPOSED = "exposed"  # bytes may be landing in the live weights (in place, or a commit)
+    LANDED = "landed"  # committed: every rank holds the pushed version
+    TORN = "torn"  # broke after bytes reached the live weights: they are half-written
+
+
 class WeightUpdate:
     """Drives the phases of one push on every engine rank (``apply_phase``: the engine's
     `PushWindow.apply_phase`); what a failure means depends on whether the live weights were
-    already touched. The engine's `tandem.exchange.UpdateWindow`."""
+    already touched (``state``). The engine's `tandem.exchange.UpdateWindow`."""
 
-    def __init__(self, apply_phase: Callable, spec: UpdateSpec, serving: int):
+    def __init__(self, apply_phase: Callable, spec: UpdateSpec, serving: int, plan: UpdatePlan):
         self._apply_phase = apply_phase
+        self.plan = plan
         self.spec = spec
         self.serving = serving  # the version serving when the push began (for messages)
-        self.exposed = False  # bytes may have gone into the live parameters
-        self.torn: str | None = None  # set when the live weights were left half-written
-        self.landed = False
+        self.state = UpdateState.OPEN
+        self.torn_reason: str | None = None  # why the live weights were left half-written
         self._opened = time.perf_counter()
         self._phase_bytes: dict[PushPhase, int] = {}
         self._seconds = 0.0
 
     def expose(self) -> None:
         """From now on the push writes into the live parameters (in_place delivery begins)."""
-        self.exposed = True
+        if self.state is UpdateState.OPEN:
+            self.state = UpdateState.EXPOSED
+
+    def tear(self, reason: str) -> None:
+        """The live weights were left half-written (``reason`` says how)."""
+        self.state, self.torn_reason = UpdateState.TORN, reason
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         """Run ``phase`` on every rank; the bytes they moved. Raises WeightSyncError, saying
         whether the old version still serves, on any rank's error."""
         if phase is PushPhase.COMMIT and not self.spec.settings.in_place:
-            self.exposed = True  # a staged commit writes the live parameters
+            self.expose()  # a staged commit writes the live parameters
         errors, nbytes = self._apply_phase(phase, self.spec, records_by_rank)
         if errors:
             self.fail("; ".join(errors), phase.value)
         if phase is PushPhase.COMMIT:
-            self.landed = True
+            self.state = UpdateState.LANDED
         self._phase_bytes[phase] = nbytes
         self._seconds = time.perf_counter() - self._opened
         return nbytes
@@ -63,19 +91,12 @@ class WeightUpdate:
         return {}  # a failure raises: one engine commits all of a push or none
 
     def fail(self, detail: str, phase: str = "delivery") -> None:
-        version = self.spec.version
-        if self.spec.adapter is not None:  # the base weights are untouched
-            what = ("its slot is empty until a push lands" if self.exposed
-                    else "the versions loaded before keep serving")  # fmt: skip
-            raise WeightSyncError(f"push of LoRA adapter {self.spec.adapter.name!r} version "
-                                  f"{version} failed in {phase}; {what}: {detail}")  # fmt: skip
-        if self.exposed:  # the live parameters already hold (some of) the new bytes
-            self.torn = f"{phase} of version {version} failed: {detail}"
-            raise WeightSyncError(
-                f"update to version {version} failed in {phase}; requests are refused until a "
-                f"complete push lands: {detail}"
-            )
-        raise WeightSyncError(
-            f"update to version {version} rejected in {phase}; version {self.serving} keeps "
-            f"serving: {detail}"
-        )
+        """Raise the push's `WeightSyncError`: rejected (what served before still does), or
+        failed after bytes reached what it writes (the plan says what that leaves)."""
+        plan, version = self.plan, self.spec.version
+        if self.state is UpdateState.OPEN:
+            raise WeightSyncError(f"{plan.subject} rejected in {phase}; {plan.kept(self.serving)}: "
+                                  f"{detail}")  # fmt: skip
+        if plan.tears:
+            self.tear(f"{phase} of version {version} failed: {detail}")
+        raise WeightSyncError(f"{plan.subject} failed in {phase}; {plan.lost}: {detail}")

@@ -212,11 +212,11 @@ class AsyncEngine:
 
     def exchange_server(self):
         """The engine's weight-exchange server (started on first use; blocking)."""
-        return self._core.exchange_server()
+        return self._core.target.exchange_server()
 
     def on_weight_update(self, listener) -> None:
         """``listener(version, seconds, error or None)`` after every push attempt."""
-        self._core.update_listeners.append(listener)
+        self._core.window.update_listeners.append(listener)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (blocking: call in a thread)."""
