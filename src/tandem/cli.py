@@ -157,7 +157,8 @@ def _router(args) -> int:
         print("tandem router: --admin-key must have at least 16 characters", file=sys.stderr)
         return 2
     settings = RouterSettings(api_key=args.api_key, admin_key=admin_key,
-                              exchange_host=args.exchange_host)  # fmt: skip
+                              exchange_host=args.exchange_host,
+                              push_phase_timeout_s=args.push_phase_timeout_s)  # fmt: skip
     try:
         return route(args.replica, args.host, args.port, settings, args.health_interval,
                      args.log_level)  # fmt: skip
@@ -368,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
                    "push there; default 127.0.0.1)")  # fmt: skip
     r.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between health checks of each replica")  # fmt: skip
+    r.add_argument("--push-phase-timeout", dest="push_phase_timeout_s", type=float,
+                   default=300.0, help="seconds a weight push's transport waits before failing "
+                   "the push (default 300); a replica silent past it is quarantined")  # fmt: skip
     r.add_argument("--log-level", default="warning",
                    choices=["debug", "info", "warning", "error"])  # fmt: skip
     r.set_defaults(func=_router)

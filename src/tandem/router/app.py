@@ -43,6 +43,10 @@ class RouterSettings:
     admin_key: str | None = None  # required on the controls; sent to the replicas
     exchange_host: str = "127.0.0.1"  # where the router's exchange server listens (trainers)
     max_request_bytes: int = 4 << 20
+    # how long a push's transport waits (trainers staging, forming the dist group, each
+    # transfer) before it fails the push; a replica silent in a phase min(30 s, this) twice
+    # past it is quarantined and the push goes on without it (`tandem serve`'s option)
+    push_phase_timeout_s: float = 300.0
 
 
 def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
@@ -60,7 +64,8 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)  # fmt: skip
     errors.install(app)
-    fleet = RouterFleet(pool, settings.admin_key, settings.exchange_host)
+    fleet = RouterFleet(pool, settings.admin_key, settings.exchange_host,
+                        settings.push_phase_timeout_s)  # fmt: skip
     pool.after_check = fleet.check  # quarantined replicas that answer again heal
 
     @app.post("/v1/completions")

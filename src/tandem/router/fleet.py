@@ -27,13 +27,20 @@ log = logging.getLogger(__name__)
 
 class RouterFleet:
     def __init__(self, pool: ReplicaPool, admin_key: str | None, exchange_host: str,
-                 timeout_s: float = 600.0):  # fmt: skip
+                 push_phase_timeout_s: float = 300.0):  # fmt: skip
+        if not push_phase_timeout_s > 0:
+            raise ValueError(f"the push phase timeout must be > 0 s, got {push_phase_timeout_s}")
         self.pool = pool
         self.admin_key = admin_key
-        self.timeout_s = timeout_s
+        # as a fleet in one process: the transport's waits end first (the dist group, trainers
+        # staging), then a replica still silent in a phase is left behind (quarantined)
+        self.timeout_s = push_phase_timeout_s + 2 * min(30.0, push_phase_timeout_s)
         self.board = ReplicaBoard(len(pool.replicas), self._versions)
-        self.replicas = [RemoteReplica(r.url, admin_key or "") for r in pool.replicas]
-        self.target = FleetTarget(self.replicas, exchange_host, self.board, self._drain)
+        self.replicas = [RemoteReplica(r.url, admin_key or "", self.timeout_s)
+                         for r in pool.replicas]  # fmt: skip
+        self.target = FleetTarget(self.replicas, exchange_host, self.board, self._drain,
+                                  phase_timeout_s=self.timeout_s,
+                                  stage_timeout_s=push_phase_timeout_s)  # fmt: skip
         self.target.update_listeners.append(self._pushed)
         self._healing: set[int] = set()
         self._lock = threading.Lock()  # the replica lists, grown by `add`
@@ -135,7 +142,7 @@ class RouterFleet:
             if url in [r.url for r in self.pool.replicas]:
                 raise ValueError(f"{url} is already a replica")
             replica = self.board.add(ReplicaState.JOINING)
-            self.replicas.append(RemoteReplica(url, self.admin_key or ""))
+            self.replicas.append(RemoteReplica(url, self.admin_key or "", self.timeout_s))
             if self.pool.add(url) != replica:
                 raise RuntimeError("replicas were added at the same time")
         self.pool.check_one_blocking(replica)
