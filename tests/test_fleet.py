@@ -115,7 +115,7 @@ def test_controls_reach_every_replica_and_state_is_per_replica(fleet):
     assert len({loc["pid"] for loc in locations}) == 2 and os.getpid() not in {
         loc["pid"] for loc in locations}  # fmt: skip
     fleet.pause("keep")
-    assert [e.paused for e in fleet.fleet.engines] == ["keep", "keep"]
+    assert [e.controls.paused for e in fleet.fleet.engines] == ["keep", "keep"]
     fleet.resume()
     fleet.sleep(1)
     with pytest.raises(Exception, match="asleep|sleep"):

@@ -28,6 +28,7 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineLifecycle, EngineState
 from tandem.engine.stats import EngineStats
+from tandem.engine.step_loop import StepLoop
 from tandem.engine.stepper import Stepper
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import LoRAError
@@ -44,8 +45,9 @@ class LLMEngine:
     Its public API:
     - what it serves: ``spec``, ``config``, ``dtype_choice``, ``limits``, ``tokenizer``,
       ``admission`` (checks requests and makes their sequences), ``outputs`` (their text);
-    - the requests: `add`, `step`, `abort`, `has_unfinished`, `batch_window_left`,
-      `reset_prefix_cache`, `stats`, ``scheduler`` (read-only: what waits and runs);
+    - the requests: `add`, `run` (wait for them: one thread steps), `step`, `abort`,
+      `has_unfinished`, `batch_window_left`, `reset_prefix_cache`, `stats`, ``scheduler``
+      (read-only: what waits and runs);
     - ``controls`` (`Controls`: pause, resume, abort by request, sleep, wake, reload, and the
       ``lifecycle``), ``encoder`` (`Encoder`: embed / classify), ``adapters`` (`Adapters`:
       LoRA), ``window`` (`PushWindow`: the weights' version and a push's window), ``target``
@@ -100,14 +102,22 @@ class LLMEngine:
         self.adapters = Adapters(lora, self._lock,
                                  lambda: self.target.exchange_server().address)  # fmt: skip
         self.target = EngineTarget(self)  # the push side
+        self._loop = StepLoop(self.step, self._runnable, self.check_health, self._lock,
+                              lifecycle)  # fmt: skip
 
-    def step(self, for_seqs: list[Sequence] | None = None) -> list[Sequence]:
+    def run(self, seqs: list[Sequence]) -> None:
+        """Until ``seqs`` (queued with `add`) are finished, stepped by the engine's one stepping
+        thread (`StepLoop`, started on first use); raises what keeps them from finishing."""
+        self._loop.wait(seqs, self.controls.held)
+
+    def step(self) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
-        returns the sequences that finished in it. While paused or updating it waits; with
-        ``for_seqs`` it returns as soon as those are finished (by another thread's step)."""
+        returns the sequences that finished in it. While paused or updating it waits. Called
+        by one thread only: the engine's `StepLoop` (see `run`), or a server's engine
+        thread."""
         with self._lock.step():
-            if not self._wait_for_work(for_seqs):
+            if not self._wait_for_work():
                 return []
             self._stepper.fill(self.window.version)
             finished = self._stepper.finish_oldest()
@@ -115,13 +125,11 @@ class LLMEngine:
                 self._lock.resumed.notify_all()  # `step` callers waiting on these
             return finished
 
-    def _wait_for_work(self, for_seqs: list[Sequence] | None) -> bool:
+    def _wait_for_work(self) -> bool:
         """Wait out a pause or a push window (raising EngineDeadError if a worker dies
         meanwhile); whether there is a step to run."""
         lifecycle = self.controls.lifecycle
         while (lifecycle.updating or self.controls.held()) and self.has_unfinished():
-            if for_seqs is not None and all(seq.finished for seq in for_seqs):
-                return False  # another thread's step or an abort finished them
             if not self._lock.resumed.wait(timeout=HEALTH_CHECK_S) and not lifecycle.updating:
                 self._stepper.guarded(self._stepper.executor.check_alive)  # paused: workers?
             lifecycle.check_alive()
@@ -139,6 +147,14 @@ class LLMEngine:
                 requests.setdefault(seq.request_id, []).append(seq)
             for samples in requests.values():
                 self.scheduler.add_request(samples)
+            self._lock.resumed.notify_all()  # a stepping loop waiting for work
+
+    def _runnable(self) -> bool:
+        """Whether a step would run now: sequences wait, no pause holds them, no push window
+        is open, and the engine is running."""
+        controls = self.controls
+        return (self.has_unfinished() and self.state is EngineState.RUNNING
+                and not controls.lifecycle.updating and not controls.held())  # fmt: skip
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop these sequences now (see `Controls.abort`)."""
@@ -212,6 +228,7 @@ class LLMEngine:
         return self.controls.lifecycle.unavailable()
 
     def shutdown(self) -> None:
+        self._loop.close()
         self.target.close()
         self._stepper.executor.shutdown()
 

@@ -384,5 +384,4 @@ def _start_all(configs: list[EngineConfig]) -> list[LLMEngine]:
 
 
 def _drive(engine: LLMEngine, seqs: list[Sequence]) -> None:
-    while not all(s.finished for s in seqs):  # other threads' requests may still run
-        engine.step(for_seqs=seqs)
+    engine.run(seqs)  # the engine's stepping thread runs them, other callers' beside
