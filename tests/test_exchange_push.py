@@ -27,6 +27,11 @@ def _logits(model, ids):
         return model(torch.tensor([ids])).logits[0]
 
 
+def _served(llm, ids):
+    """The engine's logits for ``ids`` on the weights it serves."""
+    return llm.score([ids], logprobs=False)[0]
+
+
 @pytest.mark.parametrize(
     ("family", "transport", "mode"),
     [("llama", "shm", "staged"), ("qwen2", "shm", "staged"), ("gpt2", "shm", "staged"),
@@ -39,13 +44,13 @@ def test_push_into_single_process_engine_in_place(model_factory, family, transpo
     with LLM(engine_dir) as llm:
         runner = llm.engine.executor.runner
         before = {n: p.data_ptr() for n, p in runner.model.named_parameters()}
-        assert (runner.score([PROMPTS[0]])[0] - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
+        assert (_served(llm, PROMPTS[0]) - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=7)
         assert llm.weight_version == 7 and stats.version == 7 and stats.transport == transport
         assert stats.bytes_sent == stats.bytes_moved == stats.bytes_needed > 0
         assert {n: p.data_ptr() for n, p in runner.model.named_parameters()} == before
         for ids in PROMPTS:
-            assert (runner.score([ids])[0] - _logits(trainer, ids)).abs().max() <= 1e-4
+            assert (_served(llm, ids) - _logits(trainer, ids)).abs().max() <= 1e-4
         out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
         assert out[0].weight_version == 7
 
@@ -79,7 +84,6 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
     trainer = _trainer(trainer_dir)
     shm_before = set(Path("/dev/shm").iterdir())
     with LLM(engine_dir) as llm:
-        runner = llm.engine.executor.runner
         sender = WeightSender(trainer, llm, transport="shm")
         staging = []
         for version in (1, 2):
@@ -90,7 +94,7 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
             sender.push(version=version)
             staging.append(sender._half.staging.handle())
             for ids in PROMPTS:
-                assert (runner.score([ids])[0] - _logits(trainer, ids)).abs().max() <= 1e-4
+                assert (_served(llm, ids) - _logits(trainer, ids)).abs().max() <= 1e-4
         assert staging[0] == staging[1]  # the same memfd (pid, fd, inode, size): no new pages
         sender.close()
         assert sender._half.staging is None

@@ -55,9 +55,12 @@ def _placement_groups() -> list:
 def test_tp2_ranks_spread_over_two_nodes_equal_one_process(cluster, llama_dir):
     with LLM(llama_dir) as one:
         want = one.generate(PROMPTS, GREEDY)
+        want_scores = one.score(PROMPTS)
     with LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
              placement_strategy="STRICT_SPREAD") as llm:  # fmt: skip
         got = llm.generate(PROMPTS, GREEDY)
+        for a, b in zip(want_scores, llm.score(PROMPTS), strict=True):  # the same messages
+            assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
         places = llm.worker_locations()
         assert [p["rank"] for p in places] == [0, 1]
         assert len({p["node_id"] for p in places}) == 2  # one rank per node

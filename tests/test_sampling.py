@@ -48,7 +48,7 @@ def test_top_k_limits_choices_and_processed_logprobs_follow_temperature(llm):
         max_tokens=10, temperature=0.5, top_k=5, seed=3, logprobs=0, logprobs_mode="processed"
     )
     out = llm.generate([prompt], params)[0].outputs[0]
-    logits = llm.engine.executor.runner.score([prompt + out.token_ids])[0][len(prompt) - 1 : -1]
+    logits = llm.score([prompt + out.token_ids], logprobs=False)[0][len(prompt) - 1 : -1]
     for step, token in enumerate(out.token_ids):
         top5 = (logits[step] / 0.5).topk(5)
         assert token in top5.indices.tolist()

@@ -101,6 +101,24 @@ class Admission:
                 raise RequestError("input", f"input {i}: {bad}")
         return pooling
 
+    def check_score(self, prompts: list[list[int]]) -> None:
+        """Check prompts for `Encoder.score`: the engine generates, and each prompt is
+        non-empty, within ``max_model_len`` and in the vocabulary (`RequestError` on
+        ``prompt``, naming which)."""
+        if self.task != "generate":
+            raise ValueError(f"score needs task='generate'; this engine's task is {self.task!r}")
+        max_len = self.limits.max_model_len
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError("prompt", "prompt is empty").at(f"prompt {i}")
+            bad = self._bad_ids(ids)
+            if bad:
+                raise RequestError("prompt", f"prompt has {bad}").at(f"prompt {i}")
+            if len(ids) > max_len:
+                raise RequestError(
+                    "prompt", f"prompt has {len(ids)} tokens; max_model_len is {max_len}"
+                ).at(f"prompt {i}")
+
     def make_sequences(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> list[Sequence]:

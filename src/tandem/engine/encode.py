@@ -1,5 +1,5 @@
-"""Embed / classify: whole sequences through the model without a KV cache, packed unpadded
-into batches that run between generation steps."""
+"""Embed / classify / score: whole sequences through the model without a KV cache, packed
+unpadded into batches that run between generation steps."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import torch
 
 from tandem.engine.admission import Admission
 from tandem.engine.engine_lock import EngineLock
-from tandem.engine.messages import EncodeMessage
+from tandem.engine.messages import EncodeMessage, ScoreMessage
 from tandem.engine.state import EngineLifecycle
 from tandem.engine.stepper import Stepper
 
 
 class Encoder:
-    """The engine's embed / classify calls: they run under the engine lock, between steps."""
+    """The engine's embed / classify / score calls: they run under the engine lock, between
+    steps."""
 
     def __init__(self, lock: EngineLock, stepper: Stepper, lifecycle: EngineLifecycle,
                  admission: Admission, task: str):  # fmt: skip
@@ -66,6 +67,30 @@ class Encoder:
                 self.batches += 1
                 self.inputs += len(batch)
         return rows
+
+    def score(self, prompts: list[list[int]], logprobs: bool = True) -> list[torch.Tensor]:
+        """Each prompt's next-token log-probs (``logprobs``; else the raw logits) at every
+        position, float32 [len(prompt), vocab] on the CPU, from the weights being served: the
+        prompts run whole, packed into batches of at most ``max_num_batched_tokens`` tokens
+        between generation steps, without the KV cache (running requests go on as they were).
+        Task ``generate`` only; an empty prompt, one past ``max_model_len`` or ids outside the
+        vocabulary raise `RequestError` on ``prompt``."""
+        self._admission.check_score(prompts)
+        out: list[torch.Tensor] = []
+        budget = self._admission.limits.max_num_batched_tokens
+        executor = self._stepper.executor
+        with self._lock.control():
+            self._stepper.drain()
+            self._lifecycle.check_runnable()
+            for batch in pack(prompts, budget):
+                msg = ScoreMessage(
+                    step_id=self._stepper.next_step_id(),
+                    seqs=[list(prompts[i]) for i in batch],
+                    logprobs=logprobs,
+                )
+                rows = self._stepper.guarded(lambda msg=msg: executor.score(msg))
+                out.extend(rows.split([len(ids) for ids in msg.seqs]))
+        return out
 
 
 def pack(inputs: list[list[int]], budget: int) -> list[list[int]]:

@@ -7,10 +7,13 @@ import socket
 from collections import deque
 from typing import Protocol
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.engine.messages import (
     EncodeMessage,
     EncodeResult,
+    ScoreMessage,
     StepMessage,
     StepResult,
     WeightMemoryMessage,
@@ -55,6 +58,10 @@ class Executor(Protocol):
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         """Pooled outputs of whole sequences (embed / classify); no step may be in flight."""
+
+    def score(self, msg: ScoreMessage) -> torch.Tensor:
+        """Next-token logits (or log-probs) at every position of the message's sequences, end
+        to end: float32 [positions, vocab] on the CPU; no step may be in flight."""
 
     def worker_locations(self) -> list[dict]:
         """Where each rank runs: ``{rank, node_id, pid}``."""
@@ -119,6 +126,9 @@ class InProcessExecutor:
 
     def encode(self, msg: EncodeMessage) -> EncodeResult:
         return self.runner.encode(msg)
+
+    def score(self, msg: ScoreMessage) -> torch.Tensor:
+        return torch.cat(list(self.runner.score_rows(msg)))
 
     def worker_locations(self) -> list[dict]:
         return [{"rank": 0, "node_id": socket.gethostname(), "pid": os.getpid()}]

@@ -87,6 +87,36 @@ class LLM:
         ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
         return self.engine.encoder.encode(ids, types, pooling)
 
+    def score(self, prompts: Prompt | Seq[Prompt], *, logprobs: bool = True) -> list[torch.Tensor]:
+        """Each prompt's next-token distribution at every position, computed by the engine's
+        ranks on the weights being served: one float32 tensor [len(prompt), vocab] per prompt
+        (a string is tokenized as `generate` does; token ids are used as given), row ``i``
+        the ``log_softmax`` of the logits after the prompt's first ``i + 1`` tokens (the raw
+        logits with ``logprobs=False``). Prompts run whole between generation steps, packed
+        into batches of at most ``max_num_batched_tokens`` tokens, without the KV cache:
+        running requests go on undisturbed. With ``data_parallel_size`` > 1 one serving
+        replica of the newest version scores. Task ``generate`` only; an empty prompt, one
+        past ``max_model_len`` or ids outside the vocabulary raise `RequestError` (a
+        ``ValueError``) on ``prompt``, naming which."""
+        if self.fleet is None:
+            raise RuntimeError("this LLM has been shut down")
+        if self.engine.config.task != "generate":
+            raise ValueError("score needs LLM(..., task='generate'); this LLM's task is "
+                             f"{self.engine.config.task!r}")  # fmt: skip
+        engine = self._serving_engine()
+        ids = [engine.admission.prompt_ids(p) for p in _as_prompt_list(prompts)]
+        return engine.encoder.score(ids, logprobs)
+
+    def _serving_engine(self) -> LLMEngine:
+        """The engine of a replica that may take requests now, serving the newest version among
+        them (waiting as `generate`'s routing does while a rolling push leaves none)."""
+        fleet = self.fleet
+        if len(fleet.engines) == 1:
+            return fleet.lead
+        fleet.check_replicas()
+        allowed = fleet.board.wait_allowed(fleet.timeout_s)
+        return max((fleet.engines[r] for r in allowed), key=lambda e: e.weight_version)
+
     @property
     def dtype(self) -> str:
         """The dtype the engine runs in (``"bfloat16"``, ``"float32"``, ...): ``dtype="auto"``

@@ -159,6 +159,35 @@ class EncodeResult:
     rows: list[list[float]]  # one per sequence: its pooled vector or logits
 
 
+@CONTROL.register("score")
+@dataclass(slots=True)
+class ScoreMessage:
+    """Run whole prompts through the model (no KV cache, nothing sampled) and return the
+    next-token logits (or their ``log_softmax`` with ``logprobs``) at every position."""
+
+    step_id: int
+    seqs: list[list[int]]
+    logprobs: bool
+
+
+@CONTROL.register("scored")
+@dataclass(slots=True)
+class ScoreResult:
+    """One piece of a `ScoreMessage`'s answer: rows ``first`` .. ``first + rows - 1`` of its
+    sequences' positions laid end to end, each ``width`` (the vocabulary) little-endian float32
+    values in ``data``, row after row. A large answer comes in several pieces, in
+    order, each within `SCORE_FRAME_BYTES`."""
+
+    step_id: int
+    first: int
+    rows: int
+    width: int
+    data: bytes
+
+
+SCORE_FRAME_BYTES = 64 << 20  # the most row bytes one ScoreResult carries
+
+
 @CONTROL.register("apply")
 @dataclass(slots=True)
 class ApplyWeights:
@@ -225,6 +254,8 @@ Message = (
     StepMessage
     | EncodeMessage
     | EncodeResult
+    | ScoreMessage
+    | ScoreResult
     | Shutdown
     | StepResult
     | Hello

@@ -7,6 +7,7 @@ sampling rank turns logits into a `StepResult`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import get_args
 
@@ -17,9 +18,12 @@ from tandem.config import LoRAConfig
 from tandem.engine import host_memory
 from tandem.engine.kv_cache import budget_bytes, bytes_per_block
 from tandem.engine.messages import (
+    SCORE_FRAME_BYTES,
     EncodeMessage,
     EncodeResult,
     PromptLogprobs,
+    ScoreMessage,
+    ScoreResult,
     SeqParams,
     StepMessage,
     StepResult,
@@ -456,27 +460,37 @@ class ModelRunner:
             return None
         return self.model.final_norm(x), routed
 
-    @torch.inference_mode()
-    def encode(self, msg: EncodeMessage) -> EncodeResult | None:
-        """Whole sequences through this stage's layers (no KV cache); the last stage pools each
-        one (``cls``: its first row, ``last``: its last, ``mean``) and for ``classify`` runs
-        the model's head. Every rank of the last stage computes; the sampling rank answers."""
+    def _run_whole(
+        self, seqs: list[list[int]], embed_inputs: dict | None = None
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor | None] | None, list[PrefillSpan]]:
+        """Whole sequences through this stage's layers, packed unpadded, without the KV cache
+        (nothing in it is read or written): `_run_stage`'s result and each sequence's rows."""
         input_ids, positions, spans = [], [], []
-        for ids in msg.seqs:
+        for ids in seqs:
             spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
             input_ids.extend(ids)
             positions.extend(range(len(ids)))
         if self.lora_rows is not None:
             self.lora_rows.clear()
+        for moe in self.moe:
+            moe.routing = None
+        out = self._run_stage(
+            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans),
+            embed_inputs=embed_inputs,
+        )  # fmt: skip
+        return out, spans
+
+    @torch.inference_mode()
+    def encode(self, msg: EncodeMessage) -> EncodeResult | None:
+        """Whole sequences through this stage's layers (no KV cache); the last stage pools each
+        one (``cls``: its first row, ``last``: its last, ``mean``) and for ``classify`` runs
+        the model's head. Every rank of the last stage computes; the sampling rank answers."""
         extra = {}
         if msg.token_types is not None:
             extra["token_type_ids"] = self._tensor([t for seq in msg.token_types for t in seq])
         if msg.pixels is not None:
             extra["pixel_values"] = torch.tensor(msg.pixels, dtype=self.dtype, device=self.device)
-        out = self._run_stage(
-            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans),
-            embed_inputs=extra,
-        )  # fmt: skip
+        out, spans = self._run_whole(msg.seqs, extra)
         if out is None:
             return None
         hidden, _ = out
@@ -488,21 +502,33 @@ class ModelRunner:
         return EncodeResult(msg.step_id, pooled.float().tolist())
 
     @torch.inference_mode()
-    def score(self, prompts: list[list[int]]) -> list[torch.Tensor]:
-        """Logits at every position of each prompt (float32), leaving the KV cache untouched.
-        Needs the whole model in this process (no pipeline stages)."""
-        input_ids, positions, spans = [], [], []
-        for ids in prompts:
-            spans.append(PrefillSpan(len(input_ids), len(input_ids) + len(ids)))
-            input_ids.extend(ids)
-            positions.extend(range(len(ids)))
-        if self.lora_rows is not None:
-            self.lora_rows.clear()
-        hidden, _ = self._run_stage(
-            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans)
-        )
-        logits = self.model.compute_logits(hidden).float()
-        return [logits[s.start : s.end] for s in spans]
+    def score_rows(self, msg: ScoreMessage) -> Iterator[torch.Tensor]:
+        """The next-token logits at every position of ``msg.seqs`` (their ``log_softmax`` with
+        ``msg.logprobs``), computed in float32 without the KV cache: the positions of all
+        sequences end to end, as float32 CPU tensors [rows, vocab] of at most
+        `SCORE_FRAME_BYTES` each. Only the sampling rank yields; every rank of the last stage
+        must run the whole iteration (the vocab-parallel head gathers across them)."""
+        out, _ = self._run_whole(msg.seqs)
+        if out is None:
+            return
+        hidden, _ = out
+        for i in range(0, len(hidden), PROMPT_SCORE_ROWS):
+            logits = self.model.compute_logits(hidden[i : i + PROMPT_SCORE_ROWS]).float()
+            if not self.samples:
+                continue
+            if msg.logprobs:
+                logits = torch.log_softmax(logits, dim=-1)
+            step = max(1, SCORE_FRAME_BYTES // (4 * logits.shape[-1]))
+            for j in range(0, len(logits), step):
+                yield logits[j : j + step].cpu()
+
+    def score(self, msg: ScoreMessage) -> Iterator[ScoreResult]:
+        """`score_rows` as the results a worker sends: the rows' bytes, piece by piece."""
+        first = 0
+        for rows in self.score_rows(msg):
+            data = rows.numpy().astype("<f4", copy=False).tobytes()
+            yield ScoreResult(msg.step_id, first, len(rows), rows.shape[1], data)
+            first += len(rows)
 
     def _state(self, step) -> _SeqState:
         state = self.seqs.get(step.seq_id)

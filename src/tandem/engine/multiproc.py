@@ -16,8 +16,10 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,6 +36,8 @@ from tandem.engine.messages import (
     EncodeResult,
     KVCache,
     KVCacheDone,
+    ScoreMessage,
+    ScoreResult,
     Shutdown,
     Start,
     StepMessage,
@@ -149,6 +153,11 @@ class MultiprocExecutor:
         self.submit(msg)
         return self._receive(EncodeResult, deadline=None)
 
+    def score(self, msg: ScoreMessage) -> torch.Tensor:
+        """Run a score on every rank (no step in flight): the sampling rank's rows."""
+        self.submit(msg)
+        return gather_score(msg, iter(lambda: self._receive(ScoreResult, deadline=None), None))
+
     def _receive(self, kind, deadline: float | None, within: str = ""):
         """The next ``kind`` message from a worker; past ``deadline`` (set by ``within``, the
         setting named in the error) the workers are killed."""
@@ -210,6 +219,31 @@ class MultiprocExecutor:
             pass
         self._finalizer()
         self._store = None
+
+
+def gather_score(msg: ScoreMessage, parts: Iterator[ScoreResult]) -> torch.Tensor:
+    """The rows of ``msg``'s sequences, end to end (float32 [positions, vocab]), from the
+    pieces a worker sends in order (`ModelRunner.score`); a piece that does not continue them
+    is a broken worker (`EngineDeadError`)."""
+    total = sum(len(ids) for ids in msg.seqs)
+    out, first = None, 0
+    while first < total:
+        part = next(parts)
+        width = part.width if out is None else out.shape[1]
+        if ((part.step_id, part.first, part.width) != (msg.step_id, first, width)
+                or not 0 < part.rows <= total - first
+                or len(part.data) != 4 * part.rows * width):  # fmt: skip
+            raise EngineDeadError(
+                f"a score result (step {part.step_id}, rows {part.first}+{part.rows}, "
+                f"width {part.width}, {len(part.data)} bytes) does not continue step "
+                f"{msg.step_id} at row {first} of {total}"
+            )
+        if out is None:
+            out = torch.empty(total, width, dtype=torch.float32)
+        rows = np.frombuffer(part.data, dtype="<f4").reshape(part.rows, width)
+        out[first : first + part.rows].numpy()[:] = rows
+        first += part.rows
+    return out
 
 
 def check_layout(spec: ModelSpec, config: EngineConfig, dims: ParallelDims) -> None:

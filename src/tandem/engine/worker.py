@@ -29,6 +29,7 @@ from tandem.engine.messages import (
     Hello,
     KVCache,
     KVCacheDone,
+    ScoreMessage,
     Shutdown,
     Start,
     StepMessage,
@@ -170,6 +171,10 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
             else:
                 runner.release_kv_cache()
             control.send(sock, KVCacheDone(args.rank, msg.allocate))
+            continue
+        if isinstance(msg, ScoreMessage):
+            for part in runner.score(msg):  # every rank runs it through (collectives)
+                control.send(sock, part)
             continue
         if isinstance(msg, EncodeMessage):
             result = runner.encode(msg)

@@ -1,6 +1,7 @@
 """The wire every tandem control connection uses: length-prefixed frames over TCP (`frames`),
 a token first on every connection, then a hello (`accept`), carrying typed messages in one
-msgpack codec (`codec`, never pickle). Tensor bytes never travel here: transports move them."""
+msgpack codec (`codec`, never pickle). Weight bytes never travel here: transports move them
+(the one tensor that does is what a worker answers to `LLM.score`, as raw float32 bytes)."""
 
 from tandem.wire.accept import accept_hello, gather_hellos, read_hello
 from tandem.wire.codec import Codec
