@@ -5,7 +5,7 @@
 process the outputs (`OutputProcessor.record_step`). The engine is made of parts that own
 their state, each in its own module, sharing one lock (`EngineLock`): admission
 (`admission.py`), the scheduler with its KV blocks, the stepper, the controls with the
-lifecycle (`controls.py`, `state.EngineLifecycle`), embed / classify (`encode.py`), LoRA
+lifecycle (`controls.py`, `state.EngineLifecycle`), embed / classify / score (`encode.py`), LoRA
 adapters (`lora_adapters.py`) and the weights' push window (`push_window.py`).
 """
 
@@ -49,7 +49,7 @@ class LLMEngine:
       `has_unfinished`, `batch_window_left`, `reset_prefix_cache`, `stats`, ``scheduler``
       (read-only: what waits and runs);
     - ``controls`` (`Controls`: pause, resume, abort by request, sleep, wake, reload, and the
-      ``lifecycle``), ``encoder`` (`Encoder`: embed / classify), ``adapters`` (`Adapters`:
+      ``lifecycle``), ``encoder`` (`Encoder`: embed, classify, score), ``adapters`` (`Adapters`:
       LoRA), ``window`` (`PushWindow`: the weights' version and a push's window), ``target``
       (`EngineTarget`: the push side, with its exchange server);
     - ``weight_version``, `state`, `unavailable`, `check_health`, ``executor``,

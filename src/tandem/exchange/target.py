@@ -1,6 +1,6 @@
 """What a push needs of whatever it updates (`WeightTarget`), and of the window one push runs
 in (`UpdateWindow`). The exchange server (`tandem.exchange.server`) and `WeightSender` use
-only these members: one engine implements them (`tandem.engine.push_window`), and so can a
+only these members: one engine implements them (`tandem.engine.engine_target`), and so can a
 fleet of engines behind one front or another project's engine.
 
 Receiving ranks are numbered across the whole target, ``0 .. len(weight_layouts()) - 1``: the
