@@ -45,7 +45,7 @@ class LLMEngine:
     Its public API:
     - what it serves: ``spec``, ``config``, ``dtype_choice``, ``limits``, ``tokenizer``,
       ``admission`` (checks requests and makes their sequences), ``outputs`` (their text);
-    - the requests: `add`, `run` (wait for them: one thread steps), `step`, `abort`,
+    - the requests: `add`, `run` (wait for them: one caller at a time steps), `step`, `abort`,
       `has_unfinished`, `batch_window_left`, `reset_prefix_cache`, `stats`, ``scheduler``
       (read-only: what waits and runs);
     - ``controls`` (`Controls`: pause, resume, abort by request, sleep, wake, reload, and the
@@ -106,15 +106,15 @@ class LLMEngine:
                               lifecycle)  # fmt: skip
 
     def run(self, seqs: list[Sequence]) -> None:
-        """Until ``seqs`` (queued with `add`) are finished, stepped by the engine's one stepping
-        thread (`StepLoop`, started on first use); raises what keeps them from finishing."""
+        """Until ``seqs`` (queued with `add`) are finished: one waiting caller at a time steps
+        for all of them (`StepLoop`); raises what keeps them from finishing."""
         self._loop.wait(seqs, self.controls.held)
 
     def step(self) -> list[Sequence]:
         """Schedule, run, and process outputs: fills the pipeline with steps (with P pipeline
         stages up to P steps on disjoint sequences are in flight), then finishes the oldest and
         returns the sequences that finished in it. While paused or updating it waits. Called
-        by one thread only: the engine's `StepLoop` (see `run`), or a server's engine
+        by one thread at a time: the caller whose turn it is (`run`), or a server's engine
         thread."""
         with self._lock.step():
             if not self._wait_for_work():
@@ -228,7 +228,6 @@ class LLMEngine:
         return self.controls.lifecycle.unavailable()
 
     def shutdown(self) -> None:
-        self._loop.close()
         self.target.close()
         self._stepper.executor.shutdown()
 

@@ -1,25 +1,26 @@
-"""The one thread that steps an engine for callers that hand it sequences and wait for them
-(`LLM.generate`, each replica of a fleet): callers never step, so however many threads
-generate at once, one loop schedules, runs and processes each step (a server's engine thread
-is that loop for a served engine).
+"""Whose turn it is to step an engine, for callers that hand it sequences and wait for them
+(`LLM.generate`, each replica of a fleet): one thread at a time steps. The first caller that
+finds nobody stepping takes the turn and steps for everyone (each step runs every queued
+sequence, other callers' too) until its own sequences are finished or nothing can run; then
+the turn passes to a caller still waiting. The others wait on the engine's ``resumed``
+condition, woken when a step finishes sequences, when the turn is free again, and by whatever
+lets a step run (new sequences, resume, a push closing).
 
-The loop sleeps on the engine's ``resumed`` condition while there is nothing to run (no
-sequence, a pause, a push window, an engine asleep or torn) and is woken by whatever changes
-that (new sequences, resume, a push closing). A caller waits on the same condition until its
-sequences are finished, and raises what keeps them from finishing: the engine died, its
-weights are torn or released, it sleeps, or a step failed.
+The stepper is a caller's own thread, not a thread of the engine's: on CPU a step's parallel
+regions then run on the thread pool of the thread that loaded the model (OpenMP keeps one
+pool per thread that starts parallel work; a second pool on the same cores cost the bench
+17-27% in context switches). A server's engine thread is the one stepper of a served engine.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from tandem.engine.engine_lock import EngineLock
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineLifecycle, EngineState
 
-HEALTH_CHECK_S = 1.0  # how often an idle or held loop (and a waiting caller) looks again
+HEALTH_CHECK_S = 1.0  # how often a waiting caller looks again (and checks the workers)
 
 
 class StepLoop:
@@ -31,58 +32,32 @@ class StepLoop:
         self._check_health = check_health  # marks the engine dead if a worker is gone
         self._lock = lock
         self._lifecycle = lifecycle
-        self._thread: threading.Thread | None = None
-        self._closed = False
-        self._failure: BaseException | None = None  # the last step's error, for its waiters
-        self._failures = 0  # how many steps failed so far
+        self._stepping = False  # a caller has the turn
 
     def wait(self, seqs: list[Sequence], held: Callable[[], bool]) -> None:
-        """Until ``seqs`` (queued) are finished, stepped by the loop. Raises the error that
-        keeps them from finishing (``held``: whether a pause holds the engine, which is
-        waited out, as a push window is)."""
-        resumed = self._lock.resumed
-        with resumed:
-            self._start()
-            resumed.notify_all()  # new sequences: the loop steps them
-            failures = self._failures
-            while not all(seq.finished for seq in seqs):
-                if self._failures != failures:
-                    raise self._failure
-                if not (self._lifecycle.updating or held()):
-                    self._lifecycle.check_runnable()  # dead, torn, asleep, no weights
-                elif self._lifecycle.state is EngineState.DEAD:
-                    self._lifecycle.check_alive()
-                resumed.wait(HEALTH_CHECK_S)
-
-    def _start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tandem-engine-step",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
-
-    def _run(self) -> None:
+        """Until ``seqs`` (queued) are finished: stepping while this caller has the turn,
+        else waiting for the caller who has it. Raises what keeps them from finishing: the
+        engine died, its weights are torn or released, it sleeps (a pause or a push window,
+        ``held`` or open, is waited out), or a step this caller ran failed."""
         resumed = self._lock.resumed
         while True:
             with resumed:
-                while not self._closed and not self._runnable():
-                    if self._lifecycle.state is EngineState.DEAD:
-                        resumed.notify_all()  # its waiters raise
+                while True:
+                    if all(seq.finished for seq in seqs):
                         return
-                    if not resumed.wait(HEALTH_CHECK_S):
+                    if not (self._lifecycle.updating or held()):
+                        self._lifecycle.check_runnable()  # dead, torn, asleep, no weights
+                    elif self._lifecycle.state is EngineState.DEAD:
+                        self._lifecycle.check_alive()
+                    if not self._stepping and self._runnable():
+                        self._stepping = True  # this caller's turn
+                        break
+                    if not resumed.wait(HEALTH_CHECK_S) and not self._stepping:
                         self._check_health()  # idle or held: are the workers still there?
-                if self._closed:
-                    return
             try:
-                self._step()
-            except BaseException as exc:  # its waiters raise it; the loop goes on
+                while not all(seq.finished for seq in seqs) and self._runnable():
+                    self._step()
+            finally:
                 with resumed:
-                    self._failure, self._failures = exc, self._failures + 1
-                    resumed.notify_all()
-                    resumed.wait(HEALTH_CHECK_S)  # not in a tight loop on a lasting fault
-
-    def close(self) -> None:
-        with self._lock.resumed:
-            self._closed = True
-            self._lock.resumed.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * HEALTH_CHECK_S)
+                    self._stepping = False
+                    resumed.notify_all()  # the turn is free: a waiting caller may take it
