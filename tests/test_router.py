@@ -117,10 +117,13 @@ def test_one_push_through_the_router_updates_every_replica(router, replicas, mod
         _decodes(server, trainer)
 
 
-def test_fleet_state_is_current_once_a_push_returned(replicas, model_factory):
+def test_fleet_state_is_current_once_a_push_returned(llama_dir, model_factory):
     """The router's board reads the versions a push left as soon as the push returns, not at
     the next health poll (30 s away here); a push at a version not above the fleet's is
-    refused, and a rollback reaches every replica."""
+    refused, and a rollback reaches every replica. Servers of its own: the module's router
+    over the shared ones heals a replica whose version is behind the other's, which a
+    rollback through another router makes it, one replica at a time."""
+    replicas = [Server(llama_dir, "--admin-key", ADMIN_KEY) for _ in range(2)]
     router = Router(*replicas, extra=("--admin-key", ADMIN_KEY, "--health-interval", "30"))
     trainer = transformers.AutoModelForCausalLM.from_pretrained(
         model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
@@ -141,6 +144,8 @@ def test_fleet_state_is_current_once_a_push_returned(replicas, model_factory):
     finally:
         sender.close()
         router.stop()
+        for server in replicas:
+            server.stop()
 
 
 def _decodes(server: Server, trainer) -> None:
