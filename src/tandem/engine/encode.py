@@ -3,6 +3,8 @@ unpadded into batches that run between generation steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tandem.engine.admission import Admission
@@ -48,24 +50,22 @@ class Encoder:
         pixels: list[list[float]] | None = None,
     ) -> list[list[float]]:
         """`encode` on inputs `Admission.check_encode` accepted (its pooling resolved)."""
+
+        def message(step_id: int, batch: list[int]) -> EncodeMessage:
+            return EncodeMessage(
+                step_id=step_id,
+                seqs=[inputs[i] for i in batch],
+                token_types=None if token_types is None else [token_types[i] for i in batch],
+                pooling=pooling,
+                task=self._task,
+                pixels=None if pixels is None else [pixels[i] for i in batch],
+            )
+
         rows: list[list[float]] = []
-        budget = self._admission.limits.max_num_batched_tokens
-        executor = self._stepper.executor
-        with self._lock.control():
-            self._stepper.drain()
-            self._lifecycle.check_runnable()
-            for batch in pack(inputs, budget):
-                msg = EncodeMessage(
-                    step_id=self._stepper.next_step_id(),
-                    seqs=[inputs[i] for i in batch],
-                    token_types=None if token_types is None else [token_types[i] for i in batch],
-                    pooling=pooling,
-                    task=self._task,
-                    pixels=None if pixels is None else [pixels[i] for i in batch],
-                )
-                rows.extend(self._stepper.guarded(lambda msg=msg: executor.encode(msg)).rows)
-                self.batches += 1
-                self.inputs += len(batch)
+        for batch, result in self._between_steps(inputs, message, lambda ex, msg: ex.encode(msg)):
+            rows.extend(result.rows)
+            self.batches += 1
+            self.inputs += len(batch)
         return rows
 
     def score(self, prompts: list[list[int]], logprobs: bool = True) -> list[torch.Tensor]:
@@ -76,21 +76,30 @@ class Encoder:
         Task ``generate`` only; an empty prompt, one past ``max_model_len`` or ids outside the
         vocabulary raise `RequestError` on ``prompt``."""
         self._admission.check_score(prompts)
+
+        def message(step_id: int, batch: list[int]) -> ScoreMessage:
+            return ScoreMessage(step_id=step_id, seqs=[list(prompts[i]) for i in batch],
+                                logprobs=logprobs)  # fmt: skip
+
         out: list[torch.Tensor] = []
+        for batch, rows in self._between_steps(prompts, message, lambda ex, msg: ex.score(msg)):
+            out.extend(rows.split([len(prompts[i]) for i in batch]))
+        return out
+
+    def _between_steps(self, inputs: list[list[int]], message: Callable, run: Callable) -> list:
+        """``inputs`` packed into batches of at most ``max_num_batched_tokens`` tokens, each
+        sent as ``message(step_id, batch)`` and run on the ranks by ``run(executor, msg)``,
+        all under the engine lock once the steps in flight finished: (batch, result) each."""
         budget = self._admission.limits.max_num_batched_tokens
         executor = self._stepper.executor
+        done = []
         with self._lock.control():
             self._stepper.drain()
             self._lifecycle.check_runnable()
-            for batch in pack(prompts, budget):
-                msg = ScoreMessage(
-                    step_id=self._stepper.next_step_id(),
-                    seqs=[list(prompts[i]) for i in batch],
-                    logprobs=logprobs,
-                )
-                rows = self._stepper.guarded(lambda msg=msg: executor.score(msg))
-                out.extend(rows.split([len(ids) for ids in msg.seqs]))
-        return out
+            for batch in pack(inputs, budget):
+                msg = message(self._stepper.next_step_id(), batch)
+                done.append((batch, self._stepper.guarded(lambda msg=msg: run(executor, msg))))
+        return done
 
 
 def pack(inputs: list[list[int]], budget: int) -> list[list[int]]:
