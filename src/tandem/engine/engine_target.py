@@ -7,19 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 from tandem.engine.executor import InProcessExecutor
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import AdapterPush, AdapterSlot, PushSettings, UpdateSpec
 
-if TYPE_CHECKING:
-    from tandem.engine.engine import LLMEngine
-
 
 class EngineTarget:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine):  # an `LLMEngine` (its module imports this one)
         self._engine = engine
         self._exchange = None
 
