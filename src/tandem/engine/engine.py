@@ -28,15 +28,13 @@ from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineLifecycle, EngineState
 from tandem.engine.stats import EngineStats
-from tandem.engine.step_loop import StepLoop
+from tandem.engine.step_loop import HEALTH_CHECK_S, StepLoop
 from tandem.engine.stepper import Stepper
 from tandem.engine.tokenizer import Tokenizer
 from tandem.errors import LoRAError
 from tandem.lora.config import LORA_MODULES
 from tandem.models.loader import read_model_spec
 from tandem.models.registry import import_model_modules
-
-HEALTH_CHECK_S = 1.0  # how often a paused step checks that its workers are still there
 
 
 class LLMEngine:

@@ -20,7 +20,7 @@ from tandem.engine.engine_lock import EngineLock
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineLifecycle, EngineState
 
-HEALTH_CHECK_S = 1.0  # how often a waiting caller looks again (and checks the workers)
+HEALTH_CHECK_S = 1.0  # how often a held or waiting step, or caller, checks the workers
 
 
 class StepLoop:
