@@ -216,6 +216,13 @@ class EngineConfig(BaseModel):
         "layout (2x the weights' memory) for faster matmuls; remade after every write into the "
         "live weights (`tandem.layers.gemm`)",
     )
+    paged_kernels: bool = Field(
+        True,
+        description="attention reads the paged KV cache in place with tandem's kernels "
+        "(decode: `tandem.kernels.paged`; causal prompt chunks: `tandem.kernels.paged_prefill`) "
+        "where they support the dtype, device and head shape; false: K and V are gathered into "
+        "contiguous tensors for torch's attention (the reference path, slower)",
+    )
     host_memory_reuse: bool = Field(
         True,
         description="CPU: glibc's malloc keeps freed blocks up to 32 MiB for the next step "

@@ -11,6 +11,11 @@ adapters (`lora_adapters.py`) and the weights' push window (`push_window.py`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
 from tandem.config import EngineConfig
 from tandem.engine.admission import Admission, Limits
 from tandem.engine.controls import Controls
@@ -50,8 +55,9 @@ class LLMEngine:
       ``lifecycle``), ``encoder`` (`Encoder`: embed, classify, score), ``adapters`` (`Adapters`:
       LoRA), ``window`` (`PushWindow`: the weights' version and a push's window), ``target``
       (`EngineTarget`: the push side, with its exchange server);
-    - ``weight_version``, `state`, `unavailable`, `check_health`, ``executor``,
-      `worker_locations`, `shutdown`.
+    - ``weight_version``, `state`, `unavailable`, `check_health`, `worker_locations`,
+      `apply_model` (a function on the model, where the ranks run in this process),
+      `shutdown`.
     """
 
     def __init__(self, config: EngineConfig):
@@ -207,14 +213,16 @@ class LLMEngine:
             encode_inputs=self.encoder.inputs,
         )
 
-    @property
-    def executor(self) -> Executor:
-        """The executor driving the ranks (an in-process one holds its `ModelRunner`)."""
-        return self._stepper.executor
-
     def worker_locations(self) -> list[dict]:
         """Where each rank runs: ``{rank, node_id, pid}``."""
         return self._stepper.executor.worker_locations()
+
+    def apply_model(self, func: Callable[[nn.Module], Any]) -> list:
+        """``func(model)`` between steps, on the model of each rank (vLLM's ``apply_model``):
+        the results in rank order. The ranks must run in this process (one rank, in-process);
+        else `NotImplementedError`: tandem sends no code to its workers."""
+        with self._lock.control():
+            return self._stepper.executor.apply_model(func)
 
     @property
     def weight_version(self) -> int:

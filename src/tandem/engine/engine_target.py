@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
-from tandem.engine.executor import InProcessExecutor
 from tandem.engine.weight_update import WeightUpdate
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import AdapterPush, AdapterSlot, PushSettings, UpdateSpec
@@ -49,11 +48,11 @@ class EngineTarget:
 
     @property
     def receivers_in_process(self) -> bool:
-        return isinstance(self._engine.executor, InProcessExecutor)
+        return self._engine.window.in_process
 
     def weight_layouts(self) -> list[RankLayout]:
         """What every rank holds, as canonical boxes: the receiving side of exchange plans."""
-        return self._engine.executor.layouts
+        return self._engine.window.layouts
 
     def unavailable(self) -> str | None:
         return self._engine.unavailable()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import socket
 from collections import deque
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from tandem.config import EngineConfig
 from tandem.engine.messages import (
@@ -35,6 +37,7 @@ class Executor(Protocol):
     num_blocks: int  # KV blocks every rank can hold (the minimum over ranks)
     max_in_flight: int  # steps that may be submitted before the oldest is collected
     layouts: list[RankLayout]  # what each rank holds, for weight-exchange plans
+    in_process: bool  # the ranks run in the engine's own process (one rank: the whole model)
 
     def apply(
         self, phase: PushPhase, spec: UpdateSpec, records_by_rank: dict[int, list[Record]]
@@ -66,6 +69,10 @@ class Executor(Protocol):
     def worker_locations(self) -> list[dict]:
         """Where each rank runs: ``{rank, node_id, pid}``."""
 
+    def apply_model(self, func: Callable[[nn.Module], Any]) -> list:
+        """``func(model)`` on every rank's model: the results in rank order; no step may be in
+        flight. Only where the ranks run in this process: tandem sends no code to a worker."""
+
     def shutdown(self) -> None: ...
 
 
@@ -80,6 +87,7 @@ class InProcessExecutor:
     """One rank holding the whole model, in the engine's own process."""
 
     max_in_flight = 1
+    in_process = True
 
     def __init__(self, spec: ModelSpec, config: EngineConfig):
         self.runner = ModelRunner(
@@ -89,6 +97,7 @@ class InProcessExecutor:
             block_size=config.cache.block_size,
             seed=config.seed,
             packed_weights=config.packed_weights,
+            paged_kernels=config.paged_kernels,
             host_memory_reuse=config.host_memory_reuse,
             load=config.load_format == "auto",
             lora=config.lora if config.lora.enable_lora else None,
@@ -132,6 +141,9 @@ class InProcessExecutor:
 
     def worker_locations(self) -> list[dict]:
         return [{"rank": 0, "node_id": socket.gethostname(), "pid": os.getpid()}]
+
+    def apply_model(self, func: Callable[[nn.Module], Any]) -> list:
+        return [func(self.runner.model)]
 
     def shutdown(self) -> None:
         self.runner = None

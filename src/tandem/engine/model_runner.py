@@ -178,6 +178,7 @@ class ModelRunner:
         pipe=None,
         samples: bool = True,
         packed_weights: bool = True,
+        paged_kernels: bool = True,
         host_memory_reuse: bool = True,
         load: bool = True,
         lora: LoRAConfig | None = None,
@@ -217,12 +218,15 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         a = self.attention_layers[0] if self.attention_layers else None
         # decode attention in place from the paged cache (tandem.kernels.paged) where it serves
-        self.paged = a is not None and paged.supports(
-            dtype, device, a.num_heads, a.num_kv_heads, a.head_dim
+        self.paged = (
+            paged_kernels
+            and a is not None
+            and paged.supports(dtype, device, a.num_heads, a.num_kv_heads, a.head_dim)
         )
         # causal prompt chunks likewise (tandem.kernels.paged_prefill: AMX, or the vector kernel)
         self.paged_prefill = (
-            a is not None
+            paged_kernels
+            and a is not None
             and all(layer.causal for layer in self.attention_layers)
             and paged_prefill.supports(dtype, device, a.num_heads, a.num_kv_heads, a.head_dim)
         )

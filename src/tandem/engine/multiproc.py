@@ -62,6 +62,7 @@ class MultiprocExecutor:
     joined with `run_node`), driven over the control channel."""
 
     ranks_elsewhere = False  # True: ranks may run on other hosts (TCP rendezvous)
+    in_process = False
 
     def __init__(self, spec: ModelSpec, config: EngineConfig):
         dims = config.parallel.dims
@@ -206,6 +207,13 @@ class MultiprocExecutor:
         """Where each local rank runs: ``{rank, node_id, pid}`` (node_id: this host's name)."""
         host = socket.gethostname()
         return [{"rank": r, "node_id": host, "pid": p.pid} for r, p in enumerate(self._procs)]
+
+    def apply_model(self, func) -> list:
+        raise NotImplementedError(
+            "apply_model runs a function on the model in this process, and this engine's "
+            f"{len(self._procs)} ranks are worker processes: tandem sends no code to its "
+            "workers (use tensor_parallel_size=1, pipeline_parallel_size=1)"
+        )
 
     def _spawn(self, config, ranks, rendezvous, control_address, token, spec) -> list:
         """Start the ranks' workers: objects with ``pid``, ``poll``, ``wait``, ``terminate``,

@@ -15,6 +15,7 @@ from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
 from tandem.engine.state import EngineLifecycle
 from tandem.engine.stepper import Stepper
 from tandem.engine.weight_update import UpdateState, WeightUpdate
+from tandem.exchange.layout import RankLayout
 from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
@@ -30,6 +31,16 @@ class PushWindow:
         # called after every push attempt with (version, seconds, error or None): the
         # exchange server calls them (metrics, logs)
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
+
+    @property
+    def layouts(self) -> list[RankLayout]:
+        """What every rank holds, as canonical boxes: what a push's plan writes into."""
+        return self._stepper.executor.layouts
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the ranks (one) run in the engine's own process."""
+        return self._stepper.executor.in_process
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[WeightUpdate]:

@@ -141,7 +141,7 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
     runner = ModelRunner(
         spec, dtype=config.torch_dtype, device=device, block_size=config.cache.block_size,
         seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
-        packed_weights=config.packed_weights,
+        packed_weights=config.packed_weights, paged_kernels=config.paged_kernels,
         host_memory_reuse=config.host_memory_reuse, load=config.load_format == "auto",
         lora=config.lora if config.lora.enable_lora else None,
     )  # fmt: skip
