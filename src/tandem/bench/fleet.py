@@ -198,10 +198,10 @@ def check_replicas(llm, reference: Reference, version: int) -> float:
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
     errors = []
-    for replica, engine in enumerate(llm.fleet.engines):
+    for engine in _engines(llm):
         seqs = engine.admission.make_sequences(f"bench-check-{version}", PROMPT, params, 0)
         engine.add(seqs)
-        llm.fleet.run({replica: seqs})
+        engine.run(seqs)
         out = seqs[0].output("")
         served = max(seqs[0].weight_versions) if seqs[0].weight_versions else None
         errors.append(scored(reference, out.token_ids, out.logprobs, served, version))
@@ -248,7 +248,7 @@ def routing(quick: bool) -> dict[str, Any]:
             ("mixed", runs["mixed"], tandem),
         ):
             entry = {"tokens": sum(k for _, k in reqs[0]), "requests": len(reqs[0])}
-            before = {k: (_stats(llm), list(llm.fleet.router.requests)) for k, llm in llms.items()}
+            before = {k: (_stats(llm), _requests(llm)) for k, llm in llms.items()}
             sides = {k: (lambda r, llm=llm, fn=fn: fn(llm, r)) for k, llm in llms.items()}
             time_sides(entry, sides, reqs)
             for k, llm in llms.items():
@@ -258,17 +258,30 @@ def routing(quick: bool) -> dict[str, Any]:
                 hits = after.prefix_cache_hit_tokens - stats.prefix_cache_hit_tokens
                 entry[f"{k}_engine"] = {
                     "prefix_cache_hit_rate": round(hits / queried, 4) if queried else 0.0,
-                    "requests_per_replica": [a - b for a, b in zip(
-                        llm.fleet.router.requests, requests, strict=True)],
-                }  # fmt: skip
+                }
+                if requests is not None:
+                    entry[f"{k}_engine"]["requests_per_replica"] = [
+                        a - b for a, b in zip(_requests(llm), requests, strict=True)
+                    ]
             out[name] = entry
     out["threads"] = {"dp1": torch.get_num_threads(),
                       "dp2": "each replica's worker: cores // 2"}  # fmt: skip
     return out
 
 
+def _engines(llm) -> list:
+    """The replicas' engines (one replica: the LLM's engine)."""
+    return [llm.engine] if llm.fleet is None else llm.fleet.engines
+
+
 def _stats(llm):
-    return combined([engine.stats() for engine in llm.fleet.engines])
+    return combined([engine.stats() for engine in _engines(llm)])
+
+
+def _requests(llm) -> list[int] | None:
+    """Requests routed to each replica so far (a fleet's router counts them; one engine is
+    not routed: None)."""
+    return None if llm.fleet is None else list(llm.fleet.router.requests)
 
 
 def summary(result: dict[str, Any]) -> str:

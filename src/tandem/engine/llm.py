@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch import nn
 
 from tandem.config import EngineConfig
 from tandem.engine.admission import RequestError
 from tandem.engine.chat_template import NoChatTemplate
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
-from tandem.engine.fleet import Fleet
+from tandem.engine.fleet import VERSION_POLL_S, Fleet
 from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.router import Routed
@@ -37,8 +41,17 @@ class _Request:
     priority: int
     lora_request: LoRARequest | None = None
     lora: LoadedAdapter | None = None  # the adapter version it runs with
-    routed: Routed | None = None
+    routed: Routed | None = None  # a fleet's: the replica it runs on
     seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def replica(self) -> int:
+        return 0 if self.routed is None else self.routed.replica
+
+    @property
+    def load(self) -> int:
+        """The tokens it may still cost: its prompt, and every sample's new tokens."""
+        return len(self.ids) + self.params.n * (self.params.max_tokens or 0)
 
 
 class LLM:
@@ -47,17 +60,59 @@ class LLM:
     ``LLM(model, tensor_parallel_size=1, pipeline_parallel_size=1, dtype="auto",
     device="cpu", seed=0, max_model_len=None, max_num_seqs=256, kv_cache_memory=1 << 30, ...)``;
     see `tandem.config.EngineConfig` for every option. Usable as a context manager.
+
+    One replica is one `LLMEngine`, stepped by the threads that call `generate`; with
+    ``data_parallel_size`` > 1 the replicas are a `Fleet` (``llm.fleet``, else None).
     """
 
     def __init__(self, model: str, **options):
-        self.fleet: Fleet | None = Fleet(EngineConfig(model=str(model), **options))
+        config = EngineConfig(model=str(model), **options)
+        self.fleet: Fleet | None = None
+        self._engine: LLMEngine | None = None
+        if config.parallel.data_parallel_size > 1:
+            self.fleet = Fleet(config)
+        else:
+            self._engine = LLMEngine(config)
+            self._load = 0  # the tokens `generate` calls still owe (`fleet_state`'s load)
+            self._load_lock = threading.Lock()
+            self._committed = threading.Condition()  # `wait_for_version`: a push ended
+            self._engine.window.update_listeners.append(self._pushed)
         self._request_ids = itertools.count()  # one id per request, across threads
 
     @property
     def engine(self) -> LLMEngine | None:
         """The engine (with ``data_parallel_size`` > 1: replica 0's, whose config, model and
         tokenizer every replica shares); None once shut down."""
-        return None if self.fleet is None else self.fleet.lead
+        return self.fleet.lead if self.fleet is not None else self._engine
+
+    def _engines(self) -> list[LLMEngine]:
+        if self.engine is None:
+            raise RuntimeError("this LLM has been shut down")
+        return self.fleet.engines if self.fleet is not None else [self._engine]
+
+    def _each(self, call: Callable[[LLMEngine], Any]) -> list:
+        """``call(engine)`` on every replica (a fleet's at once)."""
+        if self.fleet is not None:
+            return self.fleet.each(call)
+        return [call(engine) for engine in self._engines()]
+
+    def _forget_prefixes(self) -> None:
+        if self.fleet is not None:  # the router's view of the replicas' caches
+            self.fleet.forget_prefixes()
+
+    def _pushed(self, *_done) -> None:
+        with self._committed:
+            self._committed.notify_all()
+
+    def apply_model(self, func: Callable[[nn.Module], Any]) -> list:
+        """``func(model)`` on the served model between steps (vLLM's ``apply_model``): one
+        result per rank. For inspection and tooling in this process: the ranks must run in
+        it (one replica, ``tensor_parallel_size=1``, ``pipeline_parallel_size=1``, the
+        default backend); else `NotImplementedError`, as tandem sends no code to workers."""
+        if self.fleet is not None:
+            raise NotImplementedError("apply_model needs one replica (data_parallel_size=1): "
+                                      "a fleet's replicas run in worker processes")  # fmt: skip
+        return self._engines()[0].apply_model(func)
 
     def embed(
         self, inputs: Prompt | Seq[Prompt], normalize: bool = False, pooling: str | None = None
@@ -98,7 +153,7 @@ class LLM:
         replica of the newest version scores. Task ``generate`` only; an empty prompt, one
         past ``max_model_len`` or ids outside the vocabulary raise `RequestError` (a
         ``ValueError``) on ``prompt``, naming which."""
-        if self.fleet is None:
+        if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         if self.engine.config.task != "generate":
             raise ValueError("score needs LLM(..., task='generate'); this LLM's task is "
@@ -111,8 +166,8 @@ class LLM:
         """The engine of a replica that may take requests now, serving the newest version among
         them (waiting as `generate`'s routing does while a rolling push leaves none)."""
         fleet = self.fleet
-        if len(fleet.engines) == 1:
-            return fleet.lead
+        if fleet is None or len(fleet.engines) == 1:
+            return self.engine
         fleet.check_replicas()
         allowed = fleet.board.wait_allowed(fleet.timeout_s)
         return max((fleet.engines[r] for r in allowed), key=lambda e: e.weight_version)
@@ -128,14 +183,18 @@ class LLM:
     def weight_version(self) -> int:
         """The newest version served (a fleet's replicas all serve it after a push with
         ``policy="all"``; during a rolling push `fleet_state` says which serves what)."""
-        return self.fleet.weight_version
+        if self.fleet is not None:
+            return self.fleet.weight_version
+        return self._engines()[0].weight_version
 
     @property
     def exchange_address(self) -> str:
         """Where trainer processes on this host push weights (``host:port/token``): pass it to
         `tandem.exchange.WeightSender`. With ``data_parallel_size`` > 1 one push there updates
         every replica. The exchange server starts on first use."""
-        return self.fleet.exchange_server().address
+        if self.fleet is not None:
+            return self.fleet.exchange_server().address
+        return self._engines()[0].target.exchange_server().address
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -199,7 +258,7 @@ class LLM:
         before any is queued: a bad one raises ``ValueError`` (`LoRAError` for an adapter)
         and nothing runs.
         """
-        if self.fleet is None:
+        if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -232,22 +291,10 @@ class LLM:
                     self._place(requests[-1])
                 except RequestError as exc:  # named by its place in the caller's list
                     raise exc.at(f"prompt {i}") from None
-            pending = requests
-            while pending:
-                for r in sorted({req.routed.replica for req in pending}):
-                    # asleep, torn: queue none
-                    self.fleet.engines[r].controls.lifecycle.check_runnable()
-                work: dict[int, list[Sequence]] = {}
-                for req in pending:
-                    self.fleet.engines[req.routed.replica].add(req.seqs)
-                    work.setdefault(req.routed.replica, []).extend(req.seqs)
-                lost = self.fleet.run(work)
-                # a replica died: what it had not finished runs again on another (nothing of
-                # it was returned yet)
-                pending = [req for req in pending if req.routed.replica in lost
-                           and not all(s.finished for s in req.seqs)]  # fmt: skip
-                for req in pending:
-                    self._place(req, avoid=req.routed.replica)
+            if self.fleet is None:
+                self._run_alone(requests)
+            else:
+                self._run_on_fleet(requests)
         finally:
             for req in requests:
                 if req.routed is not None:
@@ -256,20 +303,61 @@ class LLM:
                 self.engine.adapters.unpin(adapter)
         outputs = []
         for req in requests:
-            out = self._output(req.request_id, req.text, req.ids, req.seqs, req.routed.replica)
+            out = self._output(req.request_id, req.text, req.ids, req.seqs, req.replica)
             if req.lora is not None:
                 out.lora_request, out.lora_version = req.lora_request, req.lora.version
             outputs.append(out)
         return outputs
 
+    def _run_alone(self, requests: list[_Request]) -> None:
+        """Queue every request's sequences on the one engine and step until they finish."""
+        engine = self._engine
+        seqs = [seq for req in requests for seq in req.seqs]
+        load = sum(req.load for req in requests)
+        with self._load_lock:
+            self._load += load
+        try:
+            engine.controls.lifecycle.check_runnable()  # asleep, torn: queue none
+            engine.add(seqs)
+            try:
+                engine.run(seqs)
+            except BaseException:  # nothing of them is left queued for another caller's steps
+                engine.abort([seq for seq in seqs if not seq.finished])
+                raise
+        finally:
+            with self._load_lock:
+                self._load -= load
+
+    def _run_on_fleet(self, requests: list[_Request]) -> None:
+        """Run the routed requests on their replicas; a replica that dies meanwhile: what it
+        had not finished runs again on another (nothing of it was returned yet)."""
+        fleet = self.fleet
+        pending = requests
+        while pending:
+            for r in sorted({req.replica for req in pending}):
+                fleet.engines[r].controls.lifecycle.check_runnable()  # asleep, torn: queue none
+            work: dict[int, list[Sequence]] = {}
+            for req in pending:
+                fleet.engines[req.replica].add(req.seqs)
+                work.setdefault(req.replica, []).extend(req.seqs)
+            lost = fleet.run(work)
+            pending = [req for req in pending if req.replica in lost
+                       and not all(s.finished for s in req.seqs)]  # fmt: skip
+            for req in pending:
+                self._place(req, avoid=req.replica)
+
     def _place(self, req: _Request, avoid: int | None = None) -> None:
-        """Route ``req`` (again) and make its sequences on that replica."""
-        if req.routed is not None:
-            self.fleet.finished(req.routed)
-            req.routed = None
-        req.routed = self.fleet.route(req.ids, req.params.n, req.params.max_tokens or 0, avoid)
-        admission = self.fleet.engines[req.routed.replica].admission
-        req.seqs = admission.make_sequences(req.request_id, req.ids, req.params, req.priority)
+        """Make ``req``'s sequences on its engine (a fleet: routed, again after a loss)."""
+        engine = self._engine
+        if self.fleet is not None:
+            if req.routed is not None:
+                self.fleet.finished(req.routed)
+                req.routed = None
+            params = req.params
+            req.routed = self.fleet.route(req.ids, params.n, params.max_tokens or 0, avoid)
+            engine = self.fleet.engines[req.routed.replica]
+        req.seqs = engine.admission.make_sequences(req.request_id, req.ids, req.params,
+                                                   req.priority)  # fmt: skip
         if req.lora is not None:
             for seq in req.seqs:
                 seq.lora_slot, seq.lora_key = req.lora.slot, req.lora.key
@@ -290,7 +378,7 @@ class LLM:
 
     def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence],
                 replica: int) -> RequestOutput:  # fmt: skip
-        engine = self.fleet.engines[replica]
+        engine = self._engines()[replica]
         completions = [s.output(engine.outputs.text(s)) for s in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
         metrics = RequestMetrics(
@@ -317,66 +405,91 @@ class LLM:
         far (``generate`` returns them); ``wait`` lets running sequences finish and admits none;
         ``keep`` freezes them with their KV cache in place. A ``generate`` called while paused
         waits for `resume`. Weight pushes land while paused. Every replica of a fleet."""
-        self.fleet.each(lambda engine: engine.controls.pause(mode))
+        self._each(lambda engine: engine.controls.pause(mode))
 
     def resume(self) -> None:
-        self.fleet.each(lambda engine: engine.controls.resume())
+        self._each(lambda engine: engine.controls.resume())
 
     def abort(self, request_ids: list[str] | None = None) -> None:
         """End these requests (None: all) now, with what they generated so far; their
         ``generate`` call returns them with finish_reason ``abort``."""
-        self.fleet.each(lambda engine: engine.controls.abort_requests(request_ids))
+        self._each(lambda engine: engine.controls.abort_requests(request_ids))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prompt prefix (a weight push does this itself)."""
-        self.fleet.each(lambda engine: engine.reset_prefix_cache())
-        self.fleet.forget_prefixes()
+        self._each(lambda engine: engine.reset_prefix_cache())
+        self._forget_prefixes()
 
     def sleep(self, level: int = 1) -> None:
         """Release memory on every rank (a colocated trainer may use it): level 1 the KV
         cache, level 2 the weights too. `generate` raises `EngineAsleepError` until `wake`;
         after level 2 it raises `WeightsReleasedError` until a push lands or
         `reload_weights`."""
-        self.fleet.each(lambda engine: engine.controls.sleep(level))
-        self.fleet.forget_prefixes()
+        self._each(lambda engine: engine.controls.sleep(level))
+        self._forget_prefixes()
 
     def wake(self) -> None:
         """Re-allocate what `sleep` released."""
-        self.fleet.each(lambda engine: engine.controls.wake())
+        self._each(lambda engine: engine.controls.wake())
 
     def reload_weights(self) -> None:
         """Read the weights from the model directory again (version 0)."""
-        self.fleet.each(lambda engine: engine.controls.reload_weights())
-        self.fleet.forget_prefixes()
+        self._each(lambda engine: engine.controls.reload_weights())
+        self._forget_prefixes()
 
     def worker_locations(self) -> list[dict]:
         """Where each engine rank runs: ``[{replica, rank, node_id, pid}]`` (node_id: the Ray
         node id with the ray backend, else the host name)."""
-        return self.fleet.worker_locations()
+        if self.fleet is not None:
+            return self.fleet.worker_locations()
+        return [{**loc, "replica": 0} for loc in self._engines()[0].worker_locations()]
 
     def fleet_state(self) -> list[dict]:
         """Each replica: ``{"replica", "state", "version", "load"}`` (state ``serving``,
         ``updating``, ``quarantined`` (with its ``reason``) or ``joining``; version: the one
         it has committed; load: the tokens it still owes to routed requests; while a rolling
         push rolls out, ``rolling_to``: its version, on the replicas yet to commit it)."""
-        return self.fleet.fleet_state()
+        if self.fleet is not None:
+            return self.fleet.fleet_state()
+        engine = self._engines()[0]
+        with self._load_lock:
+            load = self._load
+        state = "updating" if engine.controls.lifecycle.updating else "serving"
+        return [{"replica": 0, "state": state, "version": engine.weight_version, "load": load}]
 
     def wait_for_version(self, version: int, timeout: float | None = None) -> None:
         """Return once every serving replica (a single engine: it) serves ``version`` or a
         newer one: a rolling push's last wave has committed (a replica in its wave counts as
         serving; one quarantined or joining does not: it heals to the newest version).
         `TimeoutError` past ``timeout`` seconds, naming each replica's state and version."""
-        self.fleet.wait_for_version(version, timeout)
+        if self.fleet is not None:
+            return self.fleet.wait_for_version(version, timeout)
+        engine = self._engines()[0]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._committed:  # the exchange server's listeners notify it after a push
+            while engine.weight_version < version:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"the engine serves version {engine.weight_version}, "
+                                       f"not {version}, after {timeout:g} s")  # fmt: skip
+                # and looks again now and then: a version may come by another way
+                self._committed.wait(VERSION_POLL_S if left is None else min(left, VERSION_POLL_S))
 
     def add_replica(self) -> int:
         """Grow the fleet by one replica (``data_parallel_size`` >= 2): it starts reading
         nothing from disk, pulls the weights from a live peer (planned and verified like any
         push), and only then takes requests. Its number."""
+        if self.fleet is None:
+            raise ValueError("add_replica needs a fleet: start the LLM with "
+                             "data_parallel_size >= 2")  # fmt: skip
         return self.fleet.add_replica()
 
     def heal(self, replica: int) -> None:
         """Bring a quarantined replica back now (restarted if its workers are gone, then
         filled from a live peer); a fleet does this itself unless ``heal=False``."""
+        if self.fleet is None:
+            raise ValueError("a single engine has no peer to heal from: heal needs "
+                             "data_parallel_size >= 2")  # fmt: skip
         self.fleet.heal(replica)
 
     def shutdown(self) -> None:
@@ -384,6 +497,9 @@ class LLM:
         if self.fleet is not None:
             self.fleet.shutdown()
             self.fleet = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
 
     def __enter__(self) -> LLM:
         return self
