@@ -182,3 +182,41 @@ def test_the_package_version_is_the_projects():
     pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
     assert tandem.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]
     assert "__version__" in tandem.__all__
+
+
+def test_one_engine_reports_load_and_version_and_waits_for_a_push(model_factory):
+    """One replica is one engine (no fleet): `fleet_state` gives its state, version and the
+    tokens running `generate` calls still owe; `wait_for_version` returns once a push from
+    another thread commits, and names both versions when it times out; a fleet's own calls
+    (add_replica, heal) are refused naming data_parallel_size."""
+    import threading
+    import time
+
+    engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
+    with LLM(engine_dir) as llm:
+        assert llm.fleet is None
+        assert llm.fleet_state() == [{"replica": 0, "state": "serving", "version": 0, "load": 0}]
+        with pytest.raises(TimeoutError, match="serves version 0, not 1"):
+            llm.wait_for_version(1, timeout=0.2)
+        long = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+        done = threading.Event()
+        runner = threading.Thread(target=lambda: (llm.generate([PROMPTS[0]], long), done.set()))
+        runner.start()
+        deadline = time.monotonic() + 60
+        while llm.fleet_state()[0]["load"] == 0 and not done.is_set():
+            assert time.monotonic() < deadline, "generate's load never showed"
+            time.sleep(0.005)
+        seen = llm.fleet_state()[0]["load"]
+        runner.join(120)
+        assert not runner.is_alive()
+        assert seen == len(PROMPTS[0]) + 2 * 400 and llm.fleet_state()[0]["load"] == 0
+        pusher = threading.Thread(
+            target=lambda: WeightSender(_trainer(trainer_dir), llm).push(version=3)
+        )
+        pusher.start()
+        llm.wait_for_version(3, timeout=120)
+        assert llm.weight_version == 3 and llm.fleet_state()[0]["version"] == 3
+        pusher.join(60)
+        for call in (llm.add_replica, lambda: llm.heal(0)):
+            with pytest.raises(ValueError, match="data_parallel_size >= 2"):
+                call()
