@@ -74,8 +74,8 @@ def moves(plan, dst: int, dst_key: str, name: str) -> list[tuple]:
     out = [
         (t.src, t.src_key, t.box, _spans(_local_slices(t.src_piece, t.box)),
          _spans(_local_slices(t.dst_piece, t.box)))
-        for t in plan.for_receiver(dst)
-        if t.dst_key == dst_key and t.name == name
+        for t in plan.transfers
+        if t.dst == dst and t.dst_key == dst_key and t.name == name
     ]  # fmt: skip
     return sorted(out)
 

@@ -85,9 +85,6 @@ class Plan:
         """Receiving rank -> the rank it passes everything it receives to."""
         return {src: dst for hop in self.hops for src, dst in hop.values()}
 
-    def for_receiver(self, rank: int) -> list[Transfer]:
-        return [t for t in self.transfers if t.dst == rank]
-
     @property
     def total_numel(self) -> int:
         return sum(self.sender_numel)
