@@ -5,6 +5,7 @@ through its transitions; the engine's step reads the lifecycle to know whether i
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tandem.engine.engine_lock import EngineLock
@@ -13,7 +14,8 @@ from tandem.engine.messages import ReleaseWeights, ReloadWeights, RestoreWeights
 from tandem.engine.push_window import PushWindow
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence
-from tandem.engine.state import EngineLifecycle, PauseMode
+from tandem.engine.state import EngineLifecycle, EngineState, PauseMode
+from tandem.engine.step_loop import HEALTH_CHECK_S
 from tandem.engine.stepper import Stepper
 from tandem.errors import ModelLoadError
 
@@ -62,6 +64,20 @@ class Controls:
         if mode is None:
             return False
         return mode is PauseMode.KEEP or not (self._scheduler.running or self._stepper.in_flight)
+
+    def wait_held(self, timeout_s: float | None = None) -> bool:
+        """Until a pause holds the next step (``wait``: the running sequences finished) or
+        the engine stops running: whether a pause holds it; False past ``timeout_s``. Waits
+        on the condition a step notifies when sequences finish (and looks again every
+        ``HEALTH_CHECK_S`` for an engine that died meanwhile)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock.resumed:  # not `control()`: the steps it waits for must run
+            while not self.held() and self.lifecycle.state is EngineState.RUNNING:
+                left = HEALTH_CHECK_S if deadline is None else deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.resumed.wait(min(left, HEALTH_CHECK_S))
+        return self.held()
 
     def abort_requests(self, request_ids=None) -> list[Sequence]:
         """Abort the unfinished sequences of these requests (None: of every request); the

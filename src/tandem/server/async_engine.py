@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -326,12 +325,9 @@ class AsyncEngine:
         Blocking: call in a thread."""
         aborted = self._core.controls.pause(mode)
         self._poke(publish=True)
-        if mode == "wait":
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while not self._core.controls.held() and self._core.state is EngineState.RUNNING:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"running requests did not finish in {timeout} s")
-                time.sleep(0.005)
+        if mode == "wait" and not self._core.controls.wait_held(timeout):
+            if self._core.state is EngineState.RUNNING:
+                raise TimeoutError(f"running requests did not finish in {timeout} s")
         return len(aborted)
 
     def resume(self) -> None:
