@@ -75,8 +75,8 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
     path = model_factory(family)
     ref = _hf(path)
     with LLM(path, dtype="bfloat16") as llm:
-        runner = llm.engine.executor.runner
-        assert {p.dtype for p in runner.model.parameters()} == {torch.bfloat16}
+        dtypes = llm.apply_model(lambda model: {p.dtype for p in model.parameters()})
+        assert dtypes == [{torch.bfloat16}]
         for ids, logits in zip(PROMPTS, llm.score(PROMPTS, logprobs=False), strict=True):
             expected = _ref_logits(ref, ids)
             assert (logits.float() - expected).abs().max().item() <= bf16_tolerance(expected)

@@ -9,6 +9,7 @@ from tandem import LLM, SamplingParams
 from tandem.engine.state import EngineAsleepError, EngineState, WeightsReleasedError
 from tandem.exchange import WeightSender
 from tandem.layers import gemm, gemm_choice
+from tandem.layers.attention import Attention
 
 PARAMS = SamplingParams(max_tokens=12, temperature=0.8, seed=5, ignore_eos=True)
 PROMPTS = ["The quick dog", "12 + 7 ="]
@@ -37,17 +38,34 @@ def test_abort_frees_blocks_and_the_rest_go_on(llama_dir):
         assert not engine.has_unfinished()
 
 
+def _kv_caches_bound(llm) -> list[bool]:
+    """Per rank: True if every attention layer holds its K and V cache, False if none does
+    (a mix fails the test)."""
+
+    def bound(model) -> bool:
+        caches = [c for m in model.modules() if isinstance(m, Attention)
+                  for c in (m.k_cache, m.v_cache)]  # fmt: skip
+        assert caches and len({c is None for c in caches}) == 1, "some layers hold a cache"
+        return caches[0] is not None
+
+    return llm.apply_model(bound)
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sleep_releases_kv_cache_and_wake_restores_it(llama_dir, tp):
     with LLM(llama_dir, tensor_parallel_size=tp, kv_cache_memory=8 << 20) as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+        if tp == 1:  # every attention layer's view of the cache, bound, then released
+            assert _kv_caches_bound(llm) == [True]
         llm.sleep()
         if tp == 1:
-            assert llm.engine.executor.runner.kv_cache is None
+            assert _kv_caches_bound(llm) == [False]
         with pytest.raises(EngineAsleepError):
             llm.generate(PROMPTS, PARAMS)
         llm.wake()
+        if tp == 1:
+            assert _kv_caches_bound(llm) == [True]
         after = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
     assert after == before
 
@@ -149,7 +167,7 @@ def test_packed_weight_copies_go_with_the_weights(llama_dir):
     keeps none and serves the same tokens."""
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLM(llama_dir, kv_cache_memory=8 << 20) as llm:
-        packs = gemm.packed_weights(llm.engine.executor.runner.model)
+        [packs] = llm.apply_model(gemm.packed_weights)
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         held = [p.held for p in packs]  # the layers a oneDNN call ran (prompts: batches)
         assert packs and any(held) == (gemm_choice.kernel(torch.float32, 64) == "onednn")
@@ -160,7 +178,7 @@ def test_packed_weight_copies_go_with_the_weights(llama_dir):
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
         assert [p.held for p in packs] == held
     with LLM(llama_dir, kv_cache_memory=8 << 20, packed_weights=False) as llm:
-        assert gemm.packed_weights(llm.engine.executor.runner.model) == []
+        assert llm.apply_model(gemm.packed_weights) == [[]]
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)] == before
 
 

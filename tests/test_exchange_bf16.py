@@ -45,7 +45,8 @@ def trainer(dirs):
 def loaded(dirs):
     """The trainer's checkpoint loaded by a bfloat16 engine: its parameters."""
     with LLM(dirs[1], dtype="bfloat16") as llm:
-        return {k: p.clone() for k, p in llm.engine.executor.runner.model.named_parameters()}
+        [params] = llm.apply_model(lambda m: {k: p.clone() for k, p in m.named_parameters()})
+        return params
 
 
 def _outputs(llm) -> list[tuple[list[int], list[float]]]:
@@ -63,7 +64,7 @@ def test_a_float32_push_lands_as_the_trainers_weights_in_bfloat16(
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=1)
         assert llm.weight_version == 1
         assert stats.bytes_needed == sum(p.numel() * 2 for p in loaded.values())
-        live = dict(llm.engine.executor.runner.model.named_parameters())
+        [live] = llm.apply_model(lambda m: dict(m.named_parameters()))
         assert live.keys() == loaded.keys()
         for name, param in live.items():
             assert param.dtype == torch.bfloat16

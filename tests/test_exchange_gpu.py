@@ -17,6 +17,11 @@ pytestmark = [
 ]
 
 
+def _data_ptrs(model) -> dict[str, int]:
+    """Where each parameter's storage lives (a push in place keeps it)."""
+    return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize(("transport", "tp"), [("cuda_ipc", 1), ("cuda_ipc", 2), ("dist", 1)])
 def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
     if tp > torch.cuda.device_count():
@@ -26,11 +31,7 @@ def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
     reference = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir).eval()
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
     with LLM(engine_dir, device="cuda", tensor_parallel_size=tp) as llm:
-        before = (
-            {n: p.data_ptr() for n, p in llm.engine.executor.runner.model.named_parameters()}
-            if (tp == 1)
-            else None
-        )
+        before = llm.apply_model(_data_ptrs)[0] if tp == 1 else None
         done = subprocess.run(
             [sys.executable, str(script), trainer_dir, llm.exchange_address, "4", transport],
             timeout=240,
@@ -38,9 +39,7 @@ def test_gpu_trainer_pushes_into_cuda_engine(model_factory, transport, tp):
         assert done.returncode == 0
         assert llm.weight_version == 4
         if before is not None:
-            model = llm.engine.executor.runner.model
-            after = {n: p.data_ptr() for n, p in model.named_parameters()}
-            assert after == before
+            assert llm.apply_model(_data_ptrs) == [before]
         out = llm.generate([[5, 9, 33, 2, 17]], params)[0]
     ids = out.prompt_token_ids + out.outputs[0].token_ids
     with torch.no_grad():

@@ -118,6 +118,11 @@ def test_in_place_reads_land_in_the_live_parameters(models):
         assert llm.weight_version == 2  # the pinned parameters serve a second push too
 
 
+def _data_ptrs(model) -> list[int]:
+    """Where each parameter's storage lives (a push in place keeps it)."""
+    return [p.data_ptr() for p in model.parameters()]
+
+
 def test_an_in_place_read_gone_wrong_tears_the_engine_until_a_good_push(models, monkeypatch):
     engine_dir, trainer = models
     honest = MooncakeReceiver.receive
@@ -130,7 +135,7 @@ def test_an_in_place_read_gone_wrong_tears_the_engine_until_a_good_push(models, 
         return n
 
     with LLM(engine_dir, dtype="float32") as llm:
-        data_ptrs = [p.data_ptr() for p in llm.engine.executor.runner.model.parameters()]
+        data_ptrs = llm.apply_model(_data_ptrs)
         with monkeypatch.context() as m:
             m.setattr(MooncakeReceiver, "receive", receive)
             with pytest.raises(WeightSyncError, match="checksum mismatch.*live parameter"):
@@ -139,4 +144,4 @@ def test_an_in_place_read_gone_wrong_tears_the_engine_until_a_good_push(models, 
             llm.generate(PROMPTS, GREEDY)
         WeightSender(trainer, llm, transport="mooncake", mode="in_place").push(version=2)
         _serves_the_trainer(llm, trainer)
-        assert [p.data_ptr() for p in llm.engine.executor.runner.model.parameters()] == data_ptrs
+        assert llm.apply_model(_data_ptrs) == data_ptrs

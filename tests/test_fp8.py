@@ -133,7 +133,7 @@ def test_an_fp8_checkpoint_serves_as_transformers_fp8_path(fp8_dirs, family, par
 def test_a_float_checkpoint_quantized_on_load_holds_the_reference_quantization(llama_dir):
     trained = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
     with LLM(llama_dir, dtype="float32", quantization="fp8") as llm:
-        held = canonical(llm.engine.executor.runner.model)
+        [held] = llm.apply_model(canonical)
     quantized = 0
     for name, w in trained.state_dict().items():
         if name + "_scale_inv" in held:
@@ -168,7 +168,7 @@ def test_a_float_push_lands_as_the_reference_quantization_of_the_trainers_weight
     with LLM(fp8, dtype="float32") as llm:
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=1)
         assert llm.weight_version == 1
-        held = canonical(llm.engine.executor.runner.model)
+        [held] = llm.apply_model(canonical)
     quantized = 0
     for name, w in trainer.state_dict().items():
         if name + "_scale_inv" in held:
@@ -218,7 +218,7 @@ def test_an_fsdp2_trainer_whose_shards_cut_blocks_agrees_on_their_scales(fp8_dir
     with LLM(engine_dir, dtype="float32") as llm:
         codes = _run_trainer(trainer_dir, llm.exchange_address, 1, "shm")
         assert codes == [0, 0]
-        held = canonical(llm.engine.executor.runner.model)
+        [held] = llm.apply_model(canonical)
     trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
     for name, w in trainer.state_dict().items():
         if name + "_scale_inv" in held:

@@ -18,7 +18,7 @@ def test_last_layer_runs_on_sampled_rows_with_the_same_tokens(model_factory, fam
     params = SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     results, seen = [], {}
     with LLM(path, max_num_batched_tokens=32, max_num_seqs=8, dtype="float32") as llm:
-        model = llm.engine.executor.runner.model
+        [model] = llm.apply_model(lambda m: m)  # the served model, to hook its layers
         assert model.keeps_rows
         layers = [
             m for m in model.modules() if type(m).__name__.endswith(("DecoderLayer", "Block"))
@@ -30,7 +30,7 @@ def test_last_layer_runs_on_sampled_rows_with_the_same_tokens(model_factory, fam
             )
         for trim in (True, False):
             seen.update(first=[], last=[])
-            model.keeps_rows = trim
+            llm.apply_model(lambda m, trim=trim: setattr(m, "keeps_rows", trim))
             results.append(llm.generate(prompts, params))
             if trim:
                 rows_trimmed = (list(seen["first"]), list(seen["last"]))
@@ -50,7 +50,7 @@ def test_prompt_logprobs_keep_every_row(model_factory):
     path = model_factory("llama")
     prompt = [(3 * i + 2) % 200 + 3 for i in range(12)]
     with LLM(path, dtype="float32") as llm:
-        model = llm.engine.executor.runner.model
+        [model] = llm.apply_model(lambda m: m)
         rows = []
         model.layers[-1].mlp.register_forward_hook(lambda _m, a, _o: rows.append(a[0].shape[0]))
         params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)

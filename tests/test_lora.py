@@ -157,8 +157,9 @@ def test_keep_versions_keeps_the_last_n_versions_in_their_slots(llama_dir):
     trainer = peft_model(llama_dir, 4)
     with LLM(llama_dir, enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
         registry = llm.engine.adapters.registry
-        stacks = [m for m in llm.engine.executor.runner.model.modules()
-                  if type(m).__name__ == "LoRAStack"]  # fmt: skip
+        [stacks] = llm.apply_model(
+            lambda model: [m for m in model.modules() if type(m).__name__ == "LoRAStack"]
+        )
         sender = WeightSender(trainer, llm, lora_name="policy", keep_versions=2)
         snapshots = {}
         for version in (1, 2, 3):

@@ -7,10 +7,18 @@ import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import paged
+from tandem.layers import attention
 
 pytestmark = pytest.mark.skipif(not paged.available(), reason="no C compiler here")
 
 BS = 4
+
+
+def _attention_shapes(model) -> set[tuple]:
+    """(dtype, heads, KV heads, head size) of the model's attention layers."""
+    dtype = next(model.parameters()).dtype
+    return {(dtype, a.num_heads, a.num_kv_heads, a.head_dim) for a in model.modules()
+            if isinstance(a, attention.Attention)}  # fmt: skip
 
 
 def _case(dtype, heads, kv_heads, dim, lens, seed=0):
@@ -109,19 +117,27 @@ def test_refuses_a_head_grouping_it_cannot_serve():
 
 
 @pytest.mark.timeout(300)
-def test_engine_on_the_kernel_matches_the_torch_path(model_factory):
+def test_engine_on_the_kernel_matches_the_torch_path(model_factory, monkeypatch):
     """Greedy tokens and their log-probs, with samples sharing a prompt (the prefix cache) and
-    requests of different lengths, equal the gather path's."""
+    requests of different lengths, equal the gather path's (``paged_kernels=False``); the
+    kernel serves the model's head shape and the first engine's decode steps ran on it."""
     path = model_factory("llama")
     prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 12], [3] * 21]
     params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    calls = []
+    monkeypatch.setattr(attention, "paged_decode",
+                        lambda *a: calls.append(1) or paged.paged_decode(*a))  # fmt: skip
     results = []
-    with LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=True) as llm:
-        runner = llm.engine.executor.runner
-        assert runner.paged
-        for on in (True, False):
-            runner.paged = on
+    for on in (True, False):
+        calls.clear()
+        with LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=True,
+                 paged_kernels=on) as llm:  # fmt: skip
+            if on:
+                [shapes] = llm.apply_model(_attention_shapes)
+                assert shapes and all(paged.supports(dtype, torch.device("cpu"), *heads)
+                                      for dtype, *heads in shapes)  # fmt: skip
             results.append(llm.generate(prompts, params))
+        assert bool(calls) == on  # the decode steps ran on the kernel, or none did
     for a, b in zip(*results, strict=True):
         for x, y in zip(a.outputs, b.outputs, strict=True):
             assert x.token_ids == y.token_ids

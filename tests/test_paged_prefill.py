@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from tandem import LLM, SamplingParams
 from tandem.kernels import paged_prefill as pp
+from tandem.layers import attention
 
 DTYPES = [
     pytest.param(
@@ -22,6 +23,13 @@ DTYPES = [
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 BS = 16
+
+
+def _attention_layers(model) -> list[tuple]:
+    """(causal, dtype, heads, KV heads, head size) of each of the model's attention layers."""
+    dtype = next(model.parameters()).dtype
+    return [(a.causal, dtype, a.num_heads, a.num_kv_heads, a.head_dim) for a in model.modules()
+            if isinstance(a, attention.Attention)]  # fmt: skip
 
 
 def _case(heads, kv_heads, dim, chunks, seed=0, dtype=torch.bfloat16):
@@ -104,29 +112,55 @@ def test_refuses_a_head_size_it_cannot_serve(dtype):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_engine_on_the_kernel_matches_the_torch_path(model_factory, dtype):
+def test_engine_on_the_kernel_matches_the_torch_path(model_factory, monkeypatch, dtype):
     """Engine in float32 and bf16, heads of 64: fresh prompts, prompts chunked over steps (a
-    chunk after its own cached part) and samples sharing a cached prompt give the torch path's
-    greedy tokens, log-probs within rounding (1e-4 in float32, bf16's in bf16)."""
+    chunk after its own cached part) and samples sharing a cached prompt, on the kernel, give
+    the torch path's (``paged_kernels=False``) greedy tokens and log-probs within rounding
+    (1e-4 in float32, bf16's in bf16), the torch path scoring each of the kernel's sequences
+    (its decode path rounds bf16 differently too, so near-ties may pick other tokens in a run
+    of its own); float32 leaves no near-ties: its own run gives the same tokens. The kernel
+    serves the model's causal layers, and the kernel engine's prompt chunks ran on it."""
     path = model_factory("llama", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     prompts = [[(7 * i + 3) % 500 + 1 for i in range(n)] for n in (9, 70, 2, 33)]
     params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
-    results = []
-    with LLM(
-        str(path),
-        dtype=str(dtype).removeprefix("torch."),
-        enable_prefix_caching=True,
-        max_num_batched_tokens=48,
-        max_num_seqs=8,
-    ) as llm:
-        runner = llm.engine.executor.runner
-        assert runner.paged_prefill
-        for on in (True, False):
-            runner.paged_prefill = on
-            results.append(llm.generate(prompts, params))
-            results.append(llm.generate(prompts, params))  # again: from the prefix cache
-    for a, b in zip(results[0] + results[1], results[2] + results[3], strict=True):
-        for x, y in zip(a.outputs, b.outputs, strict=True):
-            assert x.token_ids == y.token_ids
-            gap = max(abs(p - r) for p, r in zip(x.logprobs, y.logprobs, strict=True))
-            assert gap < (1e-4 if dtype == torch.float32 else 5e-2)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    calls = []
+    monkeypatch.setattr(attention, "paged_prefill",
+                        lambda *a: calls.append(1) or pp.paged_prefill(*a))  # fmt: skip
+    for on in (True, False):
+        calls.clear()
+        with LLM(
+            str(path),
+            dtype=str(dtype).removeprefix("torch."),
+            enable_prefix_caching=True,
+            max_num_batched_tokens=48,
+            max_num_seqs=8,
+            paged_kernels=on,
+        ) as llm:
+            # again: from the prefix cache
+            outputs = llm.generate(prompts, params) + llm.generate(prompts, params)
+            if on:
+                kernel = outputs
+                [layers] = llm.apply_model(_attention_layers)
+                assert layers and all(causal for causal, *_ in layers)
+                assert all(pp.supports(d, torch.device("cpu"), *heads)
+                           for _, d, *heads in layers)  # fmt: skip
+            else:
+                gathered = outputs
+                # the torch path's log-probs along the kernel's sequences (teacher-forced)
+                forced = [llm.score([out.prompt_token_ids + c.token_ids for c in out.outputs])
+                          for out in kernel]  # fmt: skip
+        assert bool(calls) == on  # the prompt chunks ran on the kernel, or none did
+    for out, scored in zip(kernel, forced, strict=True):
+        n = len(out.prompt_token_ids)
+        for c, logp in zip(out.outputs, scored, strict=True):
+            rows = logp[n - 1 : -1]
+            picked = rows.gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+            assert (rows.max(dim=-1).values - picked).max().item() <= tol  # the best, or a tie
+            assert (torch.tensor(c.logprobs) - picked).abs().max().item() <= tol
+    if dtype == torch.float32:
+        for a, b in zip(kernel, gathered, strict=True):
+            for x, y in zip(a.outputs, b.outputs, strict=True):
+                assert x.token_ids == y.token_ids
+                gap = max(abs(p - r) for p, r in zip(x.logprobs, y.logprobs, strict=True))
+                assert gap < tol

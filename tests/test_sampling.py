@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
+from tandem.layers.attention import Attention
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +121,14 @@ def test_preemption_when_kv_cache_is_small_gives_identical_outputs(llama_dir, ll
     prompts = [f"Request {i}: the model reads many words" for i in range(12)]
     params = SamplingParams(max_tokens=40, temperature=0.8, seed=11, ignore_eos=True)
     expected = _tokens(llm.generate(prompts, params))
-    layers = llm.engine.executor.runner.attention_layers
-    block_bytes = 2 * len(layers) * 16 * layers[0].num_kv_heads * layers[0].head_dim * 4
+    block_size = llm.engine.config.cache.block_size
+    [layers] = llm.apply_model(lambda m: [a for a in m.modules() if isinstance(a, Attention)])
+    block_bytes = sum(2 * block_size * a.num_kv_heads * a.head_dim * 4 for a in layers)  # K, V
     with LLM(llama_dir, kv_cache_memory=12 * block_bytes) as small:
         got = _tokens(small.generate(prompts, params))
-        assert small.engine.scheduler.num_preemptions > 0
-        assert small.engine.scheduler.blocks.num_free == small.engine.scheduler.blocks.num_blocks
+        stats = small.engine.stats()
+        assert stats.num_preemptions > 0
+        assert stats.kv_blocks_used == 0 and stats.kv_blocks_total > 0
     assert got == expected
 
 
