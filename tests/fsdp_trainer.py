@@ -8,7 +8,6 @@ wrote in place) its boxes and before it told the engine; with dist after sending
 its boxes and before engine rank 1's.
 """
 
-import os
 import sys
 
 import torch
@@ -17,18 +16,8 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+import sender_faults  # (tests/, this script's directory)
 from tandem.exchange import StaleVersionError, WeightSender, WeightSyncError
-
-
-class _DiesMidPush(WeightSender):
-    """Delivers, then dies before telling the engine the push is ready."""
-
-    def _deliver(self, plan, tensors):
-        if self.transport == "dist":  # only the first engine rank gets its boxes
-            first = min(item.dst for item in plan.items)
-            plan.items = [item for item in plan.items if item.dst == first]
-        super()._deliver(plan, tensors)
-        os._exit(17)
 
 
 def main() -> int:
@@ -41,9 +30,12 @@ def main() -> int:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    sender_cls = _DiesMidPush if die and rank == 1 else WeightSender
+    if die and rank == 1:  # delivers, then dies before telling the engine the push is ready
+        if transport == "dist":  # only the first engine rank gets its boxes
+            sender_faults.deliver_to_first_engine_rank()
+        sender_faults.die_before_ready()
     try:
-        sender = sender_cls(model, address, transport=transport, mode=mode)
+        sender = WeightSender(model, address, transport=transport, mode=mode)
         stats = sender.push(version=int(version))
     except WeightSyncError as exc:
         print(f"rank {rank}: push failed: {exc}", flush=True)

@@ -12,31 +12,13 @@ after its checksum was taken (shm). Exit codes: 0 pushed, 3 the engine refused t
 """
 
 import argparse
-import os
 import sys
 
 import torch
 import transformers
 
+import sender_faults  # (tests/, this script's directory)
 from tandem.exchange import WeightSender, WeightSyncError
-from tandem.exchange.transports.memory import MappedMemory
-
-
-class _Faulty(WeightSender):
-    """Delivers, then fails before telling the engine the push is ready."""
-
-    fault: str | None = None
-
-    def _deliver(self, plan, tensors):
-        if self.fault == "die" and self.transport == "dist":  # only the first engine rank
-            first = min(item.dst for item in plan.items)
-            plan.items = [item for item in plan.items if item.dst == first]
-        delivery = super()._deliver(plan, tensors)
-        if self.fault == "die":
-            os._exit(17)
-        if self.fault == "corrupt" and self.transport == "shm" and delivery.staging is not None:
-            MappedMemory(delivery.staging).data[:1] ^= 0xFF  # as the engine will map it
-        return delivery
 
 
 def main() -> int:
@@ -50,9 +32,15 @@ def main() -> int:
     args = p.parse_args()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    sender = _Faulty(model, args.url, transport=args.transport, mode=args.mode,
-                     admin_key=args.key)  # fmt: skip
-    sender.fault = args.fault
+    sender = WeightSender(model, args.url, transport=args.transport, mode=args.mode,
+                          admin_key=args.key)  # fmt: skip
+    # faults strike once the boxes are delivered, before the engine is told they are ready
+    if args.fault == "die":
+        if sender.transport == "dist":  # only the first engine rank gets its boxes
+            sender_faults.deliver_to_first_engine_rank()
+        sender_faults.die_before_ready()
+    if args.fault == "corrupt" and sender.transport == "shm":
+        sender_faults.corrupt_staging()
     try:
         stats = sender.push()
     except WeightSyncError as exc:

@@ -15,13 +15,8 @@ import sys
 import torch
 import transformers
 
+import sender_faults  # (tests/, this script's directory)
 from tandem.exchange import WeightSender, WeightSyncError
-
-
-class _DiesAfterStaging(WeightSender):
-    def _deliver(self, plan, tensors):
-        super()._deliver(plan, tensors)
-        os._exit(17)
 
 
 def _die_mid_send(after: int = 4) -> None:
@@ -48,12 +43,14 @@ def main() -> int:
     model_dir, address, version, when = sys.argv[1:5]
     transport = sys.argv[5] if len(sys.argv) > 5 else "shm"
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cls = _DiesAfterStaging if when == "before" else WeightSender
+    if when == "before":
+        sender_faults.die_before_ready()
     if when == "receiving":
         _die_mid_send()
     policy = "all" if when == "all" else "rolling"
     try:
-        stats = cls(model, address, transport=transport).push(version=int(version), policy=policy)
+        sender = WeightSender(model, address, transport=transport)
+        stats = sender.push(version=int(version), policy=policy)
     except WeightSyncError as exc:
         print("error", exc, flush=True)
         os._exit(3)
