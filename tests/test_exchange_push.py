@@ -1,5 +1,7 @@
 """WeightSender pushes a trainer model into a live engine, in place, over shared memory."""
 
+import gc
+import os
 import socket
 import time
 from pathlib import Path
@@ -32,6 +34,25 @@ def _served(llm, ids):
     return llm.score([ids], logprobs=False)[0]
 
 
+def _data_ptrs(model) -> dict[str, int]:
+    """Where each parameter's storage lives (a push in place keeps it)."""
+    return {n: p.data_ptr() for n, p in model.named_parameters()}
+
+
+def _staging_inodes() -> set[int]:
+    """The inodes of the shm sender's staging memory this process holds open: memfds named
+    "tandem-staging" (`tandem.exchange.transports.shm`), as /proc/self/fd lists them (the
+    memfd's own descriptor, and one per mapping: an in-process engine's receiver maps it too)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            if os.readlink(fd).startswith("/memfd:tandem-staging"):
+                inodes.add(os.stat(fd).st_ino)
+        except FileNotFoundError:  # closed meanwhile (the listing's own descriptor, say)
+            pass
+    return inodes
+
+
 @pytest.mark.parametrize(
     ("family", "transport", "mode"),
     [("llama", "shm", "staged"), ("qwen2", "shm", "staged"), ("gpt2", "shm", "staged"),
@@ -42,13 +63,12 @@ def test_push_into_single_process_engine_in_place(model_factory, family, transpo
     engine_dir, trainer_dir = model_factory(family), model_factory(family, seed=1)
     trainer = _trainer(trainer_dir)
     with LLM(engine_dir) as llm:
-        runner = llm.engine.executor.runner
-        before = {n: p.data_ptr() for n, p in runner.model.named_parameters()}
+        before = llm.apply_model(_data_ptrs)
         assert (_served(llm, PROMPTS[0]) - _logits(trainer, PROMPTS[0])).abs().max() > 1e-2
         stats = WeightSender(trainer, llm, transport=transport, mode=mode).push(version=7)
         assert llm.weight_version == 7 and stats.version == 7 and stats.transport == transport
         assert stats.bytes_sent == stats.bytes_moved == stats.bytes_needed > 0
-        assert {n: p.data_ptr() for n, p in runner.model.named_parameters()} == before
+        assert llm.apply_model(_data_ptrs) == before
         for ids in PROMPTS:
             assert (_served(llm, ids) - _logits(trainer, ids)).abs().max() <= 1e-4
         out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3))
@@ -84,6 +104,7 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
     trainer = _trainer(trainer_dir)
     shm_before = set(Path("/dev/shm").iterdir())
     with LLM(engine_dir) as llm:
+        others = _staging_inodes()  # any an earlier test left to the garbage collector
         sender = WeightSender(trainer, llm, transport="shm")
         staging = []
         for version in (1, 2):
@@ -92,12 +113,19 @@ def test_shm_staging_memory_is_kept_between_pushes_and_never_serves_stale_bytes(
                     for p in trainer.parameters():
                         p.mul_(1.5)
             sender.push(version=version)
-            staging.append(sender._half.staging.handle())
+            staging.append(_staging_inodes() - others)
             for ids in PROMPTS:
                 assert (_served(llm, ids) - _logits(trainer, ids)).abs().max() <= 1e-4
-        assert staging[0] == staging[1]  # the same memfd (pid, fd, inode, size): no new pages
+        assert staging[0] and staging[0] == staging[1]  # the same memfd: no new pages
         sender.close()
-        assert sender._half.staging is None
+    # the engine's mapping of it (its receiver's, in this process) goes with the engine, its
+    # exchange server's threads ending; the sender (``sender`` still refers to it) holds none
+    # after close
+    deadline = time.monotonic() + 10
+    while _staging_inodes() - others and time.monotonic() < deadline:
+        gc.collect()  # a descriptor closes with its mapping (see memory.SharedMemory)
+        time.sleep(0.05)
+    assert not _staging_inodes() - others, "close kept the staging memory"
     assert set(Path("/dev/shm").iterdir()) == shm_before  # nameless: nothing created there
 
 

@@ -150,22 +150,30 @@ def test_killed_worker_makes_generate_fail_fast(llama_dir):
 
 
 @pytest.mark.parametrize("ending", ["exit", "sigkill"])
-def test_engine_process_ending_leaves_no_workers(llama_dir, ending):
-    """Interpreter exit without shutdown(), or the engine killed outright: workers go too."""
+def test_engine_process_ending_leaves_no_workers(llama_dir, ending, tmp_path):
+    """Interpreter exit without shutdown(), or the engine killed outright: workers go too.
+    The engine makes its rendezvous directory under $TMPDIR (here one of the test's own, so
+    what appears there is this engine's), and an exit removes it."""
     import subprocess
     import sys
 
+    tmpdir = tmp_path / "tmpdir"
+    tmpdir.mkdir()
     code = (
         "import os, sys, time; from tandem import LLM, SamplingParams; "
         f"llm = LLM({llama_dir!r}, tensor_parallel_size=2); "
         "llm.generate('hi', SamplingParams(max_tokens=2)); "
-        "print(*[w['pid'] for w in llm.worker_locations()], llm.engine.executor._tmpdir, "
-        "flush=True); " + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
+        "print(*[w['pid'] for w in llm.worker_locations()], flush=True); "
+        "sys.stdin.readline(); "  # (the test looks into TMPDIR meanwhile)
+        + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    *pids, rendezvous = proc.stdout.readline().split()
-    pids = [int(p) for p in pids]
-    assert len(pids) == 2 and os.path.isdir(rendezvous)
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    engines = set(tmpdir.iterdir())  # while the engine runs: its rendezvous directory
+    proc.stdin.close()
+    assert len(pids) == 2 and engines
     if ending == "sigkill":
         proc.kill()
     proc.wait(timeout=60)
@@ -173,5 +181,6 @@ def test_engine_process_ending_leaves_no_workers(llama_dir, ending):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(_alive(p) for p in pids), "worker processes outlived the engine"
-    if ending == "exit":  # (only this engine's: other engines may run on the machine)
-        assert not os.path.exists(rendezvous), "the rendezvous directory was left behind"
+    if ending == "exit":
+        left = sorted(p.name for p in engines & set(tmpdir.iterdir()))
+        assert not left, f"the engine left {left} in its TMPDIR"
