@@ -24,7 +24,7 @@ def _serves(llm) -> bool:
 
 def test_one_window_at_a_time_by_token_and_quiet_fronts_time_out(llama_dir):
     with LLM(llama_dir) as llm:
-        host = WindowHost(llm.fleet.target, idle_timeout_s=0.5)
+        host = WindowHost(llm.engine.target, idle_timeout_s=0.5)
         token = host.open(_spec(1))
         assert llm.engine.controls.lifecycle.updating
         with pytest.raises(WindowError, match="another"):
