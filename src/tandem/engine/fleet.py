@@ -36,7 +36,8 @@ VERSION_POLL_S = 0.05  # `wait_for_version` looks again at least this often (a c
 
 
 class Fleet:
-    """The replicas of one `LLM` (one replica: a fleet of one, stepped in the caller's thread)."""
+    """The replicas of an `LLM` with ``data_parallel_size`` > 1, or of a `tandem serve` (one
+    replica there: a fleet of one under `AsyncFleet`; an `LLM` of one replica is its engine)."""
 
     def __init__(self, config: EngineConfig):
         replicas = config.parallel.data_parallel_size
