@@ -57,7 +57,13 @@ PARALLEL = {
 
 def test_in_process_matches_transformers(llama_dir, reference, monkeypatch):
     with LLM(llama_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=24) as llm:
+        before = llm.engine.stats()
         _check(llm, reference)
+        after = llm.engine.stats()
+        # two calls of 4 prompts (1 + 5 + 17 tokens, then 40 alone), no generation step
+        assert (after.score_batches - before.score_batches,
+                after.score_prompts - before.score_prompts) == (4, 8)  # fmt: skip
+        assert after.steps == before.steps and after.kv_blocks_used == 0
         # rows come in pieces of at most SCORE_FRAME_BYTES (3 rows of the 512-token vocab here)
         monkeypatch.setattr(model_runner, "SCORE_FRAME_BYTES", 3 * 4 * 512)
         _check(llm, reference)

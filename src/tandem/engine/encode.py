@@ -25,8 +25,10 @@ class Encoder:
         self._lifecycle = lifecycle
         self._admission = admission
         self._task = task
-        self.batches = 0  # model passes
+        self.batches = 0  # embed / classify model passes
         self.inputs = 0  # sequences encoded in them
+        self.score_batches = 0  # score model passes
+        self.score_prompts = 0  # prompts scored in them
 
     def encode(
         self,
@@ -84,6 +86,8 @@ class Encoder:
         out: list[torch.Tensor] = []
         for batch, rows in self._between_steps(prompts, message, lambda ex, msg: ex.score(msg)):
             out.extend(rows.split([len(prompts[i]) for i in batch]))
+            self.score_batches += 1
+            self.score_prompts += len(batch)
         return out
 
     def _between_steps(self, inputs: list[list[int]], message: Callable, run: Callable) -> list:

@@ -211,6 +211,8 @@ class LLMEngine:
             peak_steps_in_flight=self._stepper.peak_in_flight,
             encode_batches=self.encoder.batches,
             encode_inputs=self.encoder.inputs,
+            score_batches=self.encoder.score_batches,
+            score_prompts=self.encoder.score_prompts,
         )
 
     def worker_locations(self) -> list[dict]:

@@ -21,6 +21,8 @@ class EngineStats:
     peak_steps_in_flight: int = 0  # most steps in flight at once (pipeline overlap)
     encode_batches: int = 0  # embed / classify model passes
     encode_inputs: int = 0  # sequences encoded in them
+    score_batches: int = 0  # `LLM.score` model passes
+    score_prompts: int = 0  # prompts scored in them
 
     @property
     def prefix_cache_hit_rate(self) -> float:
