@@ -21,7 +21,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.fleet import VERSION_POLL_S, Fleet
 from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import RequestMetrics, RequestOutput
-from tandem.engine.router import Routed
+from tandem.engine.router import Routed, request_load
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
@@ -50,8 +50,8 @@ class _Request:
 
     @property
     def load(self) -> int:
-        """The tokens it may still cost: its prompt, and every sample's new tokens."""
-        return len(self.ids) + self.params.n * (self.params.max_tokens or 0)
+        """The tokens it may still cost, as a fleet's router counts them."""
+        return request_load(len(self.ids), self.params.n, self.params.max_tokens or 0)
 
 
 class LLM:
@@ -166,7 +166,7 @@ class LLM:
         """The engine of a replica that may take requests now, serving the newest version among
         them (waiting as `generate`'s routing does while a rolling push leaves none)."""
         fleet = self.fleet
-        if fleet is None or len(fleet.engines) == 1:
+        if fleet is None:
             return self.engine
         fleet.check_replicas()
         allowed = fleet.board.wait_allowed(fleet.timeout_s)

@@ -15,6 +15,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
+def request_load(prompt_tokens: int, samples: int, max_tokens: int) -> int:
+    """The tokens a request may still cost a replica: its prompt and every sample's new
+    tokens (a replica's load is the sum over the requests it holds)."""
+    return prompt_tokens + samples * max_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class Routed:
     """Where a request went: its replica, the load it added, and the prompt blocks that
@@ -78,7 +84,7 @@ class Router:
         bound = max(self.imbalance_tokens, self.imbalance_ratio * self.loads[least])
         warm = matched[best] and matched[best] >= self.cache_threshold * len(hashes)
         replica = best if warm and self.loads[best] - self.loads[least] <= bound else least
-        load = len(prompt_ids) + samples * max_tokens
+        load = request_load(len(prompt_ids), samples, max_tokens)
         self.loads[replica] += load
         self.requests[replica] += 1
         self._remember(replica, hashes)
