@@ -6,7 +6,7 @@ import os
 import pytest
 
 from tandem import LLM, SamplingParams
-from tandem.engine.router import Router
+from tandem.fleet.policy import RoutingPolicy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -16,7 +16,7 @@ def _prompt(first: int, length: int = 40) -> list[int]:
 
 
 def test_least_loaded_takes_new_requests_under_skew():
-    router = Router(2, block_size=16, cache_blocks=64)
+    router = RoutingPolicy(2, block_size=16, cache_blocks=64)
     long = router.route(_prompt(1, 100), samples=8, max_tokens=500)  # 4100 tokens owed
     assert long.replica == 0
     spread = [router.route(_prompt(1000 * k, 20), 1, 80).replica for k in range(1, 60)]
@@ -27,7 +27,7 @@ def test_least_loaded_takes_new_requests_under_skew():
 
 
 def test_cache_aware_prefers_the_replica_holding_the_prefix():
-    router = Router(2, block_size=16, cache_blocks=64)
+    router = RoutingPolicy(2, block_size=16, cache_blocks=64)
     first = router.route(_prompt(1, 64), 1, 16)
     other = router.route(_prompt(500, 64), 1, 16)
     assert (first.replica, other.replica) == (0, 1)
@@ -40,7 +40,9 @@ def test_cache_aware_prefers_the_replica_holding_the_prefix():
 
 
 def test_a_hot_prefix_spills_over_past_the_imbalance_bound():
-    router = Router(2, block_size=16, cache_blocks=64, imbalance_tokens=200, imbalance_ratio=0)
+    router = RoutingPolicy(
+        2, block_size=16, cache_blocks=64, imbalance_tokens=200, imbalance_ratio=0
+    )
     hot = _prompt(1, 64)
     replicas = [router.route(hot, 1, 32).replica for _ in range(12)]
     assert replicas[0] == 0 and set(replicas) == {0, 1}
@@ -48,7 +50,7 @@ def test_a_hot_prefix_spills_over_past_the_imbalance_bound():
 
 
 def test_a_short_common_prefix_does_not_pin_requests():
-    router = Router(2, block_size=16, cache_blocks=64)
+    router = RoutingPolicy(2, block_size=16, cache_blocks=64)
     system = _prompt(1, 16)  # one shared block, then each request's own three
     replicas = [router.route(system + _prompt(100 * k, 48), 1, 16).replica for k in range(1, 9)]
     assert replicas.count(0) == replicas.count(1) == 4
@@ -56,11 +58,11 @@ def test_a_short_common_prefix_does_not_pin_requests():
 
 def test_router_rejects_bad_settings():
     with pytest.raises(ValueError, match="replicas"):
-        Router(0, 16, 8)
+        RoutingPolicy(0, 16, 8)
     with pytest.raises(ValueError, match="block_size"):
-        Router(2, 0, 8)
+        RoutingPolicy(2, 0, 8)
     with pytest.raises(ValueError, match="no replica"):
-        Router(2, 16, 8).route([1], 1, 1, allowed=[])
+        RoutingPolicy(2, 16, 8).route([1], 1, 1, allowed=[])
 
 
 @pytest.fixture(scope="module")

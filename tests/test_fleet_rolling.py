@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from tandem import LLM, SamplingParams
-from tandem.engine.replica_board import ReplicaState
 from tandem.exchange import WeightSender
+from tandem.fleet.board import ReplicaState
 from test_fleet_push import PROMPTS, _matches, _trainer, _wait_serving  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,7 +1,6 @@
 """tandem: serve the policy across processes, take the trainer's weights in place."""
 
 from tandem._version import package_version
-from tandem.engine.llm import LLM
 from tandem.engine.outputs import CompletionOutput, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
 from tandem.errors import (
@@ -12,6 +11,7 @@ from tandem.errors import (
     UnsupportedModelError,
 )
 from tandem.integrations import vllm as _vllm  # noqa: F401  (vLLM engines as push targets)
+from tandem.llm import LLM
 from tandem.lora.request import LoRARequest
 
 __version__ = package_version()

@@ -1,7 +1,7 @@
 """One engine as a weight-push target (`tandem.exchange.WeightTarget` and `AdapterTarget`),
 built on the engine's public parts: its ranks' layouts, its push window, its LoRA adapters and
 its lifecycle. The exchange server trainers push into is the target's (started on first use);
-a fleet drives each replica's target (`tandem.engine.fleet_target.FleetTarget`)."""
+a fleet drives each replica's target (`tandem.fleet.target.FleetTarget`)."""
 
 from __future__ import annotations
 

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from tandem.engine.fleet_target import FleetTarget
-from tandem.engine.replica_board import NoReplicaError, ReplicaBoard, ReplicaState
-from tandem.router.remote_target import RemoteReplica
+from tandem.fleet.board import NoReplicaError, ReplicaBoard, ReplicaState
+from tandem.fleet.remote import RemoteReplica
+from tandem.fleet.target import FleetTarget
 from tandem.router.replicas import ReplicaPool
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Each replica's ``GET /health`` is polled every ``interval_s``; a replica answering anything but
 200 with ``status: ok`` within ``timeout_s`` (or not answering) takes no new requests until it
-answers again. Which healthy replica takes a request is `tandem.engine.router.Router`'s choice
+answers again. Which healthy replica takes a request is `tandem.fleet.policy.RoutingPolicy`'s choice
 (least-loaded, preferring the replica that served the same prompt prefix), over the request's
 token ids or, for text, its characters.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from tandem.engine.router import Routed, Router
+from tandem.fleet.policy import Routed, RoutingPolicy
 
 TEXT_BLOCK = 64  # characters per prefix block when a prompt is text
 
@@ -40,7 +40,7 @@ class ReplicaPool:
             raise ValueError(f"a replica is listed twice: {urls}")
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.router = Router(len(urls), TEXT_BLOCK, cache_blocks)
+        self.router = RoutingPolicy(len(urls), TEXT_BLOCK, cache_blocks)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=timeout_s))
         self.routable = lambda i: True  # the fleet's say (quarantined, joining: no requests)
         self.after_check = None  # called (blocking, off the event loop) after each round

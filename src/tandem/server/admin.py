@@ -17,13 +17,10 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from tandem.engine.peer_push import push_from_peer
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import MODES
-from tandem.server.errors import APIError
-from tandem.server.remote_window import WindowHost
-from tandem.server.state import read_body, read_json, require_admin, state
-from tandem.server.window_messages import (
+from tandem.fleet.peer import push_from_peer
+from tandem.fleet.window_messages import (
     MEDIA_TYPE,
     WINDOW,
     CloseWindow,
@@ -33,6 +30,9 @@ from tandem.server.window_messages import (
     TargetInfo,
     WindowReply,
 )
+from tandem.server.errors import APIError
+from tandem.server.remote_window import WindowHost
+from tandem.server.state import read_body, read_json, require_admin, state
 from tandem.wire import MAX_FRAME
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -64,7 +64,7 @@ class PushTo(BaseModel):
 async def push_to(request: Request):
     """A peer's part in healing or growing a fleet behind `tandem router`: push this server's
     weights, at its version, into the server at ``url`` (which serves nothing of the fleet's
-    meanwhile), planned and CRC-checked like any push (`tandem.engine.peer_push`)."""
+    meanwhile), planned and CRC-checked like any push (`tandem.fleet.peer`)."""
     s = state(request)
     body = await read_json(request, PushTo, 1 << 16)
     if len(s.engine.fleet.engines) != 1:
@@ -82,9 +82,9 @@ async def push_to(request: Request):
             "seconds": round(stats.seconds, 4)}  # fmt: skip
 
 
-# A front that runs the push itself (`tandem router`, `tandem.router.remote_target`) holds a
+# A front that runs the push itself (`tandem router`, `tandem.fleet.remote`) holds a
 # window open here and drives its phases: what this server's target holds, then open, phases,
-# close. msgpack bodies (`tandem.server.window_messages`), admin key as every /admin route.
+# close. msgpack bodies (`tandem.fleet.window_messages`), admin key as every /admin route.
 
 
 @router.get("/weights/target")

@@ -1,7 +1,7 @@
 """The server's view of a fleet: one `AsyncEngine` (engine thread) per replica behind one
 front with `AsyncEngine`'s surface, so every route serves a fleet as it serves one engine.
 
-A call's requests are routed one by one (`tandem.engine.router`: a request's samples stay on
+A call's requests are routed one by one (`tandem.fleet.policy`: a request's samples stay on
 one replica) and each replica streams its requests' updates into the call's one queue; the RL
 controls act on every replica. A single engine is a fleet of one.
 
@@ -22,15 +22,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tandem.config import EngineConfig
 from tandem.engine.dtype_auto import DtypeChoice
-from tandem.engine.fleet import Fleet
 from tandem.engine.lora_registry import LoadedAdapter
-from tandem.engine.replica_board import NoReplicaError, ReplicaState
-from tandem.engine.router import Routed
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineState
 from tandem.engine.stats import EngineStats, combined
 from tandem.engine.tokenizer import Tokenizer
+from tandem.fleet.board import NoReplicaError, ReplicaState
+from tandem.fleet.fleet import Fleet
+from tandem.fleet.policy import Routed
 from tandem.lora.request import LoRARequest
 from tandem.server.async_engine import (
     AsyncEngine,

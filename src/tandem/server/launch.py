@@ -10,7 +10,7 @@ import threading
 
 import uvicorn
 
-from tandem.engine.fleet import Fleet
+from tandem.fleet.fleet import Fleet
 from tandem.server.app import build_app
 from tandem.server.async_fleet import AsyncFleet
 from tandem.server.chat import ServedChat

@@ -1,6 +1,6 @@
 """A `tandem serve` as a `WeightTarget` for the router's exchange server: its ranks' layouts
 and a push window held open on it, over its admin routes (`/admin/weights/target`,
-`/admin/weights/window...`, messages in `tandem.server.window_messages`). The router makes a
+`/admin/weights/window...`, messages in `tandem.fleet.window_messages`). The router makes a
 `FleetTarget` of these, so one push through the router plans trainer ranks -> every replica's
 ranks at once, sends each byte once and relays it, and commits on every replica or none.
 """
@@ -16,7 +16,7 @@ from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
-from tandem.server.window_messages import (
+from tandem.fleet.window_messages import (
     MEDIA_TYPE,
     WINDOW,
     CloseWindow,

@@ -18,7 +18,7 @@ serve.
 In place (``mode="in_place"``), only with ``policy="rolling"``: the senders write the first
 wave's live weights (the push is planned over those replicas alone), which then serve the new
 version; each later wave is written from a replica of the first (``pull``: a live replica in
-the trainer's role, `tandem.engine.peer_push`), one wave at a time, out of the router's choice
+the trainer's role, `tandem.fleet.peer`), one wave at a time, out of the router's choice
 while written. A replica torn by its wave is quarantined and heals from a peer.
 """
 
@@ -30,12 +30,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from tandem.engine.replica_board import ReplicaBoard, ReplicaState
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener, UpdateWindow
+from tandem.fleet.board import ReplicaBoard, ReplicaState
 
 DRAIN_MARGIN_S = 5.0  # past a drain's own deadline, its wave stops waiting for it
 # drain(replica, timeout_s): return once the replica runs no request, has left the wave

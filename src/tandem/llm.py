@@ -18,13 +18,13 @@ from tandem.engine.admission import RequestError
 from tandem.engine.chat_template import NoChatTemplate
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
-from tandem.engine.fleet import VERSION_POLL_S, Fleet
 from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import RequestMetrics, RequestOutput
-from tandem.engine.router import Routed, request_load
 from tandem.engine.sampling_params import SamplingParams
 from tandem.engine.sequence import Sequence
 from tandem.engine.tokenizer import Tokenizer
+from tandem.fleet.fleet import VERSION_POLL_S, Fleet
+from tandem.fleet.policy import Routed, request_load
 from tandem.lora.request import LoRARequest
 
 Prompt = str | list[int]

@@ -31,7 +31,7 @@ class Routed:
     cached_blocks: int
 
 
-class Router:
+class RoutingPolicy:
     """Routes requests over ``replicas``; thread-safe only under the caller's lock.
 
     ``block_size``: the replicas' KV block size (prefixes are matched in whole blocks);

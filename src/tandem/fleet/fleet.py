@@ -1,13 +1,13 @@
 """A fleet: ``data_parallel_size`` independent engines (each its own tensor x pipeline worker
-processes) behind one front. The front routes each request to one replica (`Router`) among
+processes) behind one front. The front routes each request to one replica (`RoutingPolicy`) among
 those the `ReplicaBoard` allows (serving, within ``max_staleness`` of the newest version),
 drives every replica with work on a thread of its own, fans the RL controls out to all of
-them, and is one `WeightTarget` for pushes (`tandem.engine.fleet_target`): one push updates
+them, and is one `WeightTarget` for pushes (`tandem.fleet.target`): one push updates
 every replica, all at once or in rolling waves.
 
 A replica that dies, hangs or fails a push is quarantined: requests go elsewhere (those it
 held and had not finished run again on another replica), and with ``heal`` it comes back by
-pulling the weights from a live peer (`tandem.engine.peer_push`; restarted first, reading
+pulling the weights from a live peer (`tandem.fleet.peer`; restarted first, reading
 nothing from disk, if its workers are gone). `add_replica` grows a running fleet the same way.
 """
 
@@ -21,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.executor import EngineDeadError
-from tandem.engine.fleet_target import FleetTarget
-from tandem.engine.peer_push import push_from_peer
-from tandem.engine.replica_board import NoReplicaError, ReplicaBoard, ReplicaState
-from tandem.engine.router import Routed, Router
 from tandem.engine.sequence import Sequence
 from tandem.engine.state import EngineState
+from tandem.fleet.board import NoReplicaError, ReplicaBoard, ReplicaState
+from tandem.fleet.peer import push_from_peer
+from tandem.fleet.policy import Routed, RoutingPolicy
+from tandem.fleet.target import FleetTarget
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,9 @@ class Fleet:
         self.targets = [engine.target for engine in self.engines]  # what a push updates
         # every replica, restarted or added ones too, runs the dtype the lead resolved
         self.config = config.model_copy(update={"dtype": lead.config.dtype})
-        self.router = Router(replicas, lead.config.cache.block_size, lead.stats().kv_blocks_total)
+        self.router = RoutingPolicy(
+            replicas, lead.config.cache.block_size, lead.stats().kv_blocks_total
+        )
         self.lock = threading.Lock()  # the router's, and the replica list's
         self.board = ReplicaBoard(replicas, self._versions, config.parallel.max_staleness)
         self.timeout_s = config.parallel.push_phase_timeout_s
