@@ -1,5 +1,10 @@
 """tandem's weight exchange into vLLM engines.
 
+As vLLM's ``tandem`` weight-transfer backend (registered through vLLM's plugin entry point,
+`tandem.integrations.vllm.plugin`): ``vllm serve --weight-transfer-config '{"backend":
+"tandem"}'`` or ``vllm.LLM(..., weight_transfer_config={"backend": "tandem"})``, pushed into
+with vLLM's trainer API and `TandemTrainerInitInfo` (`tandem.integrations.vllm.trainer`).
+
 ``LLM(model, worker_extension_cls=WORKER_EXTENSION)`` gives each vLLM worker tandem's receiving
 side; `WeightSender(trainer_model, llm)` then pushes into it (`vllm_target`), as does a trainer
 in another process given ``vllm_target(llm).exchange_address``. Importing this package (``import
@@ -38,4 +43,19 @@ def _address(obj) -> str | None:
 
 register_target_adapter(_address)  # WeightSender(model, vllm_llm)
 
-__all__ = ["WORKER_EXTENSION", "is_vllm_engine", "vllm_target"]
+
+def __getattr__(name: str):
+    if name in ("TandemTrainerInitInfo", "TandemTrainerEngine"):  # they import vLLM
+        from tandem.integrations.vllm import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "WORKER_EXTENSION",
+    "TandemTrainerEngine",
+    "TandemTrainerInitInfo",
+    "is_vllm_engine",
+    "vllm_target",
+]

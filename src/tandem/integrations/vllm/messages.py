@@ -13,6 +13,9 @@ from tandem.wire import Codec
 
 VLLM = Codec("vllm")
 
+# how the error of a commit that tore vLLM's weights begins (its workers say it; trainers read it)
+TORN_COMMIT = "vLLM's weights are now mixed"
+
 
 @VLLM.register("worker")
 @dataclass(slots=True)
@@ -40,3 +43,17 @@ class PhaseReply:
     error: str | None  # None: this worker finished the phase
     nbytes: int  # moved (receive) or loaded into vLLM (commit)
     torn: bool = False  # the commit failed after vLLM began loading: its weights are mixed
+
+
+@VLLM.register("backend-hello")
+@dataclass(slots=True)
+class BackendHello:
+    """A vLLM worker of the ``tandem`` weight-transfer backend reporting to its trainer at
+    ``init_weight_transfer_engine`` (vLLM's protocol answers nothing back): what it holds and
+    what it serves. ``rank``: its index in vLLM's list payloads (DP index × world + rank)."""
+
+    rank: int
+    workers: int  # how many report to the trainer
+    info: WorkerInfo
+    version: int  # the last version it committed (0: the weights vLLM loaded)
+    torn: str | None  # why its weights are mixed, or None

@@ -37,22 +37,27 @@ class TandemWorkerExtension:
     def _tandem_receiver(self) -> VllmReceiver:
         receiver = getattr(self, "_tandem_state", None)
         if receiver is None:
-            from vllm.distributed import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
-
-            config = self.vllm_config
-            if config.parallel_config.pipeline_parallel_size != 1:
-                raise ValueError("tandem pushes into vLLM with pipeline_parallel_size=1 only")
             model = self.model_runner.get_model()
-            dtype = config.model_config.dtype
-            if dtype not in _NAMES:
-                raise ValueError(f"vLLM holds weights in {dtype}; tandem sends {sorted(DTYPES)}")
-            tp = Split(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
-            layout = worker_layout(type(model).__name__, [n for n, _ in model.named_parameters()],
-                                   Shapes.of(config.model_config.hf_text_config), tp, self.rank,
-                                   _NAMES[dtype])  # fmt: skip
-            receiver = VllmReceiver(model, layout, config, self.device)
+            receiver = worker_receiver(model, self.vllm_config, self.device, self.rank)
             self._tandem_state = receiver
         return receiver
+
+
+def worker_receiver(model, vllm_config, device, rank: int) -> VllmReceiver:
+    """The receiving side of vLLM worker ``rank`` (its boxes declared by the layout table of
+    its model class), for the worker extension and the ``tandem`` weight-transfer backend."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise ValueError("tandem pushes into vLLM with pipeline_parallel_size=1 only")
+    dtype = vllm_config.model_config.dtype
+    if dtype not in _NAMES:
+        raise ValueError(f"vLLM holds weights in {dtype}; tandem sends {sorted(DTYPES)}")
+    tp = Split(get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size())
+    names = [n for n, _ in model.named_parameters()]
+    shapes = Shapes.of(vllm_config.model_config.hf_text_config)
+    layout = worker_layout(type(model).__name__, names, shapes, tp, rank, _NAMES[dtype])
+    return VllmReceiver(model, layout, vllm_config, device)

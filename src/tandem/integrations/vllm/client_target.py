@@ -1,0 +1,268 @@
+"""A vLLM engine reached through vLLM's weight-sync client (`VLLMWeightSyncClient`: its HTTP
+client, its Ray client, or an offline ``vllm.LLM`` through `OfflineClient`), made with the
+``tandem`` weight-transfer backend, as a `tandem.exchange.WeightTarget`. It lives in the
+trainer's rank 0 (`tandem.integrations.vllm.trainer`) with an exchange server every trainer
+rank pushes to; each phase of a push is one call of vLLM's protocol
+(`tandem.integrations.vllm.backend` says which).
+
+vLLM's protocol answers only errors: the workers report their layouts, version and torn state
+on a side connection when the client initializes them, the bytes of a phase are the ones the
+plan sent, and a failed phase is known by the client's error (an HTTP 500 whose body says it).
+"""
+
+from __future__ import annotations
+
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tandem.exchange.address import ExchangeAddress
+from tandem.exchange.items import Record
+from tandem.exchange.layout import RankLayout
+from tandem.exchange.receiver import WeightSyncError
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.exchange.target import UpdateListener
+from tandem.integrations.vllm.messages import TORN_COMMIT, VLLM, BackendHello, PhaseRequest
+from tandem.wire import accept_hello
+
+
+class OfflineClient:
+    """An offline ``vllm.LLM`` as a `VLLMWeightSyncClient`: its methods take the payload
+    wrapped (``{"init_info": ...}``, ``{"update_info": ...}``), the protocol's bare."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict | list[dict]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+
+def reset_prefix_cache(client) -> None:
+    """Drop vLLM's cached KV, computed with the old weights: through the client where it can
+    (`OfflineClient`; the HTTP client's server, by its dev-mode route, which the weight-update
+    routes need too). A Ray client's caller resets it (vLLM's ``pause(clear_cache=True)``)."""
+    reset = getattr(client, "reset_prefix_cache", None)
+    if reset is not None:
+        reset()
+        return
+    base_url = getattr(client, "base_url", None)
+    if base_url is not None:
+        import requests
+
+        requests.post(f"{base_url}/reset_prefix_cache", timeout=client.timeout
+                      ).raise_for_status()  # fmt: skip
+
+
+def client_error(exc: BaseException) -> str:
+    """What vLLM said: an HTTP error's body (its message names the worker's error), else the
+    exception's text."""
+    response = getattr(exc, "response", None)
+    if response is not None:
+        try:
+            return response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return response.text[:4000]
+    return f"{type(exc).__name__}: {exc}"
+
+
+class ClientTarget:
+    """The vLLM engine behind ``client`` (its workers made with the ``tandem`` backend).
+    Asks the workers to report at ``host`` (where they reach this process) and opens an
+    exchange server there, whose address every trainer rank pushes to."""
+
+    def __init__(self, client, host: str = "127.0.0.1", timeout_s: float = 300.0):
+        from tandem.exchange.server import ExchangeServer
+
+        self.client = client
+        self.timeout_s = timeout_s
+        self.update_listeners: list[UpdateListener] = []
+        self._lock = threading.Lock()  # one push at a time
+        hellos = self._init_workers(host)
+        self.workers = [h.info for h in hellos]
+        self._version = max(h.version for h in hellos)
+        torn = [f"worker {h.rank}: {h.torn}" for h in hellos if h.torn]
+        if len({h.version for h in hellos}) > 1:
+            torn.append(f"the workers serve versions {[h.version for h in hellos]}")
+        self._torn = "; ".join(torn) or None
+        self._server = ExchangeServer(self, host=host)
+
+    def _init_workers(self, host: str) -> list[BackendHello]:
+        """``client.init_weight_transfer_engine`` (on a thread: it returns once every worker
+        reported) while the workers' reports are taken here."""
+        listener = socket.create_server((host, 0))
+        token = secrets.token_hex(16)
+        address = ExchangeAddress(*listener.getsockname()[:2], token)
+        failed: list[BaseException] = []
+
+        def init() -> None:
+            try:
+                self.client.init_weight_transfer_engine({"trainer": str(address)})
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=init, name="tandem-vllm-init", daemon=True)
+        thread.start()
+        listener.settimeout(0.5)
+        deadline = time.monotonic() + self.timeout_s
+        hellos: dict[int, BackendHello] = {}
+        try:
+            while not hellos or len(hellos) < next(iter(hellos.values())).workers:
+                if failed:
+                    raise WeightSyncError("vLLM's init_weight_transfer_engine failed (is it "
+                                          "made with --weight-transfer-config "
+                                          "'{\"backend\": \"tandem\"}'?): "
+                                          f"{client_error(failed[0])}")  # fmt: skip
+                if time.monotonic() > deadline:
+                    raise WeightSyncError(f"vLLM's workers {sorted(hellos)} reported in "
+                                          f"{self.timeout_s:.0f} s; not the others")  # fmt: skip
+                peer = accept_hello(listener, token, VLLM, BackendHello, self.timeout_s)
+                if peer is not None:
+                    peer[0].close()
+                    hellos[peer[1].rank] = peer[1]
+        finally:
+            listener.close()
+        thread.join(self.timeout_s)
+        if failed or thread.is_alive():
+            why = client_error(failed[0]) if failed else "it did not return"
+            raise WeightSyncError(f"vLLM's init_weight_transfer_engine failed: {why}")
+        workers = next(iter(hellos.values())).workers
+        if sorted(hellos) != list(range(workers)):
+            raise WeightSyncError(f"vLLM's workers reported as {sorted(hellos)} of {workers}")
+        return [hellos[rank] for rank in range(workers)]
+
+    @property
+    def exchange_address(self) -> str:
+        return self._server.address
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.workers[0].layout.dtype
+
+    @property
+    def weight_device_type(self) -> str:
+        return "cpu"
+
+    @property
+    def receivers_in_process(self) -> bool:
+        import os
+
+        return any(w.pid == os.getpid() for w in self.workers)
+
+    def weight_layouts(self) -> list[RankLayout]:
+        return [w.layout for w in self.workers]
+
+    def unavailable(self) -> str | None:
+        return self._torn
+
+    def weight_state(self) -> dict:
+        """``{"version": v, "torn": reason or None}``: what vLLM serves, as this trainer knows."""
+        return {"version": self._version, "torn": self._torn}
+
+    def close(self) -> None:
+        self._server.close()
+
+    def refuses(self, settings: PushSettings) -> str | None:
+        if settings.adapter is not None:
+            return "tandem pushes no LoRA adapters into vLLM (vLLM loads them from directories)"
+        if settings.in_place:
+            return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
+                    "repacked for its kernels, so every push into vLLM is staged (use "
+                    "mode='staged')")  # fmt: skip
+        if settings.rolling:
+            return "policy='rolling' needs a fleet of tandem replicas (use policy='all')"
+        return None
+
+    @contextmanager
+    def weight_update(self, spec: UpdateSpec) -> Iterator[ClientWindow]:
+        """vLLM's ``start_weight_update`` .. ``finish_weight_update(version)`` around one push.
+        An update a dead trainer left open is finished (its workers drop it) and started
+        again."""
+        with self._lock:
+            self._start()
+            window = ClientWindow(self, spec)
+            try:
+                yield window
+            except BaseException:
+                if window.active:  # the workers drop what this push staged
+                    self.client.finish_weight_update()
+                raise
+            finally:
+                if window.torn is not None:
+                    self._torn = window.torn
+            self.client.finish_weight_update(str(spec.version))
+            self._torn, self._version = None, spec.version
+            reset_prefix_cache(self.client)  # cached KV came from the old weights
+
+    def _start(self) -> None:
+        try:
+            self.client.start_weight_update()
+        except Exception as exc:
+            first = client_error(exc)
+            try:  # an update left open (its trainer died mid-push): end it, then start
+                self.client.finish_weight_update()
+                self.client.start_weight_update()
+            except Exception:
+                raise WeightSyncError(f"vLLM's start_weight_update failed: {first}") from exc
+
+
+class ClientWindow:
+    """One push's phases, each one ``update_weights`` call carrying every worker's records
+    (`tandem.exchange.UpdateWindow`)."""
+
+    def __init__(self, target: ClientTarget, spec: UpdateSpec):
+        self.target = target
+        self.spec = spec
+        self.active = True  # vLLM's update is open (a failed call ends it on every worker)
+        self.torn: str | None = None
+        self._opened = time.perf_counter()
+        self._arrived = (0, 0.0)
+
+    def expose(self) -> None:
+        raise WeightSyncError("pushes into vLLM are staged: nothing is written in place")
+
+    def ingress(self) -> dict[int, tuple[int, float]]:
+        return {0: self._arrived}
+
+    def failures(self) -> dict[int, str]:
+        return {}  # a failure raises
+
+    def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
+        from tandem.integrations.vllm.backend import encode_update
+
+        records = [records_by_rank.get(rank, []) for rank in range(len(self.target.workers))]
+        payload = [encode_update(PhaseRequest(phase, self.spec, [mine])) for mine in records]
+        try:
+            self.target.client.update_weights(payload)
+        except Exception as exc:
+            self.active = False
+            said = client_error(exc)
+            if phase is PushPhase.COMMIT and TORN_COMMIT in said:
+                self.torn = said
+                raise WeightSyncError(said) from None
+            raise WeightSyncError(said if "rejected in" in said else
+                                  f"update to version {self.spec.version} failed in "
+                                  f"{phase.value}: {said}") from None  # fmt: skip
+        nbytes = sum(r.nbytes for mine in records for r in mine)
+        if phase in (PushPhase.RECEIVE, PushPhase.COMMIT) and not self._arrived[0]:
+            self._arrived = (nbytes, 0.0)
+        self._arrived = (self._arrived[0], time.perf_counter() - self._opened)
+        return nbytes
