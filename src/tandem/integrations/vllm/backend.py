@@ -17,9 +17,10 @@ vLLM's four-call protocol carries tandem's push, driven by the trainer's rank 0
   failed) is dropped there, the old weights serving.
 
 vLLM's protocol answers nothing but errors, so the workers agree on each phase's outcome and
-fail together (a worker that passed drops its part when another failed): every worker raises
-the same error, which says whether vLLM's weights are torn (a commit that failed after loading
-began) or the old version keeps serving. A worker that raises has ended vLLM's update.
+fail together (a worker that passed drops its part when another failed); vLLM's last worker
+raises their errors (`TandemWeightTransferEngine._answer` says why only it), saying whether
+vLLM's weights are torn (a commit that failed after loading began) or the old version keeps
+serving.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def encode_update(request: PhaseRequest) -> dict:
 
 
 class TandemPushError(RuntimeError):
-    """A phase failed on some worker (raised on every worker alike)."""
+    """A call failed on some worker (raised by vLLM's last worker alone: see `_answer`)."""
 
 
 class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpdateInfo]):
@@ -88,26 +89,38 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
         parallel = vllm_config.parallel_config
         self.rank = parallel.data_parallel_index * parallel.world_size + parallel.rank
         self.workers = parallel.data_parallel_size * parallel.world_size
+        self.last = parallel.rank == parallel.world_size - 1  # raises the workers' errors
         self.version = 0  # the last tandem version committed here (0: loaded from disk)
         self.torn: str | None = None
+        self.in_update = False  # vLLM's worker holds an update open (as vLLM tracks it)
         self._receiver: VllmReceiver | None = None
         self._open: UpdateSpec | None = None  # a push received or verified, not committed
 
     def init_transfer_engine(self, init_info: TandemInitInfo) -> None:
         """Report to the trainer at ``init_info.trainer`` (a trainer connecting anew drops
-        whatever an earlier one left open)."""
+        whatever an earlier one left open; it finishes vLLM's update if one is open)."""
         self._drop_open("a new trainer connected")
-        receiver = self._receiving_side()
-        address = ExchangeAddress.parse(init_info.trainer)
-        info = WorkerInfo(os.getpid(), type(self.model).__name__, receiver.layout)
-        hello = BackendHello(self.rank, self.workers, info, self.version, self.torn)
-        with socket.create_connection((address.host, address.port), REPORT_TIMEOUT_S) as sock:
-            send_token(sock, address.token)
-            send_frame(sock, VLLM.encode(hello))
+        error = None
+        try:
+            receiver = self._receiving_side()
+            address = ExchangeAddress.parse(init_info.trainer)
+            info = WorkerInfo(os.getpid(), type(self.model).__name__, receiver.layout)
+            hello = BackendHello(self.rank, self.workers, info, self.version, self.torn,
+                                 self.in_update)  # fmt: skip
+            with socket.create_connection((address.host, address.port),
+                                          REPORT_TIMEOUT_S) as sock:  # fmt: skip
+                send_token(sock, address.token)
+                send_frame(sock, VLLM.encode(hello))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        errors, _, _ = _together(PhaseReply(error, 0))
+        if errors:
+            self._answer(f"tandem: init_weight_transfer_engine failed: {_said(errors)}")
 
     def start_weight_update(self) -> None:
+        self.in_update = True
         if self._receiver is None:
-            raise RuntimeError("tandem: call init_weight_transfer_engine first")
+            self._answer("tandem: call init_weight_transfer_engine first")
 
     def update_weights(self, update_info: dict) -> None:
         """vLLM's default ends in ``torch.accelerator.synchronize()``, which raises on its CPU
@@ -118,10 +131,11 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
         request = VLLM.decode(base64.b64decode(update_info.phase_request))
         if not isinstance(request, PhaseRequest) or len(request.records) != 1:
             raise ValueError("tandem: update_info holds no PhaseRequest for one worker")
-        if self._receiver is None:
-            raise RuntimeError("tandem: call init_weight_transfer_engine first")
         phase, spec = request.phase, request.spec
-        reply = self._receiver.run(phase, spec, request.records[0])
+        if self._receiver is None:
+            reply = PhaseReply("call init_weight_transfer_engine first", 0)
+        else:
+            reply = self._receiver.run(phase, spec, request.records[0])
         errors, torn, workers = _together(reply)
         if not errors:
             self._passed(phase, spec)
@@ -129,22 +143,37 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
         if reply.error is None and phase is not PushPhase.ABORT:
             self._receiver.run(PushPhase.ABORT, spec, [])  # another worker failed it
         self._open = None
-        detail = "; ".join(f"worker {rank}: {error}" for rank, error in errors)
         if phase is PushPhase.COMMIT and (torn or len(errors) < workers):
             # some worker began loading (or finished): the workers' weights disagree now
-            self.torn = f"the commit of version {spec.version} failed: {detail}"
-            raise TandemPushError(f"{TORN_COMMIT} (torn): the commit of version {spec.version} "
-                                  f"failed after loading began, and vLLM keeps serving them "
-                                  f"until a push lands: {detail}")  # fmt: skip
+            self.torn = f"the commit of version {spec.version} failed: {_said(errors)}"
+            self._answer(f"{TORN_COMMIT} (torn): the commit of version {spec.version} failed "
+                         f"after loading began, and vLLM keeps serving them until a push "
+                         f"lands: {_said(errors)}")  # fmt: skip
+            return
         serving = f"torn weights ({self.torn})" if self.torn else f"version {self.version}"
-        raise TandemPushError(f"tandem: version {spec.version} rejected in {phase.value}; "
-                              f"{serving} keeps serving: {detail}")  # fmt: skip
+        self._answer(f"tandem: version {spec.version} rejected in {phase.value}; {serving} "
+                     f"keeps serving: {_said(errors)}")  # fmt: skip
 
     def finish_weight_update(self) -> None:
+        self.in_update = False
         self._drop_open("finished without a commit (its trainer failed or left)")
 
     def shutdown(self) -> None:
         self._drop_open("the weight-transfer engine shut down")
+
+    def _answer(self, error: str | None) -> None:
+        """Report the workers' common ``error`` through vLLM's answer: only vLLM's last worker
+        raises it. vLLM's multiprocess executor (0.32) stops reading the workers' answers at
+        the first failure it reads, in worker order, and leaves the others queued, to be read
+        as the answers of later calls: every later call would get its predecessor's answer
+        from those workers. vLLM ends the update of a worker that raises; the others keep it
+        open, and the trainer finishes it (`ClientTarget`)."""
+        if not error:
+            return
+        if self.last:
+            self.in_update = False
+            raise TandemPushError(error)
+        log.warning("%s", error)
 
     def _passed(self, phase: PushPhase, spec: UpdateSpec) -> None:
         if phase is PushPhase.COMMIT:
@@ -165,6 +194,10 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
             self._receiver = worker_receiver(self.model, self.vllm_config, self.device,
                                              self.rank)  # fmt: skip
         return self._receiver
+
+
+def _said(errors: list[tuple[int, str]]) -> str:
+    return "; ".join(f"worker {rank}: {error}" for rank, error in errors)
 
 
 def _together(reply: PhaseReply) -> tuple[list[tuple[int, str]], bool, int]:

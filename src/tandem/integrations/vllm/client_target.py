@@ -12,6 +12,7 @@ plan sent, and a failed phase is known by the client's error (an HTTP 500 whose 
 
 from __future__ import annotations
 
+import logging
 import secrets
 import socket
 import threading
@@ -27,6 +28,11 @@ from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener
 from tandem.integrations.vllm.messages import TORN_COMMIT, VLLM, BackendHello, PhaseRequest
 from tandem.wire import accept_hello
+
+log = logging.getLogger(__name__)
+
+# how vLLM's worker refuses to finish an update it does not hold
+NO_UPDATE = "finish_weight_update called without a matching start_weight_update"
 
 
 class OfflineClient:
@@ -94,6 +100,7 @@ class ClientTarget:
         self._lock = threading.Lock()  # one push at a time
         hellos = self._init_workers(host)
         self.workers = [h.info for h in hellos]
+        self._finish_left_open(hellos)
         self._version = max(h.version for h in hellos)
         torn = [f"worker {h.rank}: {h.torn}" for h in hellos if h.torn]
         if len({h.version for h in hellos}) > 1:
@@ -193,16 +200,21 @@ class ClientTarget:
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[ClientWindow]:
-        """vLLM's ``start_weight_update`` .. ``finish_weight_update(version)`` around one push.
-        An update a dead trainer left open is finished (its workers drop it) and started
-        again."""
+        """vLLM's ``start_weight_update`` .. ``finish_weight_update(version)`` around one
+        push."""
         with self._lock:
-            self._start()
+            try:
+                self.client.start_weight_update()
+            except Exception as exc:
+                raise WeightSyncError(f"vLLM's start_weight_update failed: "
+                                      f"{client_error(exc)}") from None  # fmt: skip
             window = ClientWindow(self, spec)
             try:
                 yield window
             except BaseException:
-                if window.active:  # the workers drop what this push staged
+                if window.failed:
+                    self.end_failed_update()
+                else:  # the trainers' side failed: the workers drop what the push staged
                     self.client.finish_weight_update()
                 raise
             finally:
@@ -212,16 +224,25 @@ class ClientTarget:
             self._torn, self._version = None, spec.version
             reset_prefix_cache(self.client)  # cached KV came from the old weights
 
-    def _start(self) -> None:
+    def end_failed_update(self, last_open: bool = False) -> None:
+        """Finish the update vLLM's workers hold open after a call failed: its last worker
+        raised the failure (`TandemWeightTransferEngine._answer`), which ended the update
+        there (unless ``last_open``), and refuses the finish; the others finish it."""
+        if len(self.workers) == 1 and not last_open:
+            return
         try:
-            self.client.start_weight_update()
+            self.client.finish_weight_update()
         except Exception as exc:
-            first = client_error(exc)
-            try:  # an update left open (its trainer died mid-push): end it, then start
-                self.client.finish_weight_update()
-                self.client.start_weight_update()
-            except Exception:
-                raise WeightSyncError(f"vLLM's start_weight_update failed: {first}") from exc
+            if last_open or NO_UPDATE not in client_error(exc):
+                raise
+
+    def _finish_left_open(self, hellos: list[BackendHello]) -> None:
+        """An update a trainer left open (it died mid-push): finish it (the workers dropped
+        its push when they reported)."""
+        if any(h.in_update for h in hellos):
+            log.warning("tandem: vLLM held an update open (its trainer left mid-push): "
+                        "finishing it; the weights it served still serve")  # fmt: skip
+            self.end_failed_update(last_open=hellos[-1].in_update)
 
 
 class ClientWindow:
@@ -231,7 +252,7 @@ class ClientWindow:
     def __init__(self, target: ClientTarget, spec: UpdateSpec):
         self.target = target
         self.spec = spec
-        self.active = True  # vLLM's update is open (a failed call ends it on every worker)
+        self.failed = False  # a call failed: vLLM's last worker ended the update
         self.torn: str | None = None
         self._opened = time.perf_counter()
         self._arrived = (0, 0.0)
@@ -253,7 +274,7 @@ class ClientWindow:
         try:
             self.target.client.update_weights(payload)
         except Exception as exc:
-            self.active = False
+            self.failed = True
             said = client_error(exc)
             if phase is PushPhase.COMMIT and TORN_COMMIT in said:
                 self.torn = said

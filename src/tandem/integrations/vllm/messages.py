@@ -57,3 +57,4 @@ class BackendHello:
     info: WorkerInfo
     version: int  # the last version it committed (0: the weights vLLM loaded)
     torn: str | None  # why its weights are mixed, or None
+    in_update: bool  # vLLM holds an update open on it (its trainer left before finishing)

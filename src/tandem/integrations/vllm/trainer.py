@@ -100,7 +100,10 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
         (``finish_weight_update``); None: the one it serves + 1."""
         if not isinstance(self.source, ModuleSource | nn.Module):
             self.sender.model = _pushed(self.source)  # a fresh pass over the source
-        return self.sender.push(version)
+        stats = self.sender.push(version)
+        if self.sender.world_size > 1:  # rank 0's exchange answers the others after rank 0
+            dist.barrier()
+        return stats
 
     def weight_state(self) -> dict:
         """What vLLM serves as rank 0 knows it: ``{"version": v, "torn": reason or None}``."""
