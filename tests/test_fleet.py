@@ -56,6 +56,18 @@ def test_a_short_common_prefix_does_not_pin_requests():
     assert replicas.count(0) == replicas.count(1) == 4
 
 
+def test_a_policy_over_one_replica_only_counts_load():
+    """A fleet of one (a `tandem serve` behind `tandem router`) makes no routing decision of
+    its own: no prefix index is kept, the load is still counted for its state report."""
+    policy = RoutingPolicy(1, block_size=16, cache_blocks=64)
+    first = policy.route(_prompt(1, 64), 2, 10)
+    second = policy.route(_prompt(1, 64), 2, 10)
+    assert (first.cached_blocks, second.cached_blocks) == (0, 0)
+    assert policy.loads == [2 * (64 + 2 * 10)] and policy.requests == [2]
+    policy.finished(first)
+    assert policy.loads == [64 + 2 * 10]
+
+
 def test_router_rejects_bad_settings():
     with pytest.raises(ValueError, match="replicas"):
         RoutingPolicy(0, 16, 8)
@@ -130,7 +142,7 @@ def test_controls_reach_every_replica_and_state_is_per_replica(fleet):
 
 
 def test_a_fleet_refuses_settings_it_cannot_honour(llama_dir):
-    with pytest.raises(ValueError, match="data_parallel_rank"):
-        LLM(llama_dir, data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match="data_parallel_rank"):  # the fleet places replicas
+        LLM(llama_dir, data_parallel_size=2, data_parallel_rank=1)
     with pytest.raises(ValueError, match="nnodes"):
         LLM(llama_dir, data_parallel_size=2, nnodes=2)

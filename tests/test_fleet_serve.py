@@ -61,10 +61,10 @@ def test_controls_reach_every_replica(server):
     assert server.admin("GET", "/is_paused").json()["is_paused"] is True
     assert server.admin("POST", "/resume").status_code == 200
     assert server.admin("POST", "/sleep", params={"level": 1}).status_code == 200
-    states = [r["state"] for r in server.get("/health").json()["replicas"]]
+    states = [r["engine"] for r in server.get("/health").json()["replicas"]]
     assert states == ["sleeping", "sleeping"]
     assert server.admin("POST", "/wake_up").status_code == 200
-    assert [r["state"] for r in server.get("/health").json()["replicas"]] == ["running"] * 2
+    assert [r["engine"] for r in server.get("/health").json()["replicas"]] == ["running"] * 2
     assert greedy(server)[0]
 
 
@@ -73,7 +73,7 @@ def test_a_push_over_http_updates_both_replicas(server, model_factory):
     done = push(server, trainer_dir, "dist")
     assert done.returncode == 0, done.stdout + done.stderr
     health = server.get("/health").json()
-    assert [r["weight_version"] for r in health["replicas"]] == [1, 1]
+    assert [r["version"] for r in health["replicas"]] == [1, 1]
     assert server.metric("tandem_replica_weight_version", replica="1") == 1
     with LLM(trainer_dir) as llm:  # both replicas now serve the trainer's weights
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -101,7 +101,7 @@ def test_a_killed_replica_is_quarantined_and_healed_while_the_front_serves(llama
         r = server.get("/health")
         assert r.status_code == 200  # the other replica serves: nothing is refused
         down = [x for x in r.json()["replicas"] if x["status"] != "ok"]
-        assert down[0]["fleet_state"] in ("quarantined", "joining"), down
+        assert down[0]["state"] in ("quarantined", "joining"), down
         for _ in range(3):
             assert greedy(server)[0] == want  # answered by the live replica meanwhile
 

@@ -79,10 +79,6 @@ class ParallelConfig(_Group):
         1, ge=1, description="independent replicas (each tensor x pipeline ranks of its own) "
         "behind one front (`tandem.fleet`): requests are routed over them, one push updates all",
     )  # fmt: skip
-    data_parallel_rank: int = Field(
-        0, ge=0, description="which replica of the fleet this engine is (set by the fleet: its "
-        "workers take the cores / GPUs after those of the replicas before it)",
-    )  # fmt: skip
     pipeline_parallel_size: int = Field(1, ge=1)
     pipeline_layer_split: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (uneven allowed); default: even"
@@ -108,15 +104,6 @@ class ParallelConfig(_Group):
         "min(30 s, this) later is declared hung and killed (a fleet quarantines its replica and "
         "goes on)",
     )  # fmt: skip
-    max_staleness: int | None = Field(
-        None, ge=0, description="fleet: how many versions behind the newest a replica may be "
-        "and still take new requests during a rolling push (0: only the newest; requests "
-        "wait for the first wave); None: any",
-    )  # fmt: skip
-    heal: bool = Field(
-        True, description="fleet: a quarantined replica (restarted if its workers are gone) "
-        "pulls the weights from a live peer replica, then serves again",
-    )  # fmt: skip
 
     @property
     def hung_after_s(self) -> float:
@@ -126,9 +113,6 @@ class ParallelConfig(_Group):
 
     @model_validator(mode="after")
     def _fleet(self):
-        if self.data_parallel_rank >= self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank ({self.data_parallel_rank}) must be below "
-                             f"data_parallel_size ({self.data_parallel_size})")  # fmt: skip
         if self.data_parallel_size > 1 and self.nnodes > 1:
             raise ValueError("nnodes > 1 spreads one replica over hosts; a fleet over hosts "
                              "is `tandem router` over `tandem serve` instances, or "
@@ -143,6 +127,21 @@ class ParallelConfig(_Group):
     @property
     def world_size(self) -> int:
         return self.dims.world_size
+
+
+class FleetConfig(_Group):
+    """A fleet's own settings (``data_parallel_size`` > 1, `tandem.fleet`); its deadlines
+    follow ``push_phase_timeout_s``, which every engine's pushes share."""
+
+    max_staleness: int | None = Field(
+        None, ge=0, description="fleet: how many versions behind the newest a replica may be "
+        "and still take new requests during a rolling push (0: only the newest; requests "
+        "wait for the first wave); None: any",
+    )  # fmt: skip
+    heal: bool = Field(
+        True, description="fleet: a quarantined replica (restarted if its workers are gone) "
+        "pulls the weights from a live peer replica, then serves again",
+    )  # fmt: skip
 
 
 class RayConfig(_Group):
@@ -175,6 +174,7 @@ GROUPS: dict[str, type[_Group]] = {
     "scheduler": SchedulerConfig,
     "cache": CacheConfig,
     "parallel": ParallelConfig,
+    "fleet": FleetConfig,
     "ray": RayConfig,
     "lora": LoRAConfig,
 }
@@ -242,6 +242,7 @@ class EngineConfig(BaseModel):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
 

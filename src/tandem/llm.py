@@ -70,7 +70,7 @@ class LLM:
         self.fleet: Fleet | None = None
         self._engine: LLMEngine | None = None
         if config.parallel.data_parallel_size > 1:
-            self.fleet = Fleet(config)
+            self.fleet = Fleet.local(config)
         else:
             self._engine = LLMEngine(config)
             self._load = 0  # the tokens `generate` calls still owe (`fleet_state`'s load)
@@ -168,7 +168,7 @@ class LLM:
         fleet = self.fleet
         if fleet is None:
             return self.engine
-        fleet.check_replicas()
+        fleet.check()
         allowed = fleet.board.wait_allowed(fleet.timeout_s)
         return max((fleet.engines[r] for r in allowed), key=lambda e: e.weight_version)
 
@@ -344,18 +344,20 @@ class LLM:
             pending = [req for req in pending if req.replica in lost
                        and not all(s.finished for s in req.seqs)]  # fmt: skip
             for req in pending:
-                self._place(req, avoid=req.replica)
+                self._place(req, lost=lost[req.replica])
 
-    def _place(self, req: _Request, avoid: int | None = None) -> None:
-        """Make ``req``'s sequences on its engine (a fleet: routed, again after a loss)."""
+    def _place(self, req: _Request, lost: str | None = None) -> None:
+        """Make ``req``'s sequences on its engine (a fleet: routed; again, elsewhere, after
+        its replica was ``lost``)."""
         engine = self._engine
         if self.fleet is not None:
-            if req.routed is not None:
-                self.fleet.finished(req.routed)
-                req.routed = None
-            params = req.params
-            req.routed = self.fleet.route(req.ids, params.n, params.max_tokens or 0, avoid)
-            engine = self.fleet.engines[req.routed.replica]
+            params, fleet = req.params, self.fleet
+            if lost is None:
+                req.routed = fleet.route(req.ids, params.n, params.max_tokens or 0)
+            else:
+                routed, req.routed = req.routed, None  # released by rerun
+                req.routed = fleet.rerun(routed, lost, req.ids, params.n, params.max_tokens or 0)
+            engine = fleet.engines[req.routed.replica]
         req.seqs = engine.admission.make_sequences(req.request_id, req.ids, req.params,
                                                    req.priority)  # fmt: skip
         if req.lora is not None:
@@ -434,8 +436,12 @@ class LLM:
 
     def reload_weights(self) -> None:
         """Read the weights from the model directory again (version 0)."""
-        self._each(lambda engine: engine.controls.reload_weights())
-        self._forget_prefixes()
+        if self.fleet is None:
+            self._engine.controls.reload_weights()
+            return
+        with self.fleet.holding_pushes():  # no replica seen behind the others meanwhile
+            self.fleet.each(lambda engine: engine.controls.reload_weights())
+        self.fleet.forget_prefixes()
 
     def worker_locations(self) -> list[dict]:
         """Where each engine rank runs: ``[{replica, rank, node_id, pid}]`` (node_id: the Ray

@@ -281,7 +281,7 @@ def _stats(llm):
 def _requests(llm) -> list[int] | None:
     """Requests routed to each replica so far (a fleet's router counts them; one engine is
     not routed: None)."""
-    return None if llm.fleet is None else list(llm.fleet.router.requests)
+    return None if llm.fleet is None else list(llm.fleet.policy.requests)
 
 
 def summary(result: dict[str, Any]) -> str:

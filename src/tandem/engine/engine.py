@@ -23,7 +23,7 @@ from tandem.engine.dtype_auto import resolve_dtype
 from tandem.engine.encode import Encoder
 from tandem.engine.engine_lock import EngineLock
 from tandem.engine.engine_target import EngineTarget
-from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor
+from tandem.engine.executor import EngineDeadError, Executor, InProcessExecutor, ReplicaSlot
 from tandem.engine.kv_cache import BlockManager
 from tandem.engine.lora_adapters import Adapters
 from tandem.engine.lora_registry import LoRARegistry
@@ -60,7 +60,7 @@ class LLMEngine:
       `shutdown`.
     """
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, slot: ReplicaSlot | None = None):
         import_model_modules(config.model_modules)
         self.spec = read_model_spec(config.model, config.quantization)
         self.dtype_choice = resolve_dtype(config, self.spec)  # once: every rank gets the name
@@ -73,7 +73,7 @@ class LLMEngine:
             self.outputs = OutputProcessor(
                 self.tokenizer, self.spec.eos_token_ids, self.limits.max_model_len
             )
-        executor: Executor = _make_executor(self.spec, config)
+        executor: Executor = _make_executor(self.spec, config, slot)
         self._blocks = BlockManager(
             executor.num_blocks,
             config.cache.block_size,
@@ -240,13 +240,13 @@ class LLMEngine:
         self._stepper.executor.shutdown()
 
 
-def _make_executor(spec, config: EngineConfig) -> Executor:
+def _make_executor(spec, config: EngineConfig, slot: ReplicaSlot | None) -> Executor:
     if config.parallel.distributed_executor_backend == "ray":
         from tandem.engine.ray_executor import RayExecutor
 
-        return RayExecutor(spec, config)
-    if config.parallel.world_size == 1 and config.parallel.data_parallel_size == 1:
+        return RayExecutor(spec, config, slot)
+    if config.parallel.world_size == 1 and (slot is None or slot.size == 1):
         return InProcessExecutor(spec, config)  # a fleet's replicas run in processes of their own
     from tandem.engine.multiproc import MultiprocExecutor
 
-    return MultiprocExecutor(spec, config)
+    return MultiprocExecutor(spec, config, slot)

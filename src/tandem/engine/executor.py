@@ -6,6 +6,7 @@ import os
 import socket
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -81,6 +82,21 @@ def kv_blocks(capacities: list[int]) -> int:
     if num_blocks < 1:
         raise ValueError("kv_cache_memory leaves room for no KV block; raise kv_cache_memory")
     return num_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSlot:
+    """Where an engine's workers sit among the replicas of a fleet on one host: replica
+    ``index`` of ``size`` (its workers take the cores and devices after those of the replicas
+    before it; on Ray, replicas spread over the nodes). An engine given none runs alone."""
+
+    index: int = 0
+    size: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.size:
+            raise ValueError(f"replica slot {self.index} of {self.size}: the index must be in "
+                             f"[0, {self.size})")  # fmt: skip
 
 
 class InProcessExecutor:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, PeerGone
-from tandem.engine.executor import EngineDeadError, kv_blocks
+from tandem.engine.executor import EngineDeadError, ReplicaSlot, kv_blocks
 from tandem.engine.messages import (
     CONTROL,
     ApplyResult,
@@ -64,7 +64,8 @@ class MultiprocExecutor:
     ranks_elsewhere = False  # True: ranks may run on other hosts (TCP rendezvous)
     in_process = False
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig):
+    def __init__(self, spec: ModelSpec, config: EngineConfig, slot: ReplicaSlot | None = None):
+        self.slot = slot or ReplicaSlot()
         dims = config.parallel.dims
         check_layout(spec, config, dims)
         self.max_in_flight = dims.pp
@@ -218,7 +219,7 @@ class MultiprocExecutor:
     def _spawn(self, config, ranks, rendezvous, control_address, token, spec) -> list:
         """Start the ranks' workers: objects with ``pid``, ``poll``, ``wait``, ``terminate``,
         ``kill`` and ``returncode`` (`subprocess.Popen` here)."""
-        return spawn_workers(config, ranks, rendezvous, control_address, token, spec)
+        return spawn_workers(config, ranks, rendezvous, control_address, token, spec, self.slot)
 
     def shutdown(self) -> None:
         try:
@@ -267,7 +268,7 @@ def check_layout(spec: ModelSpec, config: EngineConfig, dims: ParallelDims) -> N
 
 
 def spawn_workers(
-    config, ranks, rendezvous, control_address, token, spec
+    config, ranks, rendezvous, control_address, token, spec, slot: ReplicaSlot
 ) -> list[subprocess.Popen]:
     module = spec.cls.__module__
     if module == "__main__":
@@ -281,7 +282,7 @@ def spawn_workers(
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs = []
     ranks = list(ranks)
-    replicas, replica = config.parallel.data_parallel_size, config.parallel.data_parallel_rank
+    replicas, replica = slot.size, slot.index
     for local_rank, rank in enumerate(ranks):
         args = WorkerArgs(  # a fleet's replicas share this host's cores and devices
             rank=rank, local_rank=replica * len(ranks) + local_rank,

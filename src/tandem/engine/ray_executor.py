@@ -18,6 +18,7 @@ import os
 import subprocess
 
 from tandem.config import EngineConfig
+from tandem.engine.executor import ReplicaSlot
 from tandem.engine.multiproc import MultiprocExecutor
 from tandem.engine.worker import ENV, WorkerArgs
 from tandem.models.loader import ModelSpec
@@ -36,19 +37,19 @@ def _ray():
 NODE_LABEL = "ray.io/node-id"  # every Ray node's own label
 
 
-def _replica_node(ray, config: EngineConfig, ranks: int, bundle: dict) -> str | None:
+def _replica_node(ray, config: EngineConfig, slot: ReplicaSlot, ranks: int,
+                  bundle: dict) -> str | None:  # fmt: skip
     """The node a fleet's replica is placed on, so replicas spread over the cluster: replica r
     takes the r-th (mod their number) of the alive nodes that can hold all its ranks, in node
     id order. None (Ray places it) for a single engine, or when its ranks spread over nodes
     themselves (SPREAD strategies), or when no node can hold them all."""
-    parallel = config.parallel
-    if parallel.data_parallel_size == 1 or "SPREAD" in config.ray.placement_strategy:
+    if slot.size == 1 or "SPREAD" in config.ray.placement_strategy:
         return None
     fits = sorted(
         n["NodeID"] for n in ray.nodes()
         if n["Alive"] and all(n["Resources"].get(k, 0) >= v * ranks for k, v in bundle.items())
     )  # fmt: skip
-    return fits[parallel.data_parallel_rank % len(fits)] if fits else None
+    return fits[slot.index % len(fits)] if fits else None
 
 
 class _RankActor:
@@ -106,7 +107,7 @@ class ActorProcess:
 class RayExecutor(MultiprocExecutor):
     ranks_elsewhere = True
 
-    def __init__(self, spec: ModelSpec, config: EngineConfig):
+    def __init__(self, spec: ModelSpec, config: EngineConfig, slot: ReplicaSlot | None = None):
         ray = _ray()
         if not ray.is_initialized():
             ray.init(address=config.ray.ray_address or "auto", log_to_driver=False)
@@ -116,7 +117,7 @@ class RayExecutor(MultiprocExecutor):
             )
             config = config.model_copy(update={"parallel": parallel})
         self._placement = None
-        super().__init__(spec, config)
+        super().__init__(spec, config, slot)
 
     def _spawn(self, config, ranks, rendezvous, control_address, token, spec) -> list:
         ray = _ray()
@@ -126,7 +127,7 @@ class RayExecutor(MultiprocExecutor):
         ranks = list(ranks)
         gpus = 1 if config.torch_device.type == "cuda" else 0
         bundle = {"CPU": config.ray.ray_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
-        node = _replica_node(ray, config, len(ranks), bundle)
+        node = _replica_node(ray, config, self.slot, len(ranks), bundle)
         selector = None if node is None else [{NODE_LABEL: node}] * len(ranks)
         self._placement = placement_group([bundle] * len(ranks),
                                           strategy=config.ray.placement_strategy,

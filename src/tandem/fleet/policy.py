@@ -73,10 +73,17 @@ class RoutingPolicy:
     def route(self, prompt_ids: list[int], samples: int, max_tokens: int,
               allowed: list[int] | None = None) -> Routed:  # fmt: skip
         """Pick the replica for one request (among ``allowed``, default all) and count its
-        load there until `finished`."""
+        load there until `finished`. A policy over one replica has nothing to choose: it
+        counts the load and hashes nothing (a `tandem serve` behind `tandem router`, where
+        the router made the one decision)."""
         candidates = list(range(self.replicas)) if allowed is None else list(allowed)
         if not candidates:
             raise ValueError("no replica may take requests")
+        load = request_load(len(prompt_ids), samples, max_tokens)
+        if self.replicas == 1:
+            self.loads[0] += load
+            self.requests[0] += 1
+            return Routed(0, load, 0)
         hashes = self.block_hashes(prompt_ids)
         least = min(candidates, key=lambda r: (self.loads[r], self.requests[r]))
         matched = {r: self._matched(r, hashes) for r in candidates}
@@ -84,7 +91,6 @@ class RoutingPolicy:
         bound = max(self.imbalance_tokens, self.imbalance_ratio * self.loads[least])
         warm = matched[best] and matched[best] >= self.cache_threshold * len(hashes)
         replica = best if warm and self.loads[best] - self.loads[least] <= bound else least
-        load = request_load(len(prompt_ids), samples, max_tokens)
         self.loads[replica] += load
         self.requests[replica] += 1
         self._remember(replica, hashes)

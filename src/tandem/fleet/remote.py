@@ -1,14 +1,19 @@
-"""A `tandem serve` as a `WeightTarget` for the router's exchange server: its ranks' layouts
-and a push window held open on it, over its admin routes (`/admin/weights/target`,
-`/admin/weights/window...`, messages in `tandem.fleet.window_messages`). The router makes a
-`FleetTarget` of these, so one push through the router plans trainer ranks -> every replica's
-ranks at once, sends each byte once and relays it, and commits on every replica or none.
+"""A `tandem serve` as a replica of a fleet (`tandem router`'s): its health, checked over
+``GET /health`` (`RemoteReplica`), and its weights as a `WeightTarget` (`RemoteTarget`): its
+ranks' layouts and a push window held open on it, over its admin routes
+(`/admin/weights/target`, `/admin/weights/window...`, messages in
+`tandem.fleet.window_messages`). The fleet makes a `FleetTarget` of these, so one push through
+the router plans trainer ranks -> every replica's ranks at once, sends each byte once and
+relays it, and commits on every replica or none.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -16,6 +21,7 @@ from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
+from tandem.fleet.replica import Health, Replica
 from tandem.fleet.window_messages import (
     MEDIA_TYPE,
     WINDOW,
@@ -27,9 +33,122 @@ from tandem.fleet.window_messages import (
     WindowReply,
 )
 
+TEXT_BLOCK = 64  # characters per prefix block: a router routes text, not token ids
+
 
 class RemoteReplica:
-    """One `tandem serve` (started with the router's admin key)."""
+    """The `tandem serve` at ``url`` (started with the router's admin key). Its health is its
+    last ``GET /health`` answer (`refresh`; a check sent before the one recorded last is
+    dropped: its answer may predate a push that the later one saw)."""
+
+    in_process = False
+    block = TEXT_BLOCK
+
+    def __init__(self, url: str, admin_key: str | None, timeout_s: float,
+                 check_timeout_s: float = 2.0, cache_blocks: int = 4096):  # fmt: skip
+        self.url = url.rstrip("/")
+        self.name = self.url
+        self.admin_key = admin_key
+        self.timeout_s = timeout_s
+        self.check_timeout_s = check_timeout_s
+        self.cache_blocks = cache_blocks
+        self.target = RemoteTarget(self.url, admin_key or "", timeout_s)
+        self._lock = threading.Lock()
+        self._health = Health(ok=False, version=0, reason="not checked yet")
+        self._asked_at = 0.0  # when the check recorded last was sent (time.monotonic)
+        self.checked_at = 0.0  # when it was recorded (time.time)
+        self.reported_version: int | None = None  # as its last /health answer said
+
+    @property
+    def version(self) -> int:
+        return self._health.version
+
+    def health(self) -> Health:
+        return self._health
+
+    def refresh(self) -> None:
+        asked = time.monotonic()
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=self.check_timeout_s)
+        except httpx.HTTPError as exc:
+            self.record(asked, None, {}, f"no answer from {self.url}/health "
+                                         f"({type(exc).__name__})")  # fmt: skip
+            return
+        self.record(asked, r.status_code, _json(r), None)
+
+    def record(self, asked: float, status: int | None, body: dict,
+               unreachable: str | None) -> None:  # fmt: skip
+        """One health check's outcome, sent at ``asked``: ok when it answered 200 with
+        ``status: ok`` as one replica (a server with replicas of its own would route each
+        request again: the router's is the one decision)."""
+        ok = unreachable is None and status == 200 and body.get("status") == "ok"
+        reason = None if ok else (unreachable or body.get("reason")
+                                  or f"/health answered {status}")  # fmt: skip
+        if ok and len(replicas := body.get("replicas") or [None]) > 1:
+            ok, reason = False, (f"it serves a fleet of its own ({len(replicas)} replicas, "
+                                 "--data-parallel-size): a router routes over servers of one "
+                                 "replica each")  # fmt: skip
+        with self._lock:
+            if asked < self._asked_at:
+                return
+            self._asked_at = asked
+            version = body.get("weight_version")
+            self.reported_version = version if isinstance(version, int) else None
+            self._health = Health(ok=ok, version=version if isinstance(version, int) else 0,
+                                  reason=reason)  # fmt: skip
+            self.checked_at = time.time()
+
+    def lost(self, reason: str) -> bool:
+        """It could not be reached by a request: no more until a check finds it up."""
+        with self._lock:
+            self._health = Health(ok=False, version=self._health.version, reason=reason)
+        return False
+
+    def busy(self) -> None:
+        return None  # what it runs is what the router sent it: the fleet's ledger knows
+
+    def receive_address(self) -> str:
+        return self.url
+
+    def send_to(self, other: Replica, timeout_s: float) -> int:
+        """``POST {url}/admin/weights/push_to``: this server's ranks in the trainer's role."""
+        target = other.receive_address()
+        same_host = urlsplit(self.url).hostname == urlsplit(target).hostname
+        with httpx.Client(timeout=timeout_s) as client:
+            r = client.post(f"{self.url}/admin/weights/push_to",
+                            json={"url": target, "transport": "shm" if same_host else "dist"},
+                            headers={"authorization": f"Bearer {self.admin_key}"})  # fmt: skip
+        if r.status_code != 200:
+            raise WeightSyncError(f"{self.url} could not push into {target}: {r.status_code} "
+                                  f"{r.text[:500]}")  # fmt: skip
+        return r.json()["version"]
+
+    def paused(self) -> str | None:
+        return None  # the router fans its controls out to every replica itself
+
+    def pause(self, mode: str) -> None:
+        raise NotImplementedError("a router pauses its replicas through their routes")
+
+    def restarted(self) -> None:
+        return None  # started by someone else: it heals once it answers again
+
+    def report(self) -> dict:
+        return {"url": self.url}
+
+    def close(self) -> None:
+        self.target.close()
+
+
+def _json(r: httpx.Response) -> dict:
+    try:
+        body = r.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+class RemoteTarget:
+    """The weights of one `tandem serve` (started with the router's admin key)."""
 
     receivers_in_process = False
 
@@ -112,7 +231,7 @@ class RemoteReplica:
 class RemoteWindow:
     """A window held open on one server (`tandem.exchange.UpdateWindow`)."""
 
-    def __init__(self, replica: RemoteReplica, token: str, spec: UpdateSpec):
+    def __init__(self, replica: RemoteTarget, token: str, spec: UpdateSpec):
         self.replica = replica
         self.token = token
         self.spec = spec

@@ -53,13 +53,16 @@ class FleetTarget:
     ``phase_timeout_s``: how long one phase may take on a replica before it is quarantined.
     ``pull``: how a replica takes a peer's weights (None: in-place rolling pushes are
     refused). ``stage_timeout_s``: the exchange server's (trainers staging, the dist group).
+    ``lock``: the fleet's, held through each push (a replica healing from a peer holds it too,
+    so no push writes the peer's weights while they are read).
 
     The exchange server asks `refuses` first for every push, then `weight_layouts`, then
     opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
 
     def __init__(self, replicas: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
                  drain: Drain | None = None, phase_timeout_s: float = 600.0,
-                 pull: Pull | None = None, stage_timeout_s: float = 600.0):  # fmt: skip
+                 pull: Pull | None = None, stage_timeout_s: float = 600.0,
+                 lock: threading.Lock | None = None):  # fmt: skip
         self.replicas = replicas  # the fleet's own list: a restarted replica's target replaces
         self.host = host
         self.board = board or ReplicaBoard(
@@ -70,7 +73,7 @@ class FleetTarget:
         self.stage_timeout_s = stage_timeout_s
         self.phase_timeout_s = phase_timeout_s
         self._settings: PushSettings | None = None  # of the push being planned
-        self.lock = threading.Lock()  # one push (or one replica healing) at a time
+        self._lock = lock or threading.Lock()  # one push (or one replica healing) at a time
         self.update_listeners: list[UpdateListener] = []
         self._exchange = None
         self._first_ranks: dict[int, int] = {}  # member replica -> its rank 0, fleet-wide
@@ -148,7 +151,7 @@ class FleetTarget:
     def weight_update(self, spec: UpdateSpec) -> Iterator[FleetUpdate]:
         """Every member replica's window; leaving with an error aborts the push on every
         replica still in it (each drops what the push left on it)."""
-        with self.lock:
+        with self._lock:
             update = FleetUpdate(self, spec, list(self._first_ranks))
             try:
                 yield update

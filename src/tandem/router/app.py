@@ -1,11 +1,14 @@
 """`tandem router`'s HTTP front: `tandem serve`'s routes over replicas started separately.
 
-Completions, chat, embeddings and classify calls go whole to one healthy replica
-(`ReplicaPool.route`) and stream back as the replica streams them; a replica that cannot be
-reached before it answered is marked down and the request goes to another. The RL controls go
-to every replica (with the router's admin key, which the replicas must share), and so does a
-push (`/admin/weights`: one push through the router updates every replica). Errors have
-OpenAI's shape (`tandem.server.errors`).
+The replicas are one `Fleet` of `RemoteReplica`s (`tandem.fleet`), health-checked every
+``health_interval_s`` (``GET /health``: a replica answering anything but 200 with ``status:
+ok`` takes no requests until it answers again). Completions, chat, embeddings and classify
+calls go whole to the replica the fleet routes them to (its one decision: a replica serving
+alone does not route again) and stream back as the replica streams them; a replica that
+cannot be reached before it answered is marked down and the request goes to another. The RL
+controls go to every replica (with the router's admin key, which the replicas must share),
+and so does a push (`/admin/weights`: one push through the router updates every replica).
+Errors have OpenAI's shape (`tandem.server.errors`).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tandem.exchange.receiver import WeightSyncError
-from tandem.router.fleet import RouterFleet
-from tandem.router.replicas import ReplicaPool
+from tandem.fleet.board import NoReplicaError
+from tandem.fleet.fleet import Fleet, FleetSettings
+from tandem.fleet.remote import RemoteReplica
 from tandem.server import errors
 from tandem.server.errors import APIError
 from tandem.server.state import check_key, read_body
@@ -47,26 +51,46 @@ class RouterSettings:
     # transfer) before it fails the push; a replica silent in a phase min(30 s, this) twice
     # past it is quarantined and the push goes on without it (`tandem serve`'s option)
     push_phase_timeout_s: float = 300.0
+    health_interval_s: float = 1.0  # how often every replica's /health is asked
+    health_timeout_s: float = 2.0  # a replica silent this long is down until it answers
+
+    def fleet(self, urls: list[str]) -> Fleet:
+        """The replicas at ``urls`` as one fleet (not yet checked)."""
+        return Fleet.remote(urls, FleetSettings(stage_timeout_s=self.push_phase_timeout_s,
+                                                exchange_host=self.exchange_host),
+                            self.admin_key, self.health_timeout_s)  # fmt: skip
+
+    def replica(self, url: str, fleet: Fleet) -> RemoteReplica:
+        return RemoteReplica(url, self.admin_key, fleet.settings.phase_timeout_s,
+                             self.health_timeout_s)  # fmt: skip
 
 
-def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
+def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
+    client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=settings.health_timeout_s))
+
+    async def check_all() -> None:
+        await asyncio.gather(*(asyncio.to_thread(r.refresh) for r in list(fleet.replicas)))
+        await asyncio.to_thread(fleet.check)  # quarantined replicas that answer again heal
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(settings.health_interval_s)
+            await check_all()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        await pool.check_all()
-        watcher = asyncio.create_task(pool.watch())
+        await check_all()
+        watcher = asyncio.create_task(watch())
         try:
             yield
         finally:
             watcher.cancel()
-            await pool.close()
-            fleet.close()
+            await client.aclose()
+            fleet.shutdown()
 
     app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)  # fmt: skip
     errors.install(app)
-    fleet = RouterFleet(pool, settings.admin_key, settings.exchange_host,
-                        settings.push_phase_timeout_s)  # fmt: skip
-    pool.after_check = fleet.check  # quarantined replicas that answer again heal
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -87,19 +111,19 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request):
         check_key(request, settings.api_key, "API key")
-        for replica in [r for r in pool.replicas if r.healthy]:
+        for replica in [r for r in list(fleet.replicas) if r.health().ok]:
             try:
-                r = await pool.client.get(f"{replica.url}/v1/models", headers=_auth(request))
+                r = await client.get(f"{replica.url}/v1/models", headers=_auth(request))
             except httpx.HTTPError:
                 continue
             return Response(r.content, r.status_code, media_type="application/json")
-        raise _none_healthy(pool)
+        raise _none_healthy(fleet)
 
     @app.get("/fleet_state")
     async def fleet_state():
         """Each replica: {replica, url, state (serving, updating, quarantined, joining),
         version, load}."""
-        return JSONResponse(fleet.state())
+        return JSONResponse(await asyncio.to_thread(fleet.fleet_state))
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request):
@@ -115,7 +139,7 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
             raise APIError(400, "`url` must be the http(s) URL of a tandem serve", param="url",
                            code="invalid_value")  # fmt: skip
         try:
-            return await asyncio.to_thread(fleet.add, url)
+            return await asyncio.to_thread(fleet.add, settings.replica(url, fleet))
         except ValueError as exc:
             raise APIError(400, str(exc), param="url", code="invalid_value") from None
         except Exception as exc:
@@ -123,7 +147,7 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        report = pool.report()
+        report = await asyncio.to_thread(fleet.report)
         up = [r for r in report if r["status"] == "ok"]
         down = [f"replica {r['replica']} ({r['url']}): {r['reason']}" for r in report
                 if r["status"] != "ok"]  # fmt: skip
@@ -134,7 +158,7 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         registry = CollectorRegistry()
-        registry.register(_Figures(pool))
+        registry.register(_Figures(fleet))
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/weights")
@@ -158,7 +182,8 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
                            code="replica_unreachable") from None  # fmt: skip
 
     for path, method in CONTROLS.items():
-        app.add_api_route(path, _control(pool, settings, path, method), methods=[method])
+        app.add_api_route(path, _control(fleet, client, settings, path, method),
+                          methods=[method])  # fmt: skip
 
     async def _generate(request: Request, path: str, units_of) -> Response:
         check_key(request, settings.api_key, "API key")
@@ -172,26 +197,29 @@ def build_app(pool: ReplicaPool, settings: RouterSettings) -> FastAPI:
         units = units_of(body)
         samples = body.get("n") if isinstance(body.get("n"), int) else 1
         max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 16
+        max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         tried: set[int] = set()
-        while True:
-            routed = pool.route(units, samples, max_tokens if isinstance(max_tokens, int) else 16)
-            if routed is None or routed.replica in tried:
-                if routed is not None:
-                    pool.finished(routed)
-                raise _none_healthy(pool)
-            replica = pool.replicas[routed.replica]
-            upstream = pool.client.build_request(
-                "POST", f"{replica.url}{path}", content=raw,
-                headers={"content-type": "application/json", **_auth(request)},
-            )  # fmt: skip
-            try:
-                answer = await pool.client.send(upstream, stream=True)
-            except httpx.HTTPError as exc:  # nothing was generated: another replica may take it
-                pool.finished(routed)
-                replica.healthy, replica.reason = False, f"unreachable ({type(exc).__name__})"
-                tried.add(routed.replica)
-                continue
-            return _relay(answer, lambda routed=routed: pool.finished(routed))
+        try:
+            routed = fleet.route(units, samples, max_tokens, wait_s=0)
+            while True:
+                replica = fleet.replicas[routed.replica]
+                upstream = client.build_request(
+                    "POST", f"{replica.url}{path}", content=raw,
+                    headers={"content-type": "application/json", **_auth(request)},
+                )  # fmt: skip
+                try:
+                    answer = await client.send(upstream, stream=True)
+                except httpx.HTTPError as exc:  # nothing was generated: another may take it
+                    tried.add(routed.replica)
+                    routed = fleet.rerun(routed, f"unreachable ({type(exc).__name__})", units,
+                                         samples, max_tokens, wait_s=0)  # fmt: skip
+                    if routed.replica in tried:
+                        fleet.finished(routed)
+                        raise _none_healthy(fleet) from None
+                    continue
+                return _relay(answer, lambda routed=routed: fleet.finished(routed))
+        except NoReplicaError:
+            raise _none_healthy(fleet) from None
 
     return app
 
@@ -211,7 +239,8 @@ def _relay(answer: httpx.Response, done) -> Response:
     return StreamingResponse(chunks(), status_code=answer.status_code, media_type=media)
 
 
-def _control(pool: ReplicaPool, settings: RouterSettings, path: str, method: str):
+def _control(fleet: Fleet, client: httpx.AsyncClient, settings: RouterSettings, path: str,
+             method: str):  # fmt: skip
     async def control(request: Request):
         _require_admin(request, settings)
         raw = await read_body(request, settings.max_request_bytes)
@@ -221,13 +250,13 @@ def _control(pool: ReplicaPool, settings: RouterSettings, path: str, method: str
 
         async def one(url: str):
             try:
-                r = await pool.client.request(method, f"{url}{path}", params=request.query_params,
-                                              content=raw or None, headers=headers)  # fmt: skip
+                r = await client.request(method, f"{url}{path}", params=request.query_params,
+                                         content=raw or None, headers=headers)  # fmt: skip
                 return r.status_code, _json(r)
             except httpx.HTTPError as exc:
                 return 502, {"error": {"message": f"{url} unreachable ({type(exc).__name__})"}}
 
-        answers = await asyncio.gather(*(one(r.url) for r in pool.replicas))
+        answers = await asyncio.gather(*(one(r.url) for r in list(fleet.replicas)))
         per_replica = [{"replica": i, "status_code": code, "body": body}
                        for i, (code, body) in enumerate(answers)]  # fmt: skip
         failed = [a for a in per_replica if not 200 <= a["status_code"] < 300]
@@ -271,10 +300,9 @@ def _message(body) -> str:
     return str(body)[:200]
 
 
-def _none_healthy(pool: ReplicaPool) -> APIError:
-    why = "; ".join(f"{r.url}: {r.reason}" for r in pool.replicas)
-    return APIError(503, f"no replica can take requests now ({why})", code="no_replica",
-                    headers={"Retry-After": "1"})  # fmt: skip
+def _none_healthy(fleet: Fleet) -> APIError:
+    return APIError(503, f"no replica can take requests now ({fleet.why_none()})",
+                    code="no_replica", headers={"Retry-After": "1"})  # fmt: skip
 
 
 def _completion_units(body: dict) -> list[int]:
@@ -308,8 +336,8 @@ def _chat_units(body: dict) -> list[int]:
 class _Figures:
     """Per replica: up, load (tokens owed to routed requests), requests routed."""
 
-    def __init__(self, pool: ReplicaPool):
-        self.pool = pool
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
 
     def collect(self):
         up = GaugeMetricFamily("tandem_router_replica_up", "1 while the replica is healthy",
@@ -319,7 +347,7 @@ class _Figures:
                                  labels=["replica", "url"])  # fmt: skip
         routed = CounterMetricFamily("tandem_router_requests", "requests routed to the replica",
                                      labels=["replica", "url"])  # fmt: skip
-        for r in self.pool.report():
+        for r in self.fleet.report():
             labels = [str(r["replica"]), r["url"]]
             up.add_metric(labels, int(r["status"] == "ok"))
             load.add_metric(labels, r["load"])

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import uvicorn
 
 from tandem.router.app import RouterSettings, build_app
-from tandem.router.replicas import ReplicaPool
 
 
 def route(replicas: list[str], host: str = "127.0.0.1", port: int = 8000,
           settings: RouterSettings | None = None, health_interval_s: float = 1.0,
           log_level: str = "warning") -> int:  # fmt: skip
     """Serve until SIGINT / SIGTERM."""
-    pool = ReplicaPool(replicas, interval_s=health_interval_s)
-    app = build_app(pool, settings or RouterSettings())
+    settings = dataclasses.replace(settings or RouterSettings(),
+                                   health_interval_s=health_interval_s)  # fmt: skip
+    app = build_app(settings.fleet(replicas), settings)
     sock = socket.create_server((host, port))
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, access_log=False)

@@ -71,9 +71,9 @@ class AsyncFleet:
             replica.label = f"replica {r}"
         return replica
 
-    def _replica_started(self, r: int, engine) -> None:
-        """Replica ``r`` has a new engine (restarted, or added): an engine thread for it."""
-        fresh = self._engine_thread(r, engine)
+    def _replica_started(self, r: int, replica) -> None:
+        """Replica ``r`` is new (restarted, or added): an engine thread for its engine."""
+        fresh = self._engine_thread(r, replica.engine)
         with self._lock:
             old = self.replicas[r] if r < len(self.replicas) else None
             if old is None:
@@ -185,7 +185,7 @@ class AsyncFleet:
         """Why no request can be served now (a fleet: by any replica), or None."""
         if len(self.replicas) == 1:
             return self._lead.unavailable()
-        self.fleet.check_replicas()
+        self.fleet.check()
         reasons = []
         for i, r in enumerate(list(self.replicas)):
             why = r.unavailable()
@@ -197,20 +197,11 @@ class AsyncFleet:
         return "; ".join(reasons)
 
     def replica_health(self) -> list[dict]:
-        """Each replica: ``{replica, status, reason, weight_version, state, fleet_state,
-        load}`` (status ok, or unavailable saying why; fleet_state: serving, updating,
-        quarantined or joining)."""
-        state = self.fleet.fleet_state()
-        out = []
-        for i, r in enumerate(list(self.replicas)):
-            why = r.unavailable()
-            if state[i]["state"] in ("quarantined", "joining"):
-                why = state[i].get("reason") or state[i]["state"]
-            out.append({"replica": i, "status": "ok" if why is None else "unavailable",
-                        "reason": why, "weight_version": r.weight_version,
-                        "state": r.state.value, "fleet_state": state[i]["state"],
-                        "load": state[i]["load"]})  # fmt: skip
-        return out
+        """Each replica: the fleet's report (`Fleet.report`: replica, state, version, load,
+        requests, status, reason) and its engine's state (``engine``: running, sleeping...)."""
+        replicas = list(self.replicas)
+        return [{**entry, "engine": replicas[entry["replica"]].state.value}
+                for entry in self.fleet.report()]  # fmt: skip
 
     def fleet_state(self) -> list[dict]:
         return self.fleet.fleet_state()
@@ -259,18 +250,20 @@ class AsyncFleet:
         return Submission(self, [rid for rid, _ in requests], queue)
 
     def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop, streams: bool,
-               wait_s: float | None = None, avoid: int | None = None) -> None:  # fmt: skip
+               wait_s: float | None = None,
+               lost: tuple[int, str] | None = None) -> None:  # fmt: skip
         """Route each (index, (request id, sequences)) of a call and queue it on its replica
-        (all routed before any is queued). NoReplicaError if none may take them within
-        ``wait_s``."""
+        (all routed before any is queued; ``lost``: the replica that lost them and why,
+        `Fleet.rerun`). NoReplicaError if none may take them within ``wait_s``."""
         by_replica: dict[int, list] = {}
         routed = []
         try:
             for i, (rid, seqs) in indexed:
                 first = seqs[0]
                 prompt = first.token_ids[: first.num_prompt_tokens]
-                where = self.fleet.route(prompt, len(seqs), first.params.max_tokens or 0,
-                                         avoid, wait_s)  # fmt: skip
+                args = (prompt, len(seqs), first.params.max_tokens or 0)
+                where = (self.fleet.route(*args, wait_s=wait_s) if lost is None
+                         else self.fleet.rerun(*lost, *args, wait_s=wait_s))  # fmt: skip
                 routed.append((rid, where))
                 by_replica.setdefault(where.replica, []).append((i, (rid, seqs)))
         except NoReplicaError:
@@ -301,12 +294,14 @@ class AsyncFleet:
             return False
         first = tracked.seqs[0]
         prompt = first.token_ids[: first.num_prompt_tokens]
+        # a replica restarted meanwhile has a new engine thread: the lost one is not its own
+        where = (self.replicas.index(lost), reason) if lost in self.replicas else None
         try:
             seqs = self._lead.prepare(request_id, prompt, first.params, first.priority)
-            avoid = self.replicas.index(lost) if lost in self.replicas else None
             tracked.post(RequestUpdate(tracked.prompt_index, [], False, [], 0, restarted=seqs))
             self._place(call_id, [(tracked.prompt_index, (request_id, seqs))], tracked.queue,
-                        tracked.loop, tracked.streams, avoid=avoid)  # fmt: skip
+                        tracked.loop, tracked.streams,
+                        lost=where)  # fmt: skip
         except Exception as exc:  # no replica left, or the call id went: it fails as lost
             log.warning("request %s lost with its replica (%s) and not run again: %s",
                         request_id, reason, exc)  # fmt: skip
@@ -356,7 +351,8 @@ class AsyncFleet:
         self._each(lambda r: r.wake(kv_cache, weights))
 
     def reload_weights(self) -> None:
-        self._each(lambda r: r.reload_weights())
+        with self.fleet.holding_pushes():  # no replica seen behind the others meanwhile
+            self._each(lambda r: r.reload_weights())
         self.fleet.forget_prefixes()
 
     def pause(self, mode: str, timeout: float | None = None) -> int:

@@ -31,7 +31,7 @@ def serve(config: ServeConfig) -> int:
     replicas = engine_config.parallel.data_parallel_size
     log.info("loading %s (dp=%d, tp=%d, pp=%d)", config.model, replicas, config.tp, config.pp)
     try:
-        fleet = Fleet(engine_config)
+        fleet = Fleet.local(engine_config)
     except BaseException:
         sock.close()
         raise

@@ -137,7 +137,7 @@ class _ReplicaGauges:
         health = self.engine.replica_health()
         for replica, h in zip(self.engine.replicas, health, strict=True):
             label = [str(h["replica"])]
-            families["weight_version"].add_metric(label, h["weight_version"])
+            families["weight_version"].add_metric(label, h["version"])
             families["available"].add_metric(label, int(h["status"] == "ok"))
             families["load"].add_metric(label, h["load"])
             families["running_sequences"].add_metric(label, replica.num_running)
