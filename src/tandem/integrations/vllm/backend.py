@@ -113,7 +113,7 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
                 send_frame(sock, VLLM.encode(hello))
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-        errors, _, _ = _together(PhaseReply(error, 0))
+        errors, _, _ = _together(PhaseReply(error, 0), self.parallel_config.world_size)
         if errors:
             self._answer(f"tandem: init_weight_transfer_engine failed: {_said(errors)}")
 
@@ -136,7 +136,7 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
             reply = PhaseReply("call init_weight_transfer_engine first", 0)
         else:
             reply = self._receiver.run(phase, spec, request.records[0])
-        errors, torn, workers = _together(reply)
+        errors, torn, workers = _together(reply, self.parallel_config.world_size)
         if not errors:
             self._passed(phase, spec)
             return
@@ -200,17 +200,17 @@ def _said(errors: list[tuple[int, str]]) -> str:
     return "; ".join(f"worker {rank}: {error}" for rank, error in errors)
 
 
-def _together(reply: PhaseReply) -> tuple[list[tuple[int, str]], bool, int]:
+def _together(reply: PhaseReply, world_size: int) -> tuple[list[tuple[int, str]], bool, int]:
     """Every worker's outcome of a phase, gathered over vLLM's world group (its CPU, gloo,
     group): (the errors by worker, whether any worker's commit tore its weights, how many
     workers)."""
     from vllm.distributed.parallel_state import get_world_group
 
     mine = _error_row(reply)
-    group = get_world_group()
-    if group.world_size == 1:
+    if world_size == 1:  # (an offline engine's one worker may run without vLLM's group)
         rows = [mine]
     else:
+        group = get_world_group()
         rows = [torch.empty_like(mine) for _ in range(group.world_size)]
         torch.distributed.all_gather(rows, mine, group=group.cpu_group)
     errors, torn = [], False

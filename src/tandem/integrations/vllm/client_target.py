@@ -17,6 +17,7 @@ import secrets
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -37,10 +38,18 @@ NO_UPDATE = "finish_weight_update called without a matching start_weight_update"
 
 class OfflineClient:
     """An offline ``vllm.LLM`` as a `VLLMWeightSyncClient`: its methods take the payload
-    wrapped (``{"init_info": ...}``, ``{"update_info": ...}``), the protocol's bare."""
+    wrapped (``{"init_info": ...}``, ``{"update_info": ...}``), the protocol's bare. Held
+    weakly: a trainer does not keep vLLM's engine alive."""
 
     def __init__(self, llm):
-        self.llm = llm
+        self._llm = weakref.ref(llm)
+
+    @property
+    def llm(self):
+        llm = self._llm()
+        if llm is None:
+            raise WeightSyncError("the vLLM engine is gone")
+        return llm
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -130,10 +139,7 @@ class ClientTarget:
         try:
             while not hellos or len(hellos) < next(iter(hellos.values())).workers:
                 if failed:
-                    raise WeightSyncError("vLLM's init_weight_transfer_engine failed (is it "
-                                          "made with --weight-transfer-config "
-                                          "'{\"backend\": \"tandem\"}'?): "
-                                          f"{client_error(failed[0])}")  # fmt: skip
+                    raise WeightSyncError(_init_failed(client_error(failed[0])))
                 if time.monotonic() > deadline:
                     raise WeightSyncError(f"vLLM's workers {sorted(hellos)} reported in "
                                           f"{self.timeout_s:.0f} s; not the others")  # fmt: skip
@@ -146,7 +152,7 @@ class ClientTarget:
         thread.join(self.timeout_s)
         if failed or thread.is_alive():
             why = client_error(failed[0]) if failed else "it did not return"
-            raise WeightSyncError(f"vLLM's init_weight_transfer_engine failed: {why}")
+            raise WeightSyncError(_init_failed(why))
         workers = next(iter(hellos.values())).workers
         if sorted(hellos) != list(range(workers)):
             raise WeightSyncError(f"vLLM's workers reported as {sorted(hellos)} of {workers}")
@@ -243,6 +249,13 @@ class ClientTarget:
             log.warning("tandem: vLLM held an update open (its trainer left mid-push): "
                         "finishing it; the weights it served still serve")  # fmt: skip
             self.end_failed_update(last_open=hellos[-1].in_update)
+
+
+def _init_failed(said: str) -> str:
+    if "tandem:" in said:  # tandem's workers refused
+        return f"vLLM's init_weight_transfer_engine failed: {said}"
+    return ("vLLM's init_weight_transfer_engine failed (is it made with "
+            f"--weight-transfer-config '{{\"backend\": \"tandem\"}}'?): {said}")  # fmt: skip
 
 
 class ClientWindow:
