@@ -70,6 +70,13 @@ def test_vocab_padded_to_64_then_split():
     assert got == [(0, 64), (64, 100)]
 
 
+@pytest.mark.parametrize("model_class", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                         "MixtralForCausalLM"])  # fmt: skip
+def test_moe_classes_are_refused_by_name_saying_why(model_class):
+    with pytest.raises(ValueError, match=f"vLLM {model_class}: .*prepacked"):
+        worker_layout(model_class, vllm_names(1), SHAPES, Split(0, 1), 0, "float32")
+
+
 def test_a_parameter_no_rule_names_is_an_error():
     names = vllm_names(1) + ["model.layers.0.self_attn.rotary.inv_freq"]
     with pytest.raises(ValueError, match="no layout rule for parameters.*rotary.inv_freq"):

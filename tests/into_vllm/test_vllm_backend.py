@@ -149,3 +149,21 @@ def test_a_torn_commit_is_reported_and_the_next_push_lands(engine, monkeypatch):
     stats = trainer.send_weights()
     assert trainer.weight_state() == {"version": stats.version, "torn": None}
     assert_generates_like(llm, model)
+
+
+def test_a_trainer_pushing_over_dist_reaches_the_same_workers(engine):
+    """A second trainer over the dist transport (torch.distributed point-to-point, the
+    workers receiving while it sends): vLLM's workers report anew and the push lands. (Last
+    here: the first trainer's idea of the version served is behind now.)"""
+    llm, trainer, model = engine
+    train_step(model, seed=5)
+    over_dist = WeightTransferTrainerFactory.trainer_init(
+        TandemTrainerInitInfo(rank=0, transport="dist"), client=llm, source=ModuleSource(model)
+    )
+    try:
+        stats = over_dist.send_weights()
+    finally:
+        over_dist.shutdown()
+    assert stats.transport == "dist" and stats.bytes_moved == stats.bytes_needed
+    assert llm.get_weight_version() == str(stats.version)
+    assert_generates_like(llm, model)

@@ -212,8 +212,10 @@ class ClientTarget:
             try:
                 self.client.start_weight_update()
             except Exception as exc:
-                raise WeightSyncError(f"vLLM's start_weight_update failed: "
-                                      f"{client_error(exc)}") from None  # fmt: skip
+                said = client_error(exc)
+                if "tandem:" in said:  # tandem's last worker refused: the others started
+                    self.end_failed_update()
+                raise WeightSyncError(f"vLLM's start_weight_update failed: {said}") from None
             window = ClientWindow(self, spec)
             try:
                 yield window
