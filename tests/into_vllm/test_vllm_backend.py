@@ -26,7 +26,11 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory  # noqa: E402
-from vllm.distributed.weight_transfer.base import ModuleSource  # noqa: E402
+from vllm.distributed.weight_transfer.base import (  # noqa: E402
+    ModuleSource,
+    ParamMeta,
+    WeightSource,
+)
 
 from faulty_writes import faulty_sender, shifted  # noqa: E402
 from tandem.exchange import WeightSyncError  # noqa: E402
@@ -167,3 +171,32 @@ def test_a_trainer_pushing_over_dist_reaches_the_same_workers(engine):
     assert stats.transport == "dist" and stats.bytes_moved == stats.bytes_needed
     assert llm.get_weight_version() == str(stats.version)
     assert_generates_like(llm, model)
+
+
+class TensorsSource(WeightSource):
+    """A `WeightSource` that is not a module: (name, tensor) pairs, read afresh each pass."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, p.dtype, tuple(p.shape)) for n, p in self.model.named_parameters()]
+
+    def __iter__(self):
+        for name, param in self.model.named_parameters():
+            yield name, param.detach().clone()
+
+
+def test_any_weight_source_is_read_afresh_each_push(engine):
+    llm, _, model = engine
+    pusher = WeightTransferTrainerFactory.trainer_init(
+        TandemTrainerInitInfo(rank=0), client=llm, source=TensorsSource(model)
+    )
+    try:
+        for seed in (31, 32):  # the second push sends the weights as they are then
+            train_step(model, seed=seed)
+            stats = pusher.send_weights()
+            assert llm.get_weight_version() == str(stats.version)
+            assert_generates_like(llm, model)
+    finally:
+        pusher.shutdown()
