@@ -18,6 +18,7 @@ from tandem.engine.admission import RequestError
 from tandem.engine.chat_template import NoChatTemplate
 from tandem.engine.encode import unit_norm
 from tandem.engine.engine import LLMEngine
+from tandem.engine.executor import EngineDeadError
 from tandem.engine.lora_registry import LoadedAdapter
 from tandem.engine.outputs import RequestMetrics, RequestOutput
 from tandem.engine.sampling_params import SamplingParams
@@ -340,7 +341,7 @@ class LLM:
             for req in pending:
                 fleet.engines[req.replica].add(req.seqs)
                 work.setdefault(req.replica, []).extend(req.seqs)
-            lost = fleet.run(work)
+            lost = _step_replicas(fleet, work)
             pending = [req for req in pending if req.replica in lost
                        and not all(s.finished for s in req.seqs)]  # fmt: skip
             for req in pending:
@@ -540,3 +541,40 @@ def _per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
             raise TypeError(f"lora_request[{i}]: a LoRARequest or None, "
                             f"got {type(lora).__name__}")  # fmt: skip
     return loras
+
+
+def _step_replicas(fleet: Fleet, work: dict[int, list[Sequence]]) -> dict[int, str]:
+    """Step each replica until its sequences in ``work`` (replica -> sequences, queued there)
+    are finished: the first in this thread, the others each on a thread of its own. A replica
+    that dies meanwhile is held out (`Fleet.hold_out`) and its unfinished sequences left to run
+    elsewhere (`Fleet.rerun`): the replicas lost -> why. Any other error (or the death of a
+    fleet's only replica) is raised once every replica stopped."""
+    items = [(r, seqs) for r, seqs in sorted(work.items()) if seqs]
+    errors: list[BaseException] = []
+    lost: dict[int, str] = {}
+
+    def drive(r: int, seqs: list[Sequence]) -> None:
+        try:
+            fleet.engines[r].run(seqs)  # other callers' steps run beside
+        except EngineDeadError as exc:
+            if len(fleet) == 1:
+                errors.append(exc)
+                return
+            lost[r] = str(exc)
+            fleet.hold_out(r, str(exc))
+        except BaseException as exc:
+            errors.append(exc)
+            for other, mine in work.items():  # the caller gets its error now, not after all
+                fleet.engines[other].abort([s for s in mine if not s.finished])
+
+    threads = [threading.Thread(target=drive, args=item, name=f"tandem-replica-{item[0]}",
+                                daemon=True) for item in items[1:]]  # fmt: skip
+    for t in threads:
+        t.start()
+    if items:
+        drive(*items[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return lost

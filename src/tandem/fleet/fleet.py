@@ -26,8 +26,6 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.executor import EngineDeadError
-from tandem.engine.sequence import Sequence
 from tandem.fleet.board import NoReplicaError, ReplicaBoard, ReplicaState
 from tandem.fleet.local import LocalReplica
 from tandem.fleet.policy import Routed, RoutingPolicy
@@ -223,42 +221,6 @@ class Fleet:
             else:
                 out.append(None if health.ok else health.reason)
         return out
-
-    def run(self, work: dict[int, list[Sequence]]) -> dict[int, str]:
-        """Step each replica until its sequences in ``work`` (replica -> sequences, queued
-        there) are finished: the first in this thread, the others each on a thread of its own.
-        A replica that dies meanwhile is quarantined and its unfinished sequences left for the
-        caller to run elsewhere (`rerun`): the replicas lost -> why. Any other error (or the
-        death of a fleet's only replica) is raised once every replica stopped."""
-        items = [(r, seqs) for r, seqs in sorted(work.items()) if seqs]
-        errors: list[BaseException] = []
-        lost: dict[int, str] = {}
-
-        def drive(r: int, seqs: list[Sequence]) -> None:
-            try:
-                self.replicas[r].engine.run(seqs)  # other callers' steps run beside
-            except EngineDeadError as exc:
-                if len(self.replicas) == 1:
-                    errors.append(exc)
-                    return
-                lost[r] = str(exc)
-                self.hold_out(r, str(exc))
-            except BaseException as exc:
-                errors.append(exc)
-                for other, mine in work.items():  # the caller gets its error now, not after all
-                    self.replicas[other].engine.abort([s for s in mine if not s.finished])
-
-        threads = [threading.Thread(target=drive, args=item, name=f"tandem-replica-{item[0]}",
-                                    daemon=True) for item in items[1:]]  # fmt: skip
-        for t in threads:
-            t.start()
-        if items:
-            drive(*items[0])
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return lost
 
     # ----- keeping the fleet whole -----
     def check(self) -> list[Health]:
