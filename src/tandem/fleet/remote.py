@@ -114,7 +114,8 @@ class RemoteReplica:
         """``POST {url}/admin/weights/push_to``: this server's ranks in the trainer's role."""
         target = other.receive_address()
         same_host = urlsplit(self.url).hostname == urlsplit(target).hostname
-        with httpx.Client(timeout=timeout_s) as client:
+        # the call wraps a whole push on the peer, under the peer's own deadlines: past them
+        with httpx.Client(timeout=max(timeout_s, self.timeout_s)) as client:
             r = client.post(f"{self.url}/admin/weights/push_to",
                             json={"url": target, "transport": "shm" if same_host else "dist"},
                             headers={"authorization": f"Bearer {self.admin_key}"})  # fmt: skip
