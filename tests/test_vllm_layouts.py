@@ -70,11 +70,23 @@ def test_vocab_padded_to_64_then_split():
     assert got == [(0, 64), (64, 100)]
 
 
-@pytest.mark.parametrize("model_class", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                                         "MixtralForCausalLM"])  # fmt: skip
-def test_moe_classes_are_refused_by_name_saying_why(model_class):
-    with pytest.raises(ValueError, match=f"vLLM {model_class}: .*prepacked"):
-        worker_layout(model_class, vllm_names(1), SHAPES, Split(0, 1), 0, "float32")
+def test_expert_boxes_of_rank_1_of_2_by_hand():
+    """vLLM's fused experts in checkpoint format: w13 [E, 2 I/tp, H] as [E * 2 I/tp, H] (per
+    expert this rank's gate rows, then its up rows), w2 [E, H, I/tp] as [E * H, I/tp]."""
+    moe = Shapes(hidden=8, intermediate=8, heads=4, kv_heads=2, head_dim=2, vocab=100,
+                 experts=3, expert_intermediate=4)  # fmt: skip
+    p = "model.layers.0.mlp.experts"
+    names = [f"{p}.routed_experts.w13_weight", f"{p}.routed_experts.w2_weight",
+             "model.layers.0.mlp.gate.weight"]  # fmt: skip
+    layout = worker_layout("Qwen3MoeForCausalLM", names, moe, Split(1, 2), 1, "float32")
+    w13, w2 = names[:2]
+    assert layout.local_shapes[w13] == (3 * 2 * 2, 8) and layout.local_shapes[w2] == (3 * 8, 2)
+    assert pieces(layout, w13)[2:4] == [
+        (f"{p}.1.gate_proj.weight", ((2, 4), (0, 8)), (4, 0)),
+        (f"{p}.1.up_proj.weight", ((2, 4), (0, 8)), (6, 0)),
+    ]
+    assert pieces(layout, w2)[2] == (f"{p}.2.down_proj.weight", ((0, 8), (2, 4)), (16, 0))
+    assert pieces(layout, names[2]) == [(names[2], ((0, 3), (0, 8)), (0, 0))]
 
 
 def test_a_parameter_no_rule_names_is_an_error():

@@ -28,12 +28,13 @@ from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener
 from tandem.integrations.vllm.messages import TORN_COMMIT, VLLM, BackendHello, PhaseRequest
-from tandem.wire import accept_hello
+from tandem.wire import MAX_FRAME, accept_hello
 
 log = logging.getLogger(__name__)
 
 # how vLLM's worker refuses to finish an update it does not hold
 NO_UPDATE = "finish_weight_update called without a matching start_weight_update"
+REPORTS_AFTER_INIT_S = 10.0  # reports still to be taken once vLLM answered the init
 
 
 class OfflineClient:
@@ -140,10 +141,14 @@ class ClientTarget:
             while not hellos or len(hellos) < next(iter(hellos.values())).workers:
                 if failed:
                     raise WeightSyncError(_init_failed(client_error(failed[0])))
+                if not thread.is_alive():  # every worker sent its report before answering
+                    deadline = min(deadline, time.monotonic() + REPORTS_AFTER_INIT_S)
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(f"vLLM's workers {sorted(hellos)} reported in "
-                                          f"{self.timeout_s:.0f} s; not the others")  # fmt: skip
-                peer = accept_hello(listener, token, VLLM, BackendHello, self.timeout_s)
+                    raise WeightSyncError(f"vLLM's workers {sorted(hellos)} reported; not the "
+                                          f"others")  # fmt: skip
+                # a report holds the worker's whole layout: as large as any frame
+                peer = accept_hello(listener, token, VLLM, BackendHello, self.timeout_s,
+                                    MAX_FRAME)  # fmt: skip
                 if peer is not None:
                     peer[0].close()
                     hellos[peer[1].rank] = peer[1]

@@ -34,6 +34,8 @@ class Shapes:
     kv_heads: int
     head_dim: int
     vocab: int
+    experts: int = 0  # routed experts per MoE layer (0: a dense model)
+    expert_intermediate: int = 0
 
     @classmethod
     def of(cls, hf_config) -> Shapes:
@@ -41,7 +43,8 @@ class Shapes:
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
         return cls(hf_config.hidden_size, hf_config.intermediate_size, heads,
                    getattr(hf_config, "num_key_value_heads", None) or heads, head_dim,
-                   hf_config.vocab_size)  # fmt: skip
+                   hf_config.vocab_size, getattr(hf_config, "num_experts", None) or 0,
+                   getattr(hf_config, "moe_intermediate_size", None) or 0)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +155,35 @@ def _hidden(s: Shapes) -> int:
     return s.hidden
 
 
+def router(name: str, s: Shapes, tp: Split):
+    """A MoE layer's router (``mlp.gate``, a replicated linear): whole on every rank."""
+    return (s.experts, s.hidden), [whole(name, (s.experts, s.hidden))]
+
+
+def expert_gate_up(prefix: str, s: Shapes, tp: Split):
+    """vLLM's ``w13_weight`` [E, 2 I/tp, H] in checkpoint format, seen as [E * 2 I/tp, H]:
+    per expert this rank's gate rows, then its up rows (vLLM's CPU build then pads and
+    prepacks it; `tandem.integrations.vllm.receiver` does the same at commit)."""
+    n = _per_rank(s.expert_intermediate, tp, "moe_intermediate_size")
+    full = (s.expert_intermediate, s.hidden)
+    halves = list(enumerate(("gate_proj", "up_proj")))
+    pieces = [rows(f"{prefix}.{e}.{name}.weight", full, tp.rank * n, (tp.rank + 1) * n,
+                   (2 * e + i) * n)
+              for e in range(s.experts) for i, name in halves]  # fmt: skip
+    return (s.experts * 2 * n, s.hidden), pieces
+
+
+def expert_down(prefix: str, s: Shapes, tp: Split):
+    """vLLM's ``w2_weight`` [E, H, I/tp] in checkpoint format, seen as [E * H, I/tp]: per
+    expert this rank's input columns of ``down_proj``."""
+    n = _per_rank(s.expert_intermediate, tp, "moe_intermediate_size")
+    full = (s.hidden, s.expert_intermediate)
+    pieces = [Piece(f"{prefix}.{e}.down_proj.weight", full,
+                    ((0, s.hidden), (tp.rank * n, (tp.rank + 1) * n)), (e * s.hidden, 0))
+              for e in range(s.experts)]  # fmt: skip
+    return (s.experts * s.hidden, n), pieces
+
+
 LAYER = r"model\.layers\.(\d+)"
 DENSE_DECODER = (
     Rule(r"model\.embed_tokens\.weight", "model.embed_tokens.weight", vocab_rows),
@@ -176,27 +208,21 @@ QK_NORM = (
     ),
 )
 
-# vLLM model class -> its rules (vllm/model_executor/models/{llama,qwen2,qwen3}.py)
+# a MoE block in place of the dense MLP (vllm/model_executor/models/qwen3_moe.py)
+MOE_BLOCK = (
+    Rule(LAYER + r"\.mlp\.gate\.weight", "model.layers.{}.mlp.gate.weight", router),
+    Rule(LAYER + r"\.mlp\.experts\.routed_experts\.w13_weight", "model.layers.{}.mlp.experts",
+         expert_gate_up),
+    Rule(LAYER + r"\.mlp\.experts\.routed_experts\.w2_weight", "model.layers.{}.mlp.experts",
+         expert_down),
+)  # fmt: skip
+
+# vLLM model class -> its rules (vllm/model_executor/models/{llama,qwen2,qwen3,qwen3_moe}.py)
 TABLES: dict[str, tuple[Rule, ...]] = {
     "LlamaForCausalLM": DENSE_DECODER,
     "Qwen2ForCausalLM": DENSE_DECODER + QKV_BIAS,
     "Qwen3ForCausalLM": DENSE_DECODER + QK_NORM,
-}
-
-
-# vLLM's CPU build prepacks each fused-MoE layer's experts (w13, w2) into its grouped-GEMM
-# (VNNI) layout with the intermediate size padded, and on a weight update its
-# process_weights_after_loading copies into that storage without prepacking again: no
-# checkpoint-format expert slice can be written in place, and reading experts back through
-# the kernel needs its router driven per expert. Refused by name until tandem re-prepacks.
-MOE_ON_CPU = ("tandem does not push into vLLM's fused-MoE experts yet: vLLM's CPU build "
-              "keeps them prepacked for its grouped GEMM (intermediate size padded) and does "
-              "not prepack again on a weight update, so the experts cannot be written or read "
-              "back in checkpoint format")  # fmt: skip
-REFUSED: dict[str, str] = {
-    "Qwen2MoeForCausalLM": MOE_ON_CPU,
-    "Qwen3MoeForCausalLM": MOE_ON_CPU,
-    "MixtralForCausalLM": MOE_ON_CPU,
+    "Qwen3MoeForCausalLM": DENSE_DECODER + QK_NORM + MOE_BLOCK,
 }
 
 
@@ -204,8 +230,6 @@ def worker_layout(model_class: str, names: list[str], shapes: Shapes, tp: Split,
                   dtype: str) -> RankLayout:  # fmt: skip
     """The layout of one worker (``rank`` across the target) whose vLLM parameters are
     ``names``; ValueError naming every parameter the class's table does not cover."""
-    if model_class in REFUSED:
-        raise ValueError(f"vLLM {model_class}: {REFUSED[model_class]}")
     rules = TABLES.get(model_class)
     if rules is None:
         raise ValueError(f"no tandem layout table for vLLM model class {model_class!r} "

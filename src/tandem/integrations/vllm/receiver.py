@@ -12,7 +12,10 @@ repacks). Then every box is checked where vLLM computes with it, through every l
 it: a plain parameter by its CRC32 against the one its trainer rank read, a repacked weight by
 columns read back through the layer's own matmul (`SAMPLED_COLUMNS` per weight, every output
 row, bit for bit against the landed box; reading all of it back would cost a matmul by the
-identity, K times the weight's FLOPs).
+identity, K times the weight's FLOPs). A fused-MoE layer's experts, which the CPU build keeps
+padded and prepacked for its grouped GEMM (and does not prepack again on a weight update), are
+written in checkpoint format and prepacked by vLLM's own kernel code at commit, then compared
+whole, byte for byte, with the landed boxes prepacked anew.
 
 vLLM's own ``reload_weights`` (its layer-by-layer reload, which the RL frameworks' path and the
 baseline of `tandem bench sync --into vllm` use) does the same from full checkpoint tensors,
@@ -40,6 +43,7 @@ from tandem.exchange.transports.base import ReceiverHalf
 from tandem.integrations.vllm.messages import PhaseReply
 
 SAMPLED_COLUMNS = 16  # of each repacked weight, read back through vLLM's matmul per push
+EXPERT_WEIGHTS = ("w13_weight", "w2_weight")  # of a vLLM fused-MoE layer
 
 
 class LocalShapes:
@@ -66,6 +70,8 @@ class VllmReceiver:
         self.shapes = LocalShapes(layout, self.dtype)
         self._halves: dict[str, ReceiverHalf] = {}
         self.users = _users(model, list(layout.local_shapes))
+        self.expert_keys = {key for key, users in self.users.items()
+                            if _prepacked_experts(users[0][1]) is not None}  # fmt: skip
 
     def run(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]) -> PhaseReply:
         half = self._half(spec.settings.transport)
@@ -123,6 +129,10 @@ class VllmReceiver:
         with torch.no_grad(), set_current_vllm_config(self.vllm_config):
             for module_name, attrs in by_module.items():
                 module = self.model.get_submodule(module_name)
+                if _prepacked_experts(module) is not None:  # written as vLLM prepacks them
+                    for attr, packed in self._packed_experts(module_name, attrs).items():
+                        getattr(module, attr).copy_(packed)
+                    continue
                 for attr, items in attrs.items():
                     shape = tuple(self.layout.local_shapes[f"{module_name}.{attr}"])
                     live = getattr(module, attr)
@@ -147,9 +157,11 @@ class VllmReceiver:
         that layer's matmul on `SAMPLED_COLUMNS` one-hot inputs (a column each, every output
         row), bit for bit against the same columns of the landed box, which matched its
         trainer's CRC32 in the verify phase."""
-        problems = []
+        problems = self._check_experts(records, boxes)
         cache: dict[str, list[tuple[str, torch.Tensor, torch.Tensor | None]]] = {}
         for r, box in zip(records, boxes, strict=True):
+            if r.key in self.expert_keys:
+                continue
             if r.key not in cache:
                 shape = tuple(self.layout.local_shapes[r.key])
                 reads = [_read_back(*user, shape, self.dtype, self.device)
@@ -169,15 +181,68 @@ class VllmReceiver:
                                     f"({how}, sampled columns)")  # fmt: skip
         return problems
 
+    def _packed_experts(self, module_name: str, attrs: dict[str, list]) -> dict:
+        """A fused-MoE layer's expert weights (``w13_weight``, ``w2_weight``) as vLLM's CPU
+        kernel holds them, made from ``attrs``' boxes: written into their checkpoint format
+        ([E, 2 I/tp, H] and [E, H, I/tp]), then padded and prepacked by vLLM's own kernel
+        code, as it did at load (it does not prepack again on a weight update)."""
+        module = self.model.get_submodule(module_name)
+        scratch = nn.Module()
+        for attr in EXPERT_WEIGHTS:
+            if attr not in attrs:
+                raise ValueError(f"{module_name}: a push carries both expert weights "
+                                 f"{EXPERT_WEIGHTS}, got {sorted(attrs)}")  # fmt: skip
+            shape = self.layout.local_shapes[f"{module_name}.{attr}"]
+            flat = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for r, box in attrs[attr]:
+                r.region.view(flat).copy_(box)
+            experts = getattr(module, attr).shape[0]
+            grouped = flat.view(experts, shape[0] // experts, shape[1])
+            scratch.register_parameter(attr, nn.Parameter(grouped, requires_grad=False))
+        with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            _prepacked_experts(module).process_weights_after_loading(scratch)
+        return {attr: getattr(scratch, attr) for attr in EXPERT_WEIGHTS}
+
+    def _check_experts(self, records: list[Record], boxes: list[torch.Tensor]) -> list[str]:
+        """Every fused-MoE layer's expert weights as vLLM now computes with them, bit for bit
+        against the landed boxes prepacked anew (the whole tensor: a copy, not a matmul)."""
+        by_module: dict[str, dict[str, list]] = defaultdict(dict)
+        for r, box in zip(records, boxes, strict=True):
+            if r.key in self.expert_keys:
+                module_name, _, attr = r.key.rpartition(".")
+                by_module[module_name].setdefault(attr, []).append((r, box))
+        problems = []
+        for module_name, attrs in by_module.items():
+            module = self.model.get_submodule(module_name)
+            for attr, expected in self._packed_experts(module_name, attrs).items():
+                if not torch.equal(getattr(module, attr), expected):
+                    problems.append(f"{module_name}.{attr} differs in vLLM's live weights after "
+                                    f"commit (its prepacked experts)")  # fmt: skip
+        return problems
+
+
+def _prepacked_experts(module: nn.Module):
+    """The CPU experts kernel of a vLLM fused-MoE layer (which prepacked its expert weights),
+    or None for any other module."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+
+    if not isinstance(module, RoutedExperts):
+        return None
+    return module.quant_method.moe_kernel.fused_experts
+
 
 def _users(model: nn.Module, keys: list[str]) -> dict[str, list[tuple[str, nn.Module, str]]]:
     """For each parameter, every (module name, module, attribute) holding it: the module its
     name points at first, then any other a tied tensor is shared with (an LM head tied to the
-    token embedding, which keeps a repacked copy of its own)."""
+    token embedding, which keeps a repacked copy of its own). A module reached by two paths
+    (a MoE layer's router, which its experts' runner holds too) counts once, by its first."""
     owners: dict[int, list[tuple[str, nn.Module, str]]] = defaultdict(list)
+    seen: set[tuple[int, int, str]] = set()
     for name, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False):
-            owners[id(param)].append((name, module, attr))
+            if (id(param), id(module), attr) not in seen:
+                seen.add((id(param), id(module), attr))
+                owners[id(param)].append((name, module, attr))
     users = {}
     for key in keys:
         module_name, _, attr = key.rpartition(".")

@@ -53,6 +53,8 @@ def worker_receiver(model, vllm_config, device, rank: int) -> VllmReceiver:
 
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise ValueError("tandem pushes into vLLM with pipeline_parallel_size=1 only")
+    if vllm_config.parallel_config.enable_expert_parallel:
+        raise ValueError("tandem pushes into vLLM without expert parallelism only")
     dtype = vllm_config.model_config.dtype
     if dtype not in _NAMES:
         raise ValueError(f"vLLM holds weights in {dtype}; tandem sends {sorted(DTYPES)}")
