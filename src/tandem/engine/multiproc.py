@@ -349,7 +349,8 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
     ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
     rendezvous = f"tcp://{config.parallel.master_addr}:{config.parallel.master_port}"
     address = (control.host, control.port)
-    procs = spawn_workers(config, ranks, rendezvous, address, control.token, spec)
+    # an engine over nodes is one replica: its workers take this host's cores from the first
+    procs = spawn_workers(config, ranks, rendezvous, address, control.token, spec, ReplicaSlot())
     del store
     try:
         return max(proc.wait() for proc in procs)
