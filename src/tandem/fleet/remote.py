@@ -56,8 +56,6 @@ class RemoteReplica:
         self._lock = threading.Lock()
         self._health = Health(ok=False, version=0, reason="not checked yet")
         self._asked_at = 0.0  # when the check recorded last was sent (time.monotonic)
-        self.checked_at = 0.0  # when it was recorded (time.time)
-        self.reported_version: int | None = None  # as its last /health answer said
 
     @property
     def version(self) -> int:
@@ -93,10 +91,8 @@ class RemoteReplica:
                 return
             self._asked_at = asked
             version = body.get("weight_version")
-            self.reported_version = version if isinstance(version, int) else None
             self._health = Health(ok=ok, version=version if isinstance(version, int) else 0,
                                   reason=reason)  # fmt: skip
-            self.checked_at = time.time()
 
     def lost(self, reason: str) -> bool:
         """It could not be reached by a request: no more until a check finds it up."""
