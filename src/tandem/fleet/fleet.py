@@ -327,10 +327,14 @@ class Fleet:
         if len(self.replicas) < 2:
             raise ValueError("a fleet of one replica has no peer to heal from")
         reason = self.board.reason(replica)
+        member = self.replicas[replica]
+        member.refresh()  # workers that exited while it sat quarantined
+        if not (health := member.health()).ok and health.fault is None:
+            # a remote replica that does not answer: quarantined until a check finds it up
+            raise RuntimeError(f"{member.name} cannot be healed yet: {health.reason}")
         self.board.set(replica, ReplicaState.JOINING, reason)  # why it heals
         try:
-            self.replicas[replica].refresh()  # workers that exited while it sat quarantined
-            fresh = self.replicas[replica].restarted()
+            fresh = member.restarted()
             if fresh is not None:
                 with self.lock:
                     if self._closed:  # shut down meanwhile: leave nothing behind
