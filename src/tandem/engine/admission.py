@@ -54,8 +54,9 @@ class RequestError(ValueError):
 class Admission:
     """Checks requests against the model, the limits and the KV cache; prompts -> ids."""
 
-    def __init__(self, spec, task: str, limits: Limits, tokenizer: Tokenizer | None,
-                 blocks: BlockManager):  # fmt: skip
+    def __init__(
+        self, spec, task: str, limits: Limits, tokenizer: Tokenizer | None, blocks: BlockManager
+    ):
         self.spec = spec
         self.task = task
         self.limits = limits
@@ -83,8 +84,9 @@ class Admission:
     def check_encode(self, inputs: list[list[int]], pooling: str | None) -> str:
         """Check inputs for `encode`; the pooling to use (the model's unless given)."""
         if self.task == "generate":
-            raise ValueError("this engine's task is 'generate': embed / classify need "
-                             "task='embed' or 'classify'")  # fmt: skip
+            raise ValueError(
+                "this engine's task is 'generate': embed / classify need task='embed' or 'classify'"
+            )
         pooling = pooling or self.spec.cls.default_pooling
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -137,15 +139,17 @@ class Admission:
         room = max_len - len(prompt_ids)
         if room < 1 and not (params.max_tokens == 0 and room == 0):
             raise RequestError(
-                "prompt", f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} and "
-                "at least one token must be generated"
-            )  # fmt: skip
+                "prompt",
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} and "
+                "at least one token must be generated",
+            )
         if params.max_tokens is not None and params.max_tokens > room:
             raise RequestError(
-                "max_tokens", f"max_tokens is too large: {params.max_tokens}; the context is "
+                "max_tokens",
+                f"max_tokens is too large: {params.max_tokens}; the context is "
                 f"{max_len} tokens (max_model_len) and the prompt has {len(prompt_ids)}, so "
-                f"max_tokens <= {room}"
-            )  # fmt: skip
+                f"max_tokens <= {room}",
+            )
         max_tokens = room if params.max_tokens is None else params.max_tokens
         need = blocks_for(len(prompt_ids) + max(max_tokens, 1), self.blocks.block_size)
         if need > self.blocks.num_blocks:
@@ -153,7 +157,7 @@ class Admission:
                 "prompt" if params.max_tokens is None else "max_tokens",
                 f"needs {need} KV blocks but the cache has {self.blocks.num_blocks}; raise "
                 "kv_cache_memory or lower max_tokens",
-            )  # fmt: skip
+            )
         now = time.monotonic()
         return [
             Sequence(
@@ -164,8 +168,9 @@ class Admission:
 
     def _bad_ids(self, ids: list) -> str | None:
         vocab = self.spec.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < vocab]  # fmt: skip
+        bad = [
+            t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
         return f"token ids outside [0, {vocab}): {bad[:8]}" if bad else None
 
 

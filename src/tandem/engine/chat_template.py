@@ -121,9 +121,11 @@ class ChatTemplate:
         variables = {"documents": None, **self.special_tokens, **template_kwargs}
         try:
             return _compile(source).render(
-                messages=chat, tools=tools, add_generation_prompt=add_generation_prompt,
+                messages=chat,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
                 **variables,
-            )  # fmt: skip
+            )
         except TemplateError as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from None
 
@@ -155,13 +157,17 @@ def _from_key(value, path: str) -> dict[str, str]:
         return {"default": value}
     if isinstance(value, list) and all(map(_is_named_template, value)):
         return {t["name"]: t["template"] for t in value}
-    raise ValueError(f"`chat_template` in {path} is neither a string nor a list of "
-                     "{name, template} objects")  # fmt: skip
+    raise ValueError(
+        f"`chat_template` in {path} is neither a string nor a list of {{name, template}} objects"
+    )
 
 
 def _is_named_template(entry) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("name"), str)
-            and isinstance(entry.get("template"), str))  # fmt: skip
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("name"), str)
+        and isinstance(entry.get("template"), str)
+    )
 
 
 def _special_tokens(model_dir: Path, config: dict) -> dict[str, str]:

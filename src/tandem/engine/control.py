@@ -25,8 +25,7 @@ def recv(sock: socket.socket, max_size: int | None = None) -> Message:
     return CONTROL.decode(recv_frame(sock) if max_size is None else recv_frame(sock, max_size))
 
 
-def connect(host: str, port: int, token: str, hello: Hello, timeout: float = 60.0
-            ) -> socket.socket:  # fmt: skip
+def connect(host: str, port: int, token: str, hello: Hello, timeout: float = 60.0) -> socket.socket:
     """A worker's control connection: the engine's token first, then its hello."""
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.settimeout(None)
@@ -51,8 +50,16 @@ class ControlServer:
     def accept_all(self, deadline: float, check_alive) -> None:
         """Wait until every rank has connected; ``check_alive`` raises if a local worker died."""
         try:
-            peers = gather_hellos(self.listener, self.token, CONTROL, Hello, self.world_size,
-                                  deadline, check_alive, HELLO_TIMEOUT_S)  # fmt: skip
+            peers = gather_hellos(
+                self.listener,
+                self.token,
+                CONTROL,
+                Hello,
+                self.world_size,
+                deadline,
+                check_alive,
+                HELLO_TIMEOUT_S,
+            )
         except TimeoutError as exc:
             raise TimeoutError(f"worker {exc}") from None
         for rank, (sock, hello) in sorted(peers.items()):

@@ -21,9 +21,16 @@ from tandem.errors import ModelLoadError
 
 
 class Controls:
-    def __init__(self, lock: EngineLock, lifecycle: EngineLifecycle, scheduler: Scheduler,
-                 blocks: BlockManager, stepper: Stepper, window: PushWindow,
-                 checkpoint: Path):  # fmt: skip
+    def __init__(
+        self,
+        lock: EngineLock,
+        lifecycle: EngineLifecycle,
+        scheduler: Scheduler,
+        blocks: BlockManager,
+        stepper: Stepper,
+        window: PushWindow,
+        checkpoint: Path,
+    ):
         self.lifecycle = lifecycle
         self._lock = lock
         self._scheduler = scheduler
@@ -84,8 +91,9 @@ class Controls:
         ones aborted, with what they generated so far."""
         with self._lock.control():
             wanted = None if request_ids is None else set(request_ids)
-            seqs = [s for s in self._scheduler.unfinished()
-                    if wanted is None or s.request_id in wanted]  # fmt: skip
+            seqs = [
+                s for s in self._scheduler.unfinished() if wanted is None or s.request_id in wanted
+            ]
             self.abort(seqs)
             return seqs
 
@@ -148,7 +156,8 @@ class Controls:
             self._blocks.reset_prefix_cache()
             if errors:
                 self.lifecycle.torn(f"reloading the checkpoint failed: {'; '.join(errors)}")
-                raise ModelLoadError(f"reloading the weights failed: {'; '.join(errors)}",
-                                     file=str(self._checkpoint))  # fmt: skip
+                raise ModelLoadError(
+                    f"reloading the weights failed: {'; '.join(errors)}", file=str(self._checkpoint)
+                )
             self._window.reloaded()
             self._lock.resumed.notify_all()

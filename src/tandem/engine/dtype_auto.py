@@ -63,8 +63,10 @@ def cpu_choice(checkpoint: str | None, features: frozenset[str]) -> DtypeChoice:
     if units is not None:
         reason = f"auto on a CPU with bfloat16 units ({units}): bfloat16 for {stored}"
         return DtypeChoice("bfloat16", "cpu", reason)
-    reason = (f"auto on a CPU without bfloat16 units (none of {', '.join(BF16_UNITS)}): "
-              f"float32 for {stored}")  # fmt: skip
+    reason = (
+        f"auto on a CPU without bfloat16 units (none of {', '.join(BF16_UNITS)}): "
+        f"float32 for {stored}"
+    )
     return DtypeChoice("float32", "cpu", reason)
 
 
@@ -87,6 +89,9 @@ def _resolve(config: EngineConfig, spec: ModelSpec) -> DtypeChoice:
         return DtypeChoice(pinned, "environment", f"{AUTO_ENV}={pinned}")
     if config.torch_device.type != "cpu":
         device = config.torch_device.type
-        return DtypeChoice("bfloat16", "device", f"auto on {device}: bfloat16 (as vLLM's auto "
-                           "for a float32 checkpoint)")  # fmt: skip
+        return DtypeChoice(
+            "bfloat16",
+            "device",
+            f"auto on {device}: bfloat16 (as vLLM's auto for a float32 checkpoint)",
+        )
     return cpu_choice(checkpoint_dtype(spec), cpu_features())

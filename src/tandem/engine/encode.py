@@ -18,8 +18,14 @@ class Encoder:
     """The engine's embed / classify / score calls: they run under the engine lock, between
     steps."""
 
-    def __init__(self, lock: EngineLock, stepper: Stepper, lifecycle: EngineLifecycle,
-                 admission: Admission, task: str):  # fmt: skip
+    def __init__(
+        self,
+        lock: EngineLock,
+        stepper: Stepper,
+        lifecycle: EngineLifecycle,
+        admission: Admission,
+        task: str,
+    ):
         self._lock = lock
         self._stepper = stepper
         self._lifecycle = lifecycle
@@ -80,8 +86,9 @@ class Encoder:
         self._admission.check_score(prompts)
 
         def message(step_id: int, batch: list[int]) -> ScoreMessage:
-            return ScoreMessage(step_id=step_id, seqs=[list(prompts[i]) for i in batch],
-                                logprobs=logprobs)  # fmt: skip
+            return ScoreMessage(
+                step_id=step_id, seqs=[list(prompts[i]) for i in batch], logprobs=logprobs
+            )
 
         out: list[torch.Tensor] = []
         for batch, rows in self._between_steps(prompts, message, lambda ex, msg: ex.score(msg)):

@@ -79,8 +79,9 @@ class LLMEngine:
             config.cache.block_size,
             enable_prefix_caching=config.cache.enable_prefix_caching,
         )
-        self.admission = Admission(self.spec, config.task, self.limits, self.tokenizer,
-                                   self._blocks)  # fmt: skip
+        self.admission = Admission(
+            self.spec, config.task, self.limits, self.tokenizer, self._blocks
+        )
         self.scheduler = Scheduler(
             self._blocks,
             config.scheduler.max_num_seqs,
@@ -93,21 +94,28 @@ class LLMEngine:
         if config.lora.enable_lora:
             if not any(lay.lora_sites for lay in executor.layouts):
                 executor.shutdown()
-                raise LoRAError(f"{self.spec.cls.__name__} has no layers LoRA adapts "
-                                f"({', '.join(LORA_MODULES)})")  # fmt: skip
+                raise LoRAError(
+                    f"{self.spec.cls.__name__} has no layers LoRA adapts "
+                    f"({', '.join(LORA_MODULES)})"
+                )
             lora = LoRARegistry(config.lora, self.scheduler.lora_slots)
         lifecycle = EngineLifecycle(weights=config.load_format == "auto")
         self._lock = EngineLock()
         self._stepper = Stepper(executor, self.scheduler, self.outputs, lifecycle)
         self.window = PushWindow(self._lock, self._stepper, lifecycle, self._blocks, lora)
-        self.controls = Controls(self._lock, lifecycle, self.scheduler, self._blocks,
-                                 self._stepper, self.window, self.spec.path)  # fmt: skip
+        self.controls = Controls(
+            self._lock,
+            lifecycle,
+            self.scheduler,
+            self._blocks,
+            self._stepper,
+            self.window,
+            self.spec.path,
+        )
         self.encoder = Encoder(self._lock, self._stepper, lifecycle, self.admission, config.task)
-        self.adapters = Adapters(lora, self._lock,
-                                 lambda: self.target.exchange_server().address)  # fmt: skip
+        self.adapters = Adapters(lora, self._lock, lambda: self.target.exchange_server().address)
         self.target = EngineTarget(self)  # the push side
-        self._loop = StepLoop(self.step, self._runnable, self.check_health, self._lock,
-                              lifecycle)  # fmt: skip
+        self._loop = StepLoop(self.step, self._runnable, self.check_health, self._lock, lifecycle)
 
     def run(self, seqs: list[Sequence]) -> None:
         """Until ``seqs`` (queued with `add`) are finished: one waiting caller at a time steps
@@ -157,8 +165,12 @@ class LLMEngine:
         """Whether a step would run now: sequences wait, no pause holds them, no push window
         is open, and the engine is running."""
         controls = self.controls
-        return (self.has_unfinished() and self.state is EngineState.RUNNING
-                and not controls.lifecycle.updating and not controls.held())  # fmt: skip
+        return (
+            self.has_unfinished()
+            and self.state is EngineState.RUNNING
+            and not controls.lifecycle.updating
+            and not controls.held()
+        )
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop these sequences now (see `Controls.abort`)."""

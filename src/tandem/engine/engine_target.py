@@ -26,8 +26,9 @@ class EngineTarget:
             config = self._engine.config
             # the transport's own waits end first: an error, not a rank declared dead
             timeout = config.parallel.push_phase_timeout_s
-            self._exchange = ExchangeServer(self, host=config.exchange_host,
-                                            stage_timeout_s=timeout)  # fmt: skip
+            self._exchange = ExchangeServer(
+                self, host=config.exchange_host, stage_timeout_s=timeout
+            )
         return self._exchange
 
     @property
@@ -71,8 +72,7 @@ class EngineTarget:
             return "policy='rolling' is for fleets; one engine commits an adapter at once"
         return None
 
-    def adapter_plan(self, push: AdapterPush
-                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int | None]:
         """The receiving layouts of a push of LoRA adapter ``push`` (into the slot it takes),
         where it lands, and the adapter's latest version (None: none is loaded)."""
         return self._engine.adapters.plan_push(push, self.weight_layouts())

@@ -95,8 +95,9 @@ class ReplicaSlot:
 
     def __post_init__(self):
         if not 0 <= self.index < self.size:
-            raise ValueError(f"replica slot {self.index} of {self.size}: the index must be in "
-                             f"[0, {self.size})")  # fmt: skip
+            raise ValueError(
+                f"replica slot {self.index} of {self.size}: the index must be in [0, {self.size})"
+            )
 
 
 class InProcessExecutor:

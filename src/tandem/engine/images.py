@@ -11,9 +11,15 @@ import torch
 
 from tandem.errors import ModelLoadError
 
-_DEFAULTS = {"do_resize": True, "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255,
-             "do_normalize": True, "image_mean": [0.5, 0.5, 0.5],
-             "image_std": [0.5, 0.5, 0.5]}  # fmt: skip
+_DEFAULTS = {
+    "do_resize": True,
+    "resample": 2,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def load_image(path: str | Path, model_dir: str | Path, size: int) -> torch.Tensor:
@@ -33,12 +39,14 @@ def load_image(path: str | Path, model_dir: str | Path, size: int) -> torch.Tens
     except OSError as exc:
         raise ValueError(f"{path}: not an image ({exc})") from None
     if settings["do_resize"]:
-        image = image.resize((target["width"], target["height"]),
-                             resample=Image.Resampling(settings["resample"]))  # fmt: skip
+        image = image.resize(
+            (target["width"], target["height"]), resample=Image.Resampling(settings["resample"])
+        )
     pixels = np.asarray(image, dtype=np.float32)
     if settings["do_rescale"]:
         pixels = pixels * settings["rescale_factor"]
     if settings["do_normalize"]:
         pixels = (pixels - np.asarray(settings["image_mean"], dtype=np.float32)) / np.asarray(
-            settings["image_std"], dtype=np.float32)  # fmt: skip
+            settings["image_std"], dtype=np.float32
+        )
     return torch.from_numpy(pixels.transpose(2, 0, 1).copy())

@@ -26,8 +26,9 @@ class Adapters:
     """The engine's LoRA adapters (``registry``: the slots, or None without ``enable_lora``);
     loads go through the engine's own exchange server (``exchange_address`` makes it)."""
 
-    def __init__(self, registry: LoRARegistry | None, lock: EngineLock,
-                 exchange_address: Callable[[], str]):  # fmt: skip
+    def __init__(
+        self, registry: LoRARegistry | None, lock: EngineLock, exchange_address: Callable[[], str]
+    ):
         self.registry = registry
         self._lock = lock
         self._exchange_address = exchange_address
@@ -41,9 +42,15 @@ class Adapters:
         """The latest version of every adapter loaded (none without LoRA)."""
         return [] if self.registry is None else self.registry.adapters()
 
-    def load(self, name: str, path: str | None = None, *, int_id: int | None = None,
-                          tensors: Mapping[str, torch.Tensor] | None = None,
-                          config=None) -> LoadedAdapter:  # fmt: skip
+    def load(
+        self,
+        name: str,
+        path: str | None = None,
+        *,
+        int_id: int | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        config=None,
+    ) -> LoadedAdapter:
         """Load adapter ``name`` from PEFT directory ``path``, or from ``tensors`` (PEFT's
         names) with ``config`` (PEFT's config); a loaded one of that name gets a new version.
         Raises `LoRAError` (and loads nothing) for a malformed adapter, a rank above
@@ -57,16 +64,19 @@ class Adapters:
         else:
             raise LoRAError(f"adapter {name!r}: give a path, or tensors with their config")
         if adapter_config.rank > registry.max_rank:
-            raise LoRAError(f"adapter {name!r}: rank {adapter_config.rank} is above "
-                            f"max_lora_rank {registry.max_rank}")  # fmt: skip
+            raise LoRAError(
+                f"adapter {name!r}: rank {adapter_config.rank} is above "
+                f"max_lora_rank {registry.max_rank}"
+            )
         from tandem.exchange.receiver import WeightSyncError
         from tandem.exchange.sender import WeightSender
 
         with self._lock.control():
             registry.slot_for(name)  # LoRASlotsFull now, not as a failed push's message
         registry.set_source(name, int_id, None if path is None else str(path))
-        sender = WeightSender(canonical, self._exchange_address(), lora_name=name,
-                              lora_config=adapter_config)  # fmt: skip
+        sender = WeightSender(
+            canonical, self._exchange_address(), lora_name=name, lora_config=adapter_config
+        )
         try:
             sender.push()
         except WeightSyncError as exc:
@@ -76,8 +86,9 @@ class Adapters:
             registry.drop_source(name)  # the commit took it, or the load failed
         return registry.latest(name)
 
-    def plan_push(self, push: AdapterPush, layouts: list[RankLayout]
-                  ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+    def plan_push(
+        self, push: AdapterPush, layouts: list[RankLayout]
+    ) -> tuple[list[RankLayout], AdapterSlot, int | None]:
         """Where a push of adapter ``push`` lands (`LoRARegistry.plan_push`, under the lock)."""
         with self._lock.control():
             return self._registry().plan_push(push, layouts)
@@ -92,10 +103,17 @@ class Adapters:
         registry = self._registry()
         if registry.latest(request.lora_name) is None:
             if request.lora_path is None and request.lora_tensors is None:
-                raise LoRAError(f"adapter {request.lora_name!r} is not loaded and the request "
-                                "gives no lora_path")  # fmt: skip
-            self.load(request.lora_name, request.lora_path, int_id=request.lora_int_id,
-                      tensors=request.lora_tensors, config=request.lora_config)  # fmt: skip
+                raise LoRAError(
+                    f"adapter {request.lora_name!r} is not loaded and the request "
+                    "gives no lora_path"
+                )
+            self.load(
+                request.lora_name,
+                request.lora_path,
+                int_id=request.lora_int_id,
+                tensors=request.lora_tensors,
+                config=request.lora_config,
+            )
         with self._lock.control():
             return registry.pin(request.lora_name)
 

@@ -64,8 +64,9 @@ class LoRARegistry:
 
     def versions(self, name: str) -> list[LoadedAdapter]:
         """The adapter's loaded versions, oldest first."""
-        return sorted((a for a in self.slots if a is not None and a.name == name),
-                      key=lambda a: a.order)  # fmt: skip
+        return sorted(
+            (a for a in self.slots if a is not None and a.name == name), key=lambda a: a.order
+        )
 
     def adapters(self) -> list[LoadedAdapter]:
         """The latest version of every loaded adapter, by name."""
@@ -76,8 +77,9 @@ class LoRARegistry:
         """The latest version of adapter ``name``, held in its slot until `unpin`."""
         adapter = self.latest(name)
         if adapter is None:
-            raise LoRAError(f"adapter {name!r} is not loaded (loaded: "
-                            f"{[a.name for a in self.adapters()]})")  # fmt: skip
+            raise LoRAError(
+                f"adapter {name!r} is not loaded (loaded: {[a.name for a in self.adapters()]})"
+            )
         self._pins[adapter.slot] += 1
         self._used[adapter.slot] = next(self._order)
         return adapter
@@ -111,20 +113,25 @@ class LoRARegistry:
         self.slots = [None] * self.max_loras
 
     # ----- pushes -----
-    def plan_push(self, push: AdapterPush, layouts: list[RankLayout]
-                  ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+    def plan_push(
+        self, push: AdapterPush, layouts: list[RankLayout]
+    ) -> tuple[list[RankLayout], AdapterSlot, int | None]:
         """The slot a push of ``push`` fills, the receiving layouts of that slot, and the
         adapter's latest version (None: none is loaded)."""
         if push.rank > self.max_rank:
-            raise LoRAError(f"adapter {push.name!r}: rank {push.rank} is above max_lora_rank "
-                            f"{self.max_rank}")  # fmt: skip
+            raise LoRAError(
+                f"adapter {push.name!r}: rank {push.rank} is above max_lora_rank {self.max_rank}"
+            )
         if not layouts or not any(lay.lora_sites for lay in layouts):
             raise LoRAError("this engine serves no LoRA adapters (start it with enable_lora)")
         slot = self.slot_for(push.name, push.keep_versions)
         versions = self.versions(push.name)
         latest = versions[-1].version if versions else None
-        return (slot_layouts(layouts, slot, push, self.max_rank, self.max_loras),
-                AdapterSlot(push.name, slot, push.scale, push.rank), latest)  # fmt: skip
+        return (
+            slot_layouts(layouts, slot, push, self.max_rank, self.max_loras),
+            AdapterSlot(push.name, slot, push.scale, push.rank),
+            latest,
+        )
 
     def slot_for(self, name: str, keep_versions: int = 1) -> int:
         """The slot the next version of adapter ``name`` would take (`LoRASlotsFull` if
@@ -140,8 +147,10 @@ class LoRARegistry:
         slot since the push was planned and requests run with it."""
         before = self.slots[adapter.slot]
         if before is not None and before.name != adapter.name and adapter.slot in self._busy():
-            raise LoRAError(f"adapter {adapter.name!r}: its slot {adapter.slot} was taken by "
-                            f"{before.name!r}, which requests run with; push again")  # fmt: skip
+            raise LoRAError(
+                f"adapter {adapter.name!r}: its slot {adapter.slot} was taken by "
+                f"{before.name!r}, which requests run with; push again"
+            )
         self._filling[adapter.slot] = before
         self.slots[adapter.slot] = None
 
@@ -152,8 +161,9 @@ class LoRARegistry:
         int_id, path = self._sources.pop(adapter.name, (None, None))
         order = next(self._order)
         key = hashlib.sha256(f"lora\0{adapter.name}\0{version}\0{order}".encode()).digest()
-        loaded = LoadedAdapter(adapter.name, version, adapter.slot, adapter.rank, key, int_id,
-                               path, order)  # fmt: skip
+        loaded = LoadedAdapter(
+            adapter.name, version, adapter.slot, adapter.rank, key, int_id, path, order
+        )
         self.slots[adapter.slot] = loaded
         self._used[adapter.slot] = order
         return loaded
@@ -176,20 +186,28 @@ class LoRARegistry:
         latest = {a.name: a for a in self.adapters()}
         # may go: nobody runs with it, and it can come back (read from a directory) or it
         # is not its adapter's latest version
-        evictable = [a for a in self.slots if a is not None and a.slot not in busy
-                     and a.slot not in taken
-                     and (a.path is not None or latest[a.name] is not a)]  # fmt: skip
+        evictable = [
+            a
+            for a in self.slots
+            if a is not None
+            and a.slot not in busy
+            and a.slot not in taken
+            and (a.path is not None or latest[a.name] is not a)
+        ]
         if not evictable:
             held = sorted({a.name for a in self.slots if a is not None})
-            raise LoRASlotsFull(f"adapter {name!r}: all max_loras={self.max_loras} slots hold "
-                            f"adapters in use or pushed ({held}); unload one or raise "
-                            "max_loras")  # fmt: skip
+            raise LoRASlotsFull(
+                f"adapter {name!r}: all max_loras={self.max_loras} slots hold "
+                f"adapters in use or pushed ({held}); unload one or raise "
+                "max_loras"
+            )
         victim = min(evictable, key=lambda a: self._used.get(a.slot, 0))
         return victim.slot
 
 
-def slot_layouts(layouts: list[RankLayout], slot: int, push: AdapterPush, max_rank: int,
-                 slots: int) -> list[RankLayout]:  # fmt: skip
+def slot_layouts(
+    layouts: list[RankLayout], slot: int, push: AdapterPush, max_rank: int, slots: int
+) -> list[RankLayout]:
     """Every rank's receiving layout for an adapter push into ``slot``: the canonical A and B
     of each target module, placed in that slot's tensors (`tandem.layers.lora.slot_pieces`)."""
     out = []

@@ -196,8 +196,9 @@ class ModelRunner:
             disable_packing(self.model)
         self.lora_rows: LoRARows | None = None  # with ``lora``: the adapter slot of each row
         if lora is not None:
-            self.lora_rows, _ = attach_lora(self.model, lora.max_loras, lora.max_lora_rank,
-                                            dtype, device)  # fmt: skip
+            self.lora_rows, _ = attach_lora(
+                self.model, lora.max_loras, lora.max_lora_rank, dtype, device
+            )
         if load:
             load_weights(self.model, spec)
         else:  # load_format="dummy": zeros until a push writes every canonical box
@@ -246,9 +247,14 @@ class ModelRunner:
         a = self.attention_layers[0]
         slots = num_blocks * self.block_size
         self.kv_cache = torch.zeros(
-            2, len(self.attention_layers), slots, a.num_kv_heads, a.head_dim,
-            dtype=self.dtype, device=self.device,
-        )  # fmt: skip
+            2,
+            len(self.attention_layers),
+            slots,
+            a.num_kv_heads,
+            a.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
@@ -310,9 +316,8 @@ class ModelRunner:
         distinct = list(dict.fromkeys(sample_rows))
         kept = distinct or [0]
         trim = (
-            self.model.keeps_rows and not scores and routing is None
-            and len(kept) < len(input_ids)
-        )  # fmt: skip
+            self.model.keeps_rows and not scores and routing is None and len(kept) < len(input_ids)
+        )
         keep = self._tensor(kept) if trim else None
         if self.lora_rows is not None:
             self._lora_rows(msg, kept if trim else None)
@@ -337,8 +342,10 @@ class ModelRunner:
         routed_experts = None
         if routed is not None:  # [rows, moe layers, top_k]: the row whose logits sampled
             per_row = routed.view(len(routed), -1, self.moe_top_k)[self._tensor(sample_rows)]
-            routed_experts = [ids if s.params.return_routed_experts else None
-                              for ids, s in zip(per_row.tolist(), states, strict=True)]  # fmt: skip
+            routed_experts = [
+                ids if s.params.return_routed_experts else None
+                for ids, s in zip(per_row.tolist(), states, strict=True)
+            ]
         return StepResult(
             msg.step_id,
             out.token_ids.tolist(),
@@ -393,10 +400,14 @@ class ModelRunner:
         if from_pending is None and not inside and boundary is None:
             return None
         return _PromptScore(
-            step.seq_id, state, start if from_pending is not None else start + 1,
-            [row + p - 1 - start for p in inside], [step.token_ids[p - start] for p in inside],
-            from_pending, boundary,
-        )  # fmt: skip
+            step.seq_id,
+            state,
+            start if from_pending is not None else start + 1,
+            [row + p - 1 - start for p in inside],
+            [step.token_ids[p - start] for p in inside],
+            from_pending,
+            boundary,
+        )
 
     def _score_prompt(self, hidden: torch.Tensor, score: _PromptScore) -> PromptLogprobs:
         """Log-probs (and top-k) of one sequence's prompt tokens from this step's rows. Every
@@ -420,8 +431,10 @@ class ModelRunner:
         for i in range(0, len(score.rows), PROMPT_SCORE_ROWS):
             rows = self._tensor(score.rows[i : i + PROMPT_SCORE_ROWS])
             logits = self.model.compute_logits(hidden[rows]).float()
-            add(torch.log_softmax(logits, dim=-1),
-                self._tensor(score.targets[i : i + PROMPT_SCORE_ROWS]))  # fmt: skip
+            add(
+                torch.log_softmax(logits, dim=-1),
+                self._tensor(score.targets[i : i + PROMPT_SCORE_ROWS]),
+            )
         if score.boundary is not None:
             row, position = score.boundary
             logits = self.model.compute_logits(hidden[[row]]).float()
@@ -429,9 +442,14 @@ class ModelRunner:
         return PromptLogprobs(score.seq_id, score.first, lps, top_ids, top_lps)
 
     def _run_stage(
-        self, input_ids, positions, meta, routing: list | None = None,
-        embed_inputs: dict | None = None, keep: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:  # fmt: skip
+        self,
+        input_ids,
+        positions,
+        meta,
+        routing: list | None = None,
+        embed_inputs: dict | None = None,
+        keep: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """This stage's layers; hidden states come from / go to the neighbouring stages, and
         with ``routing`` the expert ids of every MoE layer so far ([rows, layers * top_k], in
         layer order); ``embed_inputs`` go to the first stage's embedding (token types,
@@ -479,9 +497,11 @@ class ModelRunner:
         for moe in self.moe:
             moe.routing = None
         out = self._run_stage(
-            self._tensor(input_ids), self._tensor(positions), AttentionMetadata(None, spans),
+            self._tensor(input_ids),
+            self._tensor(positions),
+            AttentionMetadata(None, spans),
             embed_inputs=embed_inputs,
-        )  # fmt: skip
+        )
         return out, spans
 
     @torch.inference_mode()

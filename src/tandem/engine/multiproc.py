@@ -83,10 +83,13 @@ class MultiprocExecutor:
         else:
             default_port = 0 if self.ranks_elsewhere else 29500  # 0: any free port
             self._store = dist.TCPStore(
-                config.parallel.master_addr, config.parallel.master_port or default_port,
+                config.parallel.master_addr,
+                config.parallel.master_port or default_port,
                 dims.world_size + 1,
-                is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60),
-            )  # fmt: skip
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=60),
+            )
             host, port = self._server.address
             address = ControlAddress(host, port, self._token, config.dtype)
             self._store.set(CONTROL_KEY, CONTROL.encode(address))
@@ -179,8 +182,9 @@ class MultiprocExecutor:
             if deadline is not None and time.monotonic() > deadline:
                 for proc in self._procs:  # hung: nothing it does now can be trusted
                     proc.kill()
-                raise EngineDeadError(f"workers did not report {kind.__name__} within {within} "
-                                      "(hung: killed)")  # fmt: skip
+                raise EngineDeadError(
+                    f"workers did not report {kind.__name__} within {within} (hung: killed)"
+                )
 
     def check_alive(self) -> None:
         """Raise EngineDeadError if a worker process on this host has exited."""
@@ -239,9 +243,11 @@ def gather_score(msg: ScoreMessage, parts: Iterator[ScoreResult]) -> torch.Tenso
     while first < total:
         part = next(parts)
         width = part.width if out is None else out.shape[1]
-        if ((part.step_id, part.first, part.width) != (msg.step_id, first, width)
-                or not 0 < part.rows <= total - first
-                or len(part.data) != 4 * part.rows * width):  # fmt: skip
+        if (
+            (part.step_id, part.first, part.width) != (msg.step_id, first, width)
+            or not 0 < part.rows <= total - first
+            or len(part.data) != 4 * part.rows * width
+        ):
             raise EngineDeadError(
                 f"a score result (step {part.step_id}, rows {part.first}+{part.rows}, "
                 f"width {part.width}, {len(part.data)} bytes) does not continue step "
@@ -285,12 +291,16 @@ def spawn_workers(
     replicas, replica = slot.size, slot.index
     for local_rank, rank in enumerate(ranks):
         args = WorkerArgs(  # a fleet's replicas share this host's cores and devices
-            rank=rank, local_rank=replica * len(ranks) + local_rank,
+            rank=rank,
+            local_rank=replica * len(ranks) + local_rank,
             local_world_size=replicas * len(ranks),
-            config=config.model_dump(), rendezvous=rendezvous, control_host=control_address[0],
-            control_port=control_address[1], token=token,
+            config=config.model_dump(),
+            rendezvous=rendezvous,
+            control_host=control_address[0],
+            control_port=control_address[1],
+            token=token,
             model_modules=[*config.model_modules, module],
-        )  # fmt: skip
+        )
         procs.append(
             subprocess.Popen(
                 [sys.executable, "-m", "tandem.engine.worker"], env={**env, ENV: args.to_env()}
@@ -336,9 +346,11 @@ def run_node(config: EngineConfig, node_rank: int) -> int:
     spec = read_model_spec(config.model, config.quantization)
     check_layout(spec, config, dims)
     store = dist.TCPStore(
-        config.parallel.master_addr, config.parallel.master_port, is_master=False,
+        config.parallel.master_addr,
+        config.parallel.master_port,
+        is_master=False,
         timeout=timedelta(seconds=config.parallel.worker_start_timeout_s),
-    )  # fmt: skip
+    )
     control = CONTROL.decode(store.get(CONTROL_KEY))
     if not isinstance(control, ControlAddress):
         raise RuntimeError(f"the engine's store holds {type(control).__name__} at {CONTROL_KEY}")

@@ -166,8 +166,9 @@ class OutputProcessor:
             )
         return seq.detok
 
-    def record_step(self, seqs: list[Sequence], samples: list[bool], out: StepResult,
-                    version: int) -> None:  # fmt: skip
+    def record_step(
+        self, seqs: list[Sequence], samples: list[bool], out: StepResult, version: int
+    ) -> None:
         """One finished step's results onto its sequences (``samples``: whether each one's
         last row was sampled; ``out`` has one row per sampled sequence, in step order);
         ``version`` is the weight version the step ran under."""

@@ -20,8 +20,14 @@ from tandem.exchange.settings import PushPhase, UpdateSpec
 
 
 class PushWindow:
-    def __init__(self, lock: EngineLock, stepper: Stepper, lifecycle: EngineLifecycle,
-                 blocks: BlockManager, lora: LoRARegistry | None):  # fmt: skip
+    def __init__(
+        self,
+        lock: EngineLock,
+        stepper: Stepper,
+        lifecycle: EngineLifecycle,
+        blocks: BlockManager,
+        lora: LoRARegistry | None,
+    ):
         self._lock = lock
         self._stepper = stepper
         self._lifecycle = lifecycle
@@ -78,8 +84,7 @@ class PushWindow:
                 plan.close(update)
                 self._lock.resumed.notify_all()
 
-    def apply_phase(self, phase: PushPhase, spec: UpdateSpec,
-                    records_by_rank: dict[int, list]):  # fmt: skip
+    def apply_phase(self, phase: PushPhase, spec: UpdateSpec, records_by_rank: dict[int, list]):
         """One phase of a push on every rank, under the engine lock: (errors, bytes moved)."""
         with self._lock.control():
             executor = self._stepper.executor

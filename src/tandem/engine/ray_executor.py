@@ -37,8 +37,9 @@ def _ray():
 NODE_LABEL = "ray.io/node-id"  # every Ray node's own label
 
 
-def _replica_node(ray, config: EngineConfig, slot: ReplicaSlot, ranks: int,
-                  bundle: dict) -> str | None:  # fmt: skip
+def _replica_node(
+    ray, config: EngineConfig, slot: ReplicaSlot, ranks: int, bundle: dict
+) -> str | None:
     """The node a fleet's replica is placed on, so replicas spread over the cluster: replica r
     takes the r-th (mod their number) of the alive nodes that can hold all its ranks, in node
     id order. None (Ray places it) for a single engine, or when its ranks spread over nodes
@@ -46,9 +47,10 @@ def _replica_node(ray, config: EngineConfig, slot: ReplicaSlot, ranks: int,
     if slot.size == 1 or "SPREAD" in config.ray.placement_strategy:
         return None
     fits = sorted(
-        n["NodeID"] for n in ray.nodes()
+        n["NodeID"]
+        for n in ray.nodes()
         if n["Alive"] and all(n["Resources"].get(k, 0) >= v * ranks for k, v in bundle.items())
-    )  # fmt: skip
+    )
     return fits[slot.index % len(fits)] if fits else None
 
 
@@ -129,21 +131,28 @@ class RayExecutor(MultiprocExecutor):
         bundle = {"CPU": config.ray.ray_cpus_per_rank, **({"GPU": gpus} if gpus else {})}
         node = _replica_node(ray, config, self.slot, len(ranks), bundle)
         selector = None if node is None else [{NODE_LABEL: node}] * len(ranks)
-        self._placement = placement_group([bundle] * len(ranks),
-                                          strategy=config.ray.placement_strategy,
-                                          bundle_label_selector=selector)  # fmt: skip
+        self._placement = placement_group(
+            [bundle] * len(ranks),
+            strategy=config.ray.placement_strategy,
+            bundle_label_selector=selector,
+        )
         try:
             ray.get(self._placement.ready(), timeout=config.parallel.worker_start_timeout_s)
         except Exception as exc:
             self._remove_placement()
-            raise RuntimeError(f"Ray could not place {len(ranks)} ranks ({bundle} each, "
-                               f"{config.ray.placement_strategy}): {exc}") from None  # fmt: skip
+            raise RuntimeError(
+                f"Ray could not place {len(ranks)} ranks ({bundle} each, "
+                f"{config.ray.placement_strategy}): {exc}"
+            ) from None
         actor_cls = ray.remote(num_cpus=bundle["CPU"], num_gpus=gpus)(_RankActor)
         actors = [
-            actor_cls.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self._placement, placement_group_bundle_index=i)).remote()
+            actor_cls.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._placement, placement_group_bundle_index=i
+                )
+            ).remote()
             for i in range(len(ranks))
-        ]  # fmt: skip
+        ]
         locations = ray.get([a.location.remote() for a in actors])
         procs = [
             ActorProcess(a, r, loc) for a, r, loc in zip(actors, ranks, locations, strict=True)
@@ -152,12 +161,16 @@ class RayExecutor(MultiprocExecutor):
         for proc in procs:
             same_node = [p for p in procs if p.node_id == proc.node_id]
             args = WorkerArgs(
-                rank=proc.rank, local_rank=same_node.index(proc) if gpus == 0 else 0,
-                local_world_size=len(same_node), config=config.model_dump(),
-                rendezvous=rendezvous, control_host=control_address[0],
-                control_port=control_address[1], token=token,
+                rank=proc.rank,
+                local_rank=same_node.index(proc) if gpus == 0 else 0,
+                local_world_size=len(same_node),
+                config=config.model_dump(),
+                rendezvous=rendezvous,
+                control_host=control_address[0],
+                control_port=control_address[1],
+                token=token,
                 model_modules=[*config.model_modules, module],
-            )  # fmt: skip
+            )
             env = {ENV: args.to_env()}
             if config.parallel.master_addr.startswith("127."):
                 env["GLOO_SOCKET_IFNAME"] = "lo"  # a one-host cluster: keep gloo on loopback

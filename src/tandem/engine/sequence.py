@@ -89,8 +89,9 @@ class Sequence:
 
     def spans(self, start: int, end: int) -> list[VersionSpan]:
         """Its version spans cut to output tokens ``start .. end-1``."""
-        cut = (VersionSpan(s.version, max(s.start, start), min(s.end, end))
-               for s in self.version_spans)  # fmt: skip
+        cut = (
+            VersionSpan(s.version, max(s.start, start), min(s.end, end)) for s in self.version_spans
+        )
         return [s for s in cut if s.start < s.end]
 
     def output(self, text: str, start: int = 0) -> CompletionOutput:

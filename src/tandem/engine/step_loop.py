@@ -24,9 +24,14 @@ HEALTH_CHECK_S = 1.0  # how often a held or waiting step, or caller, checks the 
 
 
 class StepLoop:
-    def __init__(self, step: Callable[[], list[Sequence]], runnable: Callable[[], bool],
-                 check_health: Callable[[], None], lock: EngineLock,
-                 lifecycle: EngineLifecycle):  # fmt: skip
+    def __init__(
+        self,
+        step: Callable[[], list[Sequence]],
+        runnable: Callable[[], bool],
+        check_health: Callable[[], None],
+        lock: EngineLock,
+        lifecycle: EngineLifecycle,
+    ):
         self._step = step  # one step; [] when there was nothing to run
         self._runnable = runnable  # whether a step would run now (work, not held, running)
         self._check_health = check_health  # marks the engine dead if a worker is gone

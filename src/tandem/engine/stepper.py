@@ -23,8 +23,13 @@ from tandem.engine.state import EngineLifecycle
 
 
 class Stepper:
-    def __init__(self, executor: Executor, scheduler: Scheduler, outputs: OutputProcessor | None,
-                 lifecycle: EngineLifecycle):  # fmt: skip
+    def __init__(
+        self,
+        executor: Executor,
+        scheduler: Scheduler,
+        outputs: OutputProcessor | None,
+        lifecycle: EngineLifecycle,
+    ):
         self.executor = executor
         self._scheduler = scheduler
         self._outputs = outputs

@@ -83,8 +83,9 @@ class WeightUpdate:
 
     def ingress(self) -> dict[int, tuple[int, float]]:
         got = self._phase_bytes
-        arrived = got.get(PushPhase.RECEIVE) or got.get(PushPhase.HOLD) or got.get(
-            PushPhase.COMMIT, 0)  # fmt: skip
+        arrived = (
+            got.get(PushPhase.RECEIVE) or got.get(PushPhase.HOLD) or got.get(PushPhase.COMMIT, 0)
+        )
         return {0: (arrived, self._seconds)}
 
     def failures(self) -> dict[int, str]:
@@ -95,8 +96,9 @@ class WeightUpdate:
         failed after bytes reached what it writes (the plan says what that leaves)."""
         plan, version = self.plan, self.spec.version
         if self.state is UpdateState.OPEN:
-            raise WeightSyncError(f"{plan.subject} rejected in {phase}; {plan.kept(self.serving)}: "
-                                  f"{detail}")  # fmt: skip
+            raise WeightSyncError(
+                f"{plan.subject} rejected in {phase}; {plan.kept(self.serving)}: {detail}"
+            )
         if plan.tears:
             self.tear(f"{phase} of version {version} failed: {detail}")
         raise WeightSyncError(f"{plan.subject} failed in {phase}; {plan.lost}: {detail}")

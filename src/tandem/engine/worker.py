@@ -139,12 +139,21 @@ def run(args: WorkerArgs, config: EngineConfig, sock) -> None:
         device,
     )
     runner = ModelRunner(
-        spec, dtype=config.torch_dtype, device=device, block_size=config.cache.block_size,
-        seed=config.seed, tp=tp, stage=stage, pipe=pipe, samples=tp_rank == 0,
-        packed_weights=config.packed_weights, paged_kernels=config.paged_kernels,
-        host_memory_reuse=config.host_memory_reuse, load=config.load_format == "auto",
+        spec,
+        dtype=config.torch_dtype,
+        device=device,
+        block_size=config.cache.block_size,
+        seed=config.seed,
+        tp=tp,
+        stage=stage,
+        pipe=pipe,
+        samples=tp_rank == 0,
+        packed_weights=config.packed_weights,
+        paged_kernels=config.paged_kernels,
+        host_memory_reuse=config.host_memory_reuse,
+        load=config.load_format == "auto",
         lora=config.lora if config.lora.enable_lora else None,
-    )  # fmt: skip
+    )
     layout = engine_layout(runner.model, args.rank, runner.arena)
     capacity = runner.kv_capacity(config.cache.kv_cache_memory)
     control.send(sock, Capacity(args.rank, capacity, layout))
@@ -194,9 +203,11 @@ def _rendezvous_store(address: str, world_size: int, config: EngineConfig) -> di
     else:
         host, port = address.removeprefix("tcp://").rsplit(":", 1)
         store = dist.TCPStore(
-            host, int(port), is_master=False,
+            host,
+            int(port),
+            is_master=False,
             timeout=timedelta(seconds=config.parallel.worker_start_timeout_s),
-        )  # fmt: skip
+        )
     return dist.PrefixStore("process_group", store)
 
 
