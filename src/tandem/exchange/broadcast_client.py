@@ -71,9 +71,15 @@ class BroadcastClient:
             return
         world = self._get("/get_world_size")["world_size"] + 1
         port = free_port(self.host)
-        info = {"master_address": self.host, "master_port": port, "rank_offset": 1,
-                "world_size": world, "packed": True,
-                "packed_buffer_size_bytes": self.bucket_bytes, "mode": self.mode}  # fmt: skip
+        info = {
+            "master_address": self.host,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": world,
+            "packed": True,
+            "packed_buffer_size_bytes": self.bucket_bytes,
+            "mode": self.mode,
+        }
         forming = _Background("group", self._form, port, world)
         # answers once every engine rank joined (or failed to): a refusal ends the wait now,
         # leaving the group's thread to time out
@@ -85,13 +91,23 @@ class BroadcastClient:
 
     def _form(self, port: int, world: int) -> tuple:
         """Host the group's store and form its rank 0."""
-        store = dist.TCPStore(self.host, port, world, is_master=True,
-                              timeout=timedelta(seconds=self.timeout_s),
-                              use_libuv=False)  # fmt: skip
+        store = dist.TCPStore(
+            self.host,
+            port,
+            world,
+            is_master=True,
+            timeout=timedelta(seconds=self.timeout_s),
+            use_libuv=False,
+        )
         return store, gloo_group(store, 0, world, self.timeout_s)
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             version: int | None = None, *, rollback: bool = False) -> dict:  # fmt: skip
+    def push(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int | None = None,
+        *,
+        rollback: bool = False,
+    ) -> dict:
         """One transfer: start, a call per bucket, finish (publishing ``version``, else the
         served one + 1). The server's answer to finish. A ``version`` not greater than the
         served one is refused at start (`TransferFailed`, HTTP 409), before any byte moves,
@@ -121,13 +137,17 @@ class BroadcastClient:
     def send(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """One ``/update_weights`` call and its broadcast: ``bucket``'s tensors, in order."""
         raw = [t.reshape(-1).view(torch.uint8) for _, t in bucket]
-        metas = [BroadcastTensor(name, _NAMES[t.dtype], tuple(t.shape), crc32(r))
-                 for (name, t), r in zip(bucket, raw, strict=True)]  # fmt: skip
-        info = {"names": [m.name for m in metas], "dtype_names": [m.dtype for m in metas],
-                "shapes": [list(m.shape) for m in metas],
-                "crc32s": [m.crc for m in metas]}  # fmt: skip
-        call = _Background("update", self._post_or_leave, "/update_weights",
-                           {"update_info": info})  # fmt: skip
+        metas = [
+            BroadcastTensor(name, _NAMES[t.dtype], tuple(t.shape), crc32(r))
+            for (name, t), r in zip(bucket, raw, strict=True)
+        ]
+        info = {
+            "names": [m.name for m in metas],
+            "dtype_names": [m.dtype for m in metas],
+            "shapes": [list(m.shape) for m in metas],
+            "crc32s": [m.crc for m in metas],
+        }
+        call = _Background("update", self._post_or_leave, "/update_weights", {"update_info": info})
         try:
             buf = torch.cat(raw) if len(raw) > 1 else raw[0]
             broadcast(self._group, buf)

@@ -56,8 +56,9 @@ def source_crc32(src: torch.Tensor, dtype: torch.dtype, value: int = 0) -> int:
         return tensor_crc32(src, value)
     rows = src.view(1) if src.dim() == 0 else src
     step = max(1, CHUNK_BYTES // max(1, rows[0].numel() * dtype.itemsize))
-    scratch = torch.empty(min(step, rows.shape[0]) * rows[0].numel(), dtype=dtype,
-                          device=src.device)  # fmt: skip
+    scratch = torch.empty(
+        min(step, rows.shape[0]) * rows[0].numel(), dtype=dtype, device=src.device
+    )
     for start in range(0, rows.shape[0], step):
         part = rows[start : start + step]
         out = scratch[: part.numel()].view(part.shape)

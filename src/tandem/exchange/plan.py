@@ -77,8 +77,10 @@ class Plan:
         if made is None:
             made = self.derived["relays"] = [
                 Relay(i, *hop[t.dst])
-                for hop in self.hops for i, t in enumerate(self.transfers) if t.dst in hop
-            ]  # fmt: skip
+                for hop in self.hops
+                for i, t in enumerate(self.transfers)
+                if t.dst in hop
+            ]
         return made
 
     def relay_next(self) -> dict[int, int]:
@@ -148,16 +150,16 @@ def plan_transfers(
         if len(group) == 1:
             rank, src = group[0]
             balance.load[rank] += numel(band)
-            transfers[i] = Transfer(rank, dst, name, band, src.key, src.piece, region.key,
-                                    region.piece)  # fmt: skip
+            transfers[i] = Transfer(
+                rank, dst, name, band, src.key, src.piece, region.key, region.piece
+            )
         else:
             shared.append((-numel(band), i))
     shared.sort()
     for size, i in shared:
         group, band, dst, name, region = wanted[i]
         rank, src = balance.take(group, -size)
-        transfers[i] = Transfer(rank, dst, name, band, src.key, src.piece, region.key,
-                                region.piece)  # fmt: skip
+        transfers[i] = Transfer(rank, dst, name, band, src.key, src.piece, region.key, region.piece)
     num_senders = max((lay.rank for lay in senders), default=-1) + 1
     loads = [balance.load[r] for r in range(num_senders)]
     return Plan(transfers, num_senders, max((lay.rank for lay in receivers), default=-1) + 1, loads)
@@ -195,12 +197,19 @@ def plan_fleet(
 def _local_fingerprint(ranks: list[RankLayout], known: dict) -> str:
     """What a replica's ranks hold, blind to their numbering across the fleet. ``known``
     caches it per tuple of region lists: replicas built from the same lists hold the same."""
-    key = tuple((id(lay.regions), id(lay.local_shapes), lay.dtype, id(lay.dtypes))
-                for lay in ranks)  # fmt: skip
+    key = tuple((id(lay.regions), id(lay.local_shapes), lay.dtype, id(lay.dtypes)) for lay in ranks)
     if key not in known:
-        renumbered = [RankLayout(j, lay.regions, lay.local_shapes, lay.dtype,
-                                 dtypes=lay.dtypes, fp8_blocks=lay.fp8_blocks)
-                      for j, lay in enumerate(ranks)]  # fmt: skip
+        renumbered = [
+            RankLayout(
+                j,
+                lay.regions,
+                lay.local_shapes,
+                lay.dtype,
+                dtypes=lay.dtypes,
+                fp8_blocks=lay.fp8_blocks,
+            )
+            for j, lay in enumerate(ranks)
+        ]
         known[key] = (layout_fingerprint(renumbered), ranks)  # ranks keep the ids alive
     return known[key][0]
 
@@ -222,13 +231,17 @@ class _BoxIndex:
         first = bisect.bisect_right(self.starts, lo - self.longest)
         last = bisect.bisect_left(self.starts, hi)
         rest = box[1:]
-        return [(b, g) for b, g in self.entries[first:last]
-                if b[0][1] > lo and all(a0 < z1 and z0 < a1 for (a0, a1), (z0, z1)
-                                        in zip(b[1:], rest, strict=True))]  # fmt: skip
+        return [
+            (b, g)
+            for b, g in self.entries[first:last]
+            if b[0][1] > lo
+            and all(a0 < z1 and z0 < a1 for (a0, a1), (z0, z1) in zip(b[1:], rest, strict=True))
+        ]
 
 
-def _covered(candidates: list, any_sender: bool, dst_box: Box, name: str, rank: int,
-             problems: list):  # fmt: skip
+def _covered(
+    candidates: list, any_sender: bool, dst_box: Box, name: str, rank: int, problems: list
+):
     """``dst_box`` cut into cells, each with every sender holding it all; a cell nobody
     holds is added to ``problems`` (unless no sender has the tensor at all: reported once).
     ``candidates``: the (box, holders) meeting ``dst_box``.
@@ -262,8 +275,12 @@ def _covered(candidates: list, any_sender: bool, dst_box: Box, name: str, rank: 
         spans = []
         for dim, (b0, b1) in enumerate(box):
             pts = points[dim]
-            spans.append(range(bisect.bisect_left(pts, max(b0, pts[0])),
-                               bisect.bisect_left(pts, min(b1, pts[-1]))))  # fmt: skip
+            spans.append(
+                range(
+                    bisect.bisect_left(pts, max(b0, pts[0])),
+                    bisect.bisect_left(pts, min(b1, pts[-1])),
+                )
+            )
         for index in itertools.product(*spans):
             covering.setdefault(index, []).append(group)
     out = []
@@ -356,10 +373,18 @@ class PlanCache:
 def layout_fingerprint(layouts: list[RankLayout]) -> str:
     digest = hashlib.sha256()
     for layout in sorted(layouts, key=lambda lay: lay.rank):
-        digest.update(msgpack.packb([layout.rank, layout.replica, layout.dtype,
-                                     sorted(layout.local_shapes.items()),
-                                     sorted(layout.dtypes.items()),
-                                     sorted(layout.fp8_blocks.items())]))  # fmt: skip
+        digest.update(
+            msgpack.packb(
+                [
+                    layout.rank,
+                    layout.replica,
+                    layout.dtype,
+                    sorted(layout.local_shapes.items()),
+                    sorted(layout.dtypes.items()),
+                    sorted(layout.fp8_blocks.items()),
+                ]
+            )
+        )
         for r in layout.regions:
             p = r.piece
             digest.update(

@@ -14,18 +14,29 @@ from tandem.exchange.plan import numel
 from tandem.exchange.protocol import ReplicaPush
 
 
-def replica_figures(replicas: dict[int, tuple[int, frozenset[int]]],
-                     ingress: dict[int, tuple[int, float]], failures: dict[int, str],
-                     ok: str = "committed") -> list[ReplicaPush]:  # fmt: skip
+def replica_figures(
+    replicas: dict[int, tuple[int, frozenset[int]]],
+    ingress: dict[int, tuple[int, float]],
+    failures: dict[int, str],
+    ok: str = "committed",
+) -> list[ReplicaPush]:
     """Per replica: the bytes it needs, what arrived at its ranks (counted there), what it
     passed on (what arrived at the replicas it relays to, counted there), its phases'
     seconds, and how it came out (``ok``, or "failed" with the reason from ``failures``).
     ``replicas``: replica -> (bytes needed, the replicas it relays to)."""
     arrived = {r: ingress.get(r, (0, 0.0))[0] for r in replicas}
-    return [ReplicaPush(r, needed, arrived[r], sum(arrived[d] for d in feeds),
-                        ingress.get(r, (0, 0.0))[1], "failed" if r in failures else ok,
-                        failures.get(r))
-            for r, (needed, feeds) in sorted(replicas.items())]  # fmt: skip
+    return [
+        ReplicaPush(
+            r,
+            needed,
+            arrived[r],
+            sum(arrived[d] for d in feeds),
+            ingress.get(r, (0, 0.0))[1],
+            "failed" if r in failures else ok,
+            failures.get(r),
+        )
+        for r, (needed, feeds) in sorted(replicas.items())
+    ]
 
 
 def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging: bool):
@@ -57,12 +68,36 @@ def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging
         offset = offsets[stream]
         dst_region = t.dst_piece.region(t.box)
         seeds.append((t.src, len(items[t.src])))
-        items[t.src].append(SendItem(t.src_key, t.src_piece.region(t.box), box_shape, offset,
-                                     nbytes, t.dst, t.dst_key, dst_region, dtype, t.name,
-                                     tuple(a for a, _ in t.box)))  # fmt: skip
-        records[t.src].append((t.dst, Record(t.src, offset, nbytes, t.dst_key, dst_region,
-                                             box_shape, dtype,
-                                             forward=tuple(forwards[(i, t.dst)]))))  # fmt: skip
+        items[t.src].append(
+            SendItem(
+                t.src_key,
+                t.src_piece.region(t.box),
+                box_shape,
+                offset,
+                nbytes,
+                t.dst,
+                t.dst_key,
+                dst_region,
+                dtype,
+                t.name,
+                tuple(a for a, _ in t.box),
+            )
+        )
+        records[t.src].append(
+            (
+                t.dst,
+                Record(
+                    t.src,
+                    offset,
+                    nbytes,
+                    t.dst_key,
+                    dst_region,
+                    box_shape,
+                    dtype,
+                    forward=tuple(forwards[(i, t.dst)]),
+                ),
+            )
+        )
         offsets[stream] += nbytes
     for relay in plan.relays:
         sender, index = seeds[relay.seed]
@@ -71,17 +106,26 @@ def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging
             record = seed
         else:
             stream = (-1 - relay.src, relay.dst)  # a receiving rank's stream to another
-            record = Record(seed.source, offsets[stream], seed.nbytes, seed.key, seed.region,
-                            seed.box_shape, seed.dtype, via=relay.src,
-                            forward=tuple(forwards[(relay.seed, relay.dst)]))  # fmt: skip
+            record = Record(
+                seed.source,
+                offsets[stream],
+                seed.nbytes,
+                seed.key,
+                seed.region,
+                seed.box_shape,
+                seed.dtype,
+                via=relay.src,
+                forward=tuple(forwards[(relay.seed, relay.dst)]),
+            )
             offsets[stream] += seed.nbytes
         relayed[sender].append((index, relay.dst, record))
     sizes = [offsets[(i, -1)] for i in range(plan.num_senders)]
     by_replica: dict[int, int] = defaultdict(int)
     replica_of = {lay.rank: lay.replica for lay in receivers}
     for lay in receivers:
-        by_replica[lay.replica] += sum(numel(r.piece.box) * DTYPES[lay.dtype_of(r.key)].itemsize
-                                       for r in lay.regions)  # fmt: skip
+        by_replica[lay.replica] += sum(
+            numel(r.piece.box) * DTYPES[lay.dtype_of(r.key)].itemsize for r in lay.regions
+        )
     feeds: dict[int, set[int]] = defaultdict(set)  # replica -> the replicas it passes boxes
     for relay in [] if read_staging else plan.relays:
         feeds[replica_of[relay.src]].add(replica_of[relay.dst])

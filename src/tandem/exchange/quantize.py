@@ -57,8 +57,11 @@ def scale_sources(senders: list[RankLayout], receivers: list[RankLayout]):
         blocks.update(lay.fp8_blocks)
         shapes.update(lay.canonical_shapes())
     held = {r.piece.name for lay in senders for r in lay.regions}
-    quantized = [Quantized(n, tuple(shapes[n]), tuple(blocks[n])) for n in sorted(blocks)
-                 if n in held and scale_name(n) not in held]  # fmt: skip
+    quantized = [
+        Quantized(n, tuple(shapes[n]), tuple(blocks[n]))
+        for n in sorted(blocks)
+        if n in held and scale_name(n) not in held
+    ]
     if not quantized:
         return senders, []
     out = []
@@ -66,9 +69,12 @@ def scale_sources(senders: list[RankLayout], receivers: list[RankLayout]):
         names = {r.piece.name for r in lay.regions}
         mine = [q for q in quantized if q.name in names]
         if mine:
-            lay = dataclasses.replace(lay, regions=list(lay.regions),
-                                      local_shapes=dict(lay.local_shapes),
-                                      dtypes=dict(lay.dtypes))  # fmt: skip
+            lay = dataclasses.replace(
+                lay,
+                regions=list(lay.regions),
+                local_shapes=dict(lay.local_shapes),
+                dtypes=dict(lay.dtypes),
+            )
             for q in mine:
                 grid = grid_shape(q.shape, q.block)
                 lay.add(q.scale_key, grid, [whole(scale_name(q.name), grid)])
@@ -77,8 +83,9 @@ def scale_sources(senders: list[RankLayout], receivers: list[RankLayout]):
     return out, quantized
 
 
-def agree_scales(quantized: list[Quantized], layout: RankLayout, tensors: dict,
-                 world_size: int) -> dict[str, torch.Tensor]:  # fmt: skip
+def agree_scales(
+    quantized: list[Quantized], layout: RankLayout, tensors: dict, world_size: int
+) -> dict[str, torch.Tensor]:
     """Each quantized weight's scale grid (by `Quantized.scale_key`), from the amax of every
     block over the whole canonical tensor: this rank's boxes, combined with the other trainer
     ranks' by a MAX all-reduce over the default process group (every rank calls this, with
@@ -112,8 +119,12 @@ def agree_scales(quantized: list[Quantized], layout: RankLayout, tensors: dict,
     return out
 
 
-def quantized_items(items: list[SendItem], quantized: list[Quantized], tensors: dict,
-                    scales: dict[str, torch.Tensor]):  # fmt: skip
+def quantized_items(
+    items: list[SendItem],
+    quantized: list[Quantized],
+    tensors: dict,
+    scales: dict[str, torch.Tensor],
+):
     """(the items as the transport carries them, the tensors it reads them from): each float
     box bound for a block-FP8 weight becomes its e4m3 values (made here, once, from the box
     and the agreed scales of the blocks it lies in), read whole from a tensor of its own."""
@@ -129,8 +140,7 @@ def quantized_items(items: list[SendItem], quantized: list[Quantized], tensors: 
             q = by_name.get(item.name)
             if q is None:
                 raise ValueError(f"{item.name}: a float box for a block-FP8 weight without scales")
-            values = quantize_box(item.src.view(source), item.origin, q.block,
-                                  tensors[q.scale_key])  # fmt: skip
+            values = quantize_box(item.src.view(source), item.origin, q.block, tensors[q.scale_key])
             key = f"fp8-values:{i}"
             tensors[key] = values
             whole_box = LocalRegion(tuple((0, n) for n in values.shape))

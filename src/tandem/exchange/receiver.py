@@ -78,15 +78,17 @@ class RankReceiver:
         self._halves: dict[str, ReceiverHalf] = {}
         self._held: tuple[int, list[torch.Tensor]] | None = None  # (version, boxes) of `hold`
 
-    def handle(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]
-               ) -> tuple[str | None, int]:  # fmt: skip
+    def handle(
+        self, phase: PushPhase, spec: UpdateSpec, records: list[Record]
+    ) -> tuple[str | None, int]:
         """Run one phase; (this rank's error or None, bytes it moved). Never raises: the
         engine decides what an error means."""
         name = spec.settings.transport
         half = self._halves.get(name)
         if half is None:
-            half = self._halves[name] = TRANSPORTS[name].receiver(self.model, self.rank,
-                                                                  self.device)  # fmt: skip
+            half = self._halves[name] = TRANSPORTS[name].receiver(
+                self.model, self.rank, self.device
+            )
         try:
             problems, nbytes = self._run(half, phase, spec, records)
         except Exception as exc:

@@ -45,13 +45,15 @@ class RolloutReport:
     `HEARTBEAT_S` to every trainer rank's socket until `finish` sends the end and closes
     them. A trainer gone meanwhile is skipped: the rollout depends on no one listening."""
 
-    def __init__(self, socks: list[socket.socket], version: int,
-                 progress: Callable[[], list[ReplicaPush]]):  # fmt: skip
+    def __init__(
+        self, socks: list[socket.socket], version: int, progress: Callable[[], list[ReplicaPush]]
+    ):
         self._socks, self._version, self._progress = socks, version, progress
         self._lock = threading.Lock()
         self._over = threading.Event()
-        self._thread = threading.Thread(target=self._beat, name="tandem-rollout-report",
-                                        daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._beat, name="tandem-rollout-report", daemon=True
+        )
 
     def start(self) -> None:
         """Once the trainers were answered: the heartbeats begin."""
@@ -90,8 +92,7 @@ class Rollout:
         self._result: RolloutResult | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
-        threading.Thread(target=self._read, name=f"tandem-rollout-{version}",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=self._read, name=f"tandem-rollout-{version}", daemon=True).start()
 
     @property
     def done(self) -> bool:
@@ -111,8 +112,10 @@ class Rollout:
                     self._latest = tuple(message.replicas) or self._latest
                     continue
                 if not isinstance(message, RolloutDone):
-                    raise WeightSyncError(f"unexpected {type(message).__name__} while "
-                                          f"version {self.version} rolled out")  # fmt: skip
+                    raise WeightSyncError(
+                        f"unexpected {type(message).__name__} while "
+                        f"version {self.version} rolled out"
+                    )
                 if message.error is not None:
                     raise WeightSyncError(message.error)
                 self._result = RolloutResult(message.version, tuple(message.replicas))
@@ -123,8 +126,9 @@ class Rollout:
                 "rolled out: the engine is lost (its replicas may still commit it)"
             )
         except (PeerGone, OSError, ValueError) as exc:
-            self._error = WeightSyncError(f"lost the engine while version {self.version} "
-                                          f"rolled out ({exc})")  # fmt: skip
+            self._error = WeightSyncError(
+                f"lost the engine while version {self.version} rolled out ({exc})"
+            )
         except WeightSyncError as exc:
             self._error = exc
         finally:
@@ -136,8 +140,10 @@ class Rollout:
         ``timeout`` seconds (the rollout goes on); `WeightSyncError` if it committed nowhere
         or the engine was lost."""
         if not self._done.wait(timeout):
-            raise TimeoutError(f"version {self.version} was still rolling out after "
-                               f"{timeout:g} s: {_states(self.replicas)}")  # fmt: skip
+            raise TimeoutError(
+                f"version {self.version} was still rolling out after "
+                f"{timeout:g} s: {_states(self.replicas)}"
+            )
         if self._result is None:
             raise self._error or WeightSyncError(f"version {self.version}: no rollout report")
         return self._result

@@ -154,8 +154,7 @@ class WeightSender:
         self.layout = layout
         self.vocab_size = vocab_size
         if transport != "auto" and transport not in pushed():
-            raise ValueError(f"transport must be 'auto' or one of {pushed()}, "
-                             f"got {transport!r}")  # fmt: skip
+            raise ValueError(f"transport must be 'auto' or one of {pushed()}, got {transport!r}")
         self._address = target_address(target, admin_key)
         self.model = model
         self._lora_config = lora_config
@@ -171,16 +170,24 @@ class WeightSender:
         self.rank = rank if rank is not None else (dist.get_rank() if default else 0)
         self.world_size = world_size or (dist.get_world_size() if default else 1)
         self.timeout_s = timeout_s
-        device = next((local_tensor(t).device for _, t in named_tensors(model)),
-                      torch.device("cpu"))  # fmt: skip
+        device = next(
+            (local_tensor(t).device for _, t in named_tensors(model)), torch.device("cpu")
+        )
         self._half = TRANSPORTS[transport].sender(self.settings, device, self.rank)
 
     @property
     def transport(self) -> str:
         return self.settings.transport
 
-    def push(self, version: int | None = None, policy: str = "all", max_unavailable: int = 1,
-             wave: str = "wait", *, rollback: bool = False) -> PushStats:  # fmt: skip
+    def push(
+        self,
+        version: int | None = None,
+        policy: str = "all",
+        max_unavailable: int = 1,
+        wave: str = "wait",
+        *,
+        rollback: bool = False,
+    ) -> PushStats:
         """Send this rank's boxes and wait until the engine committed (or rejected) them.
 
         ``version``: what the target serves once it commits; None: the version it serves + 1
@@ -206,8 +213,9 @@ class WeightSender:
         layout, tensors = self._local()
         if not isinstance(rollback, bool):
             raise ValueError(f"rollback must be a bool, got {rollback!r}")
-        hello = PushHello(self.rank, self.world_size, version, layout, self.ignore,
-                          settings, rollback)  # fmt: skip
+        hello = PushHello(
+            self.rank, self.world_size, version, layout, self.ignore, settings, rollback
+        )
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         rollout = None  # a rolling push: the connection then reports its rollout
@@ -246,11 +254,18 @@ class WeightSender:
         if reply.error is not None:
             raise WeightSyncError(reply.error)
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()
-        return PushStats(reply.version, sum(sent), reply.bytes_needed, reply.bytes_moved,
-                         time.perf_counter() - start, self.transport, sent,
-                         tuple(reply.replicas),
-                         delivery.bytes_staged if delivery is not None else None,
-                         rollout)  # fmt: skip
+        return PushStats(
+            reply.version,
+            sum(sent),
+            reply.bytes_needed,
+            reply.bytes_moved,
+            time.perf_counter() - start,
+            self.transport,
+            sent,
+            tuple(reply.replicas),
+            delivery.bytes_staged if delivery is not None else None,
+            rollout,
+        )
 
     def close(self) -> None:
         """Release this sender's staging memory and its mappings of engine memory (also
@@ -271,8 +286,9 @@ class WeightSender:
     def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
         """This rank's layout and its local tensors by layout key."""
         if self.layout == "megatron":
-            layout, tensors = megatron_module_layout(self.model, self.rank,
-                                                     vocab_size=self.vocab_size)  # fmt: skip
+            layout, tensors = megatron_module_layout(
+                self.model, self.rank, vocab_size=self.vocab_size
+            )
             return layout, {k: t.detach() for k, t in tensors.items()}
         if self.adapter is not None:  # only the adapter's tensors, by canonical names
             adapter = _adapter_tensors(self.model, self.adapter.name, self._lora_config)
@@ -307,8 +323,11 @@ def _adapter_push(model, name: str | None, keep_versions: int, lora_config) -> A
         name = name or model.active_adapter
         config, _ = peft_adapter(model, name)
     else:
-        config = lora_config if isinstance(lora_config, AdapterConfig) else \
-            AdapterConfig.from_peft(lora_config, f"adapter {name!r}")  # fmt: skip
+        config = (
+            lora_config
+            if isinstance(lora_config, AdapterConfig)
+            else AdapterConfig.from_peft(lora_config, f"adapter {name!r}")
+        )
     if name is None:
         raise LoRAError("lora_name is needed to push an adapter from a state dict")
     try:
@@ -322,6 +341,9 @@ def _adapter_tensors(model, name: str, lora_config) -> dict[str, torch.Tensor]:
     canonical names."""
     if lora_config is None:
         return peft_adapter(model, name)[1]
-    config = lora_config if isinstance(lora_config, AdapterConfig) else \
-        AdapterConfig.from_peft(lora_config, f"adapter {name!r}")  # fmt: skip
+    config = (
+        lora_config
+        if isinstance(lora_config, AdapterConfig)
+        else AdapterConfig.from_peft(lora_config, f"adapter {name!r}")
+    )
     return canonical_tensors(dict(model), config, name)

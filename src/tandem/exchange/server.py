@@ -56,8 +56,9 @@ def target_here(address: ExchangeAddress) -> WeightTarget | None:
 class ExchangeServer:
     """Pushes into ``target``, reached at `endpoint` (`address`: its string form)."""
 
-    def __init__(self, target: WeightTarget, host: str = "127.0.0.1",
-                 stage_timeout_s: float = 600.0):  # fmt: skip
+    def __init__(
+        self, target: WeightTarget, host: str = "127.0.0.1", stage_timeout_s: float = 600.0
+    ):
         self.target = target
         self.token = secrets.token_hex(16)
         self.stage_timeout_s = stage_timeout_s
@@ -78,8 +79,11 @@ class ExchangeServer:
     def transports(self) -> list[str]:
         """The transports that reach the target's ranks (`Transport.device_types`)."""
         device_type = self.target.weight_device_type
-        return [name for name, t in TRANSPORTS.items()
-                if device_type in t.device_types and t.sender is not None]  # fmt: skip
+        return [
+            name
+            for name, t in TRANSPORTS.items()
+            if device_type in t.device_types and t.sender is not None
+        ]
 
     def close(self) -> None:
         self._closed = True
@@ -94,8 +98,9 @@ class ExchangeServer:
         """Accept; each connection says hello on a thread of its own (a silent peer cannot hold
         up the others), and pushes run one at a time on the session thread."""
         hellos: queue.Queue = queue.Queue()
-        threading.Thread(target=self._sessions, args=(hellos,), name="tandem-exchange-push",
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(
+            target=self._sessions, args=(hellos,), name="tandem-exchange-push", daemon=True
+        ).start()
         greeting = threading.BoundedSemaphore(MAX_HANDSHAKES)
         while not self._closed:
             try:
@@ -106,8 +111,7 @@ class ExchangeServer:
             if not greeting.acquire(blocking=False):
                 sock.close()  # a flood of connections: drop the excess
                 continue
-            threading.Thread(target=self._greet, args=(sock, hellos, greeting),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=self._greet, args=(sock, hellos, greeting), daemon=True).start()
 
     def _greet(self, sock: socket.socket, hellos: queue.Queue, greeting) -> None:
         """Queue the trainer rank's hello once it proved the token (`tandem.wire.read_hello`: a
@@ -164,8 +168,9 @@ class ExchangeServer:
 
             def held(update, moved: int) -> None:  # rolling: the trainers are free now
                 def so_far():
-                    return replica_figures(per_replica, update.ingress(), update.failures(),
-                                           "rolling")  # fmt: skip
+                    return replica_figures(
+                        per_replica, update.ingress(), update.failures(), "rolling"
+                    )
 
                 report.append(RolloutReport(socks, version, so_far))
                 answer(PushDone(version, None, needed, moved, so_far()))
@@ -183,8 +188,9 @@ class ExchangeServer:
             done = PushDone(exc.requested, str(exc), stale_served=exc.served)
         except (PeerGone, OSError) as exc:
             self._retire_group()
-            done = PushDone(version or -1, f"a trainer rank disconnected mid-push ({exc}); "
-                            f"{self._serving()}")  # fmt: skip
+            done = PushDone(
+                version or -1, f"a trainer rank disconnected mid-push ({exc}); {self._serving()}"
+            )
         except (WeightSyncError, LayoutMismatch, ValueError) as exc:
             self._retire_group()
             done = PushDone(version or -1, str(exc))
@@ -203,8 +209,9 @@ class ExchangeServer:
             return f"requests are refused until a complete push lands ({reason})"
         return f"version {self.target.weight_version} keeps serving"
 
-    def _push(self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: tuple,
-              held) -> tuple[int, UpdateWindow]:  # fmt: skip
+    def _push(
+        self, spec: UpdateSpec, socks: list, plans: list[PushPlan], records: tuple, held
+    ) -> tuple[int, UpdateWindow]:
         """Deliver, verify and commit one push: (the bytes the trainers moved, as counted;
         the window it ran in, which says what arrived where and which replicas left it).
         ``held(window, moved)`` is called when a rolling push is held everywhere."""
@@ -260,8 +267,10 @@ class ExchangeServer:
             if not isinstance(ready, PushReady):
                 raise WeightSyncError(f"trainer rank {rank} sent {type(ready).__name__}")
             if len(ready.crcs) != len(sent[rank]):
-                raise WeightSyncError(f"trainer rank {rank} sent {len(ready.crcs)} checksums "
-                                      f"for {len(sent[rank])} boxes")  # fmt: skip
+                raise WeightSyncError(
+                    f"trainer rank {rank} sent {len(ready.crcs)} checksums "
+                    f"for {len(sent[rank])} boxes"
+                )
             staging.append(ready.staging)
             moved += sum(ready.bytes_moved)
             pairs = zip(sent[rank], ready.crcs, strict=True)
@@ -332,8 +341,9 @@ class ExchangeServer:
         if key not in plan.derived:
             plan.derived[key] = push_items(plan, receivers, per_stream, read_staging)
         sizes, items, records, relayed, needed, per_replica = plan.derived[key]
-        plans = [PushPlan(dtype, sizes[i], items[i], quantize=quantized)
-                 for i in range(len(hellos))]  # fmt: skip
+        plans = [
+            PushPlan(dtype, sizes[i], items[i], quantize=quantized) for i in range(len(hellos))
+        ]
         spec = UpdateSpec(version, settings, dtype, len(hellos), adapter=adapter)
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)

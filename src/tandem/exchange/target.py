@@ -97,8 +97,7 @@ class AdapterTarget(Protocol):
     """What a target that takes LoRA adapter pushes (`PushSettings.adapter`) has beside the
     `WeightTarget` members: an engine with ``enable_lora``. Any other target refuses them."""
 
-    def adapter_plan(self, push: AdapterPush
-                     ) -> tuple[list[RankLayout], AdapterSlot, int | None]:  # fmt: skip
+    def adapter_plan(self, push: AdapterPush) -> tuple[list[RankLayout], AdapterSlot, int | None]:
         """The receiving layouts of the slot the adapter's push lands in, that slot, and the
         adapter's latest version (None: none is loaded; a push naming no version gets the
         latest + 1, else 1; one naming a version not above the latest is refused unless it is

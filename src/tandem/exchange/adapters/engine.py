@@ -21,8 +21,7 @@ def engine_layout(model: nn.Module, rank: int, arena: ParamArena | None = None) 
     if missing:
         raise TypeError(f"parameters without placement pieces: {missing}")
     plain = [(n, p) for n, p in params if not getattr(p, "keeps_dtype", False)]
-    layout = RankLayout(rank, dtype=dtype_name(plain or params),
-                        arena=arena and arena.handle())  # fmt: skip
+    layout = RankLayout(rank, dtype=dtype_name(plain or params), arena=arena and arena.handle())
     for name, param in params:
         layout.add(name, tuple(param.shape), list(param.pieces))
         if DTYPE_NAMES[param.dtype] != layout.dtype:

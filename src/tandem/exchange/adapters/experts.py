@@ -67,8 +67,11 @@ def regroup_hf_experts(
             problems.append(f"{key}: expected one 3-D grouped expert tensor, got {shape}")
             continue
         tensors[key] = tensors[key].reshape(shape[0] * shape[1], shape[2])
-        out.add(key, (shape[0] * shape[1], shape[2]),
-                _expert_pieces(pieces[0], prefix, naming, kind) if pieces else [])  # fmt: skip
+        out.add(
+            key,
+            (shape[0] * shape[1], shape[2]),
+            _expert_pieces(pieces[0], prefix, naming, kind) if pieces else [],
+        )
     if problems:
         raise LayoutMismatch(problems)
     return out, tensors
@@ -98,8 +101,10 @@ def _expert_pieces(piece: Piece, prefix: str, naming: ExpertNaming, kind: str) -
             parts = [(f"{expert}.{e}.{naming.down}.weight", 0, full_rows)]
         else:  # gate rows [0, I), then up rows [I, 2I)
             inter = full_rows // 2
-            parts = [(f"{expert}.{e}.{naming.gate}.weight", 0, inter),
-                     (f"{expert}.{e}.{naming.up}.weight", inter, full_rows)]  # fmt: skip
+            parts = [
+                (f"{expert}.{e}.{naming.gate}.weight", 0, inter),
+                (f"{expert}.{e}.{naming.up}.weight", inter, full_rows),
+            ]
         for name, lo, hi in parts:
             a, b = max(lo, r0), min(hi, r1)
             if a >= b:

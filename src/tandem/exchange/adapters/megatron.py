@@ -159,8 +159,9 @@ class InputColumns:
     def layout(self, s: TPRank, layer: int | None) -> Layout:
         total = getattr(s.cfg, self.size)
         local = s.split(total, self.size)
-        piece = cols(_fmt(self.name, layer), (s.cfg.hidden, total), s.rank * local,
-                     (s.rank + 1) * local)  # fmt: skip
+        piece = cols(
+            _fmt(self.name, layer), (s.cfg.hidden, total), s.rank * local, (s.rank + 1) * local
+        )
         return (s.cfg.hidden, local), [piece]
 
 
@@ -262,12 +263,15 @@ _HF = "model.layers.{i}"
 GPT_TO_LLAMA: dict[str, Kind] = {
     "embedding.word_embeddings.weight": VocabRows("model.embed_tokens.weight"),
     f"{_L}.self_attention.linear_qkv.weight": GroupedQKV(
-        f"{_HF}.self_attn.q_proj.weight", f"{_HF}.self_attn.k_proj.weight",
+        f"{_HF}.self_attn.q_proj.weight",
+        f"{_HF}.self_attn.k_proj.weight",
         f"{_HF}.self_attn.v_proj.weight",
     ),
     f"{_L}.self_attention.linear_qkv.bias": GroupedQKV(
-        f"{_HF}.self_attn.q_proj.bias", f"{_HF}.self_attn.k_proj.bias",
-        f"{_HF}.self_attn.v_proj.bias", bias=True,
+        f"{_HF}.self_attn.q_proj.bias",
+        f"{_HF}.self_attn.k_proj.bias",
+        f"{_HF}.self_attn.v_proj.bias",
+        bias=True,
     ),
     f"{_L}.self_attention.linear_qkv.layer_norm_weight": Whole(f"{_HF}.input_layernorm.weight"),
     f"{_L}.input_layernorm.weight": Whole(f"{_HF}.input_layernorm.weight"),
@@ -294,7 +298,7 @@ GPT_TO_LLAMA: dict[str, Kind] = {
     f"{_L}.mlp.linear_fc2._extra_state": Skip(),
     "decoder.final_layernorm.weight": Whole("model.norm.weight"),
     "output_layer.weight": VocabRows("lm_head.weight"),
-}  # fmt: skip
+}
 
 
 _G = "transformer.h.{i}"
@@ -303,31 +307,35 @@ _G = "transformer.h.{i}"
 # everywhere, HF Conv1D weights ([in, out]), output tied to the embedding.
 GPT_TO_GPT2: dict[str, Kind] = {
     "embedding.word_embeddings.weight": VocabRows("transformer.wte.weight"),
-    "embedding.position_embeddings.weight": WholeMatrix("transformer.wpe.weight", "positions",
-                                                        "hidden"),
+    "embedding.position_embeddings.weight": WholeMatrix(
+        "transformer.wpe.weight", "positions", "hidden"
+    ),
     f"{_L}.input_layernorm.weight": Whole(f"{_G}.ln_1.weight"),
     f"{_L}.input_layernorm.bias": Whole(f"{_G}.ln_1.bias"),
     f"{_L}.self_attention.linear_qkv.layer_norm_weight": Whole(f"{_G}.ln_1.weight"),
     f"{_L}.self_attention.linear_qkv.layer_norm_bias": Whole(f"{_G}.ln_1.bias"),
     f"{_L}.self_attention.linear_qkv.weight": FusedQKVColumns(f"{_G}.attn.c_attn.weight"),
     f"{_L}.self_attention.linear_qkv.bias": FusedQKVColumns(f"{_G}.attn.c_attn.bias", bias=True),
-    f"{_L}.self_attention.linear_proj.weight": Conv1DShard(f"{_G}.attn.c_proj.weight",
-                                                           "attention", "hidden", "in"),
+    f"{_L}.self_attention.linear_proj.weight": Conv1DShard(
+        f"{_G}.attn.c_proj.weight", "attention", "hidden", "in"
+    ),
     f"{_L}.self_attention.linear_proj.bias": Whole(f"{_G}.attn.c_proj.bias"),
     f"{_L}.pre_mlp_layernorm.weight": Whole(f"{_G}.ln_2.weight"),
     f"{_L}.pre_mlp_layernorm.bias": Whole(f"{_G}.ln_2.bias"),
     f"{_L}.mlp.linear_fc1.layer_norm_weight": Whole(f"{_G}.ln_2.weight"),
     f"{_L}.mlp.linear_fc1.layer_norm_bias": Whole(f"{_G}.ln_2.bias"),
-    f"{_L}.mlp.linear_fc1.weight": Conv1DShard(f"{_G}.mlp.c_fc.weight", "hidden",
-                                               "intermediate", "out"),
+    f"{_L}.mlp.linear_fc1.weight": Conv1DShard(
+        f"{_G}.mlp.c_fc.weight", "hidden", "intermediate", "out"
+    ),
     f"{_L}.mlp.linear_fc1.bias": SplitVector(f"{_G}.mlp.c_fc.bias", "intermediate"),
-    f"{_L}.mlp.linear_fc2.weight": Conv1DShard(f"{_G}.mlp.c_proj.weight", "intermediate",
-                                               "hidden", "in"),
+    f"{_L}.mlp.linear_fc2.weight": Conv1DShard(
+        f"{_G}.mlp.c_proj.weight", "intermediate", "hidden", "in"
+    ),
     f"{_L}.mlp.linear_fc2.bias": Whole(f"{_G}.mlp.c_proj.bias"),
     **{k: v for k, v in GPT_TO_LLAMA.items() if isinstance(v, Skip)},
     "decoder.final_layernorm.weight": Whole("transformer.ln_f.weight"),
     "decoder.final_layernorm.bias": Whole("transformer.ln_f.bias"),
-}  # fmt: skip
+}
 
 
 def megatron_layout(

@@ -19,7 +19,7 @@ TRANSPORTS: dict[str, Transport] = {
         CudaIpcTransport(),
         MooncakeTransport(),
         BroadcastTransport(),
-    )  # fmt: skip
+    )
 }
 
 

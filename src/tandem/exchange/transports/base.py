@@ -86,8 +86,12 @@ class SenderHalf:
     @staticmethod
     def staged(plan, buf: torch.Tensor) -> list[torch.Tensor]:
         """Each item's place in a uint8 staging buffer, in its dtype and box shape."""
-        return [buf[item.offset : item.offset + item.nbytes].view(DTYPES[item.dtype])
-                .view(item.box_shape) for item in plan.items]  # fmt: skip
+        return [
+            buf[item.offset : item.offset + item.nbytes]
+            .view(DTYPES[item.dtype])
+            .view(item.box_shape)
+            for item in plan.items
+        ]
 
     @staticmethod
     def source(tensors: dict[str, torch.Tensor], item: SendItem) -> torch.Tensor:
@@ -154,8 +158,9 @@ class Coordinator:
         self.host = host
         self.timeout_s = timeout_s
 
-    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
-                device_type: str) -> UpdateSpec:  # fmt: skip
+    def prepare(
+        self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout], device_type: str
+    ) -> UpdateSpec:
         """Fill in each trainer rank's plan (in place) for a push to ``receivers`` (held on
         ``device_type``); the spec every receiving rank gets. ValueError if this transport
         cannot carry it."""

@@ -66,22 +66,31 @@ def join(info: GroupInfo, rank: int) -> dist.ProcessGroup:
     if key not in _groups:
         try:  # the store's client retries once: half the timeout each, so the join ends
             # within the push phase's deadline; it returns once every rank is connected
-            store = dist.TCPStore(info.host, info.port, info.world, is_master=False,
-                                  timeout=timedelta(seconds=info.timeout_s / 2),
-                                  use_libuv=False)  # fmt: skip
+            store = dist.TCPStore(
+                info.host,
+                info.port,
+                info.world,
+                is_master=False,
+                timeout=timedelta(seconds=info.timeout_s / 2),
+                use_libuv=False,
+            )
             group = gloo_group(store, rank, info.world, info.timeout_s, info.prefix)
         except RuntimeError as exc:
-            raise RuntimeError(f"the trainer's group at {info.host}:{info.port} did not form "
-                               f"within {info.timeout_s:g} s: {exc}") from None  # fmt: skip
+            raise RuntimeError(
+                f"the trainer's group at {info.host}:{info.port} did not form "
+                f"within {info.timeout_s:g} s: {exc}"
+            ) from None
         _groups[key] = (store, group)
     return _groups[key][1]
 
 
-def gloo_group(store: dist.Store, rank: int, world: int, timeout_s: float,
-               prefix: str = GROUP_PREFIX) -> dist.ProcessGroup:  # fmt: skip
+def gloo_group(
+    store: dist.Store, rank: int, world: int, timeout_s: float, prefix: str = GROUP_PREFIX
+) -> dist.ProcessGroup:
     """The group's gloo handle at ``rank``, over the trainer's store (both ends make it so)."""
-    return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, world,
-                                 timedelta(seconds=timeout_s))  # fmt: skip
+    return dist.ProcessGroupGloo(
+        dist.PrefixStore(prefix, store), rank, world, timedelta(seconds=timeout_s)
+    )
 
 
 def leave(info: GroupInfo) -> None:
@@ -137,8 +146,11 @@ class BroadcastReceiver(ReceiverHalf):
         except RuntimeError:  # the group broke (the trainer died, a timeout): leave it
             leave(spec.group)
             raise
-        problems += [f"checksum mismatch for {r.where} as landed"
-                     for r, box, crc in landed if tensor_crc32(box) != crc]  # fmt: skip
+        problems += [
+            f"checksum mismatch for {r.where} as landed"
+            for r, box, crc in landed
+            if tensor_crc32(box) != crc
+        ]
         if problems:
             raise ValueError("; ".join(problems[:10]))
         return received
@@ -165,15 +177,16 @@ class BroadcastReceiver(ReceiverHalf):
             return self.live([r])[0]
         key = (r.key, r.region.slices)
         if key not in self._staged:
-            self._staged[key] = torch.empty(r.box_shape, dtype=DTYPES[r.dtype],
-                                            device=self.device)  # fmt: skip
+            self._staged[key] = torch.empty(r.box_shape, dtype=DTYPES[r.dtype], device=self.device)
         return self._staged[key]
 
     def _piece_index(self) -> dict:
         if self._pieces is None:
-            self._pieces = {(name, piece.region()): piece
-                            for name, p in self.model.named_parameters()
-                            for piece in getattr(p, "pieces", ())}  # fmt: skip
+            self._pieces = {
+                (name, piece.region()): piece
+                for name, p in self.model.named_parameters()
+                for piece in getattr(p, "pieces", ())
+            }
         return self._pieces
 
     def landed(self, spec: UpdateSpec, records: list[Record]) -> list[torch.Tensor]:

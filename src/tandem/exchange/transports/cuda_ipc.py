@@ -38,8 +38,10 @@ class CudaIpcReceiver(ReceiverHalf):
         for i in sorted({r.source for r in records}):
             if i not in self._mapped:
                 self._mapped[i] = CudaStaging(spec.staging[i])
-        return [self._mapped[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype])
-                .view(r.box_shape) for r in records]  # fmt: skip
+        return [
+            self._mapped[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
+            for r in records
+        ]
 
     def commit(self, spec: UpdateSpec, records: list[Record]) -> int:
         try:
@@ -58,10 +60,20 @@ def export_handle(buf: torch.Tensor) -> list:
     """An IPC handle to a contiguous uint8 CUDA tensor that starts its storage."""
     if not buf.is_cuda or buf.dtype != torch.uint8 or buf.storage_offset() != 0:
         raise ValueError("cuda_ipc stages in a fresh contiguous uint8 CUDA tensor")
-    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
-     event_sync) = buf.untyped_storage()._share_cuda_()  # fmt: skip
-    return [device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync,
-            buf.numel()]  # fmt: skip
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = (
+        buf.untyped_storage()._share_cuda_()
+    )
+    return [
+        device,
+        handle,
+        size,
+        offset,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+        buf.numel(),
+    ]
 
 
 class CudaStaging:
@@ -70,9 +82,22 @@ class CudaStaging:
     def __init__(self, handle: list):
         device, ipc, size, offset, ref_handle, ref_offset, event_handle, event_sync, n = handle
         self.data = rebuild_cuda_tensor(
-            torch.Tensor, torch.Size([n]), (1,), 0, torch.storage.TypedStorage, torch.uint8,
-            device, ipc, size, offset, False, ref_handle, ref_offset, event_handle, event_sync,
-        )  # fmt: skip
+            torch.Tensor,
+            torch.Size([n]),
+            (1,),
+            0,
+            torch.storage.TypedStorage,
+            torch.uint8,
+            device,
+            ipc,
+            size,
+            offset,
+            False,
+            ref_handle,
+            ref_offset,
+            event_handle,
+            event_sync,
+        )
 
     def tensor(self, offset: int, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
         if offset < 0 or offset + nbytes > self.data.numel():

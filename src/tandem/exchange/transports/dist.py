@@ -37,17 +37,22 @@ class DistSender(SenderHalf):
             by_dst.setdefault(item.dst, []).append(i)
         crcs: list[int | None] = [None] * len(plan.items)
         moved = [0] * (info.world - plan.trainers)
-        order = p2p.stream_order(self.rank, by_dst, plan.trainers, info.world - plan.trainers,
-                                 sending=True)  # fmt: skip
+        order = p2p.stream_order(
+            self.rank, by_dst, plan.trainers, info.world - plan.trainers, sending=True
+        )
         with torch.no_grad():
             for dst in order:
                 boxes = [self.source(tensors, plan.items[i]) for i in by_dst[dst]]
                 dtypes = [DTYPES[plan.items[i].dtype] for i in by_dst[dst]]
                 try:
                     sent, moved[dst] = p2p.send_boxes(
-                        group, plan.trainers + dst, boxes, dtypes, plan.bucket_bytes,
+                        group,
+                        plan.trainers + dst,
+                        boxes,
+                        dtypes,
+                        plan.bucket_bytes,
                         self.settings.verify,
-                    )  # fmt: skip
+                    )
                 except RuntimeError as exc:  # gloo / NCCL: a peer died or left the group
                     p2p.abandon(info)  # so engine ranks waiting on this one fail too
                     raise p2p.GroupBroken(str(exc)) from None
@@ -74,10 +79,14 @@ class DistReceiver(ReceiverHalf):
         me = spec.first_rank + self.rank  # this rank's number across the target
         group = p2p.join(info, spec.trainers + me, info.timeout_s)
         relayed = sorted({r.via for r in records if r.via >= 0})
-        streams = [(src, [i for i, r in enumerate(records) if r.source == src and r.via < 0])
-                   for src in range(spec.trainers)]  # fmt: skip
-        streams += [(spec.trainers + via, [i for i, r in enumerate(records) if r.via == via])
-                    for via in relayed]  # fmt: skip
+        streams = [
+            (src, [i for i, r in enumerate(records) if r.source == src and r.via < 0])
+            for src in range(spec.trainers)
+        ]
+        streams += [
+            (spec.trainers + via, [i for i, r in enumerate(records) if r.via == via])
+            for via in relayed
+        ]
         readback = None
         if spec.settings.in_place:
             if relayed or any(r.forward for r in records):
@@ -94,13 +103,17 @@ class DistReceiver(ReceiverHalf):
                 starts[src] = start
                 for i in mine:
                     r = records[i]
-                    boxes[i] = (self._staging[start : start + r.nbytes].view(DTYPES[r.dtype])
-                                .view(r.box_shape))  # fmt: skip
+                    boxes[i] = (
+                        self._staging[start : start + r.nbytes]
+                        .view(DTYPES[r.dtype])
+                        .view(r.box_shape)
+                    )
                     start += r.nbytes
         forwarders = self._forwarders(group, spec, records, boxes)
         crcs: list = [None] * len(records)
-        order = p2p.stream_order(me, range(spec.trainers), spec.trainers,
-                                 info.world - spec.trainers, sending=False)  # fmt: skip
+        order = p2p.stream_order(
+            me, range(spec.trainers), spec.trainers, info.world - spec.trainers, sending=False
+        )
         order += [spec.trainers + via for via in relayed]
         mine_of = dict(streams)
         moved = 0
@@ -111,8 +124,10 @@ class DistReceiver(ReceiverHalf):
             sizes = [records[i].nbytes for i in mine]
             rows = [_rows(records[i]) for i in mine]
             if spec.settings.in_place:
-                into = {"targets": [boxes[i] for i in mine],
-                        "readback": [readback[i] for i in mine]}  # fmt: skip
+                into = {
+                    "targets": [boxes[i] for i in mine],
+                    "readback": [readback[i] for i in mine],
+                }
             else:
                 into = {"staging": self._staging[starts[src] : starts[src] + sum(sizes)]}
 
@@ -121,9 +136,16 @@ class DistReceiver(ReceiverHalf):
                     forwarder.landed(index)
 
             with torch.no_grad():
-                got = p2p.recv_boxes(group, src, sizes, rows, spec.bucket_bytes,
-                                     checksum=spec.settings.verify, on_landed=landed,
-                                     **into)  # fmt: skip
+                got = p2p.recv_boxes(
+                    group,
+                    src,
+                    sizes,
+                    rows,
+                    spec.bucket_bytes,
+                    checksum=spec.settings.verify,
+                    on_landed=landed,
+                    **into,
+                )
             for i, crc in zip(mine, got, strict=True):
                 crcs[i] = crc
             moved += sum(sizes)
@@ -139,9 +161,13 @@ class DistReceiver(ReceiverHalf):
         for dst in sorted({d for r in records for d in r.forward}):
             mine = [i for i, r in enumerate(records) if dst in r.forward]
             data = [boxes[i].reshape(-1).view(torch.uint8) for i in mine]
-            forwarder = p2p.Forwarder(group, spec.trainers + dst, data,
-                                      [_rows(records[i]) for i in mine],
-                                      spec.bucket_bytes)  # fmt: skip
+            forwarder = p2p.Forwarder(
+                group,
+                spec.trainers + dst,
+                data,
+                [_rows(records[i]) for i in mine],
+                spec.bucket_bytes,
+            )
             for k, i in enumerate(mine):
                 out.setdefault(i, []).append((forwarder, k))
         return out
@@ -191,11 +217,11 @@ class DistCoordinator(Coordinator):
         self._generation = 0
         self._world: tuple[int, int] | None = None  # (trainer ranks, receiving ranks)
 
-    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
-                device_type: str) -> UpdateSpec:  # fmt: skip
+    def prepare(
+        self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout], device_type: str
+    ) -> UpdateSpec:
         group = self._group(spec.trainers, len(receivers), device_type)
-        spec = dataclasses.replace(spec, group=group,
-                                   bucket_bytes=self.bucket_bytes)  # fmt: skip
+        spec = dataclasses.replace(spec, group=group, bucket_bytes=self.bucket_bytes)
         for plan in plans:
             plan.group, plan.trainers, plan.bucket_bytes = (
                 group,
@@ -206,14 +232,25 @@ class DistCoordinator(Coordinator):
 
     def _group(self, trainers: int, receivers: int, device_type: str) -> GroupInfo:
         if self._store is None:
-            self._store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=self.timeout_s))  # fmt: skip
+            self._store = dist.TCPStore(
+                self.host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.timeout_s),
+            )
         if self._world != (trainers, receivers):  # a replica left or joined a fleet, say
             self.retire()
             self._world = (trainers, receivers)
         backend = "nccl" if device_type == "cuda" else "gloo"
-        return GroupInfo(self.host, self._store.port, f"exchange/{self._generation}",
-                         trainers + receivers, backend, self.timeout_s)  # fmt: skip
+        return GroupInfo(
+            self.host,
+            self._store.port,
+            f"exchange/{self._generation}",
+            trainers + receivers,
+            backend,
+            self.timeout_s,
+        )
 
     def retire(self) -> None:
         """After a failure the group may hold half-done operations: the next push makes anew."""

@@ -60,8 +60,9 @@ class MappedMemory:
         try:
             handle = os.open(path, os.O_RDWR)
         except OSError as exc:
-            raise RuntimeError(f"cannot open the peer's {what} at {path} "
-                               f"({_whereabouts(pid, fd)}): {exc}") from None  # fmt: skip
+            raise RuntimeError(
+                f"cannot open the peer's {what} at {path} ({_whereabouts(pid, fd)}): {exc}"
+            ) from None
         try:
             st = os.fstat(handle)
             if (st.st_ino, st.st_size) != (inode, max(size, 1)):
@@ -78,8 +79,9 @@ class MappedMemory:
         """A tensor view of ``nbytes`` at ``offset`` (no copy)."""
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(f"record [{offset}, {offset + nbytes}) outside {self.size} bytes")
-        return torch.frombuffer(self.map, dtype=dtype, count=nbytes // dtype.itemsize,
-                                offset=offset)  # fmt: skip
+        return torch.frombuffer(
+            self.map, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset
+        )
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         if offset < 0 or offset + nbytes > self.size:
@@ -127,8 +129,9 @@ class ParamArena:
         self.entries = []
         with torch.no_grad():
             for (name, p), offset in zip(params, offsets, strict=True):
-                view = torch.frombuffer(self.memory.map, dtype=p.dtype, count=p.numel(),
-                                        offset=offset).view(p.shape)  # fmt: skip
+                view = torch.frombuffer(
+                    self.memory.map, dtype=p.dtype, count=p.numel(), offset=offset
+                ).view(p.shape)
                 view.copy_(p.data)
                 p.data = view
                 self.entries.append([name, offset, list(p.shape)])

@@ -57,8 +57,9 @@ class ProcessEngine:
         hostname = os.environ.get("TANDEM_MOONCAKE_HOSTNAME", "127.0.0.1")
         protocol = os.environ.get("TANDEM_MOONCAKE_PROTOCOL", "tcp")
         self.engine = TransferEngine()
-        rc = self.engine.initialize(hostname, "P2PHANDSHAKE", protocol,
-                                    os.environ.get("TANDEM_MOONCAKE_DEVICE", ""))  # fmt: skip
+        rc = self.engine.initialize(
+            hostname, "P2PHANDSHAKE", protocol, os.environ.get("TANDEM_MOONCAKE_DEVICE", "")
+        )
         if rc != 0:
             raise MooncakeError(f"transfer engine did not start on {hostname} ({protocol}): {rc}")
         self.segment = f"{hostname}:{self.engine.get_rpc_port()}"
@@ -116,8 +117,9 @@ class MooncakeSender(SenderHalf):
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         dtypes = {item.key: DTYPES[item.dtype] for item in plan.items}
-        readable = self._register({key: t for key, t in tensors.items()
-                                   if self._in_place(t, dtypes.get(key))})  # fmt: skip
+        readable = self._register(
+            {key: t for key, t in tensors.items() if self._in_place(t, dtypes.get(key))}
+        )
         buf = self._staging.at_least(plan.size)
         crcs: list[int | None] = []
         moved = [0] * (1 + max((item.dst for item in plan.items), default=-1))
@@ -127,8 +129,9 @@ class MooncakeSender(SenderHalf):
             for item, dst in zip(plan.items, self.staged(plan, buf), strict=True):
                 src = self.source(tensors, item)
                 if item.key in readable and src.is_contiguous():
-                    crcs.append(source_crc32(src, DTYPES[item.dtype])
-                                if self.settings.verify else None)  # fmt: skip
+                    crcs.append(
+                        source_crc32(src, DTYPES[item.dtype]) if self.settings.verify else None
+                    )
                     direct.append([item.offset, src.data_ptr()])
                 else:
                     crcs.append(self.write_box(src, dst))

@@ -36,17 +36,20 @@ def join(info: GroupInfo, rank: int, timeout_s: float = 300.0) -> dist.ProcessGr
         for old in [k for k in _groups if k[:2] == key[:2] and k[2] != info.prefix]:
             del _groups[old]  # an older generation, retired after a failure
         try:
-            store = dist.TCPStore(info.host, info.port, is_master=False,
-                                  timeout=timedelta(seconds=timeout_s))  # fmt: skip
+            store = dist.TCPStore(
+                info.host, info.port, is_master=False, timeout=timedelta(seconds=timeout_s)
+            )
             prefixed = dist.PrefixStore(info.prefix, store)
             if info.backend == "nccl":
                 group = dist.ProcessGroupNCCL(prefixed, rank, info.world)
             else:
-                group = dist.ProcessGroupGloo(prefixed, rank, info.world,
-                                              timedelta(seconds=timeout_s))  # fmt: skip
+                group = dist.ProcessGroupGloo(
+                    prefixed, rank, info.world, timedelta(seconds=timeout_s)
+                )
         except RuntimeError as exc:  # a rank never came (dead before joining): give up
-            raise GroupBroken(f"the push's group did not form within {timeout_s:g} s: "
-                              f"{exc}") from None  # fmt: skip
+            raise GroupBroken(
+                f"the push's group did not form within {timeout_s:g} s: {exc}"
+            ) from None
         _groups[key] = group
     return _groups[key]
 
@@ -124,8 +127,9 @@ class Slots:
     def __init__(self, side: str, device, limit: int):
         key = (side, str(device), limit)
         if key not in self._cache:
-            self._cache[key] = [torch.zeros(limit, dtype=torch.uint8, device=device)
-                                for _ in range(2)]  # fmt: skip
+            self._cache[key] = [
+                torch.zeros(limit, dtype=torch.uint8, device=device) for _ in range(2)
+            ]
         self.buffers = self._cache[key]
         self.works: list[dist.Work | None] = [None, None]
         self.turn = 0
@@ -140,8 +144,14 @@ class Slots:
         return k, self.buffers[k]
 
 
-def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtypes: list[torch.dtype],
-               limit: int, checksum: bool = True) -> tuple[list[int | None], int]:  # fmt: skip
+def send_boxes(
+    group,
+    dst: int,
+    boxes: list[torch.Tensor],
+    dtypes: list[torch.dtype],
+    limit: int,
+    checksum: bool = True,
+) -> tuple[list[int | None], int]:
     """Send ``boxes`` (each converted to its entry of ``dtypes``) to ``dst`` as `frames`;
     returns each box's CRC32 as read from the box (`source_crc32`: never from a packed copy).
     A contiguous box already in its dtype is sent from its own memory (no copy); the rest are
@@ -176,10 +186,19 @@ def send_boxes(group, dst: int, boxes: list[torch.Tensor], dtypes: list[torch.dt
     return crcs, sum(sizes)
 
 
-def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *,
-               staging: torch.Tensor | None = None, targets: list[torch.Tensor] | None = None,
-               checksum: bool = False, readback: list[torch.Tensor] | None = None,
-               on_landed: Callable[[int], None] | None = None) -> list[int | None]:  # fmt: skip
+def recv_boxes(
+    group,
+    src: int,
+    sizes: list[int],
+    rows: list[int],
+    limit: int,
+    *,
+    staging: torch.Tensor | None = None,
+    targets: list[torch.Tensor] | None = None,
+    checksum: bool = False,
+    readback: list[torch.Tensor] | None = None,
+    on_landed: Callable[[int], None] | None = None,
+) -> list[int | None]:
     """Receive what ``src`` sends with `send_boxes` (same sizes, rows and limit), either all
     into ``staging`` (a uint8 tensor of the boxes' bytes, back to back; every message straight
     into its place), or into ``targets`` (each box's destination, in the box's orientation):
@@ -254,8 +273,7 @@ def recv_boxes(group, src: int, sizes: list[int], rows: list[int], limit: int, *
             n = part.numel() * part.element_size()
             landed.append((i, slots.buffers[k][offset : offset + n]))
             offset += n
-        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts,
-                       frame])  # fmt: skip
+        posted.append([group.recv([slots.buffers[k][:offset]], src, 0), landed, k, parts, frame])
         in_slot[k] = len(posted) - 1
     land_through(len(posted) - 1)
     return crcs
@@ -280,8 +298,9 @@ class Forwarder:
             first, last = parts[0], parts[-1]
             span = last.data_ptr() + last.numel() - first.data_ptr()
             if span != sum(p.numel() for p in parts):
-                raise RuntimeError(f"relay to rank {dst}: a message's boxes are not consecutive "
-                                   "in staging")  # fmt: skip
+                raise RuntimeError(
+                    f"relay to rank {dst}: a message's boxes are not consecutive in staging"
+                )
             data = boxes[frame[0][0]].as_strided((span,), (1,), first.storage_offset())
             self._messages.append((data, {i for i, _, _ in frame}))
         self._landed: set[int] = set()
@@ -304,8 +323,10 @@ class Forwarder:
     def finish(self) -> int:
         """Wait until everything was sent; the bytes sent."""
         if self._next != len(self._messages):
-            raise RuntimeError(f"relay to rank {self.dst}: {len(self._messages) - self._next} "
-                               "messages never became ready")  # fmt: skip
+            raise RuntimeError(
+                f"relay to rank {self.dst}: {len(self._messages) - self._next} "
+                "messages never became ready"
+            )
         for work in self._works:
             work.wait()
         return self.bytes_sent

@@ -36,9 +36,10 @@ class ShmSender(SenderHalf):
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
         if self.settings.in_place:
             arenas = self._map_arenas(plan.arenas)
-            targets = [item.dst_region.view(arenas[item.dst].param(item.dst_key,
-                                                                   DTYPES[item.dtype]))
-                       for item in plan.items]  # fmt: skip
+            targets = [
+                item.dst_region.view(arenas[item.dst].param(item.dst_key, DTYPES[item.dtype]))
+                for item in plan.items
+            ]
         else:
             if self.staging is None or self.staging.size != plan.size:
                 self.staging = None  # the old memory goes before the new one is made
@@ -72,8 +73,10 @@ class ShmReceiver(ReceiverHalf):
         if spec.settings.in_place:
             return self.live(records)
         segments = self._map(spec, {r.source for r in records})
-        return [segments[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
-                for r in records]  # fmt: skip
+        return [
+            segments[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
+            for r in records
+        ]
 
     def _map(self, spec: UpdateSpec, sources: set[int]) -> dict[int, MappedMemory]:
         """The staging memory of each trainer rank in ``sources``: mapped once, kept while
@@ -93,8 +96,9 @@ class ShmReceiver(ReceiverHalf):
 
 
 class ShmCoordinator(Coordinator):
-    def prepare(self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout],
-                device_type: str) -> UpdateSpec:  # fmt: skip
+    def prepare(
+        self, spec: UpdateSpec, plans: list[PushPlan], receivers: list[RankLayout], device_type: str
+    ) -> UpdateSpec:
         """In place: every trainer rank gets every receiving rank's arena to write into."""
         if not spec.settings.in_place:
             return spec
