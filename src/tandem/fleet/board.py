@@ -36,8 +36,9 @@ class ReplicaBoard:
     how many versions behind the newest a replica may be and still take new requests (None:
     any)."""
 
-    def __init__(self, replicas: int, versions: Callable[[], list[int]],
-                 max_staleness: int | None = None):  # fmt: skip
+    def __init__(
+        self, replicas: int, versions: Callable[[], list[int]], max_staleness: int | None = None
+    ):
         self.versions = versions
         self.max_staleness = max_staleness
         self.changed = threading.Condition()
@@ -70,8 +71,11 @@ class ReplicaBoard:
 
     def members(self) -> list[int]:
         """The replicas a push updates: every one not quarantined or joining."""
-        return [r for r, s in enumerate(self._status)
-                if s.state in (ReplicaState.SERVING, ReplicaState.UPDATING)]  # fmt: skip
+        return [
+            r
+            for r, s in enumerate(self._status)
+            if s.state in (ReplicaState.SERVING, ReplicaState.UPDATING)
+        ]
 
     def rolling(self, version: int | None) -> None:
         """A rolling push to ``version`` is held by every replica (None: it is over)."""
@@ -114,8 +118,10 @@ class ReplicaBoard:
             return allowed
 
     def why_none(self) -> str:
-        parts = [f"replica {r}: {s.state.value}" + (f" ({s.reason})" if s.reason else "")
-                 for r, s in enumerate(self._status)]  # fmt: skip
+        parts = [
+            f"replica {r}: {s.state.value}" + (f" ({s.reason})" if s.reason else "")
+            for r, s in enumerate(self._status)
+        ]
         return "no replica of the fleet can take requests: " + "; ".join(parts)
 
     def snapshot(self) -> list[ReplicaStatus]:

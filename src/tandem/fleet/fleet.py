@@ -73,8 +73,12 @@ class Fleet:
     """The replicas of one front. ``grow(index)`` starts a replica for `add_replica` (None:
     replicas are added by `add`, started by someone else)."""
 
-    def __init__(self, replicas: list[Replica], settings: FleetSettings,
-                 grow: Callable[[int], Replica] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        replicas: list[Replica],
+        settings: FleetSettings,
+        grow: Callable[[int], Replica] | None = None,
+    ):
         if not replicas:
             raise ValueError("a fleet needs at least one replica")
         self.replicas = list(replicas)
@@ -123,20 +127,30 @@ class Fleet:
             first.close()
             raise
         parallel = config.parallel
-        settings = FleetSettings(stage_timeout_s=parallel.push_phase_timeout_s,
-                                 max_staleness=config.fleet.max_staleness, heal=config.fleet.heal,
-                                 exchange_host=first.engine.config.exchange_host)  # fmt: skip
-        return cls(replicas, settings,
-                   grow=lambda index: LocalReplica(config, index, load_format="dummy"))  # fmt: skip
+        settings = FleetSettings(
+            stage_timeout_s=parallel.push_phase_timeout_s,
+            max_staleness=config.fleet.max_staleness,
+            heal=config.fleet.heal,
+            exchange_host=first.engine.config.exchange_host,
+        )
+        return cls(
+            replicas, settings, grow=lambda index: LocalReplica(config, index, load_format="dummy")
+        )
 
     @classmethod
-    def remote(cls, urls: list[str], settings: FleetSettings, admin_key: str | None = None,
-               check_timeout_s: float = 2.0) -> Fleet:  # fmt: skip
+    def remote(
+        cls,
+        urls: list[str],
+        settings: FleetSettings,
+        admin_key: str | None = None,
+        check_timeout_s: float = 2.0,
+    ) -> Fleet:
         """The `tandem serve` instances at ``urls`` (sharing ``admin_key``)."""
         if not urls:
             raise ValueError("a router needs at least one --replica URL")
-        replicas = [RemoteReplica(url, admin_key, settings.phase_timeout_s, check_timeout_s)
-                    for url in urls]  # fmt: skip
+        replicas = [
+            RemoteReplica(url, admin_key, settings.phase_timeout_s, check_timeout_s) for url in urls
+        ]
         if len({r.name for r in replicas}) != len(replicas):
             raise ValueError(f"a replica is listed twice: {urls}")
         return cls(replicas, settings)
@@ -158,8 +172,14 @@ class Fleet:
         return [r.version for r in list(self.replicas)]
 
     # ----- requests -----
-    def route(self, units: list[int], samples: int, max_tokens: int, avoid: int | None = None,
-              wait_s: float | None = None) -> Routed:  # fmt: skip
+    def route(
+        self,
+        units: list[int],
+        samples: int,
+        max_tokens: int,
+        avoid: int | None = None,
+        wait_s: float | None = None,
+    ) -> Routed:
         """The replica for one request among those allowed now (waiting up to ``wait_s``,
         default the push deadline, while none is but one will be: a rolling wave, a replica
         joining); `NoReplicaError` if none can. ``units``: its prompt's token ids (or
@@ -178,8 +198,15 @@ class Fleet:
         with self.lock:
             self.policy.finished(routed)
 
-    def rerun(self, lost: Routed | int, reason: str, units: list[int], samples: int,
-              max_tokens: int, wait_s: float | None = None) -> Routed:  # fmt: skip
+    def rerun(
+        self,
+        lost: Routed | int,
+        reason: str,
+        units: list[int],
+        samples: int,
+        max_tokens: int,
+        wait_s: float | None = None,
+    ) -> Routed:
         """Where a request goes that its replica lost (it died, was torn, or could not be
         reached) before any of it went out to its client: the one rule every front follows.
         The replica is held out (`Replica.lost`: quarantined to heal, or a remote one skipped
@@ -237,13 +264,18 @@ class Fleet:
                 self.board.quarantine(r, health.fault)
         if self.push_lock.acquire(blocking=False):  # a push holds versions apart on purpose
             try:
-                live = [r for r, h in enumerate(healths)
-                        if h.ok and self.board.state(r) is ReplicaState.SERVING]  # fmt: skip
+                live = [
+                    r
+                    for r, h in enumerate(healths)
+                    if h.ok and self.board.state(r) is ReplicaState.SERVING
+                ]
                 newest = max((healths[r].version for r in live), default=None)
                 for r in live:
                     if healths[r].version < newest:
-                        self.board.quarantine(r, f"serves version {healths[r].version}, the "
-                                                 f"fleet {newest} (restarted?)")  # fmt: skip
+                        self.board.quarantine(
+                            r,
+                            f"serves version {healths[r].version}, the fleet {newest} (restarted?)",
+                        )
             finally:
                 self.push_lock.release()
         for r, health in enumerate(healths):
@@ -353,8 +385,9 @@ class Fleet:
         """Grow the fleet by one replica of this process (elastic scale-out): started reading
         nothing from disk, filled from a live peer like a healed replica, then routed to."""
         if self._grow is None or len(self.replicas) < 2:
-            raise ValueError("add_replica needs a fleet: start the LLM with "
-                             "data_parallel_size >= 2")  # fmt: skip
+            raise ValueError(
+                "add_replica needs a fleet: start the LLM with data_parallel_size >= 2"
+            )
         return self.add(self._grow(len(self.replicas)))["replica"]
 
     def add(self, replica: Replica) -> dict:
@@ -367,8 +400,10 @@ class Fleet:
                 raise ValueError(f"{replica.name} is already a replica")
             if replica.in_process != self.replicas[0].in_process:
                 replica.close()
-                raise ValueError(f"{replica.name} is not of the fleet's kind (engines of one "
-                                 "process, or servers behind one router)")  # fmt: skip
+                raise ValueError(
+                    f"{replica.name} is not of the fleet's kind (engines of one "
+                    "process, or servers behind one router)"
+                )
             index = self.board.add(ReplicaState.JOINING)
             if index != len(self.replicas):
                 raise RuntimeError("replicas were added at the same time")
@@ -392,8 +427,10 @@ class Fleet:
         # no push writes the peer's weights while they are read: a push under way (a rolling
         # one, its waves bounded by their deadlines) ends first
         if not self.push_lock.acquire(timeout=self.timeout_s):
-            raise TimeoutError(f"replica {replica} waited {self.timeout_s:g} s for the push "
-                               "under way to end; it heals on the next check")  # fmt: skip
+            raise TimeoutError(
+                f"replica {replica} waited {self.timeout_s:g} s for the push "
+                "under way to end; it heals on the next check"
+            )
         try:
             healths = [r.health() for r in self.replicas]
             peers = [r for r in self.board.allowed() if r != replica and healths[r].ok]
@@ -443,9 +480,11 @@ class Fleet:
         return self.board.newest()
 
     def worker_locations(self) -> list[dict]:
-        return [{**loc, "replica": r}
-                for r, engine in enumerate(self.engines)
-                for loc in engine.worker_locations()]  # fmt: skip
+        return [
+            {**loc, "replica": r}
+            for r, engine in enumerate(self.engines)
+            for loc in engine.worker_locations()
+        ]
 
     def fleet_state(self) -> list[dict]:
         """Each replica: ``{replica, state, version, load}`` (state: serving, updating,
@@ -482,10 +521,16 @@ class Fleet:
                 reason = status.reason or state
             else:
                 reason = health.reason
-            entry = {"replica": r, **replica.report(), "state": state,
-                     "version": health.version, "load": loads[r], "requests": requests[r],
-                     "status": "ok" if reason is None else "unavailable",
-                     "reason": reason}  # fmt: skip
+            entry = {
+                "replica": r,
+                **replica.report(),
+                "state": state,
+                "version": health.version,
+                "load": loads[r],
+                "requests": requests[r],
+                "status": "ok" if reason is None else "unavailable",
+                "reason": reason,
+            }
             if rolling_to is not None and health.version < rolling_to:
                 entry["rolling_to"] = rolling_to
             out.append(entry)
@@ -499,16 +544,23 @@ class Fleet:
             states, versions = self.board.snapshot(), self._versions()
             # a replica in its wave serves again once committed: it is waited for; one
             # quarantined or joining heals to the newest version and is not
-            serving = [versions[r] for r, s in enumerate(states)
-                       if s.state in (ReplicaState.SERVING, ReplicaState.UPDATING)]  # fmt: skip
+            serving = [
+                versions[r]
+                for r, s in enumerate(states)
+                if s.state in (ReplicaState.SERVING, ReplicaState.UPDATING)
+            ]
             if serving and min(serving) >= version:
                 return
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                now = ", ".join(f"replica {r} {s['state']} at {s['version']}"
-                                for r, s in enumerate(self.fleet_state()))  # fmt: skip
-                raise TimeoutError(f"not every serving replica serves version {version} after "
-                                   f"{timeout_s:g} s: {now}")  # fmt: skip
+                now = ", ".join(
+                    f"replica {r} {s['state']} at {s['version']}"
+                    for r, s in enumerate(self.fleet_state())
+                )
+                raise TimeoutError(
+                    f"not every serving replica serves version {version} after "
+                    f"{timeout_s:g} s: {now}"
+                )
             with self.board.changed:
                 self.board.changed.wait(
                     VERSION_POLL_S if left is None else min(left, VERSION_POLL_S)

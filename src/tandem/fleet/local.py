@@ -44,8 +44,13 @@ class LocalReplica:
         why = engine.unavailable()  # dead, torn, no weights loaded
         fault = (why or engine.state.value) if engine.state in FAULTS else None
         # ok: routed to (an engine without weights refuses a request itself, saying why)
-        return Health(ok=fault is None, version=engine.weight_version, fault=fault,
-                      reason=why, updating=engine.controls.lifecycle.updating)  # fmt: skip
+        return Health(
+            ok=fault is None,
+            version=engine.weight_version,
+            fault=fault,
+            reason=why,
+            updating=engine.controls.lifecycle.updating,
+        )
 
     def refresh(self) -> None:
         self.engine.check_health()

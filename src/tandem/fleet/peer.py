@@ -27,25 +27,43 @@ from tandem.exchange.transports.memory import MappedArena
 class PeerRankSender(WeightSender):
     """One peer rank as a trainer rank: its layout as is, its tensors mapped from its arena."""
 
-    def __init__(self, layout: RankLayout, rank: int, world: int, target, timeout_s: float,
-                 transport: str, admin_key: str | None):  # fmt: skip
+    def __init__(
+        self,
+        layout: RankLayout,
+        rank: int,
+        world: int,
+        target,
+        timeout_s: float,
+        transport: str,
+        admin_key: str | None,
+    ):
         arena = MappedArena(layout.arena)
         # each parameter in its own dtype (block-FP8 values and scales beside the rest)
-        self._tensors = {key: arena.param(key, DTYPES[layout.dtype_of(key)])
-                         for key in layout.local_shapes}  # fmt: skip
-        self._layout = RankLayout(rank, layout.regions, layout.local_shapes, layout.dtype,
-                                  dtypes=layout.dtypes)  # fmt: skip
+        self._tensors = {
+            key: arena.param(key, DTYPES[layout.dtype_of(key)]) for key in layout.local_shapes
+        }
+        self._layout = RankLayout(
+            rank, layout.regions, layout.local_shapes, layout.dtype, dtypes=layout.dtypes
+        )
         self._arena = arena  # the mapping lives as long as the views
-        super().__init__(self._tensors, target, transport=transport, mode="in_place", rank=rank,
-                         world_size=world, timeout_s=timeout_s,
-                         admin_key=admin_key)  # fmt: skip
+        super().__init__(
+            self._tensors,
+            target,
+            transport=transport,
+            mode="in_place",
+            rank=rank,
+            world_size=world,
+            timeout_s=timeout_s,
+            admin_key=admin_key,
+        )
 
     def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
         return self._layout, self._tensors
 
 
-def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm",
-                   admin_key: str | None = None) -> PushStats:  # fmt: skip
+def push_from_peer(
+    peer, target, timeout_s: float = 600.0, transport: str = "shm", admin_key: str | None = None
+) -> PushStats:
     """Push ``peer``'s weights (an `LLMEngine` serving) into ``target`` (serving no request;
     what `WeightSender` takes: an exchange address, a `tandem serve` URL with ``admin_key``),
     at the peer's version (whatever the target served before: a rollback, in
@@ -55,11 +73,15 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
     layouts = peer.target.weight_layouts()
     missing = [lay.rank for lay in layouts if lay.arena is None]
     if missing:
-        raise WeightSyncError(f"the peer's ranks {missing} hold no parameters in shared memory "
-                              "(engines on CPU do): it cannot push to a replica")  # fmt: skip
+        raise WeightSyncError(
+            f"the peer's ranks {missing} hold no parameters in shared memory "
+            "(engines on CPU do): it cannot push to a replica"
+        )
     version = peer.weight_version
-    senders = [PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key)
-               for i, lay in enumerate(layouts)]  # fmt: skip
+    senders = [
+        PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key)
+        for i, lay in enumerate(layouts)
+    ]
     results: list = [None] * len(senders)
 
     def one(i: int) -> None:
@@ -70,8 +92,10 @@ def push_from_peer(peer, target, timeout_s: float = 600.0, transport: str = "shm
         except BaseException as exc:
             results[i] = exc
 
-    threads = [threading.Thread(target=one, args=(i,), name=f"tandem-peer-rank-{i}",
-                                daemon=True) for i in range(1, len(senders))]  # fmt: skip
+    threads = [
+        threading.Thread(target=one, args=(i,), name=f"tandem-peer-rank-{i}", daemon=True)
+        for i in range(1, len(senders))
+    ]
     for t in threads:
         t.start()
     one(0)

@@ -42,14 +42,21 @@ class RoutingPolicy:
     preferred only while its load exceeds the least-loaded replica's by at most
     ``max(imbalance_tokens, imbalance_ratio x that load)``."""
 
-    def __init__(self, replicas: int, block_size: int, cache_blocks: int,
-                 cache_threshold: float = 0.5, imbalance_tokens: int = 1024,
-                 imbalance_ratio: float = 0.25):  # fmt: skip
+    def __init__(
+        self,
+        replicas: int,
+        block_size: int,
+        cache_blocks: int,
+        cache_threshold: float = 0.5,
+        imbalance_tokens: int = 1024,
+        imbalance_ratio: float = 0.25,
+    ):
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         if block_size < 1 or cache_blocks < 0:
-            raise ValueError(f"block_size ({block_size}) must be >= 1 and cache_blocks "
-                             f"({cache_blocks}) >= 0")  # fmt: skip
+            raise ValueError(
+                f"block_size ({block_size}) must be >= 1 and cache_blocks ({cache_blocks}) >= 0"
+            )
         self.block_size = block_size
         self.cache_blocks = cache_blocks
         self.cache_threshold = cache_threshold
@@ -70,8 +77,9 @@ class RoutingPolicy:
         self._prefixes.append(OrderedDict())
         return len(self.loads) - 1
 
-    def route(self, prompt_ids: list[int], samples: int, max_tokens: int,
-              allowed: list[int] | None = None) -> Routed:  # fmt: skip
+    def route(
+        self, prompt_ids: list[int], samples: int, max_tokens: int, allowed: list[int] | None = None
+    ) -> Routed:
         """Pick the replica for one request (among ``allowed``, default all) and count its
         load there until `finished`. A policy over one replica has nothing to choose: it
         counts the load and hashes nothing (a `tandem serve` behind `tandem router`, where

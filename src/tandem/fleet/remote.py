@@ -44,8 +44,14 @@ class RemoteReplica:
     in_process = False
     block = TEXT_BLOCK
 
-    def __init__(self, url: str, admin_key: str | None, timeout_s: float,
-                 check_timeout_s: float = 2.0, cache_blocks: int = 4096):  # fmt: skip
+    def __init__(
+        self,
+        url: str,
+        admin_key: str | None,
+        timeout_s: float,
+        check_timeout_s: float = 2.0,
+        cache_blocks: int = 4096,
+    ):
         self.url = url.rstrip("/")
         self.name = self.url
         self.admin_key = admin_key
@@ -69,30 +75,33 @@ class RemoteReplica:
         try:
             r = httpx.get(f"{self.url}/health", timeout=self.check_timeout_s)
         except httpx.HTTPError as exc:
-            self.record(asked, None, {}, f"no answer from {self.url}/health "
-                                         f"({type(exc).__name__})")  # fmt: skip
+            self.record(asked, None, {}, f"no answer from {self.url}/health ({type(exc).__name__})")
             return
         self.record(asked, r.status_code, _json(r), None)
 
-    def record(self, asked: float, status: int | None, body: dict,
-               unreachable: str | None) -> None:  # fmt: skip
+    def record(self, asked: float, status: int | None, body: dict, unreachable: str | None) -> None:
         """One health check's outcome, sent at ``asked``: ok when it answered 200 with
         ``status: ok`` as one replica (a server with replicas of its own would route each
         request again: the router's is the one decision)."""
         ok = unreachable is None and status == 200 and body.get("status") == "ok"
-        reason = None if ok else (unreachable or body.get("reason")
-                                  or f"/health answered {status}")  # fmt: skip
+        reason = None if ok else (unreachable or body.get("reason") or f"/health answered {status}")
         if ok and len(replicas := body.get("replicas") or [None]) > 1:
-            ok, reason = False, (f"it serves a fleet of its own ({len(replicas)} replicas, "
-                                 "--data-parallel-size): a router routes over servers of one "
-                                 "replica each")  # fmt: skip
+            ok, reason = (
+                False,
+                (
+                    f"it serves a fleet of its own ({len(replicas)} replicas, "
+                    "--data-parallel-size): a router routes over servers of one "
+                    "replica each"
+                ),
+            )
         with self._lock:
             if asked < self._asked_at:
                 return
             self._asked_at = asked
             version = body.get("weight_version")
-            self._health = Health(ok=ok, version=version if isinstance(version, int) else 0,
-                                  reason=reason)  # fmt: skip
+            self._health = Health(
+                ok=ok, version=version if isinstance(version, int) else 0, reason=reason
+            )
 
     def lost(self, reason: str) -> bool:
         """It could not be reached by a request: no more until a check finds it up."""
@@ -112,12 +121,15 @@ class RemoteReplica:
         same_host = urlsplit(self.url).hostname == urlsplit(target).hostname
         # the call wraps a whole push on the peer, under the peer's own deadlines: past them
         with httpx.Client(timeout=max(timeout_s, self.timeout_s)) as client:
-            r = client.post(f"{self.url}/admin/weights/push_to",
-                            json={"url": target, "transport": "shm" if same_host else "dist"},
-                            headers={"authorization": f"Bearer {self.admin_key}"})  # fmt: skip
+            r = client.post(
+                f"{self.url}/admin/weights/push_to",
+                json={"url": target, "transport": "shm" if same_host else "dist"},
+                headers={"authorization": f"Bearer {self.admin_key}"},
+            )
         if r.status_code != 200:
-            raise WeightSyncError(f"{self.url} could not push into {target}: {r.status_code} "
-                                  f"{r.text[:500]}")  # fmt: skip
+            raise WeightSyncError(
+                f"{self.url} could not push into {target}: {r.status_code} {r.text[:500]}"
+            )
         return r.json()["version"]
 
     def paused(self) -> str | None:
@@ -152,8 +164,9 @@ class RemoteTarget:
     def __init__(self, url: str, admin_key: str, timeout_s: float = 600.0):
         self.url = url
         self.update_listeners: list = []
-        self._client = httpx.Client(base_url=url, timeout=timeout_s,
-                                    headers={"authorization": f"Bearer {admin_key}"})  # fmt: skip
+        self._client = httpx.Client(
+            base_url=url, timeout=timeout_s, headers={"authorization": f"Bearer {admin_key}"}
+        )
         self._info: TargetInfo | None = None
 
     def info(self, fresh: bool = True) -> TargetInfo:
@@ -175,8 +188,10 @@ class RemoteTarget:
 
     def refuses(self, settings: PushSettings) -> str | None:
         if self.info(fresh=False).replicas > 1:
-            return (f"{self.url} serves a fleet of its own (--data-parallel-size > 1): push "
-                    "to it directly, or route over single-replica servers")  # fmt: skip
+            return (
+                f"{self.url} serves a fleet of its own (--data-parallel-size > 1): push "
+                "to it directly, or route over single-replica servers"
+            )
         return None
 
     def weight_layouts(self) -> list[RankLayout]:
@@ -196,13 +211,18 @@ class RemoteTarget:
             yield window
         except BaseException:
             try:
-                self._call("POST", "/admin/weights/window/close",
-                           CloseWindow(reply.token, False), WindowReply)  # fmt: skip
+                self._call(
+                    "POST",
+                    "/admin/weights/window/close",
+                    CloseWindow(reply.token, False),
+                    WindowReply,
+                )
             except WeightSyncError:
                 pass  # it timed out or died: it dropped the push itself
             raise
-        self._call("POST", "/admin/weights/window/close", CloseWindow(reply.token, True),
-                   WindowReply)  # fmt: skip
+        self._call(
+            "POST", "/admin/weights/window/close", CloseWindow(reply.token, True), WindowReply
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -210,9 +230,11 @@ class RemoteTarget:
     def _call(self, method: str, path: str, message, expect: type):
         try:
             r = self._client.request(
-                method, path, content=None if message is None else WINDOW.encode(message),
+                method,
+                path,
+                content=None if message is None else WINDOW.encode(message),
                 headers={"content-type": MEDIA_TYPE},
-            )  # fmt: skip
+            )
         except httpx.HTTPError as exc:
             raise WeightSyncError(f"{self.url} unreachable ({type(exc).__name__}: {exc})") from None
         if r.headers.get("content-type", "").split(";")[0] != MEDIA_TYPE:
@@ -235,15 +257,17 @@ class RemoteWindow:
         self._ingress: dict[int, tuple[int, float]] = {0: (0, 0.0)}
 
     def expose(self) -> None:
-        self.replica._call("POST", "/admin/weights/window/expose", Expose(self.token),
-                           WindowReply)  # fmt: skip
+        self.replica._call("POST", "/admin/weights/window/expose", Expose(self.token), WindowReply)
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         ranks = 1 + max(records_by_rank, default=-1)
         records = [records_by_rank.get(rank, []) for rank in range(ranks)]
-        reply = self.replica._call("POST", "/admin/weights/window/phase",
-                                   RunPhase(self.token, phase, self.spec, records),
-                                   WindowReply)  # fmt: skip
+        reply = self.replica._call(
+            "POST",
+            "/admin/weights/window/phase",
+            RunPhase(self.token, phase, self.spec, records),
+            WindowReply,
+        )
         if reply.ingress is not None:
             self._ingress = {r: (n, s) for r, n, s in reply.ingress}
         return reply.nbytes

@@ -59,10 +59,17 @@ class FleetTarget:
     The exchange server asks `refuses` first for every push, then `weight_layouts`, then
     opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
 
-    def __init__(self, replicas: list, host: str = "127.0.0.1", board: ReplicaBoard | None = None,
-                 drain: Drain | None = None, phase_timeout_s: float = 600.0,
-                 pull: Pull | None = None, stage_timeout_s: float = 600.0,
-                 lock: threading.Lock | None = None):  # fmt: skip
+    def __init__(
+        self,
+        replicas: list,
+        host: str = "127.0.0.1",
+        board: ReplicaBoard | None = None,
+        drain: Drain | None = None,
+        phase_timeout_s: float = 600.0,
+        pull: Pull | None = None,
+        stage_timeout_s: float = 600.0,
+        lock: threading.Lock | None = None,
+    ):
         self.replicas = replicas  # the fleet's own list: a restarted replica's target replaces
         self.host = host
         self.board = board or ReplicaBoard(
@@ -82,8 +89,9 @@ class FleetTarget:
         if self._exchange is None:
             from tandem.exchange.server import ExchangeServer
 
-            self._exchange = ExchangeServer(self, host=self.host,
-                                            stage_timeout_s=self.stage_timeout_s)  # fmt: skip
+            self._exchange = ExchangeServer(
+                self, host=self.host, stage_timeout_s=self.stage_timeout_s
+            )
         return self._exchange
 
     def close(self) -> None:
@@ -113,12 +121,16 @@ class FleetTarget:
         if settings.adapter is not None:
             return "a fleet takes no LoRA adapter pushes yet (data_parallel_size > 1)"
         if settings.in_place and not settings.rolling:
-            return ("mode='in_place' into a fleet needs policy='rolling' (one wave written at a "
-                    "time, the others serving); policy='all' stages: every replica verifies "
-                    "the new version before any commits it")  # fmt: skip
+            return (
+                "mode='in_place' into a fleet needs policy='rolling' (one wave written at a "
+                "time, the others serving); policy='all' stages: every replica verifies "
+                "the new version before any commits it"
+            )
         if settings.in_place and self.pull is None:
-            return ("mode='in_place' rolls from replica to replica, which needs the replicas' "
-                    "weights in reach of this process: push staged")  # fmt: skip
+            return (
+                "mode='in_place' rolls from replica to replica, which needs the replicas' "
+                "weights in reach of this process: push staged"
+            )
         members = self.board.members()
         if not members:
             return self.board.why_none()
@@ -139,8 +151,11 @@ class FleetTarget:
         for r in members:
             self._first_ranks[r] = first
             first += len(per_replica[r])
-        return [dataclasses.replace(lay, rank=self._first_ranks[r] + lay.rank, replica=r)
-                for r in members for lay in per_replica[r]]  # fmt: skip
+        return [
+            dataclasses.replace(lay, rank=self._first_ranks[r] + lay.rank, replica=r)
+            for r in members
+            for lay in per_replica[r]
+        ]
 
     def unavailable(self) -> str | None:
         if self.board.allowed():
@@ -191,8 +206,10 @@ class FleetUpdate:
         for r in members:
             self._open(r)
         if not self.windows:
-            raise WeightSyncError(f"update to version {spec.version}: no replica could open "
-                                  f"its window: {self._failures()}")  # fmt: skip
+            raise WeightSyncError(
+                f"update to version {spec.version}: no replica could open "
+                f"its window: {self._failures()}"
+            )
 
     @property
     def spec(self) -> UpdateSpec:
@@ -223,9 +240,11 @@ class FleetUpdate:
             detail = "; ".join(f"replica {r}: {why}" for r, why in sorted(errors.items()))
             for r in replicas:  # the senders' fault, not theirs: none is quarantined
                 self._close(r, WeightSyncError(detail), quarantine=False)
-            raise WeightSyncError(f"update to version {self.spec.version} rejected in "
-                                  f"{phase.value} by every replica; each keeps the version it "
-                                  f"serves: {detail}")  # fmt: skip
+            raise WeightSyncError(
+                f"update to version {self.spec.version} rejected in "
+                f"{phase.value} by every replica; each keeps the version it "
+                f"serves: {detail}"
+            )
         for r, why in errors.items():
             self._close(r, WeightSyncError(why), reason=f"{phase.value}: {why}")
         if phase is PushPhase.HOLD:  # rolling: back to serving the old version meanwhile
@@ -236,8 +255,10 @@ class FleetUpdate:
         elif phase is PushPhase.COMMIT:
             self.committed += sorted(self.windows)
             if not self.windows:
-                raise WeightSyncError(f"the commit of version {self.spec.version} failed on "
-                                      f"every replica: {self._failures()}")  # fmt: skip
+                raise WeightSyncError(
+                    f"the commit of version {self.spec.version} failed on "
+                    f"every replica: {self._failures()}"
+                )
             if self.spec.settings.in_place:  # the first wave serves the new version now
                 for r in sorted(self.windows):
                     self._close(r, None)
@@ -292,8 +313,10 @@ class FleetUpdate:
         finally:
             board.rolling(None)
         if not self.committed:
-            raise WeightSyncError(f"the commit of version {self.spec.version} failed on every "
-                                  f"replica: {self._failures()}")  # fmt: skip
+            raise WeightSyncError(
+                f"the commit of version {self.spec.version} failed on every "
+                f"replica: {self._failures()}"
+            )
         return moved
 
     def _still_in(self, replicas: list[int]) -> list[int]:
@@ -324,8 +347,10 @@ class FleetUpdate:
             except Exception as exc:
                 errors[r] = str(exc) or type(exc).__name__
 
-        threads = [threading.Thread(target=one, args=(k, r), name=f"tandem-wave-{r}",
-                                    daemon=True) for k, r in enumerate(wave)]  # fmt: skip
+        threads = [
+            threading.Thread(target=one, args=(k, r), name=f"tandem-wave-{r}", daemon=True)
+            for k, r in enumerate(wave)
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + self.target.phase_timeout_s
@@ -340,9 +365,12 @@ class FleetUpdate:
         one deadline: the wave commits when it passes either way (requests still running
         then cross the commit, their version spans saying so)."""
         timeout = self.target.phase_timeout_s
-        threads = [threading.Thread(target=self.target.drain, args=(r, timeout),
-                                    name=f"tandem-drain-{r}", daemon=True)
-                   for r in wave]  # fmt: skip
+        threads = [
+            threading.Thread(
+                target=self.target.drain, args=(r, timeout), name=f"tandem-drain-{r}", daemon=True
+            )
+            for r in wave
+        ]
         for t in threads:
             t.start()
         deadline = time.monotonic() + timeout + DRAIN_MARGIN_S
@@ -361,8 +389,10 @@ class FleetUpdate:
             except BaseException as exc:
                 errors[r] = str(exc) or type(exc).__name__
 
-        threads = {r: threading.Thread(target=one, args=(r,), name=f"tandem-push-replica-{r}",
-                                       daemon=True) for r in replicas}  # fmt: skip
+        threads = {
+            r: threading.Thread(target=one, args=(r,), name=f"tandem-push-replica-{r}", daemon=True)
+            for r in replicas
+        }
         for t in threads.values():
             t.start()
         deadline = time.monotonic() + self.target.phase_timeout_s
@@ -370,8 +400,7 @@ class FleetUpdate:
             t.join(max(0.0, deadline - time.monotonic()))
             if t.is_alive():
                 self._hung.add(r)
-                errors[r] = (f"did not finish {phase.value} within "
-                             f"{self.target.phase_timeout_s:g} s")  # fmt: skip
+                errors[r] = f"did not finish {phase.value} within {self.target.phase_timeout_s:g} s"
         return sum(moved.get(r, 0) for r in replicas if r not in errors), errors
 
     def _open(self, r: int) -> None:
@@ -383,8 +412,9 @@ class FleetUpdate:
             return
         self._managers[r] = manager
 
-    def _close(self, r: int, exc: BaseException | None, quarantine: bool = True,
-               reason: str | None = None) -> None:  # fmt: skip
+    def _close(
+        self, r: int, exc: BaseException | None, quarantine: bool = True, reason: str | None = None
+    ) -> None:
         """Leave replica ``r``'s window: normally, or failed with ``exc`` (the replica drops
         what the push left on it, and is quarantined with ``reason`` if ``quarantine``)."""
         window, manager = self.windows.pop(r), self._managers.pop(r)
