@@ -68,18 +68,28 @@ async def push_to(request: Request):
     s = state(request)
     body = await read_json(request, PushTo, 1 << 16)
     if len(s.engine.fleet.engines) != 1:
-        raise APIError(409, "this server runs a fleet of its own: push from one of its replicas "
-                       "is not offered", code="invalid_value")  # fmt: skip
+        raise APIError(
+            409,
+            "this server runs a fleet of its own: push from one of its replicas is not offered",
+            code="invalid_value",
+        )
     engine = s.engine.fleet.lead
     try:
-        stats = await asyncio.to_thread(push_from_peer, engine, body.url,
-                                        engine.config.parallel.push_phase_timeout_s,
-                                        body.transport, s.config.admin_key)  # fmt: skip
+        stats = await asyncio.to_thread(
+            push_from_peer,
+            engine,
+            body.url,
+            engine.config.parallel.push_phase_timeout_s,
+            body.transport,
+            s.config.admin_key,
+        )
     except (WeightSyncError, ValueError, OSError) as exc:
-        raise APIError(502, f"the push into {body.url} failed: {exc}",
-                       code="push_failed") from None  # fmt: skip
-    return {"version": stats.version, "bytes_moved": stats.bytes_moved,
-            "seconds": round(stats.seconds, 4)}  # fmt: skip
+        raise APIError(502, f"the push into {body.url} failed: {exc}", code="push_failed") from None
+    return {
+        "version": stats.version,
+        "bytes_moved": stats.bytes_moved,
+        "seconds": round(stats.seconds, 4),
+    }
 
 
 # A front that runs the push itself (`tandem router`, `tandem.fleet.remote`) holds a
@@ -92,8 +102,14 @@ async def target_info(request: Request):
     fleet = state(request).engine.fleet
     target = fleet.target
     layouts = await asyncio.to_thread(target.weight_layouts)
-    info = TargetInfo(target.weight_version, target.weight_dtype, target.weight_device_type,
-                      layouts, len(fleet.engines), target.unavailable())  # fmt: skip
+    info = TargetInfo(
+        target.weight_version,
+        target.weight_dtype,
+        target.weight_device_type,
+        layouts,
+        len(fleet.engines),
+        target.unavailable(),
+    )
     return _msgpack(info)
 
 
@@ -154,8 +170,9 @@ async def _read(request: Request, kind: type):
     except ValueError as exc:
         raise APIError(400, f"not a push-window message: {exc}", code="invalid_value") from None
     if not isinstance(message, kind):
-        raise APIError(400, f"expected {kind.__name__}, got {type(message).__name__}",
-                       code="invalid_value")  # fmt: skip
+        raise APIError(
+            400, f"expected {kind.__name__}, got {type(message).__name__}", code="invalid_value"
+        )
     return message
 
 

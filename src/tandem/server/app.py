@@ -18,10 +18,21 @@ from tandem.server import (
 from tandem.server.metrics import CONTENT_TYPE
 from tandem.server.state import ServerState, state
 
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/classify",
-              "/v1/models", "/health", "/fleet_state", "/metrics")  # fmt: skip
-_CONTROLS = {route.path for r in (rl_controls.router, weight_transfer_routes.router,
-                                   lora_routes.router) for route in r.routes}  # fmt: skip
+_ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/classify",
+    "/v1/models",
+    "/health",
+    "/fleet_state",
+    "/metrics",
+)
+_CONTROLS = {
+    route.path
+    for r in (rl_controls.router, weight_transfer_routes.router, lora_routes.router)
+    for route in r.routes
+}
 
 
 def build_app(server: ServerState) -> FastAPI:
@@ -40,10 +51,13 @@ def build_app(server: ServerState) -> FastAPI:
     async def health(request: Request):
         s = state(request)
         why = s.engine.unavailable()
-        body = {"status": "ok" if why is None else "unavailable", "reason": why,
-                "weight_version": s.engine.weight_version,
-                "sleeping": s.engine.state is EngineState.SLEEPING,
-                "replicas": s.engine.replica_health()}  # fmt: skip
+        body = {
+            "status": "ok" if why is None else "unavailable",
+            "reason": why,
+            "weight_version": s.engine.weight_version,
+            "sleeping": s.engine.state is EngineState.SLEEPING,
+            "replicas": s.engine.replica_health(),
+        }
         return JSONResponse(body, status_code=200 if why is None else 503)
 
     @app.get("/fleet_state")
@@ -78,8 +92,13 @@ class _CountRequests:
             await send(message)
 
         path = scope.get("path", "")
-        endpoint = (path if path in _ENDPOINTS else "admin"
-                    if path.startswith("/admin") or path in _CONTROLS else "other")  # fmt: skip
+        endpoint = (
+            path
+            if path in _ENDPOINTS
+            else "admin"
+            if path.startswith("/admin") or path in _CONTROLS
+            else "other"
+        )
         try:
             await self.app(scope, receive, send_status)
         finally:

@@ -265,17 +265,22 @@ class AsyncEngine:
         self.enqueue(call_id, list(enumerate(requests)), queue)
         return Submission(self, [rid for rid, _ in requests], queue)
 
-    def enqueue(self, call_id: str, requests: list[tuple[int, tuple[str, list[Sequence]]]],
-                queue: asyncio.Queue, on_over=None, loop=None,
-                streams: bool = True) -> None:  # fmt: skip
+    def enqueue(
+        self,
+        call_id: str,
+        requests: list[tuple[int, tuple[str, list[Sequence]]]],
+        queue: asyncio.Queue,
+        on_over=None,
+        loop=None,
+        streams: bool = True,
+    ) -> None:
         """Queue requests of API call ``call_id`` (each with its index in the call), posting
         their updates to ``queue`` (on ``loop``: the running one by default);
         ``on_over(request_id)`` once each is over (finished, aborted or failed); ``streams``:
         whether the client sees tokens as they are posted. ValueError if a live call has
         that id."""
         loop = loop or asyncio.get_running_loop()
-        tracked = [(rid, _Tracked(i, seqs, queue, loop, streams))
-                   for i, (rid, seqs) in requests]  # fmt: skip
+        tracked = [(rid, _Tracked(i, seqs, queue, loop, streams)) for i, (rid, seqs) in requests]
         with self._cond:
             if call_id in self._live.values():
                 raise ValueError(f"request id {call_id!r} is already in use")
@@ -395,8 +400,15 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._closed or self._new or self._aborts or self._republish
-                           or self._encodes or self._runnable() or self._lost()):  # fmt: skip
+                while not (
+                    self._closed
+                    or self._new
+                    or self._aborts
+                    or self._republish
+                    or self._encodes
+                    or self._runnable()
+                    or self._lost()
+                ):
                     if not self._cond.wait(timeout=HEALTH_CHECK_S):
                         self._core.check_health()  # idle: is every worker still there?
                 if self._closed:
@@ -498,8 +510,11 @@ class AsyncEngine:
 
     def _over(self, request_ids) -> None:
         with self._cond:
-            calls = [(rid, self._on_over.pop(rid, None)) for rid in request_ids
-                     if self._live.pop(rid, None) is not None]  # fmt: skip
+            calls = [
+                (rid, self._on_over.pop(rid, None))
+                for rid in request_ids
+                if self._live.pop(rid, None) is not None
+            ]
         for request_id, on_over in calls:
             if on_over is not None:
                 on_over(request_id)

@@ -49,8 +49,13 @@ def _failed(index: int, reason: str) -> RequestUpdate:
 
 # the state a fleet reports: its replicas' worst (a dead replica is a dead fleet until the
 # fleet can quarantine and heal it)
-_WORST_FIRST = (EngineState.DEAD, EngineState.TORN, EngineState.NO_WEIGHTS,
-                EngineState.SLEEPING, EngineState.RUNNING)  # fmt: skip
+_WORST_FIRST = (
+    EngineState.DEAD,
+    EngineState.TORN,
+    EngineState.NO_WEIGHTS,
+    EngineState.SLEEPING,
+    EngineState.RUNNING,
+)
 
 
 class AsyncFleet:
@@ -81,8 +86,9 @@ class AsyncFleet:
             else:
                 self.replicas[r] = fresh
         if old is not None:
-            threading.Thread(target=old.close, args=(f"replica {r} was restarted",),
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=old.close, args=(f"replica {r} was restarted",), daemon=True
+            ).start()
 
     # ----- what every replica shares: the lead's -----
     @property
@@ -118,8 +124,9 @@ class AsyncFleet:
     def tokenize_inputs(self, items):
         return self._lead.tokenize_inputs(items)
 
-    def prepare(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                priority: int = 0) -> list[Sequence]:  # fmt: skip
+    def prepare(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> list[Sequence]:
         """Check one prompt (every replica has the same limits) and make its samples; their
         ids are unique across the fleet (one admission numbers them all)."""
         return self._lead.prepare(request_id, prompt_ids, params, priority)
@@ -165,8 +172,11 @@ class AsyncFleet:
 
     @property
     def torn_reason(self) -> str | None:
-        reasons = [f"replica {i}: {why}" for i, r in enumerate(self.replicas)
-                   if (why := r.torn_reason) is not None]  # fmt: skip
+        reasons = [
+            f"replica {i}: {why}"
+            for i, r in enumerate(self.replicas)
+            if (why := r.torn_reason) is not None
+        ]
         return "; ".join(reasons) or None
 
     @property
@@ -200,8 +210,10 @@ class AsyncFleet:
         """Each replica: the fleet's report (`Fleet.report`: replica, state, version, load,
         requests, status, reason) and its engine's state (``engine``: running, sleeping...)."""
         replicas = list(self.replicas)
-        return [{**entry, "engine": replicas[entry["replica"]].state.value}
-                for entry in self.fleet.report()]  # fmt: skip
+        return [
+            {**entry, "engine": replicas[entry["replica"]].state.value}
+            for entry in self.fleet.report()
+        ]
 
     def fleet_state(self) -> list[dict]:
         return self.fleet.fleet_state()
@@ -214,9 +226,13 @@ class AsyncFleet:
         self.fleet.update_listeners.append(listener)
 
     # ----- requests -----
-    def submit(self, call_id: str, requests: list[tuple[str, list[Sequence]]],
-               on_over: Callable[[str], None] | None = None,
-               streams: bool = True) -> Submission:  # fmt: skip
+    def submit(
+        self,
+        call_id: str,
+        requests: list[tuple[str, list[Sequence]]],
+        on_over: Callable[[str], None] | None = None,
+        streams: bool = True,
+    ) -> Submission:
         """Route each request of API call ``call_id`` to a replica and queue them all (or
         none); every update reaches the call's one queue. ``on_over(request_id)`` once each
         request is over (finished, aborted or failed; on an engine thread), if queued.
@@ -239,9 +255,12 @@ class AsyncFleet:
         try:
             self._place(call_id, indexed, queue, asyncio.get_running_loop(), streams, wait_s=0)
         except NoReplicaError:  # none allowed yet, one will be (a rolling wave): wait apart
-            threading.Thread(target=self._place_later, daemon=True,
-                             args=(call_id, indexed, queue, asyncio.get_running_loop(), streams),
-                             name="tandem-fleet-wait").start()  # fmt: skip
+            threading.Thread(
+                target=self._place_later,
+                daemon=True,
+                args=(call_id, indexed, queue, asyncio.get_running_loop(), streams),
+                name="tandem-fleet-wait",
+            ).start()
         except BaseException:  # none queued: none will be over
             with self._lock:
                 for rid, _ in requests:
@@ -249,9 +268,16 @@ class AsyncFleet:
             raise
         return Submission(self, [rid for rid, _ in requests], queue)
 
-    def _place(self, call_id: str, indexed: list, queue: asyncio.Queue, loop, streams: bool,
-               wait_s: float | None = None,
-               lost: tuple[int, str] | None = None) -> None:  # fmt: skip
+    def _place(
+        self,
+        call_id: str,
+        indexed: list,
+        queue: asyncio.Queue,
+        loop,
+        streams: bool,
+        wait_s: float | None = None,
+        lost: tuple[int, str] | None = None,
+    ) -> None:
         """Route each (index, (request id, sequences)) of a call and queue it on its replica
         (all routed before any is queued; ``lost``: the replica that lost them and why,
         `Fleet.rerun`). NoReplicaError if none may take them within ``wait_s``."""
@@ -262,8 +288,11 @@ class AsyncFleet:
                 first = seqs[0]
                 prompt = first.token_ids[: first.num_prompt_tokens]
                 args = (prompt, len(seqs), first.params.max_tokens or 0)
-                where = (self.fleet.route(*args, wait_s=wait_s) if lost is None
-                         else self.fleet.rerun(*lost, *args, wait_s=wait_s))  # fmt: skip
+                where = (
+                    self.fleet.route(*args, wait_s=wait_s)
+                    if lost is None
+                    else self.fleet.rerun(*lost, *args, wait_s=wait_s)
+                )
                 routed.append((rid, where))
                 by_replica.setdefault(where.replica, []).append((i, (rid, seqs)))
         except NoReplicaError:
@@ -276,8 +305,9 @@ class AsyncFleet:
         for r, mine in sorted(by_replica.items()):
             replicas[r].enqueue(call_id, mine, queue, self._over, loop, streams)
 
-    def _place_later(self, call_id: str, indexed: list, queue: asyncio.Queue, loop,
-                     streams: bool) -> None:  # fmt: skip
+    def _place_later(
+        self, call_id: str, indexed: list, queue: asyncio.Queue, loop, streams: bool
+    ) -> None:
         try:
             self._place(call_id, indexed, queue, loop, streams)
         except NoReplicaError as exc:
@@ -285,8 +315,9 @@ class AsyncFleet:
                 self._over(rid)
                 loop.call_soon_threadsafe(queue.put_nowait, _failed(i, str(exc)))
 
-    def _rerun(self, lost: AsyncEngine, request_id: str, call_id: str | None, tracked,
-               reason: str) -> bool:  # fmt: skip
+    def _rerun(
+        self, lost: AsyncEngine, request_id: str, call_id: str | None, tracked, reason: str
+    ) -> bool:
         """A request ``lost`` could not finish and nothing of it went out: run it again on
         another replica (fresh samples, which the call is told of first). Whether one took
         it."""
@@ -299,12 +330,21 @@ class AsyncFleet:
         try:
             seqs = self._lead.prepare(request_id, prompt, first.params, first.priority)
             tracked.post(RequestUpdate(tracked.prompt_index, [], False, [], 0, restarted=seqs))
-            self._place(call_id, [(tracked.prompt_index, (request_id, seqs))], tracked.queue,
-                        tracked.loop, tracked.streams,
-                        lost=where)  # fmt: skip
+            self._place(
+                call_id,
+                [(tracked.prompt_index, (request_id, seqs))],
+                tracked.queue,
+                tracked.loop,
+                tracked.streams,
+                lost=where,
+            )
         except Exception as exc:  # no replica left, or the call id went: it fails as lost
-            log.warning("request %s lost with its replica (%s) and not run again: %s",
-                        request_id, reason, exc)  # fmt: skip
+            log.warning(
+                "request %s lost with its replica (%s) and not run again: %s",
+                request_id,
+                reason,
+                exc,
+            )
             return False
         return True
 

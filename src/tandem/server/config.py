@@ -55,10 +55,14 @@ class ServeConfig(BaseModel):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig.model_validate(
-            {"model": self.model, "tensor_parallel_size": self.tp,
-             "pipeline_parallel_size": self.pp, **self.engine},
+            {
+                "model": self.model,
+                "tensor_parallel_size": self.tp,
+                "pipeline_parallel_size": self.pp,
+                **self.engine,
+            },
             strict=True,
-        )  # fmt: skip
+        )
 
     @property
     def model_name(self) -> str:
@@ -94,13 +98,13 @@ def load_config(path: str | Path | None, overrides: dict[str, Any]) -> ServeConf
     except ValidationError as exc:
         raise ConfigError(f"{where}: " + _describe(exc.errors(), prefix="engine.")) from None
     if config.lora_modules and not engine_config.lora.enable_lora:
-        raise ConfigError(f"{where}: `lora_modules` needs LoRA enabled (--enable-lora, engine "
-                          "enable_lora = true)")  # fmt: skip
+        raise ConfigError(
+            f"{where}: `lora_modules` needs LoRA enabled (--enable-lora, engine enable_lora = true)"
+        )
     for name in config.lora_modules:
         if not name or name == config.model_name:
             why = " (the served model's name)" if name else ""
-            raise ConfigError(f"{where}: `lora_modules`: an adapter may not be named "
-                              f"{name!r}{why}")  # fmt: skip
+            raise ConfigError(f"{where}: `lora_modules`: an adapter may not be named {name!r}{why}")
     return config
 
 

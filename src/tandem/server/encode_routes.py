@@ -36,8 +36,12 @@ async def embeddings(request: Request):
         else:
             value = vector.tolist()
         data.append({"object": "embedding", "index": i, "embedding": value})
-    return {"object": "list", "data": data, "model": s.config.model_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+    return {
+        "object": "list",
+        "data": data,
+        "model": s.config.model_name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 @router.post("/v1/classify")
@@ -49,11 +53,23 @@ async def classify(request: Request):
     for i, row in enumerate(rows):
         probs = torch.softmax(torch.tensor(row, dtype=torch.float64), dim=-1).tolist()
         best = int(np.argmax(row))
-        data.append({"index": i, "label": labels.get(str(best), str(best)), "probs": probs,
-                     "logits": row, "num_classes": len(row)})  # fmt: skip
-    return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-            "model": s.config.model_name, "data": data,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+        data.append(
+            {
+                "index": i,
+                "label": labels.get(str(best), str(best)),
+                "probs": probs,
+                "logits": row,
+                "num_classes": len(row),
+            }
+        )
+    return {
+        "id": f"classify-{uuid.uuid4().hex}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": s.config.model_name,
+        "data": data,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 async def _read(request: Request, schema, task: str, route: str):
@@ -63,17 +79,25 @@ async def _read(request: Request, schema, task: str, route: str):
     req = await read_json(request, schema, s.config.max_request_bytes)
     s.check_model(req.model)
     if s.engine.config.task != task:
-        raise APIError(400, f"{route} needs a server started with --task {task}; this one "
-                       f"serves --task {s.engine.config.task}", param="model",
-                       code="wrong_task")  # fmt: skip
+        raise APIError(
+            400,
+            f"{route} needs a server started with --task {task}; this one "
+            f"serves --task {s.engine.config.task}",
+            param="model",
+            code="wrong_task",
+        )
     return s, req
 
 
 async def _encode(s: ServerState, items, pooling) -> tuple[list[list[float]], int]:
     if s.engine.model_class.inputs != "tokens":
-        raise APIError(400, "this model takes images: classify them offline (LLM.classify or "
-                       "`tandem classify --image`); HTTP inputs are text or token ids",
-                       param="input", code="unsupported_input")  # fmt: skip
+        raise APIError(
+            400,
+            "this model takes images: classify them offline (LLM.classify or "
+            "`tandem classify --image`); HTTP inputs are text or token ids",
+            param="input",
+            code="unsupported_input",
+        )
     inputs, types = s.engine.tokenize_inputs(items)
     try:
         rows = await s.engine.encode(inputs, types, pooling)

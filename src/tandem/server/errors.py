@@ -68,8 +68,9 @@ def from_validation(exc: ValidationError | RequestValidationError) -> APIError:
     # and a broken constraint rather than a type mismatch) of the first field that failed.
     field = _param(errors[0]["loc"][:1])
     candidates = [e for e in errors if _param(e["loc"][:1]) == field]
-    first = max(candidates, key=lambda e: (len(_param(e["loc"]) or ""),
-                                           not e["type"].endswith("_type")))  # fmt: skip
+    first = max(
+        candidates, key=lambda e: (len(_param(e["loc"]) or ""), not e["type"].endswith("_type"))
+    )
     param = _param(first["loc"])
     if first["type"] in ("json_invalid", "json_type"):
         return APIError(400, f"request body is not valid JSON: {first['msg']}", code="bad_json")
@@ -92,9 +93,10 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 def _param(loc) -> str | None:
     """The field path of an error location, without pydantic's union-member tags."""
     keep = [
-        str(p) for p in loc
+        str(p)
+        for p in loc
         if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS and p != "body")
-    ]  # fmt: skip
+    ]
     return ".".join(keep) or None
 
 
@@ -108,8 +110,12 @@ def install(app: FastAPI) -> None:
         return from_validation(exc).response()
 
     async def _left(request: Request, exc: Exception):
-        log.info("%s %s: the client disconnected before the answer (%d); nothing left running",
-                 request.method, request.url.path, CLIENT_CLOSED_REQUEST)  # fmt: skip
+        log.info(
+            "%s %s: the client disconnected before the answer (%d); nothing left running",
+            request.method,
+            request.url.path,
+            CLIENT_CLOSED_REQUEST,
+        )
         return Response(status_code=CLIENT_CLOSED_REQUEST)  # counted in the metrics only
 
     # while generating (its requests are aborted), or while its body was still arriving

@@ -43,13 +43,19 @@ def serve(config: ServeConfig) -> int:
         state.lora.load_all(config.lora_modules)  # --lora-modules (LoRAError: cannot start)
         app = build_app(state)
         uv = uvicorn.Config(
-            app, log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout_s,
-            access_log=config.log_level == "debug", lifespan="off",
-        )  # fmt: skip
+            app,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=config.shutdown_timeout_s,
+            access_log=config.log_level == "debug",
+            lifespan="off",
+        )
         server = _Server(uv, async_engine, config.shutdown_timeout_s)
-        print(f"tandem serve: {config.model_name} on http://{host}:{port} "
-              f"(dp={replicas}, tp={config.tp}, pp={config.pp}, {fleet.lead.config.dtype}, "
-              f"weight version {fleet.weight_version})", flush=True)  # fmt: skip
+        print(
+            f"tandem serve: {config.model_name} on http://{host}:{port} "
+            f"(dp={replicas}, tp={config.tp}, pp={config.pp}, {fleet.lead.config.dtype}, "
+            f"weight version {fleet.weight_version})",
+            flush=True,
+        )
         # uvicorn re-raises the signal that stopped it once it is done; with these handlers in
         # place that is a no-op, so the engine and its workers are shut down below.
         previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

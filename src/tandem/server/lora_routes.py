@@ -30,21 +30,25 @@ async def load_lora_adapter(request: Request):
     """Load an adapter from a PEFT directory (``adapter_config.json`` +
     ``adapter_model.safetensors``); a loaded name gets a new version."""
     s = state(request)
-    body: LoadLoRAAdapterRequest = await read_json(request, LoadLoRAAdapterRequest,
-                                                   MAX_BODY_BYTES)  # fmt: skip
+    body: LoadLoRAAdapterRequest = await read_json(request, LoadLoRAAdapterRequest, MAX_BODY_BYTES)
     try:
         adapter = await asyncio.to_thread(s.lora.load, body.lora_name, body.lora_path)
     except LoRAError as exc:
         raise _refused(exc) from None
-    return {"lora_name": adapter.name, "lora_path": body.lora_path, "version": adapter.version,
-            "rank": adapter.rank}  # fmt: skip
+    return {
+        "lora_name": adapter.name,
+        "lora_path": body.lora_path,
+        "version": adapter.version,
+        "rank": adapter.rank,
+    }
 
 
 @router.post("/unload_lora_adapter")
 async def unload_lora_adapter(request: Request):
     s = state(request)
-    body: UnloadLoRAAdapterRequest = await read_json(request, UnloadLoRAAdapterRequest,
-                                                     MAX_BODY_BYTES)  # fmt: skip
+    body: UnloadLoRAAdapterRequest = await read_json(
+        request, UnloadLoRAAdapterRequest, MAX_BODY_BYTES
+    )
     try:
         await asyncio.to_thread(s.lora.unload, body.lora_name)
     except LoRAError as exc:

@@ -43,21 +43,30 @@ class Metrics:
             "tandem_prompt_tokens", "prompt tokens of admitted requests", registry=r
         )
         self.requests = Counter(
-            "tandem_requests", "finished requests by endpoint and HTTP status",
-            ["endpoint", "status"], registry=r,
-        )  # fmt: skip
+            "tandem_requests",
+            "finished requests by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
         self.latency = Histogram(
-            "tandem_request_latency_seconds", "arrival to last token",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tandem_request_latency_seconds",
+            "arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "tandem_time_to_first_token_seconds", "arrival to first token",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tandem_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.sync = Histogram(
-            "tandem_weight_sync_seconds", "weight pushes applied (or failed), by outcome",
-            ["outcome"], buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "tandem_weight_sync_seconds",
+            "weight pushes applied (or failed), by outcome",
+            ["outcome"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         engine.on_weight_update(self._on_update)
 
     def _on_update(self, version: int, seconds: float, error: str | None) -> None:
@@ -69,8 +78,12 @@ class Metrics:
 
 def _dtype_gauges(choice: DtypeChoice, registry: CollectorRegistry) -> None:
     """``tandem_dtype_info{dtype, source, reason} 1``: the dtype the engine runs in and why."""
-    info = Gauge("tandem_dtype_info", "the dtype the engine runs in (source, reason: why)",
-                 ["dtype", "source", "reason"], registry=registry)  # fmt: skip
+    info = Gauge(
+        "tandem_dtype_info",
+        "the dtype the engine runs in (source, reason: why)",
+        ["dtype", "source", "reason"],
+        registry=registry,
+    )
     info.labels(dtype=choice.dtype, source=choice.source, reason=choice.reason).set(1)
 
 
@@ -82,9 +95,10 @@ class _TokenCounter:
 
     def collect(self):
         yield CounterMetricFamily(
-            "tandem_generation_tokens", "tokens generated (all requests)",
+            "tandem_generation_tokens",
+            "tokens generated (all requests)",
             value=self.engine.generated_tokens,
-        )  # fmt: skip
+        )
 
 
 class _EngineCounters:
@@ -130,7 +144,7 @@ class _ReplicaGauges:
                 ("queue_depth", "requests waiting on the replica"),
                 ("prefix_cache_hit_rate", "share of its admitted prompt tokens served cached"),
             )
-        }  # fmt: skip
+        }
         tokens = CounterMetricFamily(
             "tandem_replica_generation_tokens", "tokens the replica generated", labels=["replica"]
         )

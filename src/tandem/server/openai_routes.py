@@ -50,8 +50,13 @@ async def models(request: Request):
     base = s.config.model_name
 
     def card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": s.created, "owned_by": "tandem",
-                "max_model_len": s.engine.max_model_len}  # fmt: skip
+        return {
+            "id": name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "tandem",
+            "max_model_len": s.engine.max_model_len,
+        }
 
     adapters = [card(name) | {"root": path, "parent": base} for name, path in s.lora.sources()]
     return {"object": "list", "data": [card(base), *adapters]}
@@ -67,16 +72,23 @@ async def _pin(s: ServerState, adapter: str | None) -> Pin | None:
     except UnknownAdapter:  # unloaded since it was checked
         raise model_not_found(adapter, s.config.model_name, True) from None
     except NoSlotNow as exc:  # evicted, and every slot busy now
-        raise APIError(429, str(exc), param="model", code="lora_slots_busy",
-                       headers={"Retry-After": "1"}) from None  # fmt: skip
+        raise APIError(
+            429, str(exc), param="model", code="lora_slots_busy", headers={"Retry-After": "1"}
+        ) from None
     except LoRAError as exc:  # evicted, and its directory no longer reads as an adapter
-        raise APIError(400, str(exc), param="model",
-                       code="invalid_lora_adapter") from None  # fmt: skip
+        raise APIError(400, str(exc), param="model", code="invalid_lora_adapter") from None
 
 
-def _prepare(s: ServerState, request_id: str, ids: list[int], params, priority: int,
-             pin: Pin | None, fields: dict[str, str],
-             where: str | None = None) -> list[Sequence]:  # fmt: skip
+def _prepare(
+    s: ServerState,
+    request_id: str,
+    ids: list[int],
+    params,
+    priority: int,
+    pin: Pin | None,
+    fields: dict[str, str],
+    where: str | None = None,
+) -> list[Sequence]:
     """One prompt's samples; a refusal is a 400 naming the request's field (`_checked`), led
     by ``where`` (which prompt of several)."""
     seqs = _checked(lambda: s.engine.prepare(request_id, ids, params, priority), fields, where)
@@ -105,8 +117,18 @@ async def completions(request: Request):
             prepared.append((request_id, seqs))
             prompt_ids.append(ids)
         texts = [p if isinstance(p, str) else s.tokenizer.decode(p) for p in prompts]
-        call = _Call(s, request, rid, "text_completion", req.n, prepared, req.include_usage,
-                     req.model, pin, req.stream)  # fmt: skip
+        call = _Call(
+            s,
+            request,
+            rid,
+            "text_completion",
+            req.n,
+            prepared,
+            req.include_usage,
+            req.model,
+            pin,
+            req.stream,
+        )
     except BaseException:
         release_soon(pin)
         raise
@@ -118,9 +140,15 @@ async def completions(request: Request):
         lp = None
         if d.logprobs is not None:
             lp = _completion_logprobs(s, d, scores, req.detokenize)
-        body = {"index": pi * req.n + d.index, "text": text, "logprobs": lp,
-                "finish_reason": d.finish_reason, "stop_reason": d.stop_reason,
-                "token_ids": d.token_ids, "weight_versions": _spans(d)}  # fmt: skip
+        body = {
+            "index": pi * req.n + d.index,
+            "text": text,
+            "logprobs": lp,
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+            "token_ids": d.token_ids,
+            "weight_versions": _spans(d),
+        }
         if req.return_token_ids and first:
             body["prompt_token_ids"] = prompt_ids[pi]
         if d.routed_experts is not None:
@@ -150,8 +178,18 @@ async def chat_completions(request: Request):
         limit = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         fields = {"prompt": "messages", "max_tokens": limit}
         seqs = _prepare(s, request_id, ids, params, req.priority, pin, fields)
-        call = _Call(s, request, rid, "chat.completion", req.n, [(request_id, seqs)],
-                     req.include_usage, req.model, pin, req.stream)  # fmt: skip
+        call = _Call(
+            s,
+            request,
+            rid,
+            "chat.completion",
+            req.n,
+            [(request_id, seqs)],
+            req.include_usage,
+            req.model,
+            pin,
+            req.stream,
+        )
     except BaseException:
         release_soon(pin)
         raise
@@ -162,9 +200,13 @@ async def chat_completions(request: Request):
         return {"content": _chat_logprobs(s, d, req.detokenize)}
 
     def extras(d: CompletionOutput, first: bool) -> dict:
-        body = {"logprobs": logprobs(d), "finish_reason": d.finish_reason,
-                "stop_reason": d.stop_reason, "token_ids": d.token_ids,
-                "weight_versions": _spans(d)}  # fmt: skip
+        body = {
+            "logprobs": logprobs(d),
+            "finish_reason": d.finish_reason,
+            "stop_reason": d.stop_reason,
+            "token_ids": d.token_ids,
+            "weight_versions": _spans(d),
+        }
         if req.return_token_ids and first:
             body["prompt_token_ids"] = ids
         if d.routed_experts is not None:
@@ -187,9 +229,19 @@ async def chat_completions(request: Request):
 class _Call:
     """One API call's requests: run them to the end (JSON) or stream their deltas (SSE)."""
 
-    def __init__(self, s: ServerState, request: Request, rid: str, kind: str, n: int,
-                 prepared: list[tuple[str, list[Sequence]]], include_usage: bool, model: str,
-                 pin: Pin | None = None, streams: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        s: ServerState,
+        request: Request,
+        rid: str,
+        kind: str,
+        n: int,
+        prepared: list[tuple[str, list[Sequence]]],
+        include_usage: bool,
+        model: str,
+        pin: Pin | None = None,
+        streams: bool = True,
+    ):
         self.s, self.request, self.rid, self.kind, self.n = s, request, rid, kind, n
         self.prepared = prepared
         self.include_usage = include_usage
@@ -214,15 +266,20 @@ class _Call:
         prompt = sum(group[0].num_prompt_tokens for _, group in self.prepared)
         completion = sum(seq.num_output_tokens for seq in seqs)
         versions = sorted(set().union(*(seq.weight_versions for seq in seqs)))
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
-                 "total_tokens": prompt + completion}  # fmt: skip
-        return {"usage": usage, "weight_version": versions[-1] if versions else
-                self.s.engine.weight_version, "weight_versions": versions}  # fmt: skip
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return {
+            "usage": usage,
+            "weight_version": versions[-1] if versions else self.s.engine.weight_version,
+            "weight_versions": versions,
+        }
 
     def _head(self, chunk: bool = False) -> dict:
         kind = self.kind + (".chunk" if chunk and self.kind.startswith("chat") else "")
-        return {"id": self.rid, "object": kind, "created": int(time.time()),
-                "model": self.model}  # fmt: skip
+        return {"id": self.rid, "object": kind, "created": int(time.time()), "model": self.model}
 
     async def complete(self, choice: Callable) -> JSONResponse:
         await until_done(self.submission, self.request, self._seen)
@@ -319,11 +376,18 @@ def _completion_logprobs(
         pos += len(t)
     top = None
     if tops is not None:
-        top = [None if alts is None else
-               {_token_text(s, t, detokenize): _lp(v) for t, v in alts.items()}
-               for alts in tops]  # fmt: skip
-    return {"tokens": tokens, "token_logprobs": [None if v is None else _lp(v) for v in values],
-            "top_logprobs": top, "text_offset": offsets}  # fmt: skip
+        top = [
+            None
+            if alts is None
+            else {_token_text(s, t, detokenize): _lp(v) for t, v in alts.items()}
+            for alts in tops
+        ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if v is None else _lp(v) for v in values],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
 
 
 def _chat_logprobs(s: ServerState, d: CompletionOutput, detokenize: bool) -> list[dict]:

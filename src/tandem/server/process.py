@@ -25,13 +25,22 @@ class ServerProcess:
     ``--replica URL`` flags); use as a context manager. ``python``: the interpreter (default:
     this one; tests run in vLLM's venv start tandem's)."""
 
-    def __init__(self, args: list[str], start_timeout_s: float = 180.0, command: str = "serve",
-                 python: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        args: list[str],
+        start_timeout_s: float = 180.0,
+        command: str = "serve",
+        python: str | None = None,
+    ):
         cmd = [python or sys.executable, "-m", "tandem.cli", command, "--port", "0", *args]
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.url = ""

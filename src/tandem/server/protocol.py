@@ -69,9 +69,17 @@ class _Sampling(BaseModel):
     return_routed_experts: bool = False  # MoE: each token's experts (routing replay)
 
     _nullable = field_validator(
-        "temperature", "top_p", "top_k", "n", "stream", "presence_penalty", "frequency_penalty",
-        "stop_token_ids", "return_token_ids", mode="before",
-    )(_null_is_default)  # fmt: skip
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "stream",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop_token_ids",
+        "return_token_ids",
+        mode="before",
+    )(_null_is_default)
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -134,8 +142,9 @@ class CompletionRequest(_Sampling):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(400, "`best_of` other than `n` is not supported", param="best_of")
         if self.max_tokens == 0 and not self.echo:
-            raise APIError(400, "`max_tokens: 0` needs `echo: true` (score the prompt)",
-                           param="max_tokens")  # fmt: skip
+            raise APIError(
+                400, "`max_tokens: 0` needs `echo: true` (score the prompt)", param="max_tokens"
+            )
         scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
         prompt_logprobs = (self.logprobs or 0) if scored else None
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
@@ -190,8 +199,9 @@ class ChatCompletionRequest(_Sampling):
         if self.tools or self.tool_choice not in (None, "none"):
             raise APIError(400, "tool calling is not supported", param="tools")
         if self.response_format not in (None, {"type": "text"}):
-            raise APIError(400, "only `response_format: {type: text}` is supported",
-                           param="response_format")  # fmt: skip
+            raise APIError(
+                400, "only `response_format: {type: text}` is supported", param="response_format"
+            )
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -204,7 +214,7 @@ EncodeInput = (
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[
         list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=2048)
-    ]  # fmt: skip
+    ]
 )
 
 

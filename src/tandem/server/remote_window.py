@@ -102,8 +102,9 @@ class _Held(threading.Thread):
                     try:
                         command = self.commands.get(timeout=self.idle_timeout_s)
                     except queue.Empty:
-                        raise WeightSyncError(f"the front running this push went quiet for "
-                                              f"{self.idle_timeout_s} s") from None  # fmt: skip
+                        raise WeightSyncError(
+                            f"the front running this push went quiet for {self.idle_timeout_s} s"
+                        ) from None
                     if command == _CLOSE_OK:
                         break
                     if command == _CLOSE_FAILED:

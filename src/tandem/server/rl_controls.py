@@ -67,8 +67,9 @@ async def _params(request: Request, model: type[_Params]) -> _Params:
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object", code="bad_json")
         if both := set(data) & set(values):
-            raise APIError(400, f"`{sorted(both)[0]}` given twice (query and body)",
-                           param=sorted(both)[0])  # fmt: skip
+            raise APIError(
+                400, f"`{sorted(both)[0]}` given twice (query and body)", param=sorted(both)[0]
+            )
         values |= data
     try:
         return model.model_validate(values)
@@ -111,17 +112,20 @@ async def abort_requests(request: Request):
     callers get the tokens and log-probs generated so far, finish_reason ``abort``."""
     p: AbortParams = await _params(request, AbortParams)
     if (p.request_ids is None) == (not p.abort_all):
-        raise APIError(400, "give exactly one of `request_ids` and `abort_all: true`",
-                       param="request_ids")  # fmt: skip
+        raise APIError(
+            400, "give exactly one of `request_ids` and `abort_all: true`", param="request_ids"
+        )
     aborted = await asyncio.to_thread(state(request).engine.abort_requests, p.request_ids)
     return {"aborted": aborted}
 
 
 def _sleep_state(engine) -> dict:
     released = engine.memory_released
-    return {"is_sleeping": engine.state is EngineState.SLEEPING,
-            "weights_released": released["weights"],
-            "kv_cache_released": released["kv_cache"]}  # fmt: skip
+    return {
+        "is_sleeping": engine.state is EngineState.SLEEPING,
+        "weights_released": released["weights"],
+        "kv_cache_released": released["kv_cache"],
+    }
 
 
 @router.post("/sleep")

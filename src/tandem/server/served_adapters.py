@@ -96,8 +96,10 @@ class ServedAdapters:
         """(name, PEFT directory or None: pushed) of every adapter served."""
         in_slots = {a.name: a.path for a in self._engine.lora_adapters()} if self.enabled else {}
         modules = dict(self._modules)
-        return [(name, modules[name].path if name in modules else in_slots.get(name))
-                for name in sorted(set(modules) | set(in_slots))]  # fmt: skip
+        return [
+            (name, modules[name].path if name in modules else in_slots.get(name))
+            for name in sorted(set(modules) | set(in_slots))
+        ]
 
     def _check_enabled(self) -> None:
         if not self.enabled:
@@ -111,15 +113,22 @@ class ServedAdapters:
         if name == self.base_name:
             raise LoRAError(f"adapter name {name!r} is the served model's name")
         if not Path(path).is_dir():
-            raise AdapterNotFound(f"adapter {name!r}: no adapter found at {path} (no such "
-                                  "directory on the server)")  # fmt: skip
+            raise AdapterNotFound(
+                f"adapter {name!r}: no adapter found at {path} (no such directory on the server)"
+            )
         with self._lock:
             known = self._modules.get(name)
             int_id = known.int_id if known is not None else next(self._ids)
             adapter = self._engine.load_lora_adapter(name, path, int_id)
             self._modules[name] = _Module(path, int_id)
-        log.info("LoRA adapter %s version %d loaded from %s (rank %d, slot %d)", name,
-                 adapter.version, path, adapter.rank, adapter.slot)  # fmt: skip
+        log.info(
+            "LoRA adapter %s version %d loaded from %s (rank %d, slot %d)",
+            name,
+            adapter.version,
+            path,
+            adapter.rank,
+            adapter.slot,
+        )
         return adapter
 
     def load_all(self, modules: dict[str, str]) -> None:
@@ -165,8 +174,10 @@ class ServedAdapters:
             try:
                 return Pin(*self._engine.pin_lora(request))
             except LoRASlotsFull as exc:
-                raise NoSlotNow(f"adapter {name!r} could not be read back from {module.path} "
-                                f"into a slot now: {exc}") from None  # fmt: skip
+                raise NoSlotNow(
+                    f"adapter {name!r} could not be read back from {module.path} "
+                    f"into a slot now: {exc}"
+                ) from None
 
     async def pin_async(self, name: str) -> Pin:
         """`pin` on a worker thread; a caller that goes away meanwhile leaves nothing pinned."""
@@ -205,8 +216,7 @@ def _release_when_pinned(future: asyncio.Future) -> None:
 
 
 def _release_soon(pin: Pin) -> None:
-    threading.Thread(target=_release, args=(pin,), daemon=True,
-                     name="tandem-lora-unpin").start()  # fmt: skip
+    threading.Thread(target=_release, args=(pin,), daemon=True, name="tandem-lora-unpin").start()
 
 
 def _release(pin: Pin) -> None:

@@ -74,8 +74,9 @@ class ServerState:
         try:
             return self.engine.submit(call_id, requests, on_over, streams)
         except QueueFull as exc:
-            raise APIError(429, f"server busy: {exc}", code="queue_full",
-                           headers={"Retry-After": "1"}) from None  # fmt: skip
+            raise APIError(
+                429, f"server busy: {exc}", code="queue_full", headers={"Retry-After": "1"}
+            ) from None
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), code="engine_unavailable") from None
         except ValueError as exc:  # a request id already in use
@@ -84,8 +85,12 @@ class ServerState:
 
 def model_not_found(name: str, served: str, lora: bool) -> APIError:
     adapters = " and the LoRA adapters GET /v1/models lists" if lora else ""
-    return APIError(404, f"model `{name}` does not exist; this server serves `{served}`"
-                    f"{adapters}", param="model", code="model_not_found")  # fmt: skip
+    return APIError(
+        404,
+        f"model `{name}` does not exist; this server serves `{served}`{adapters}",
+        param="model",
+        code="model_not_found",
+    )
 
 
 def state(request: Request) -> ServerState:
@@ -101,16 +106,22 @@ def check_key(request: Request, expected: str | None, what: str) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(
         given.strip().encode(), expected.encode()
     ):
-        raise APIError(401, f"missing or wrong {what} (send `Authorization: Bearer <key>`)",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(
+            401,
+            f"missing or wrong {what} (send `Authorization: Bearer <key>`)",
+            code="invalid_api_key",
+        )
 
 
 def require_admin(request: Request) -> None:
     """Admin routes (weight sync, RL controls) need ``--admin-key``; without one: 403."""
     key = state(request).config.admin_key
     if key is None:
-        raise APIError(403, "admin routes are disabled: start the server with --admin-key",
-                       code="admin_disabled")  # fmt: skip
+        raise APIError(
+            403,
+            "admin routes are disabled: start the server with --admin-key",
+            code="admin_disabled",
+        )
     check_key(request, key, "admin key")
 
 

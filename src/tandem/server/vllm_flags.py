@@ -74,13 +74,24 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM flags tandem ignores (a warning names each)")
     for flag in IGNORED:
         value = {"nargs": None, "metavar": "VALUE"} if flag.takes_value else {"nargs": 0}
-        group.add_argument(*flag.spellings, action=_Warn, why=flag.why, **value,
-                           dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
-                           help=flag.why)  # fmt: skip
+        group.add_argument(
+            *flag.spellings,
+            action=_Warn,
+            why=flag.why,
+            **value,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            help=flag.why,
+        )
     for option, allowed in ONLY_VALUES.items():
-        group.add_argument(option, action=_OnlyValues, dest=argparse.SUPPRESS,
-                           default=argparse.SUPPRESS, metavar="{" + ",".join(allowed) + "}",
-                           help=f"accepted with {' or '.join(allowed)} only")  # fmt: skip
+        group.add_argument(
+            option,
+            action=_OnlyValues,
+            dest=argparse.SUPPRESS,
+            default=argparse.SUPPRESS,
+            metavar="{" + ",".join(allowed) + "}",
+            help=f"accepted with {' or '.join(allowed)} only",
+        )
 
 
 def lora_modules(items: list[str]) -> tuple[dict[str, str], set[str]]:
@@ -98,19 +109,25 @@ def lora_modules(items: list[str]) -> tuple[dict[str, str], set[str]]:
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"--lora-modules: {item!r} is not JSON ({exc})") from None
             fields = {"name", "path", "base_model_name"}
-            if (not isinstance(spec, dict) or set(spec) - fields
-                    or not {"name", "path"} <= set(spec)
-                    or not all(isinstance(v, str) for v in spec.values())):  # fmt: skip
-                raise ConfigError(f"--lora-modules: {item!r}: give a JSON object with strings "
-                                  '"name", "path" and optionally "base_model_name"')  # fmt: skip
+            if (
+                not isinstance(spec, dict)
+                or set(spec) - fields
+                or not {"name", "path"} <= set(spec)
+                or not all(isinstance(v, str) for v in spec.values())
+            ):
+                raise ConfigError(
+                    f"--lora-modules: {item!r}: give a JSON object with strings "
+                    '"name", "path" and optionally "base_model_name"'
+                )
             name, path = spec["name"], spec["path"]
             if "base_model_name" in spec:
                 bases.add(spec["base_model_name"])
         elif "=" in item:
             name, _, path = item.partition("=")
         else:
-            raise ConfigError(f"--lora-modules: {item!r}: give name=path or JSON "
-                              '{"name": ..., "path": ...}')  # fmt: skip
+            raise ConfigError(
+                f'--lora-modules: {item!r}: give name=path or JSON {{"name": ..., "path": ...}}'
+            )
         if not name or not path:
             raise ConfigError(f"--lora-modules: {item!r}: the name and the path must be given")
         if name in modules:

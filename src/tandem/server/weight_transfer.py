@@ -49,8 +49,9 @@ from tandem.server.remote_window import WindowHost
 class TransferError(Exception):
     """A call the protocol's state refuses (``status`` 409) or whose input is wrong (400)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None):  # fmt: skip
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.param = param
@@ -69,8 +70,9 @@ class TransferInit:
     mode: str = "staged"
 
 
-def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor]
-              ) -> tuple[dict[int, list[Record]], list[str]]:  # fmt: skip
+def plan_call(
+    layouts: list[RankLayout], tensors: list[BroadcastTensor]
+) -> tuple[dict[int, list[Record]], list[str]]:
     """Per receiving rank, a record for each piece of its parameters that a tensor of the call
     fills (``offset``: the tensor's index in the call); and every problem with the call's
     names, dtypes and shapes."""
@@ -86,12 +88,15 @@ def plan_call(layouts: list[RankLayout], tensors: list[BroadcastTensor]
         elif t.name not in shapes:
             problems.append(f"{t.name}: the engine holds no such tensor")
         elif tuple(t.shape) != shapes[t.name]:
-            problems.append(f"{t.name}: shape {list(t.shape)} sent, the engine's is "
-                            f"{list(shapes[t.name])}")  # fmt: skip
+            problems.append(
+                f"{t.name}: shape {list(t.shape)} sent, the engine's is {list(shapes[t.name])}"
+            )
         elif t.name in fp8 and t.dtype != "float8_e4m3fn":
-            problems.append(f"{t.name}: the engine holds it as block-FP8: send its e4m3 values "
-                            f"and {scale_name(t.name)} (or push with tandem's WeightSender, "
-                            f"which quantizes)")  # fmt: skip
+            problems.append(
+                f"{t.name}: the engine holds it as block-FP8: send its e4m3 values "
+                f"and {scale_name(t.name)} (or push with tandem's WeightSender, "
+                f"which quantizes)"
+            )
         index.setdefault(t.name, i)
     records: dict[int, list[Record]] = {}
     for layout in layouts:
@@ -135,9 +140,12 @@ class WeightTransfer:
                 raise TransferError(409, "a weight update is open: finish it first")
             ranks = self.world_size()
             if info.world_size != info.rank_offset + ranks:
-                raise TransferError(400, f"world_size must be rank_offset + {ranks} (this "
-                                    f"server's receiving ranks), got {info.world_size}",
-                                    "init_info.world_size")  # fmt: skip
+                raise TransferError(
+                    400,
+                    f"world_size must be rank_offset + {ranks} (this "
+                    f"server's receiving ranks), got {info.world_size}",
+                    "init_info.world_size",
+                )
             spec = self._spec_for(info, self.target.weight_version, [], join=True)
             token = self.windows.open(spec)
             try:
@@ -196,11 +204,17 @@ class WeightTransfer:
             if problems:
                 self._abandon()
                 self._tell(spec.version, "; ".join(problems))
-                after = ("the engine refuses requests until a complete transfer lands"
-                         if spec.settings.in_place else "the served version stays")  # fmt: skip
-                raise TransferError(400, f"{len(problems)} problem(s), the transfer is "
-                                    f"dropped and {after}: {'; '.join(problems[:10])}",
-                                    "update_info")  # fmt: skip
+                after = (
+                    "the engine refuses requests until a complete transfer lands"
+                    if spec.settings.in_place
+                    else "the served version stays"
+                )
+                raise TransferError(
+                    400,
+                    f"{len(problems)} problem(s), the transfer is "
+                    f"dropped and {after}: {'; '.join(problems[:10])}",
+                    "update_info",
+                )
             for rank, mine in records.items():
                 held = self._records.setdefault(rank, {})
                 held.update({(r.key, r.region): r for r in mine})
@@ -238,8 +252,12 @@ class WeightTransfer:
             finally:
                 self._token = None
             seconds = self._tell(spec.version, None)
-            return {"weight_version": spec.version, "tensors": len(self._tensors),
-                    "bytes_committed": nbytes, "seconds": round(seconds, 4)}  # fmt: skip
+            return {
+                "weight_version": spec.version,
+                "tensors": len(self._tensors),
+                "bytes_committed": nbytes,
+                "seconds": round(seconds, 4),
+            }
 
     def relabel(self, version: int, rollback: bool = False) -> None:
         """Name the served weights ``version`` (vLLM's ``/update_weight_version``): the
@@ -259,10 +277,14 @@ class WeightTransfer:
         it is a rollback."""
         served = self.target.weight_version if served is None else served
         if version <= served and not rollback:
-            raise TransferError(409, f"{param} {version} is not greater than version {served} "
-                                f"the engine serves: versions only go forward; send a greater "
-                                f"one, or rollback: true to roll back on purpose", param,
-                                "stale_version")  # fmt: skip
+            raise TransferError(
+                409,
+                f"{param} {version} is not greater than version {served} "
+                f"the engine serves: versions only go forward; send a greater "
+                f"one, or rollback: true to roll back on purpose",
+                param,
+                "stale_version",
+            )
 
     def _tell(self, version: int, error: str | None) -> float:
         seconds = time.perf_counter() - self._started
@@ -289,13 +311,17 @@ class WeightTransfer:
         except Exception:  # closed already (timed out): it dropped what it held then
             pass
 
-    def _spec_for(self, info: TransferInit, version: int, tensors: list[BroadcastTensor],
-                  join: bool = False) -> UpdateSpec:  # fmt: skip
-        group = group_info(info.master_address, info.master_port, info.world_size,
-                           self.timeout_s)  # fmt: skip
+    def _spec_for(
+        self, info: TransferInit, version: int, tensors: list[BroadcastTensor], join: bool = False
+    ) -> UpdateSpec:
+        group = group_info(info.master_address, info.master_port, info.world_size, self.timeout_s)
         # verify=False: the records carry no sender CRC32s; the receivers check what arrived
         # against the CRC32s tandem's senders give, and read every landed box back
-        return UpdateSpec(version, PushSettings("broadcast", info.mode, verify=False),
-                          self.target.weight_dtype, info.rank_offset,
-                          broadcast=BroadcastCall(tuple(tensors), info.packed_bytes, join),
-                          group=group)  # fmt: skip
+        return UpdateSpec(
+            version,
+            PushSettings("broadcast", info.mode, verify=False),
+            self.target.weight_dtype,
+            info.rank_offset,
+            broadcast=BroadcastCall(tuple(tensors), info.packed_bytes, join),
+            group=group,
+        )

@@ -106,26 +106,37 @@ def _version(value: str | int | None, param: str) -> int | None:
         return value
     if isinstance(value, str) and value.isdigit():
         return int(value)
-    raise APIError(400, f"{param} must be a version number (decimal digits): tandem numbers its "
-                   f"weight versions, got {value!r}", param=param)  # fmt: skip
+    raise APIError(
+        400,
+        f"{param} must be a version number (decimal digits): tandem numbers its "
+        f"weight versions, got {value!r}",
+        param=param,
+    )
 
 
 def _tensors(info: UpdateInfo) -> list[BroadcastTensor]:
     n = len(info.names)
     for field in ("dtype_names", "shapes") + (("crc32s",) if info.crc32s is not None else ()):
         if len(getattr(info, field)) != n:
-            raise APIError(400, f"update_info.{field} has {len(getattr(info, field))} entries, "
-                           f"names {n}", param=f"update_info.{field}")  # fmt: skip
+            raise APIError(
+                400,
+                f"update_info.{field} has {len(getattr(info, field))} entries, names {n}",
+                param=f"update_info.{field}",
+            )
     out = []
     rows = zip(info.names, info.dtype_names, info.shapes, strict=True)
     for i, (name, dtype, shape) in enumerate(rows):
         dtype = dtype.removeprefix("torch.")
         if dtype not in DTYPES:
-            raise APIError(400, f"update_info.dtype_names[{i}] must be one of {sorted(DTYPES)}, "
-                           f"got {dtype!r}", param="update_info.dtype_names")  # fmt: skip
+            raise APIError(
+                400,
+                f"update_info.dtype_names[{i}] must be one of {sorted(DTYPES)}, got {dtype!r}",
+                param="update_info.dtype_names",
+            )
         if any(d < 0 for d in shape):
-            raise APIError(400, f"update_info.shapes[{i}] has a negative size",
-                           param="update_info.shapes")  # fmt: skip
+            raise APIError(
+                400, f"update_info.shapes[{i}] has a negative size", param="update_info.shapes"
+            )
         crc = None if info.crc32s is None else info.crc32s[i]
         out.append(BroadcastTensor(name, dtype, tuple(shape), crc))
     return out
@@ -148,8 +159,9 @@ async def init_weight_transfer_engine(request: Request):
     """Every receiving rank joins the trainer's group (answers once it formed)."""
     info = (await _body(request, InitBody)).init_info
     packed = info.packed_buffer_size_bytes if info.packed else 0
-    init = TransferInit(info.master_address, info.master_port, info.rank_offset,
-                        info.world_size, packed, info.mode)  # fmt: skip
+    init = TransferInit(
+        info.master_address, info.master_port, info.rank_offset, info.world_size, packed, info.mode
+    )
     await _run(state(request).transfer.init, init)
     return {"message": "Weight transfer initialized"}
 
@@ -176,8 +188,11 @@ async def update_weights(request: Request):
     info = (await _body(request, UpdateBody)).update_info
     if isinstance(info, list):  # per worker rank: a broadcast gives every rank the same
         if not info or any(i != info[0] for i in info):
-            raise APIError(400, "update_info as a list must give every rank the same tensors",
-                           param="update_info")  # fmt: skip
+            raise APIError(
+                400,
+                "update_info as a list must give every rank the same tensors",
+                param="update_info",
+            )
         info = info[0]
     stats = await _run(state(request).transfer.update, _tensors(info))
     return {"message": "Weights updated"} | stats
