@@ -35,10 +35,16 @@ from tandem.server.errors import APIError
 from tandem.server.state import check_key, read_body
 
 CONTROLS = {  # route -> method: fanned out to every replica
-    "/pause": "POST", "/resume": "POST", "/is_paused": "GET", "/abort_requests": "POST",
-    "/sleep": "POST", "/wake_up": "POST", "/is_sleeping": "GET", "/reload_weights": "POST",
+    "/pause": "POST",
+    "/resume": "POST",
+    "/is_paused": "GET",
+    "/abort_requests": "POST",
+    "/sleep": "POST",
+    "/wake_up": "POST",
+    "/is_sleeping": "GET",
+    "/reload_weights": "POST",
     "/reset_prefix_cache": "POST",
-}  # fmt: skip
+}
 
 
 @dataclass(frozen=True)
@@ -56,13 +62,19 @@ class RouterSettings:
 
     def fleet(self, urls: list[str]) -> Fleet:
         """The replicas at ``urls`` as one fleet (not yet checked)."""
-        return Fleet.remote(urls, FleetSettings(stage_timeout_s=self.push_phase_timeout_s,
-                                                exchange_host=self.exchange_host),
-                            self.admin_key, self.health_timeout_s)  # fmt: skip
+        return Fleet.remote(
+            urls,
+            FleetSettings(
+                stage_timeout_s=self.push_phase_timeout_s, exchange_host=self.exchange_host
+            ),
+            self.admin_key,
+            self.health_timeout_s,
+        )
 
     def replica(self, url: str, fleet: Fleet) -> RemoteReplica:
-        return RemoteReplica(url, self.admin_key, fleet.settings.phase_timeout_s,
-                             self.health_timeout_s)  # fmt: skip
+        return RemoteReplica(
+            url, self.admin_key, fleet.settings.phase_timeout_s, self.health_timeout_s
+        )
 
 
 def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
@@ -88,8 +100,9 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
             await client.aclose()
             fleet.shutdown()
 
-    app = FastAPI(title="tandem router", docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)  # fmt: skip
+    app = FastAPI(
+        title="tandem router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     errors.install(app)
 
     @app.post("/v1/completions")
@@ -136,8 +149,12 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
             raise APIError(400, f"request body is not valid JSON: {exc}", code="bad_json") from None
         url = body.get("url") if isinstance(body, dict) else None
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise APIError(400, "`url` must be the http(s) URL of a tandem serve", param="url",
-                           code="invalid_value")  # fmt: skip
+            raise APIError(
+                400,
+                "`url` must be the http(s) URL of a tandem serve",
+                param="url",
+                code="invalid_value",
+            )
         try:
             return await asyncio.to_thread(fleet.add, settings.replica(url, fleet))
         except ValueError as exc:
@@ -149,8 +166,11 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
     async def health():
         report = await asyncio.to_thread(fleet.report)
         up = [r for r in report if r["status"] == "ok"]
-        down = [f"replica {r['replica']} ({r['url']}): {r['reason']}" for r in report
-                if r["status"] != "ok"]  # fmt: skip
+        down = [
+            f"replica {r['replica']} ({r['url']}): {r['reason']}"
+            for r in report
+            if r["status"] != "ok"
+        ]
         status = "ok" if not down else "degraded" if up else "unavailable"
         body = {"status": status, "reason": "; ".join(down) or None, "replicas": report}
         return JSONResponse(body, status_code=200 if up else 503)
@@ -170,20 +190,24 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
         def negotiate() -> dict:
             target = fleet.target
             server = target.exchange_server()
-            return {"version": target.weight_version, "torn": target.unavailable(),
-                    "exchange": dataclasses.asdict(server.endpoint),
-                    "transports": server.transports(), "modes": ["staged"],
-                    "dtype": target.weight_dtype}  # fmt: skip
+            return {
+                "version": target.weight_version,
+                "torn": target.unavailable(),
+                "exchange": dataclasses.asdict(server.endpoint),
+                "transports": server.transports(),
+                "modes": ["staged"],
+                "dtype": target.weight_dtype,
+            }
 
         try:
             return await asyncio.to_thread(negotiate)
         except WeightSyncError as exc:
-            raise APIError(503, f"cannot reach every replica: {exc}",
-                           code="replica_unreachable") from None  # fmt: skip
+            raise APIError(
+                503, f"cannot reach every replica: {exc}", code="replica_unreachable"
+            ) from None
 
     for path, method in CONTROLS.items():
-        app.add_api_route(path, _control(fleet, client, settings, path, method),
-                          methods=[method])  # fmt: skip
+        app.add_api_route(path, _control(fleet, client, settings, path, method), methods=[method])
 
     async def _generate(request: Request, path: str, units_of) -> Response:
         check_key(request, settings.api_key, "API key")
@@ -204,15 +228,23 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
             while True:
                 replica = fleet.replicas[routed.replica]
                 upstream = client.build_request(
-                    "POST", f"{replica.url}{path}", content=raw,
+                    "POST",
+                    f"{replica.url}{path}",
+                    content=raw,
                     headers={"content-type": "application/json", **_auth(request)},
-                )  # fmt: skip
+                )
                 try:
                     answer = await client.send(upstream, stream=True)
                 except httpx.HTTPError as exc:  # nothing was generated: another may take it
                     tried.add(routed.replica)
-                    routed = fleet.rerun(routed, f"unreachable ({type(exc).__name__})", units,
-                                         samples, max_tokens, wait_s=0)  # fmt: skip
+                    routed = fleet.rerun(
+                        routed,
+                        f"unreachable ({type(exc).__name__})",
+                        units,
+                        samples,
+                        max_tokens,
+                        wait_s=0,
+                    )
                     if routed.replica in tried:
                         fleet.finished(routed)
                         raise _none_healthy(fleet) from None
@@ -239,8 +271,9 @@ def _relay(answer: httpx.Response, done) -> Response:
     return StreamingResponse(chunks(), status_code=answer.status_code, media_type=media)
 
 
-def _control(fleet: Fleet, client: httpx.AsyncClient, settings: RouterSettings, path: str,
-             method: str):  # fmt: skip
+def _control(
+    fleet: Fleet, client: httpx.AsyncClient, settings: RouterSettings, path: str, method: str
+):
     async def control(request: Request):
         _require_admin(request, settings)
         raw = await read_body(request, settings.max_request_bytes)
@@ -250,25 +283,37 @@ def _control(fleet: Fleet, client: httpx.AsyncClient, settings: RouterSettings, 
 
         async def one(url: str):
             try:
-                r = await client.request(method, f"{url}{path}", params=request.query_params,
-                                         content=raw or None, headers=headers)  # fmt: skip
+                r = await client.request(
+                    method,
+                    f"{url}{path}",
+                    params=request.query_params,
+                    content=raw or None,
+                    headers=headers,
+                )
                 return r.status_code, _json(r)
             except httpx.HTTPError as exc:
                 return 502, {"error": {"message": f"{url} unreachable ({type(exc).__name__})"}}
 
         answers = await asyncio.gather(*(one(r.url) for r in list(fleet.replicas)))
-        per_replica = [{"replica": i, "status_code": code, "body": body}
-                       for i, (code, body) in enumerate(answers)]  # fmt: skip
+        per_replica = [
+            {"replica": i, "status_code": code, "body": body}
+            for i, (code, body) in enumerate(answers)
+        ]
         failed = [a for a in per_replica if not 200 <= a["status_code"] < 300]
         if failed:
             first = failed[0]
             message = "; ".join(f"replica {a['replica']}: {_message(a['body'])}" for a in failed)
-            raise APIError(first["status_code"] if first["status_code"] < 500 else 502,
-                           f"{path} failed on {len(failed)} of {len(answers)} replicas: "
-                           f"{message}", code="replica_failed")  # fmt: skip
+            raise APIError(
+                first["status_code"] if first["status_code"] < 500 else 502,
+                f"{path} failed on {len(failed)} of {len(answers)} replicas: {message}",
+                code="replica_failed",
+            )
         first = per_replica[0]["body"]
-        body = {**first, "replicas": per_replica} if isinstance(first, dict) else {
-            "replicas": per_replica}  # fmt: skip
+        body = (
+            {**first, "replicas": per_replica}
+            if isinstance(first, dict)
+            else {"replicas": per_replica}
+        )
         return JSONResponse(body)
 
     control.__name__ = f"control_{path.strip('/')}"
@@ -277,8 +322,11 @@ def _control(fleet: Fleet, client: httpx.AsyncClient, settings: RouterSettings, 
 
 def _require_admin(request: Request, settings: RouterSettings) -> None:
     if settings.admin_key is None:
-        raise APIError(403, "admin routes are disabled: start the router with --admin-key",
-                       code="admin_disabled")  # fmt: skip
+        raise APIError(
+            403,
+            "admin routes are disabled: start the router with --admin-key",
+            code="admin_disabled",
+        )
     check_key(request, settings.admin_key, "admin key")
 
 
@@ -301,8 +349,12 @@ def _message(body) -> str:
 
 
 def _none_healthy(fleet: Fleet) -> APIError:
-    return APIError(503, f"no replica can take requests now ({fleet.why_none()})",
-                    code="no_replica", headers={"Retry-After": "1"})  # fmt: skip
+    return APIError(
+        503,
+        f"no replica can take requests now ({fleet.why_none()})",
+        code="no_replica",
+        headers={"Retry-After": "1"},
+    )
 
 
 def _completion_units(body: dict) -> list[int]:
@@ -328,8 +380,9 @@ def _chat_units(body: dict) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return []
-    text = "".join(f"{m.get('role')}:{json.dumps(m.get('content'))}\n"
-                   for m in messages if isinstance(m, dict))  # fmt: skip
+    text = "".join(
+        f"{m.get('role')}:{json.dumps(m.get('content'))}\n" for m in messages if isinstance(m, dict)
+    )
     return [ord(c) for c in text]
 
 
@@ -340,13 +393,17 @@ class _Figures:
         self.fleet = fleet
 
     def collect(self):
-        up = GaugeMetricFamily("tandem_router_replica_up", "1 while the replica is healthy",
-                               labels=["replica", "url"])  # fmt: skip
-        load = GaugeMetricFamily("tandem_router_replica_load",
-                                 "tokens owed by the requests routed to the replica",
-                                 labels=["replica", "url"])  # fmt: skip
-        routed = CounterMetricFamily("tandem_router_requests", "requests routed to the replica",
-                                     labels=["replica", "url"])  # fmt: skip
+        up = GaugeMetricFamily(
+            "tandem_router_replica_up", "1 while the replica is healthy", labels=["replica", "url"]
+        )
+        load = GaugeMetricFamily(
+            "tandem_router_replica_load",
+            "tokens owed by the requests routed to the replica",
+            labels=["replica", "url"],
+        )
+        routed = CounterMetricFamily(
+            "tandem_router_requests", "requests routed to the replica", labels=["replica", "url"]
+        )
         for r in self.fleet.report():
             labels = [str(r["replica"]), r["url"]]
             up.add_metric(labels, int(r["status"] == "ok"))
