@@ -23,18 +23,27 @@ def plot(runs: dict[str, dict], out: Path) -> Path:
     fig, (acc, reward, gap) = plt.subplots(1, 3, figsize=(16, 4.5))
     for label, result in runs.items():
         rl = [e for e in result["evals"] if e["phase"] in ("start", "rl")]
-        line = acc.plot([e["step"] for e in rl], [e["reward"] for e in rl], marker="o",
-                        label=label)[0]  # fmt: skip
+        line = acc.plot(
+            [e["step"] for e in rl], [e["reward"] for e in rl], marker="o", label=label
+        )[0]
         steps = result["steps"]
-        reward.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps],
-                    color=line.get_color(), alpha=0.8)  # fmt: skip
-        gap.plot([s["step"] for s in steps],
-                 [max(s["logprob_gap_mean"] or 0.0, 1e-9) for s in steps],
-                 color=line.get_color(), alpha=0.8)  # fmt: skip
+        reward.plot(
+            [s["step"] for s in steps],
+            [s["reward_mean"] for s in steps],
+            color=line.get_color(),
+            alpha=0.8,
+        )
+        gap.plot(
+            [s["step"] for s in steps],
+            [max(s["logprob_gap_mean"] or 0.0, 1e-9) for s in steps],
+            color=line.get_color(),
+            alpha=0.8,
+        )
     acc.set(title="held-out greedy accuracy", xlabel="RL step")
     reward.set(title="sampled reward", xlabel="RL step")
-    gap.set(title="mean |log p trainer - log p engine|, sampled tokens", xlabel="RL step",
-            yscale="log")  # fmt: skip
+    gap.set(
+        title="mean |log p trainer - log p engine|, sampled tokens", xlabel="RL step", yscale="log"
+    )
     acc.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -34,9 +34,17 @@ class DemoConfig:
     is_cap: float = 2.0  # the importance weight's cap C (TIS truncates at it, MIS masks above)
 
     def __post_init__(self) -> None:
-        minimums = {"steps": 1, "prompts_per_step": self.trainer_ranks, "group_size": 2,
-                    "digits": 1, "warmup_steps": 0, "warmup_batch": self.trainer_ranks,
-                    "eval_every": 1, "trainer_ranks": 1, "engine_tp": 1}  # fmt: skip
+        minimums = {
+            "steps": 1,
+            "prompts_per_step": self.trainer_ranks,
+            "group_size": 2,
+            "digits": 1,
+            "warmup_steps": 0,
+            "warmup_batch": self.trainer_ranks,
+            "eval_every": 1,
+            "trainer_ranks": 1,
+            "engine_tp": 1,
+        }
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
@@ -47,16 +55,19 @@ class DemoConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.placement not in ("colocate", "disaggregated"):
-            raise ValueError(f"placement must be 'colocate' or 'disaggregated', got "
-                             f"{self.placement!r}")  # fmt: skip
+            raise ValueError(
+                f"placement must be 'colocate' or 'disaggregated', got {self.placement!r}"
+            )
         if self.async_staleness is not None and self.async_staleness < 1:
             raise ValueError(f"async_staleness must be >= 1 or None, got {self.async_staleness}")
         if self.engine_dtype not in ENGINE_DTYPES:
-            raise ValueError(f"engine_dtype must be one of {ENGINE_DTYPES}, got "
-                             f"{self.engine_dtype!r}")  # fmt: skip
+            raise ValueError(
+                f"engine_dtype must be one of {ENGINE_DTYPES}, got {self.engine_dtype!r}"
+            )
         if self.is_correction not in CORRECTIONS:
-            raise ValueError(f"is_correction must be one of {CORRECTIONS}, got "
-                             f"{self.is_correction!r}")  # fmt: skip
+            raise ValueError(
+                f"is_correction must be one of {CORRECTIONS}, got {self.is_correction!r}"
+            )
         if not (isinstance(self.is_cap, int | float) and self.is_cap >= 1):
             raise ValueError(f"is_cap must be a number >= 1, got {self.is_cap!r}")
 

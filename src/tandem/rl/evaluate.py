@@ -44,8 +44,11 @@ def next_token_kl(p_logprobs: list[float], q_logprobs: list[float]) -> float:
 
 def _max_gap(rows: list[list[float]], others: list[list[float]]) -> float:
     """The largest |difference| between two equally shaped sets of log-prob rows."""
-    return max(abs(a - b) for row, other in zip(rows, others, strict=True)
-               for a, b in zip(row, other, strict=True))  # fmt: skip
+    return max(
+        abs(a - b)
+        for row, other in zip(rows, others, strict=True)
+        for a, b in zip(row, other, strict=True)
+    )
 
 
 class Evaluator:
@@ -91,5 +94,14 @@ class Evaluator:
         gap = _max_gap(engine, trainer)
         change = None if self._previous is None else _max_gap(engine, self._previous)
         self._previous = engine
-        return EvalPoint(phase, step, self.llm.weight_version, round(reward, 4), round(exact, 4),
-                         max(kls), sum(kls) / len(kls), gap, change)  # fmt: skip
+        return EvalPoint(
+            phase,
+            step,
+            self.llm.weight_version,
+            round(reward, 4),
+            round(exact, 4),
+            max(kls),
+            sum(kls) / len(kls),
+            gap,
+            change,
+        )

@@ -69,16 +69,30 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
     if not (model_dir / "config.json").is_file():
         make_tiny_model(model_dir, "llama", seed=config.seed)
     task = ReverseTask(config.seed, config.digits)
-    params = SamplingParams(n=config.group_size, max_tokens=config.digits + 1,
-                            temperature=config.temperature, logprobs=0)  # fmt: skip
+    params = SamplingParams(
+        n=config.group_size,
+        max_tokens=config.digits + 1,
+        temperature=config.temperature,
+        logprobs=0,
+    )
     notify = on_event or (lambda event: None)
     started = time.perf_counter()
     logs: list[StepLog] = []
     evals: list[EvalPoint] = []
-    with LLM(str(model_dir), tensor_parallel_size=config.engine_tp, kv_cache_memory=16 << 20,
-             seed=config.seed, **config.engine_options()) as llm:  # fmt: skip
-        with TrainerGroup(config.trainer_ranks, str(model_dir), llm.exchange_address,
-                          config.transport, config.seed) as trainers:  # fmt: skip
+    with LLM(
+        str(model_dir),
+        tensor_parallel_size=config.engine_tp,
+        kv_cache_memory=16 << 20,
+        seed=config.seed,
+        **config.engine_options(),
+    ) as llm:
+        with TrainerGroup(
+            config.trainer_ranks,
+            str(model_dir),
+            llm.exchange_address,
+            config.transport,
+            config.seed,
+        ) as trainers:
             evaluator = Evaluator(llm, trainers, task)
 
             def evaluate(phase: str, step: int) -> EvalPoint:
@@ -114,8 +128,9 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
     }
 
 
-def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoConfig,
-            notify) -> list[WarmupLog]:  # fmt: skip
+def _warmup(
+    llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoConfig, notify
+) -> list[WarmupLog]:
     """Supervised steps on training problems (never the held-out ones); one push at the end.
     Colocated, the engine sleeps meanwhile (the trainers have the memory)."""
     if config.warmup_steps == 0:
@@ -127,16 +142,21 @@ def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoCon
         llm.sleep()
     try:
         for step in range(config.warmup_steps):
-            examples = [[tok.encode(p.prompt), tok.encode(p.answer) + [eos]]
-                        for p in task.problems(step, config.warmup_batch, "warmup")]  # fmt: skip
+            examples = [
+                [tok.encode(p.prompt), tok.encode(p.answer) + [eos]]
+                for p in task.problems(step, config.warmup_batch, "warmup")
+            ]
             shares = _shares(examples, config.trainer_ranks)
             last = step == config.warmup_steps - 1
             reports = trainers.warmup(step, llm.weight_version + 1, shares, last, config.lr)
-            logs.append(WarmupLog(
-                step, sum(r.loss for r in reports) / len(reports),
-                round(max(r.train_seconds for r in reports), 4),
-                round(1000 * max(r.push_seconds for r in reports), 2),
-            ))  # fmt: skip
+            logs.append(
+                WarmupLog(
+                    step,
+                    sum(r.loss for r in reports) / len(reports),
+                    round(max(r.train_seconds for r in reports), 4),
+                    round(1000 * max(r.push_seconds for r in reports), 2),
+                )
+            )
             notify(logs[-1])
     finally:
         if colocated:
@@ -144,13 +164,20 @@ def _warmup(llm: LLM, trainers: TrainerGroup, task: ReverseTask, config: DemoCon
     return logs
 
 
-def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout, step: int,
-          config: DemoConfig) -> StepLog:  # fmt: skip
+def _step(
+    llm: LLM,
+    trainers: TrainerGroup,
+    task: ReverseTask,
+    rollout: _Rollout,
+    step: int,
+    config: DemoConfig,
+) -> StepLog:
     version = llm.weight_version  # what the trainers hold now (every push is committed)
     groups, versions, stale = [], [], []
     dropped = 0
-    for problem, prompt, out in zip(rollout.problems, rollout.prompts, rollout.outputs,
-                                    strict=True):  # fmt: skip
+    for problem, prompt, out in zip(
+        rollout.problems, rollout.prompts, rollout.outputs, strict=True
+    ):
         staleness = version - min(out.weight_versions)
         if config.async_staleness is not None and staleness > config.async_staleness:
             dropped += len(out.outputs)
@@ -164,8 +191,11 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
     for g, (_, prompt, out) in enumerate(groups):
         fresh = out.weight_versions == [version]
         for i, c in enumerate(out.outputs):
-            samples.append(Sample(prompt, c.token_ids, c.logprobs,
-                                  advantages[g * config.group_size + i], fresh))  # fmt: skip
+            samples.append(
+                Sample(
+                    prompt, c.token_ids, c.logprobs, advantages[g * config.group_size + i], fresh
+                )
+            )
     shares = _shares(samples, config.trainer_ranks)
     update = all(shares)
     if not update:  # every rank runs the same collectives: all step or none does
@@ -173,8 +203,15 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
     if config.placement == "colocate" and config.async_staleness is None:
         llm.sleep()  # the trainers get the KV cache's memory while they step
     try:
-        reports = trainers.step(step, version + 1, shares, update, config.rl_lr(step),
-                                config.is_correction, config.is_cap)  # fmt: skip
+        reports = trainers.step(
+            step,
+            version + 1,
+            shares,
+            update,
+            config.rl_lr(step),
+            config.is_correction,
+            config.is_cap,
+        )
     finally:
         if llm.engine.state is EngineState.SLEEPING:
             llm.wake()
@@ -184,27 +221,40 @@ def _step(llm: LLM, trainers: TrainerGroup, task: ReverseTask, rollout: _Rollout
     tokens = sum(len(c.token_ids) for out in rollout.outputs for c in out.outputs)
     all_rewards = rewards or [0.0]
     return StepLog(
-        step=step, version=llm.weight_version, reward_mean=sum(all_rewards) / len(all_rewards),
-        reward_min=min(all_rewards), reward_max=max(all_rewards), samples=len(samples),
-        dropped=dropped, rollout_tokens=tokens, rollout_seconds=round(rollout.seconds, 4),
+        step=step,
+        version=llm.weight_version,
+        reward_mean=sum(all_rewards) / len(all_rewards),
+        reward_min=min(all_rewards),
+        reward_max=max(all_rewards),
+        samples=len(samples),
+        dropped=dropped,
+        rollout_tokens=tokens,
+        rollout_seconds=round(rollout.seconds, 4),
         rollout_tokens_per_s=round(tokens / rollout.seconds, 1),
         train_seconds=round(max(r.train_seconds for r in reports), 4),
         sync_ms=round(1000 * max(r.push_seconds for r in reports), 2),
         loss=sum(r.loss for r in reports) / len(reports),
-        grad_norm=reports[0].grad_norm, logprob_mismatch=max(mismatches) if mismatches else None,
-        logprob_gap_mean=gap_mean, is_weight_mean=weight_mean, is_capped_fraction=capped,
+        grad_norm=reports[0].grad_norm,
+        logprob_mismatch=max(mismatches) if mismatches else None,
+        logprob_gap_mean=gap_mean,
+        is_weight_mean=weight_mean,
+        is_capped_fraction=capped,
         clip_fraction=sum(r.clip_fraction * r.tokens for r in reports) / max(1, tokens_trained),
         staleness_mean=sum(stale) / len(stale) if stale else 0.0,
-        staleness_max=max(stale, default=0), sample_versions=versions,
-    )  # fmt: skip
+        staleness_max=max(stale, default=0),
+        sample_versions=versions,
+    )
 
 
 def _final_check(llm, trainers, task, params, config) -> dict:
     """After the last push: fresh rollouts, log-probs recomputed by the trainers (no update)."""
     prompts = [llm.tokenizer.encode(p.prompt) for p in task.problems(10**6, 2)]
     outputs = llm.generate(prompts, params)
-    samples = [Sample(p, c.token_ids, c.logprobs, 0.0, True)
-               for p, out in zip(prompts, outputs, strict=True) for c in out.outputs]  # fmt: skip
+    samples = [
+        Sample(p, c.token_ids, c.logprobs, 0.0, True)
+        for p, out in zip(prompts, outputs, strict=True)
+        for c in out.outputs
+    ]
     shares = _shares(samples, config.trainer_ranks)
     reports = trainers.step(
         -1,
@@ -216,10 +266,13 @@ def _final_check(llm, trainers, task, params, config) -> dict:
         is_cap=config.is_cap,
     )
     gap_mean, weight_mean, capped = _mismatch_means(reports)
-    return {"version": llm.weight_version,
-            "logprob_mismatch": max(r.logprob_mismatch for r in reports),
-            "logprob_gap_mean": gap_mean, "is_weight_mean": weight_mean,
-            "is_capped_fraction": capped}  # fmt: skip
+    return {
+        "version": llm.weight_version,
+        "logprob_mismatch": max(r.logprob_mismatch for r in reports),
+        "logprob_gap_mean": gap_mean,
+        "is_weight_mean": weight_mean,
+        "is_capped_fraction": capped,
+    }
 
 
 def _mismatch_means(reports) -> tuple[float | None, float, float]:
@@ -228,8 +281,11 @@ def _mismatch_means(reports) -> tuple[float | None, float, float]:
     fresh = sum(r.fresh_tokens for r in reports)
     tokens = max(1, sum(r.tokens for r in reports))
     gap = sum(r.logprob_gap_sum for r in reports) / fresh if fresh else None
-    return (gap, sum(r.is_weight_sum for r in reports) / tokens,
-            sum(r.is_over_cap for r in reports) / tokens)  # fmt: skip
+    return (
+        gap,
+        sum(r.is_weight_sum for r in reports) / tokens,
+        sum(r.is_over_cap for r in reports) / tokens,
+    )
 
 
 def _shares(items: list, ranks: int) -> list[list]:

@@ -45,10 +45,12 @@ class Progress:
         dlogp = "-" if log.logprob_mismatch is None else f"{log.logprob_mismatch:.1e}"
         if log.eval_reward is not None:
             self.eval = log.eval_reward
-        line = (f"step {done:>3}/{self.total} [{bar}] reward {log.reward_mean:.3f} | "
-                f"eval {self.eval:.3f} | "
-                f"{log.rollout_tokens_per_s:>5.0f} tok/s | sync {log.sync_ms:>6.1f} ms | "
-                f"stale {log.staleness_max} | dlogp {dlogp} | v{log.version}")  # fmt: skip
+        line = (
+            f"step {done:>3}/{self.total} [{bar}] reward {log.reward_mean:.3f} | "
+            f"eval {self.eval:.3f} | "
+            f"{log.rollout_tokens_per_s:>5.0f} tok/s | sync {log.sync_ms:>6.1f} ms | "
+            f"stale {log.staleness_max} | dlogp {dlogp} | v{log.version}"
+        )
         if self.tty:
             end = "\n" if done == self.total else ""
             self.stream.write("\r" + line + end)
@@ -128,26 +130,44 @@ def write(result: dict, out_dir: str | Path) -> tuple[Path, Path]:
     ax_sync = fig.add_subplot(grid[2], sharex=ax_reward)
     ax_stale = fig.add_subplot(grid[3], sharex=ax_reward)
     if warmup:
-        ax_warm.plot([w["step"] + 1 for w in warmup], [w["loss"] for w in warmup], marker="o",
-                     ms=3, color="tab:purple")  # fmt: skip
+        ax_warm.plot(
+            [w["step"] + 1 for w in warmup],
+            [w["loss"] for w in warmup],
+            marker="o",
+            ms=3,
+            color="tab:purple",
+        )
     ax_warm.set_ylabel("warm-up loss")
     ax_warm.set_xlabel("supervised warm-up step")
     ax_reward.plot(x, [s["reward_mean"] for s in steps], lw=1, label="sampled reward (mean)")
     rl_evals = [e for e in evals if e["phase"] != "init"]
     at = [e["step"] for e in rl_evals]
-    ax_reward.plot(at, [e["reward"] for e in rl_evals], marker="s", color="tab:red",
-                   label="held-out greedy accuracy (per digit)")  # fmt: skip
-    ax_reward.plot(at, [e["exact"] for e in rl_evals], marker="^", ls=":", color="tab:red",
-                   label="held-out exact match")  # fmt: skip
-    ax_reward.axhline(result["constant_policy_reward"], ls="--", color="gray",
-                      label="best constant answer")  # fmt: skip
+    ax_reward.plot(
+        at,
+        [e["reward"] for e in rl_evals],
+        marker="s",
+        color="tab:red",
+        label="held-out greedy accuracy (per digit)",
+    )
+    ax_reward.plot(
+        at,
+        [e["exact"] for e in rl_evals],
+        marker="^",
+        ls=":",
+        color="tab:red",
+        label="held-out exact match",
+    )
+    ax_reward.axhline(
+        result["constant_policy_reward"], ls="--", color="gray", label="best constant answer"
+    )
     ax_reward.set_ylabel("reward / accuracy")
     ax_reward.set_ylim(0, 1)
     ax_reward.legend(loc="upper left", fontsize=8)
     ax_sync.plot(x, [s["sync_ms"] for s in steps], lw=1, color="tab:orange")
     ax_sync.set_ylabel("weight sync (ms)")
-    ax_stale.step(x, [s["staleness_max"] for s in steps], where="mid", color="tab:green",
-                  label="max")  # fmt: skip
+    ax_stale.step(
+        x, [s["staleness_max"] for s in steps], where="mid", color="tab:green", label="max"
+    )
     ax_stale.plot(x, [s["staleness_mean"] for s in steps], color="tab:olive", label="mean")
     ax_stale.set_ylabel("staleness (versions)")
     ax_stale.set_xlabel("RL step")
@@ -156,8 +176,9 @@ def write(result: dict, out_dir: str | Path) -> tuple[Path, Path]:
     mode = c["placement"] + (
         "" if c["async_staleness"] is None else f", async {c['async_staleness']}"
     )
-    engine = c["engine_dtype"] + ("" if c["is_correction"] == "none" else
-                                  f", {c['is_correction']} (cap {c['is_cap']:g})")  # fmt: skip
+    engine = c["engine_dtype"] + (
+        "" if c["is_correction"] == "none" else f", {c['is_correction']} (cap {c['is_cap']:g})"
+    )
     fig.suptitle(f"tandem demo: {result['task']} task, {mode}; engine {engine}")
     fig.tight_layout()
     fig.savefig(plot_path, dpi=100)

@@ -119,8 +119,9 @@ def warmup_step(model, optimizer, sender, batch: WarmupBatch, rank: int) -> Trai
     grad_norm = _update(model, optimizer, loss, batch.lr)
     push_seconds = _push(sender, batch.version) if batch.push else 0.0
     train_seconds = time.perf_counter() - start - push_seconds
-    return TrainReport(rank, batch.step, loss.item(), None, push_seconds, train_seconds,
-                       grad_norm, 0.0, 0.0)  # fmt: skip
+    return TrainReport(
+        rank, batch.step, loss.item(), None, push_seconds, train_seconds, grad_norm, 0.0, 0.0
+    )
 
 
 @torch.no_grad()
@@ -153,12 +154,21 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
         grad_norm = _update(model, optimizer, loss, batch.lr)
         push_seconds = _push(sender, batch.version)
     return TrainReport(
-        rank, batch.step, loss.item(), mismatch, push_seconds,
-        time.perf_counter() - start - push_seconds, grad_norm, stats["ratio_max"],
-        stats["clip_fraction"], tokens=int(mask.sum()), fresh_tokens=int(mask[fresh].sum()),
-        logprob_gap_sum=float(gap[fresh].sum()), is_weight_sum=float((weight * mask).sum()),
+        rank,
+        batch.step,
+        loss.item(),
+        mismatch,
+        push_seconds,
+        time.perf_counter() - start - push_seconds,
+        grad_norm,
+        stats["ratio_max"],
+        stats["clip_fraction"],
+        tokens=int(mask.sum()),
+        fresh_tokens=int(mask[fresh].sum()),
+        logprob_gap_sum=float(gap[fresh].sum()),
+        is_weight_sum=float((weight * mask).sum()),
         is_over_cap=int(corr.over_cap.sum()),
-    )  # fmt: skip
+    )
 
 
 def main() -> int:
@@ -172,9 +182,11 @@ def main() -> int:
     from tandem.exchange import WeightSender
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.dist_port}", rank=args.rank,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.dist_port}",
+        rank=args.rank,
         world_size=args.world_size,
-    )  # fmt: skip
+    )
     mesh = init_device_mesh("cpu", (args.world_size,))
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)

@@ -35,8 +35,15 @@ class TrainerError(RuntimeError):
 
 
 class TrainerGroup:
-    def __init__(self, world_size: int, model_dir: str, exchange_address: str, transport: str,
-                 seed: int, start_timeout_s: float = 300.0):  # fmt: skip
+    def __init__(
+        self,
+        world_size: int,
+        model_dir: str,
+        exchange_address: str,
+        transport: str,
+        seed: int,
+        start_timeout_s: float = 300.0,
+    ):
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
         host, port = self._listener.getsockname()[:2]
@@ -46,11 +53,22 @@ class TrainerGroup:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.procs = []
         for rank in range(world_size):
-            args = TrainerArgs(rank, world_size, dist_port, model_dir, [host, port], self._token,
-                               exchange_address, transport, seed)  # fmt: skip
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tandem.rl.trainer"], env={**env, ENV: args.to_env()}
-            ))  # fmt: skip
+            args = TrainerArgs(
+                rank,
+                world_size,
+                dist_port,
+                model_dir,
+                [host, port],
+                self._token,
+                exchange_address,
+                transport,
+                seed,
+            )
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tandem.rl.trainer"], env={**env, ENV: args.to_env()}
+                )
+            )
         self.socks: dict[int, socket.socket] = {}
         try:
             self._accept(world_size, time.monotonic() + start_timeout_s)
@@ -60,8 +78,16 @@ class TrainerGroup:
 
     def _accept(self, world_size: int, deadline: float) -> None:
         try:
-            peers = gather_hellos(self._listener, self._token, TRAINERS, TrainerHello, world_size,
-                                  deadline, self._check_alive, HELLO_TIMEOUT_S)  # fmt: skip
+            peers = gather_hellos(
+                self._listener,
+                self._token,
+                TRAINERS,
+                TrainerHello,
+                world_size,
+                deadline,
+                self._check_alive,
+                HELLO_TIMEOUT_S,
+            )
         except TimeoutError as exc:
             raise TrainerError(f"trainer {exc}") from None
         for rank, (sock, _) in peers.items():
@@ -73,23 +99,35 @@ class TrainerGroup:
             if proc.poll() is not None:
                 raise TrainerError(f"trainer rank {rank} exited with code {proc.returncode}")
 
-    def step(self, step: int, version: int, shares: list[list[Sample]], update: bool, lr: float,
-             is_correction: str = "none", is_cap: float = 2.0) -> list[TrainReport]:  # fmt: skip
+    def step(
+        self,
+        step: int,
+        version: int,
+        shares: list[list[Sample]],
+        update: bool,
+        lr: float,
+        is_correction: str = "none",
+        is_cap: float = 2.0,
+    ) -> list[TrainReport]:
         """Send every rank its share, wait for all reports (each rank pushes after updating;
         ``update=False`` only scores: ``lr`` is unused then). ``is_correction`` and ``is_cap``:
         how the loss corrects the engine/trainer mismatch (`tandem.rl.grpo.correct_mismatch`)."""
-        batches = [TrainBatch(step, version, update, lr, shares[r], is_correction, is_cap)
-                   for r in self._ranks]  # fmt: skip
+        batches = [
+            TrainBatch(step, version, update, lr, shares[r], is_correction, is_cap)
+            for r in self._ranks
+        ]
         return self._exchange(batches)
 
-    def warmup(self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool,
-               lr: float) -> list[TrainReport]:  # fmt: skip
+    def warmup(
+        self, step: int, version: int, shares: list[list[list[list[int]]]], push: bool, lr: float
+    ) -> list[TrainReport]:
         """One supervised step on every rank's share of [prompt_ids, target_ids] examples."""
         batches = [WarmupBatch(step, version, push, lr, shares[r]) for r in self._ranks]
         return self._exchange(batches)
 
-    def score(self, step: int, sequences: list[list[int]], positions: list[list[int]]
-              ) -> list[list[float]]:  # fmt: skip
+    def score(
+        self, step: int, sequences: list[list[int]], positions: list[list[int]]
+    ) -> list[list[float]]:
         """The trainers' next-token log-softmax rows at ``positions`` (every rank runs the same
         forward, as FSDP2 needs; rank 0's rows are returned)."""
         reports = self._exchange([ScoreBatch(step, sequences, positions) for _ in self._ranks])
