@@ -69,18 +69,25 @@ def launch_trainers(
         for i in range(count):
             node = engine_nodes[i % len(engine_nodes)]
             strategy_i = NodeAffinitySchedulingStrategy(node, soft=False)
-            group.actors.append(remote.options(scheduling_strategy=strategy_i).remote(
-                *args, rank=i, world_size=count, **kwargs))  # fmt: skip
+            group.actors.append(
+                remote.options(scheduling_strategy=strategy_i).remote(
+                    *args, rank=i, world_size=count, **kwargs
+                )
+            )
             group.nodes.append(node)
         return group
     bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
     group.placement_group = placement_group([bundle] * count, strategy=strategy)
     ray.get(group.placement_group.ready())
     for i in range(count):
-        place = PlacementGroupSchedulingStrategy(group.placement_group,
-                                                 placement_group_bundle_index=i)  # fmt: skip
-        group.actors.append(remote.options(scheduling_strategy=place).remote(
-            *args, rank=i, world_size=count, **kwargs))  # fmt: skip
+        place = PlacementGroupSchedulingStrategy(
+            group.placement_group, placement_group_bundle_index=i
+        )
+        group.actors.append(
+            remote.options(scheduling_strategy=place).remote(
+                *args, rank=i, world_size=count, **kwargs
+            )
+        )
     table = ray.util.placement_group_table(group.placement_group)
     group.nodes = [table["bundles_to_node_id"][i] for i in range(count)]
     return group

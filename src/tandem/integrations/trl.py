@@ -106,15 +106,25 @@ class TandemRollout:
         ids = [_tokenize(trainer.processing_class, p) for p in prompts]
         groups = _runs(ids)  # (first entry, count): repeated prompts in a row
         params = [
-            SamplingParams(n=count, max_tokens=self.max_tokens, temperature=temperature,
-                           top_p=self.top_p, top_k=self.top_k, logprobs=0,
-                           logprobs_mode="processed",
-                           seed=None if self.seed is None else self.seed + first)
+            SamplingParams(
+                n=count,
+                max_tokens=self.max_tokens,
+                temperature=temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                logprobs=0,
+                logprobs_mode="processed",
+                seed=None if self.seed is None else self.seed + first,
+            )
             for first, count in groups
-        ]  # fmt: skip
+        ]
         completions = self._generate([ids[first] for first, _ in groups], params, lora)
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "logprobs": [],
-                                "weight_version": []}  # fmt: skip
+        out: dict[str, list] = {
+            "prompt_ids": [],
+            "completion_ids": [],
+            "logprobs": [],
+            "weight_version": [],
+        }
         for (first, count), samples in zip(groups, completions, strict=True):
             if len(samples) != count:
                 raise RuntimeError(f"the engine returned {len(samples)} samples, not {count}")
@@ -153,8 +163,10 @@ class TandemRollout:
         model is first checked against the engine (LoRA enabled, its rank served)."""
         if not is_peft_model(model):
             if self.lora_name is not None:
-                raise ValueError(f"TandemRollout: lora_name={self.lora_name!r} needs a PEFT "
-                                 f"model; the trainer's is a {type(model).__name__}")  # fmt: skip
+                raise ValueError(
+                    f"TandemRollout: lora_name={self.lora_name!r} needs a PEFT "
+                    f"model; the trainer's is a {type(model).__name__}"
+                )
             return None
         name = self.lora_name or DEFAULT_LORA_NAME
         if self._checked is not model:
@@ -172,8 +184,10 @@ class TandemRollout:
             )
         adapter = model.active_adapter
         if not isinstance(adapter, str):
-            raise LoRAError(f"TandemRollout: the PEFT model has active adapters {adapter}; "
-                            "set one with set_adapter()")  # fmt: skip
+            raise LoRAError(
+                f"TandemRollout: the PEFT model has active adapters {adapter}; "
+                "set one with set_adapter()"
+            )
         rank = AdapterConfig.from_peft(model.peft_config[adapter], f"adapter {adapter!r}").rank
         engine = self.llm.engine
         if engine is None:
@@ -192,15 +206,21 @@ class TandemRollout:
                 f"LLM(..., enable_lora=True, max_lora_rank>={rank})"
             )
 
-    def _generate(self, prompt_ids: list[list[int]], params: list[SamplingParams],
-                  lora: LoRARequest | None = None) -> list:  # fmt: skip
+    def _generate(
+        self,
+        prompt_ids: list[list[int]],
+        params: list[SamplingParams],
+        lora: LoRARequest | None = None,
+    ) -> list:
         """Per prompt, its samples as (token ids, log-probs, weight version): with ``lora``,
         the version of the adapter they ran with (the latest pushed)."""
         if not isinstance(self.llm, str):
             if lora is None:
                 outputs = self.llm.generate(prompt_ids, params)
-                return [[(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
-                        for o in outputs]  # fmt: skip
+                return [
+                    [(c.token_ids, c.logprobs, o.weight_version) for c in o.outputs]
+                    for o in outputs
+                ]
             # requests pin the adapter's latest version when queued, in this thread
             latest = {a.name: a.version for a in self.llm.engine.adapters.loaded()}
             version = latest.get(lora.lora_name, -1)
@@ -217,9 +237,17 @@ class TandemRollout:
             self._client = httpx.Client(base_url=url.rstrip("/"), timeout=600.0)
         if self.model_name is None:  # the one model the server serves
             self.model_name = self._client.get("/v1/models").json()["data"][0]["id"]
-        body = {"model": self.model_name, "prompt": ids, "n": p.n,
-                "max_tokens": p.max_tokens, "temperature": p.temperature, "top_p": p.top_p,
-                "top_k": p.top_k, "logprobs": 0, "logprobs_mode": "processed"}  # fmt: skip
+        body = {
+            "model": self.model_name,
+            "prompt": ids,
+            "n": p.n,
+            "max_tokens": p.max_tokens,
+            "temperature": p.temperature,
+            "top_p": p.top_p,
+            "top_k": p.top_k,
+            "logprobs": 0,
+            "logprobs_mode": "processed",
+        }
         if p.seed is not None:
             body["seed"] = p.seed
         reply = self._client.post("/v1/completions", json=body)
@@ -233,8 +261,11 @@ class TandemRollout:
 
 def _tokenize(tokenizer, prompt) -> list[int]:
     if isinstance(prompt, list):  # conversational: a list of messages
-        return list(tokenizer.apply_chat_template(prompt, add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False))  # fmt: skip
+        return list(
+            tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 

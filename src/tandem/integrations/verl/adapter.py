@@ -52,17 +52,25 @@ class TandemServerAdapter(BaseRollout):
         if self.config.free_cache_engine and self.is_leader_rank:
             await self._handle().sleep.remote()
 
-    async def update_weights(self, weights, wire_format: str = "named_tensors",
-                             global_steps: int | None = None, peft_config=None,
-                             base_sync_done: bool = True, **kwargs):  # fmt: skip
+    async def update_weights(
+        self,
+        weights,
+        wire_format: str = "named_tensors",
+        global_steps: int | None = None,
+        peft_config=None,
+        base_sync_done: bool = True,
+        **kwargs,
+    ):
         from verl.workers.rollout.utils import ensure_async_iterator
 
         if wire_format != "named_tensors":
             raise ValueError(f"tandem takes wire_format='named_tensors', got {wire_format!r}")
         if peft_config and base_sync_done:  # LoRA adapters only (verl's vLLM/SGLang rule)
-            raise NotImplementedError("tandem's verl rollout takes full weights, not LoRA "
-                                      "adapters: set actor_rollout_ref.model.lora.merge="
-                                      "True")  # fmt: skip
+            raise NotImplementedError(
+                "tandem's verl rollout takes full weights, not LoRA "
+                "adapters: set actor_rollout_ref.model.lora.merge="
+                "True"
+            )
         stream = ensure_async_iterator(weights)
         if not self.is_leader_rank:
             async for _ in stream:  # the gathers are collective: read them all
@@ -96,7 +104,8 @@ class TandemServerAdapter(BaseRollout):
         if self._client is None:
             url, key = await self._handle().connection.remote()
             megabytes = self.config.checkpoint_engine.update_weights_bucket_megabytes
-            self._client = BroadcastClient(url, key, host=ray.util.get_node_ip_address(),
-                                           bucket_bytes=int(megabytes) << 20)  # fmt: skip
+            self._client = BroadcastClient(
+                url, key, host=ray.util.get_node_ip_address(), bucket_bytes=int(megabytes) << 20
+            )
             await asyncio.to_thread(self._client.connect)
         return self._client

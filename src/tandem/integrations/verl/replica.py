@@ -40,14 +40,18 @@ class TandemReplica(RolloutReplica):
         from tandem.integrations.verl.server import TandemServer
 
         if self.config.enable_rollout_routing_replay:
-            raise ValueError("rollout.enable_rollout_routing_replay: verl replays the experts of "
-                             "every prompt and response position; tandem reports those of "
-                             "generated tokens only (tandem.rl.replay_routing uses them): not "
-                             "offered through verl")  # fmt: skip
+            raise ValueError(
+                "rollout.enable_rollout_routing_replay: verl replays the experts of "
+                "every prompt and response position; tandem reports those of "
+                "generated tokens only (tandem.rl.replay_routing uses them): not "
+                "offered through verl"
+            )
         if self.nnodes > 1:
-            raise ValueError(f"a tandem rollout replica runs on one node; tp x pp x dp = "
-                             f"{self.world_size} is more than n_gpus_per_node = "
-                             f"{self.gpus_per_node}")  # fmt: skip
+            raise ValueError(
+                f"a tandem rollout replica runs on one node; tp x pp x dp = "
+                f"{self.world_size} is more than n_gpus_per_node = "
+                f"{self.gpus_per_node}"
+            )
         if self.workers:
             node = await self.workers[0].__ray_call__.remote(
                 lambda worker: ray.get_runtime_context().get_node_id()
@@ -56,11 +60,14 @@ class TandemReplica(RolloutReplica):
             node = ray.get_runtime_context().get_node_id()
         server = (
             ray.remote(TandemServer)
-            .options(name=server_name(self.replica_rank) + self.name_suffix, num_cpus=0,
-                     max_concurrency=self.max_concurrency,
-                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+            .options(
+                name=server_name(self.replica_rank) + self.name_suffix,
+                num_cpus=0,
+                max_concurrency=self.max_concurrency,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            )
             .remote(self.config, model_path(self.model_config), self.replica_rank)
-        )  # fmt: skip
+        )
         self._server_address = await server.launch.remote()
         self.servers = [server]
         self._server_handle = server

@@ -20,9 +20,15 @@ import secrets
 from typing import Any
 
 # rollout config -> `tandem serve` flags
-_FLAGS = {"tensor_model_parallel_size": "--tp", "pipeline_model_parallel_size": "--pp",
-          "data_parallel_size": "--dp", "max_num_seqs": "--max-num-seqs",
-          "max_model_len": "--max-model-len", "dtype": "--dtype", "seed": "--seed"}  # fmt: skip
+_FLAGS = {
+    "tensor_model_parallel_size": "--tp",
+    "pipeline_model_parallel_size": "--pp",
+    "data_parallel_size": "--dp",
+    "max_num_seqs": "--max-num-seqs",
+    "max_model_len": "--max-model-len",
+    "dtype": "--dtype",
+    "seed": "--seed",
+}
 
 
 def serve_args(config, model_path: str, host: str, admin_key: str) -> list[str]:
@@ -108,13 +114,18 @@ class TandemServer:
             raise ValueError("tandem's verl rollout takes text prompts (token ids) only")
         params = dict(sampling_params)
         want_logprobs = bool(params.get("logprobs"))
-        body = {"model": self.model_name, "prompt": list(prompt_ids),
-                "max_tokens": max_tokens(self.config, len(prompt_ids), params, self.context),
-                "temperature": float(params.get("temperature", 1.0)),
-                "top_p": float(params.get("top_p", 1.0)), "top_k": int(params.get("top_k", -1)),
-                "logprobs": 0 if want_logprobs else None, "logprobs_mode": "processed",
-                "request_id": request_id,
-                "ignore_eos": bool(params.get("ignore_eos", self.config.ignore_eos))}  # fmt: skip
+        body = {
+            "model": self.model_name,
+            "prompt": list(prompt_ids),
+            "max_tokens": max_tokens(self.config, len(prompt_ids), params, self.context),
+            "temperature": float(params.get("temperature", 1.0)),
+            "top_p": float(params.get("top_p", 1.0)),
+            "top_k": int(params.get("top_k", -1)),
+            "logprobs": 0 if want_logprobs else None,
+            "logprobs_mode": "processed",
+            "request_id": request_id,
+            "ignore_eos": bool(params.get("ignore_eos", self.config.ignore_eos)),
+        }
         if params.get("seed") is not None:
             body["seed"] = int(params["seed"])
         if float(params.get("repetition_penalty", 1.0)) != 1.0:  # not offered: never dropped
@@ -126,10 +137,15 @@ class TandemServer:
         choice = out["choices"][0]
         logprobs = choice["logprobs"]["token_logprobs"] if want_logprobs else None
         aborted = choice.get("finish_reason") == "abort"
-        return TokenOutput(token_ids=choice["token_ids"], log_probs=logprobs,
-                           stop_reason="aborted" if aborted else "completed",
-                           extra_fields={"global_steps": out.get("weight_version"),
-                                         "finish_reason": choice.get("finish_reason")})  # fmt: skip
+        return TokenOutput(
+            token_ids=choice["token_ids"],
+            log_probs=logprobs,
+            stop_reason="aborted" if aborted else "completed",
+            extra_fields={
+                "global_steps": out.get("weight_version"),
+                "finish_reason": choice.get("finish_reason"),
+            },
+        )
 
     async def wake_up(self, tags: list[str] | None = None):
         await self._call("POST", "/wake_up", {"tags": tags} if tags else {})
@@ -148,8 +164,9 @@ class TandemServer:
     async def clear_kv_cache(self):
         await self._call("POST", "/reset_prefix_cache")
 
-    async def abort_all_requests(self, reset_prefix_cache: bool = True,
-                                 reject_request: bool = False) -> dict:  # fmt: skip
+    async def abort_all_requests(
+        self, reset_prefix_cache: bool = True, reject_request: bool = False
+    ) -> dict:
         """verl's partial rollout: every running request ends now (its caller gets what was
         generated, stop_reason ``aborted``) and generation stays blocked, new requests held,
         until `resume_generation`. ``reject_request`` (fail new requests instead of holding
@@ -159,9 +176,11 @@ class TandemServer:
 
             logging.getLogger(__name__).warning(
                 "tandem holds requests that arrive while generation is blocked: "
-                "reject_request ignored")  # fmt: skip
-        out = await self._call("POST", "/pause",
-                               {"mode": "abort", "clear_cache": reset_prefix_cache})  # fmt: skip
+                "reject_request ignored"
+            )
+        out = await self._call(
+            "POST", "/pause", {"mode": "abort", "clear_cache": reset_prefix_cache}
+        )
         return {"aborted_count": out["aborted"], "request_ids": []}
 
     async def resume_generation(self):
@@ -190,8 +209,9 @@ class TandemServer:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         headers = {"Authorization": f"Bearer {self.admin_key}"} if admin else {}
-        async with self._session.request(method, self.url + path, json=body,
-                                         headers=headers) as response:  # fmt: skip
+        async with self._session.request(
+            method, self.url + path, json=body, headers=headers
+        ) as response:
             text = await response.text()
             if response.status >= 400:
                 raise RuntimeError(f"tandem serve {path}: {response.status} {text}")

@@ -105,10 +105,10 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
             receiver = self._receiving_side()
             address = ExchangeAddress.parse(init_info.trainer)
             info = WorkerInfo(os.getpid(), type(self.model).__name__, receiver.layout)
-            hello = BackendHello(self.rank, self.workers, info, self.version, self.torn,
-                                 self.in_update)  # fmt: skip
-            with socket.create_connection((address.host, address.port),
-                                          REPORT_TIMEOUT_S) as sock:  # fmt: skip
+            hello = BackendHello(
+                self.rank, self.workers, info, self.version, self.torn, self.in_update
+            )
+            with socket.create_connection((address.host, address.port), REPORT_TIMEOUT_S) as sock:
                 send_token(sock, address.token)
                 send_frame(sock, VLLM.encode(hello))
         except Exception as exc:
@@ -146,13 +146,17 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
         if phase is PushPhase.COMMIT and (torn or len(errors) < workers):
             # some worker began loading (or finished): the workers' weights disagree now
             self.torn = f"the commit of version {spec.version} failed: {_said(errors)}"
-            self._answer(f"{TORN_COMMIT} (torn): the commit of version {spec.version} failed "
-                         f"after loading began, and vLLM keeps serving them until a push "
-                         f"lands: {_said(errors)}")  # fmt: skip
+            self._answer(
+                f"{TORN_COMMIT} (torn): the commit of version {spec.version} failed "
+                f"after loading began, and vLLM keeps serving them until a push "
+                f"lands: {_said(errors)}"
+            )
             return
         serving = f"torn weights ({self.torn})" if self.torn else f"version {self.version}"
-        self._answer(f"tandem: version {spec.version} rejected in {phase.value}; {serving} "
-                     f"keeps serving: {_said(errors)}")  # fmt: skip
+        self._answer(
+            f"tandem: version {spec.version} rejected in {phase.value}; {serving} "
+            f"keeps serving: {_said(errors)}"
+        )
 
     def finish_weight_update(self) -> None:
         self.in_update = False
@@ -191,8 +195,7 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
 
     def _receiving_side(self) -> VllmReceiver:
         if self._receiver is None:
-            self._receiver = worker_receiver(self.model, self.vllm_config, self.device,
-                                             self.rank)  # fmt: skip
+            self._receiver = worker_receiver(self.model, self.vllm_config, self.device, self.rank)
         return self._receiver
 
 

@@ -80,8 +80,7 @@ def reset_prefix_cache(client) -> None:
     if base_url is not None:
         import requests
 
-        requests.post(f"{base_url}/reset_prefix_cache", timeout=client.timeout
-                      ).raise_for_status()  # fmt: skip
+        requests.post(f"{base_url}/reset_prefix_cache", timeout=client.timeout).raise_for_status()
 
 
 def client_error(exc: BaseException) -> str:
@@ -144,11 +143,11 @@ class ClientTarget:
                 if not thread.is_alive():  # every worker sent its report before answering
                     deadline = min(deadline, time.monotonic() + REPORTS_AFTER_INIT_S)
                 if time.monotonic() > deadline:
-                    raise WeightSyncError(f"vLLM's workers {sorted(hellos)} reported; not the "
-                                          f"others")  # fmt: skip
+                    raise WeightSyncError(
+                        f"vLLM's workers {sorted(hellos)} reported; not the others"
+                    )
                 # a report holds the worker's whole layout: as large as any frame
-                peer = accept_hello(listener, token, VLLM, BackendHello, self.timeout_s,
-                                    MAX_FRAME)  # fmt: skip
+                peer = accept_hello(listener, token, VLLM, BackendHello, self.timeout_s, MAX_FRAME)
                 if peer is not None:
                     peer[0].close()
                     hellos[peer[1].rank] = peer[1]
@@ -202,9 +201,11 @@ class ClientTarget:
         if settings.adapter is not None:
             return "tandem pushes no LoRA adapters into vLLM (vLLM loads them from directories)"
         if settings.in_place:
-            return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
-                    "repacked for its kernels, so every push into vLLM is staged (use "
-                    "mode='staged')")  # fmt: skip
+            return (
+                "mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
+                "repacked for its kernels, so every push into vLLM is staged (use "
+                "mode='staged')"
+            )
         if settings.rolling:
             return "policy='rolling' needs a fleet of tandem replicas (use policy='all')"
         return None
@@ -253,16 +254,20 @@ class ClientTarget:
         """An update a trainer left open (it died mid-push): finish it (the workers dropped
         its push when they reported)."""
         if any(h.in_update for h in hellos):
-            log.warning("tandem: vLLM held an update open (its trainer left mid-push): "
-                        "finishing it; the weights it served still serve")  # fmt: skip
+            log.warning(
+                "tandem: vLLM held an update open (its trainer left mid-push): "
+                "finishing it; the weights it served still serve"
+            )
             self.end_failed_update(last_open=hellos[-1].in_update)
 
 
 def _init_failed(said: str) -> str:
     if "tandem:" in said:  # tandem's workers refused
         return f"vLLM's init_weight_transfer_engine failed: {said}"
-    return ("vLLM's init_weight_transfer_engine failed (is it made with "
-            f"--weight-transfer-config '{{\"backend\": \"tandem\"}}'?): {said}")  # fmt: skip
+    return (
+        "vLLM's init_weight_transfer_engine failed (is it made with "
+        f'--weight-transfer-config \'{{"backend": "tandem"}}\'?): {said}'
+    )
 
 
 class ClientWindow:
@@ -299,9 +304,11 @@ class ClientWindow:
             if phase is PushPhase.COMMIT and TORN_COMMIT in said:
                 self.torn = said
                 raise WeightSyncError(said) from None
-            raise WeightSyncError(said if "rejected in" in said else
-                                  f"update to version {self.spec.version} failed in "
-                                  f"{phase.value}: {said}") from None  # fmt: skip
+            raise WeightSyncError(
+                said
+                if "rejected in" in said
+                else f"update to version {self.spec.version} failed in {phase.value}: {said}"
+            ) from None
         nbytes = sum(r.nbytes for mine in records for r in mine)
         if phase in (PushPhase.RECEIVE, PushPhase.COMMIT) and not self._arrived[0]:
             self._arrived = (nbytes, 0.0)

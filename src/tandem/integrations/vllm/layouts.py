@@ -41,10 +41,16 @@ class Shapes:
     def of(cls, hf_config) -> Shapes:
         heads = hf_config.num_attention_heads
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-        return cls(hf_config.hidden_size, hf_config.intermediate_size, heads,
-                   getattr(hf_config, "num_key_value_heads", None) or heads, head_dim,
-                   hf_config.vocab_size, getattr(hf_config, "num_experts", None) or 0,
-                   getattr(hf_config, "moe_intermediate_size", None) or 0)  # fmt: skip
+        return cls(
+            hf_config.hidden_size,
+            hf_config.intermediate_size,
+            heads,
+            getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim,
+            hf_config.vocab_size,
+            getattr(hf_config, "num_experts", None) or 0,
+            getattr(hf_config, "moe_intermediate_size", None) or 0,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +80,16 @@ def _kv_heads(s: Shapes, tp: Split) -> tuple[int, int]:
     ranks than kv heads (QKVParallelLinear: ``num_kv_head_replicas``)."""
     if s.kv_heads >= tp.size:
         if s.kv_heads % tp.size:
-            raise ValueError(f"num_key_value_heads ({s.kv_heads}) not divisible by "
-                             f"tensor_parallel_size ({tp.size})")  # fmt: skip
+            raise ValueError(
+                f"num_key_value_heads ({s.kv_heads}) not divisible by "
+                f"tensor_parallel_size ({tp.size})"
+            )
         per = s.kv_heads // tp.size
         return per, tp.rank * per
     if tp.size % s.kv_heads:
-        raise ValueError(f"tensor_parallel_size ({tp.size}) not a multiple of "
-                         f"num_key_value_heads ({s.kv_heads})")  # fmt: skip
+        raise ValueError(
+            f"tensor_parallel_size ({tp.size}) not a multiple of num_key_value_heads ({s.kv_heads})"
+        )
     return 1, tp.rank // (tp.size // s.kv_heads)
 
 
@@ -99,11 +108,15 @@ def qkv(suffix: str) -> Builder:
         kv = kv_count * s.head_dim
         full_q, full_kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         trailing = (s.hidden,) if suffix == "weight" else ()
-        sections = [("q_proj", full_q, tp.rank * q, q, 0),
-                    ("k_proj", full_kv, kv_first * s.head_dim, kv, q),
-                    ("v_proj", full_kv, kv_first * s.head_dim, kv, q + kv)]  # fmt: skip
-        pieces = [rows(f"{prefix}.{name}.{suffix}", (full, *trailing), start, start + n, at)
-                  for name, full, start, n, at in sections]  # fmt: skip
+        sections = [
+            ("q_proj", full_q, tp.rank * q, q, 0),
+            ("k_proj", full_kv, kv_first * s.head_dim, kv, q),
+            ("v_proj", full_kv, kv_first * s.head_dim, kv, q + kv),
+        ]
+        pieces = [
+            rows(f"{prefix}.{name}.{suffix}", (full, *trailing), start, start + n, at)
+            for name, full, start, n, at in sections
+        ]
         return (q + 2 * kv, *trailing), pieces
 
     return build
@@ -115,8 +128,16 @@ def merged_rows(*names: str, suffix: str = "weight") -> Builder:
 
     def build(prefix: str, s: Shapes, tp: Split):
         n = _per_rank(s.intermediate, tp, "intermediate_size")
-        pieces = [rows(f"{prefix}.{name}.{suffix}", (s.intermediate, s.hidden), tp.rank * n,
-                       (tp.rank + 1) * n, i * n) for i, name in enumerate(names)]  # fmt: skip
+        pieces = [
+            rows(
+                f"{prefix}.{name}.{suffix}",
+                (s.intermediate, s.hidden),
+                tp.rank * n,
+                (tp.rank + 1) * n,
+                i * n,
+            )
+            for i, name in enumerate(names)
+        ]
         return (len(names) * n, s.hidden), pieces
 
     return build
@@ -167,9 +188,11 @@ def expert_gate_up(prefix: str, s: Shapes, tp: Split):
     n = _per_rank(s.expert_intermediate, tp, "moe_intermediate_size")
     full = (s.expert_intermediate, s.hidden)
     halves = list(enumerate(("gate_proj", "up_proj")))
-    pieces = [rows(f"{prefix}.{e}.{name}.weight", full, tp.rank * n, (tp.rank + 1) * n,
-                   (2 * e + i) * n)
-              for e in range(s.experts) for i, name in halves]  # fmt: skip
+    pieces = [
+        rows(f"{prefix}.{e}.{name}.weight", full, tp.rank * n, (tp.rank + 1) * n, (2 * e + i) * n)
+        for e in range(s.experts)
+        for i, name in halves
+    ]
     return (s.experts * 2 * n, s.hidden), pieces
 
 
@@ -178,9 +201,15 @@ def expert_down(prefix: str, s: Shapes, tp: Split):
     expert this rank's input columns of ``down_proj``."""
     n = _per_rank(s.expert_intermediate, tp, "moe_intermediate_size")
     full = (s.hidden, s.expert_intermediate)
-    pieces = [Piece(f"{prefix}.{e}.down_proj.weight", full,
-                    ((0, s.hidden), (tp.rank * n, (tp.rank + 1) * n)), (e * s.hidden, 0))
-              for e in range(s.experts)]  # fmt: skip
+    pieces = [
+        Piece(
+            f"{prefix}.{e}.down_proj.weight",
+            full,
+            ((0, s.hidden), (tp.rank * n, (tp.rank + 1) * n)),
+            (e * s.hidden, 0),
+        )
+        for e in range(s.experts)
+    ]
     return (s.experts * s.hidden, n), pieces
 
 
@@ -226,14 +255,17 @@ TABLES: dict[str, tuple[Rule, ...]] = {
 }
 
 
-def worker_layout(model_class: str, names: list[str], shapes: Shapes, tp: Split, rank: int,
-                  dtype: str) -> RankLayout:  # fmt: skip
+def worker_layout(
+    model_class: str, names: list[str], shapes: Shapes, tp: Split, rank: int, dtype: str
+) -> RankLayout:
     """The layout of one worker (``rank`` across the target) whose vLLM parameters are
     ``names``; ValueError naming every parameter the class's table does not cover."""
     rules = TABLES.get(model_class)
     if rules is None:
-        raise ValueError(f"no tandem layout table for vLLM model class {model_class!r} "
-                         f"(tables: {sorted(TABLES)})")  # fmt: skip
+        raise ValueError(
+            f"no tandem layout table for vLLM model class {model_class!r} "
+            f"(tables: {sorted(TABLES)})"
+        )
     compiled = [(re.compile(rule.pattern), rule) for rule in rules]
     layout = RankLayout(rank, dtype=dtype)
     unknown = []
@@ -241,8 +273,7 @@ def worker_layout(model_class: str, names: list[str], shapes: Shapes, tp: Split,
         for pattern, rule in compiled:
             match = pattern.fullmatch(name)
             if match:
-                local_shape, pieces = rule.build(rule.canonical.format(*match.groups()), shapes,
-                                                 tp)  # fmt: skip
+                local_shape, pieces = rule.build(rule.canonical.format(*match.groups()), shapes, tp)
                 layout.add(name, local_shape, pieces)
                 break
         else:

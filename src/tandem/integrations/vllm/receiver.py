@@ -51,8 +51,10 @@ class LocalShapes:
     against before any byte is read (`record_problems` needs names, shapes and the dtype)."""
 
     def __init__(self, layout: RankLayout, dtype: torch.dtype):
-        self._params = {key: torch.empty(shape, dtype=dtype, device="meta")
-                        for key, shape in layout.local_shapes.items()}  # fmt: skip
+        self._params = {
+            key: torch.empty(shape, dtype=dtype, device="meta")
+            for key, shape in layout.local_shapes.items()
+        }
 
     def named_parameters(self):
         return self._params.items()
@@ -70,8 +72,9 @@ class VllmReceiver:
         self.shapes = LocalShapes(layout, self.dtype)
         self._halves: dict[str, ReceiverHalf] = {}
         self.users = _users(model, list(layout.local_shapes))
-        self.expert_keys = {key for key, users in self.users.items()
-                            if _prepacked_experts(users[0][1]) is not None}  # fmt: skip
+        self.expert_keys = {
+            key for key, users in self.users.items() if _prepacked_experts(users[0][1]) is not None
+        }
 
     def run(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]) -> PhaseReply:
         half = self._half(spec.settings.transport)
@@ -97,8 +100,14 @@ class VllmReceiver:
         except Exception as exc:
             return self._reply(half, spec, [f"{type(exc).__name__}: {exc}"], 0, torn=torn)
 
-    def _reply(self, half: ReceiverHalf, spec: UpdateSpec, problems: list[str], nbytes: int,
-               torn: bool = False) -> PhaseReply:  # fmt: skip
+    def _reply(
+        self,
+        half: ReceiverHalf,
+        spec: UpdateSpec,
+        problems: list[str],
+        nbytes: int,
+        torn: bool = False,
+    ) -> PhaseReply:
         if not problems:
             return PhaseReply(None, nbytes)
         try:
@@ -109,8 +118,9 @@ class VllmReceiver:
 
     def _half(self, name: str) -> ReceiverHalf:
         if name not in self._halves:
-            self._halves[name] = TRANSPORTS[name].receiver(self.shapes, self.layout.rank,
-                                                           self.device)  # fmt: skip
+            self._halves[name] = TRANSPORTS[name].receiver(
+                self.shapes, self.layout.rank, self.device
+            )
         return self._halves[name]
 
     def _load(self, records: list[Record], boxes: list[torch.Tensor]) -> int:
@@ -143,8 +153,9 @@ class VllmReceiver:
                         setattr(module, attr, nn.Parameter(live, requires_grad=False))
                     for r, box in items:
                         r.region.view(live).copy_(box)
-                owners = {id(m): m for attr in attrs
-                          for _, m, _ in self.users[f"{module_name}.{attr}"]}  # fmt: skip
+                owners = {
+                    id(m): m for attr in attrs for _, m, _ in self.users[f"{module_name}.{attr}"]
+                }
                 for owner in owners.values():
                     method = getattr(owner, "quant_method", None)
                     if method is not None:
@@ -164,21 +175,26 @@ class VllmReceiver:
                 continue
             if r.key not in cache:
                 shape = tuple(self.layout.local_shapes[r.key])
-                reads = [_read_back(*user, shape, self.dtype, self.device)
-                         for user in self.users[r.key]]  # fmt: skip
+                reads = [
+                    _read_back(*user, shape, self.dtype, self.device) for user in self.users[r.key]
+                ]
                 cache[r.key] = [view for views in reads for view in views]
             for how, tensor, columns in cache[r.key]:
                 if columns is None:
                     if r.crc is not None and tensor_crc32(r.region.view(tensor)) != r.crc:
-                        problems.append(f"checksum mismatch for {r.where} in vLLM's live "
-                                        f"weights after commit ({how})")  # fmt: skip
+                        problems.append(
+                            f"checksum mismatch for {r.where} in vLLM's live "
+                            f"weights after commit ({how})"
+                        )
                     continue
                 (r0, r1), (c0, c1) = r.region.slices
                 inside = (columns >= c0) & (columns < c1)
                 got = tensor[r0:r1, inside.nonzero().flatten()]
                 if not torch.equal(got, box[:, columns[inside] - c0]):
-                    problems.append(f"{r.where} differs in vLLM's live weights after commit "
-                                    f"({how}, sampled columns)")  # fmt: skip
+                    problems.append(
+                        f"{r.where} differs in vLLM's live weights after commit "
+                        f"({how}, sampled columns)"
+                    )
         return problems
 
     def _packed_experts(self, module_name: str, attrs: dict[str, list]) -> dict:
@@ -190,8 +206,10 @@ class VllmReceiver:
         scratch = nn.Module()
         for attr in EXPERT_WEIGHTS:
             if attr not in attrs:
-                raise ValueError(f"{module_name}: a push carries both expert weights "
-                                 f"{EXPERT_WEIGHTS}, got {sorted(attrs)}")  # fmt: skip
+                raise ValueError(
+                    f"{module_name}: a push carries both expert weights "
+                    f"{EXPERT_WEIGHTS}, got {sorted(attrs)}"
+                )
             shape = self.layout.local_shapes[f"{module_name}.{attr}"]
             flat = torch.zeros(shape, dtype=self.dtype, device=self.device)
             for r, box in attrs[attr]:
@@ -216,8 +234,10 @@ class VllmReceiver:
             module = self.model.get_submodule(module_name)
             for attr, expected in self._packed_experts(module_name, attrs).items():
                 if not torch.equal(getattr(module, attr), expected):
-                    problems.append(f"{module_name}.{attr} differs in vLLM's live weights after "
-                                    f"commit (its prepacked experts)")  # fmt: skip
+                    problems.append(
+                        f"{module_name}.{attr} differs in vLLM's live weights after "
+                        f"commit (its prepacked experts)"
+                    )
         return problems
 
 
@@ -277,8 +297,9 @@ def _read_back(
     if tuple(param.shape) == shape:
         views.append((f"tensor in {name}", param, None))
     elif not _is_linear(module):
-        raise ValueError(f"{name}.{attr}: vLLM holds shape {tuple(param.shape)}, the layout "
-                         f"table says {shape}")  # fmt: skip
+        raise ValueError(
+            f"{name}.{attr}: vLLM holds shape {tuple(param.shape)}, the layout table says {shape}"
+        )
     apply = getattr(getattr(module, "quant_method", None), "apply", None)
     if attr == "weight" and len(shape) == 2 and apply is not None:
         columns = _sampled(shape[1])

@@ -61,17 +61,23 @@ def gloo_trainer(timeout_s: float = 300.0) -> Iterator[None]:
     from vllm.distributed.weight_transfer.packed_tensor import pack_tensors
 
     def open_endpoint(init_info, rank: int = 0):
-        group = StatelessProcessGroup.create(host=init_info.master_address,
-                                             port=init_info.master_port, rank=rank,
-                                             world_size=init_info.world_size)  # fmt: skip
+        group = StatelessProcessGroup.create(
+            host=init_info.master_address,
+            port=init_info.master_port,
+            rank=rank,
+            world_size=init_info.world_size,
+        )
         return _GlooEndpoint(group.store, rank, init_info.world_size, timeout_s)
 
     def packed_producer(iterator, group, src, post_iter_func, buffer_size_bytes, num_buffers):
         while (chunk := pack_tensors(iterator, post_iter_func, buffer_size_bytes)) is not None:
             group.broadcast(chunk.packed_tensor, src=src)
 
-    saved = (engine.open_trainer_endpoint, engine.packed_nccl_broadcast_producer,
-             torch.cuda.current_stream)  # fmt: skip
+    saved = (
+        engine.open_trainer_endpoint,
+        engine.packed_nccl_broadcast_producer,
+        torch.cuda.current_stream,
+    )
     engine.open_trainer_endpoint = open_endpoint
     engine.packed_nccl_broadcast_producer = packed_producer
     if not torch.cuda.is_available():  # the unpacked path asks for a stream it then ignores
@@ -79,8 +85,11 @@ def gloo_trainer(timeout_s: float = 300.0) -> Iterator[None]:
     try:
         yield
     finally:
-        (engine.open_trainer_endpoint, engine.packed_nccl_broadcast_producer,
-         torch.cuda.current_stream) = saved  # fmt: skip
+        (
+            engine.open_trainer_endpoint,
+            engine.packed_nccl_broadcast_producer,
+            torch.cuda.current_stream,
+        ) = saved
 
 
 def TandemWeightSyncClient(base_url: str, admin_key: str, timeout: float = 300):  # noqa: N802
@@ -89,12 +98,16 @@ def TandemWeightSyncClient(base_url: str, admin_key: str, timeout: float = 300):
 
     class _Client(_client_base()):
         def _post(self, path: str, json=None) -> None:
-            response = requests.post(f"{self.base_url}/{path}", json=json,
-                                     timeout=self.timeout,
-                                     headers={"Authorization": f"Bearer {admin_key}"})  # fmt: skip
+            response = requests.post(
+                f"{self.base_url}/{path}",
+                json=json,
+                timeout=self.timeout,
+                headers={"Authorization": f"Bearer {admin_key}"},
+            )
             if response.status_code >= 400:
-                raise requests.HTTPError(f"{response.status_code} {_error(response)}",
-                                         response=response)  # fmt: skip
+                raise requests.HTTPError(
+                    f"{response.status_code} {_error(response)}", response=response
+                )
 
     return _Client(base_url, timeout=timeout)
 

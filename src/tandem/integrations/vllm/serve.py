@@ -37,8 +37,12 @@ async def exchange(request, call_next):
 
     key = os.environ.get(ADMIN_KEY_ENV)
     if not key:
-        return _error(JSONResponse, 403, f"{ROUTE} is disabled: start vllm serve with "
-                                         f"${ADMIN_KEY_ENV} set", "admin_disabled")  # fmt: skip
+        return _error(
+            JSONResponse,
+            403,
+            f"{ROUTE} is disabled: start vllm serve with ${ADMIN_KEY_ENV} set",
+            "admin_disabled",
+        )
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
         return _error(JSONResponse, 401, "missing or wrong admin key", "invalid_api_key")
@@ -47,14 +51,16 @@ async def exchange(request, call_next):
     target = await _target(request.app.state.engine_client)
     state = target.weight_state()
     server = target.exchange_server
-    return JSONResponse({
-        "version": state["version"],
-        "torn": state["torn"],
-        "exchange": dataclasses.asdict(server.endpoint),  # {host, port, token}
-        "transports": server.transports(),
-        "modes": ["staged"],
-        "dtype": target.weight_dtype,
-    })  # fmt: skip
+    return JSONResponse(
+        {
+            "version": state["version"],
+            "torn": state["torn"],
+            "exchange": dataclasses.asdict(server.endpoint),  # {host, port, token}
+            "transports": server.transports(),
+            "modes": ["staged"],
+            "dtype": target.weight_dtype,
+        }
+    )
 
 
 async def _target(client):
@@ -68,5 +74,14 @@ async def _target(client):
 
 
 def _error(response, status: int, message: str, code: str):
-    return response({"error": {"message": message, "type": "invalid_request_error",
-                               "param": None, "code": code}}, status_code=status)  # fmt: skip
+    return response(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": code,
+            }
+        },
+        status_code=status,
+    )

@@ -146,12 +146,16 @@ class VllmTarget:
         if settings.adapter is not None:
             return "tandem pushes no LoRA adapters into vLLM (vLLM loads them from directories)"
         if settings.in_place:
-            return ("mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
-                    "repacked for its kernels, so every push into vLLM is staged, then written "
-                    "into its layers and repacked by vLLM (use mode='staged')")  # fmt: skip
+            return (
+                "mode='in_place' cannot reach vLLM: its CPU build keeps linear weights only "
+                "repacked for its kernels, so every push into vLLM is staged, then written "
+                "into its layers and repacked by vLLM (use mode='staged')"
+            )
         if settings.rolling:
-            return ("policy='rolling' needs a fleet of tandem replicas; a vLLM engine commits "
-                    "each push at once (use policy='all')")  # fmt: skip
+            return (
+                "policy='rolling' needs a fleet of tandem replicas; a vLLM engine commits "
+                "each push at once (use policy='all')"
+            )
         return None
 
     @contextmanager
@@ -210,8 +214,10 @@ class VllmUpdate:
                     f"cannot be told to refuse requests); push again: {detail}"
                 )
             serving = self.target.unavailable() or f"version {self.target.weight_version}"
-            raise WeightSyncError(f"update to version {version} rejected in {phase.value}; "
-                                  f"{serving} keeps serving: {detail}")  # fmt: skip
+            raise WeightSyncError(
+                f"update to version {version} rejected in {phase.value}; "
+                f"{serving} keeps serving: {detail}"
+            )
         if phase is PushPhase.COMMIT:
             self.landed = True
         nbytes = sum(r.nbytes for r in replies)

@@ -58,8 +58,10 @@ class TandemTrainerInitInfo(TrainerInitInfo):
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank must be in 0 .. world_size - 1, got rank={self.rank} "
-                             f"world_size={self.world_size}")  # fmt: skip
+            raise ValueError(
+                f"rank must be in 0 .. world_size - 1, got rank={self.rank} "
+                f"world_size={self.world_size}"
+            )
 
 
 class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
@@ -68,8 +70,9 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
 
     init_info_cls = TandemTrainerInitInfo
 
-    def __init__(self, *, client, source, is_sender: bool, sender: WeightSender,
-                 target: ClientTarget | None):  # fmt: skip
+    def __init__(
+        self, *, client, source, is_sender: bool, sender: WeightSender, target: ClientTarget | None
+    ):
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.sender = sender
         self.target = target
@@ -86,12 +89,22 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
             address = target.exchange_address
         if init_info.world_size > 1:
             address = _from_rank0(address)
-        sender = WeightSender(_pushed(source), address, transport=init_info.transport,
-                              verify=init_info.verify, rank=init_info.rank,
-                              world_size=init_info.world_size,
-                              timeout_s=init_info.timeout_s)  # fmt: skip
-        return cls(client=client, source=source, is_sender=init_info.is_sender, sender=sender,
-                   target=target)  # fmt: skip
+        sender = WeightSender(
+            _pushed(source),
+            address,
+            transport=init_info.transport,
+            verify=init_info.verify,
+            rank=init_info.rank,
+            world_size=init_info.world_size,
+            timeout_s=init_info.timeout_s,
+        )
+        return cls(
+            client=client,
+            source=source,
+            is_sender=init_info.is_sender,
+            sender=sender,
+            target=target,
+        )
 
     def send_weights(self, version: int | None = None) -> PushStats:
         """Push this rank's weights and wait until vLLM's workers committed them (or the push
