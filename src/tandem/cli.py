@@ -168,84 +168,16 @@ def _router(args) -> int:
 
 
 def _bench(args) -> int:
-    if args.lora and args.what != "generate":
-        raise ValueError(f"--lora goes with `tandem bench generate`, not {args.what}")
-    if args.what == "generate" and args.lora:
-        from tandem.bench.generate_lora import run, summary
+    """Run the scenario the command line selects (`tandem.bench.registry`), or list them."""
+    from tandem.bench import registry
 
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "generate" and args.model_family == "qwen3_moe":
-        from tandem.bench.generate_moe import run
-
-        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
-    elif args.what == "generate" and args.engine_dtypes:
-        from tandem.bench.generate_dtypes import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "generate":
-        from tandem.bench.generate import run
-
-        result = run(quick=args.quick, tp=args.tp, pp=args.pp, vllm=not args.no_vllm)
-    elif args.what == "encode":
-        from tandem.bench.encode import run
-
-        result = run(quick=args.quick, tp=args.tp)
-    elif args.what == "sync" and args.into == "serve":
-        from tandem.bench.sync_serve import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "sync" and args.engine_dtypes:
-        from tandem.bench.sync_dtypes import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "sync" and args.into == "vllm":
-        from tandem.bench.sync_vllm import run
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print("\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items()))
-            return 0
-    elif args.what == "fleet" and args.rolling:
-        from tandem.bench.fleet_rolling import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "fleet":
-        from tandem.bench.fleet import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:
-            print(summary(result))
-            return 0
-    elif args.what == "sync":
-        from tandem.bench.sync import run, summary
-
-        result = run(quick=args.quick)
-        if not args.json:  # a ratio may be null (no baseline yet)
-            print(summary(result))
-            return 0
-    else:
-        from tandem.bench.serve import run, summary
-
-        result = run(quick=args.quick, tp=args.tp, pp=args.pp)
-        if not args.json:
-            print(summary(result))
-            return 0
-    print(json.dumps(result, indent=2) if args.json else _summary(result))
+    if args.what == "list":
+        rows = registry.listing_json()
+        print(json.dumps(rows, indent=2) if args.json else registry.listing())
+        return 0
+    scenario = registry.select(args.what, vars(args))
+    result = registry.run(scenario, vars(args))
+    print(json.dumps(result, indent=2) if args.json else scenario.summary(result))
     return 0
 
 
@@ -261,10 +193,6 @@ def _plan(args) -> int:
     )  # fmt: skip
     print(json.dumps(prediction.to_json(), indent=2) if args.json else summary(prediction))
     return 0
-
-
-def _summary(result: dict) -> str:
-    return "\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items())
 
 
 def parser() -> argparse.ArgumentParser:
@@ -394,31 +322,19 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print the full JSON result")
     pl.set_defaults(func=_plan)
 
-    b = sub.add_parser("bench", help="benchmarks with baselines measured in the same run")
-    b.add_argument("what", choices=["generate", "serve", "sync", "encode", "fleet"])
-    b.add_argument("--json", action="store_true", help="print the full JSON result")
-    b.add_argument("--quick", action="store_true", help="smaller workload (smoke test)")
-    b.add_argument("--into", choices=["tandem", "vllm", "serve"], default="tandem",
-                   help="sync: push into tandem's engine (default), into vLLM's CPU build "
-                        "against vLLM's own reload_weights (needs `make vllm`), or into a "
-                        "`tandem serve` through vLLM's RL weight-transfer protocol against "
-                        "tandem's WeightSender")  # fmt: skip
-    b.add_argument("--engine-dtypes", action="store_true",
-                   help="sync: the same float32 trainer into float32, bfloat16 and block-FP8 "
-                        "engines (bytes and seconds); generate: engines of each weight format "
-                        "on the same workloads")  # fmt: skip
-    b.add_argument("--tp", type=int, default=1, help="tensor parallel ranks for tandem")
-    b.add_argument("--pp", type=int, default=1, help="pipeline parallel stages for tandem")
-    b.add_argument("--model-family", choices=["llama", "qwen3_moe"], default="llama",
-                   help="generate: the dense Llama workloads, or a Qwen3-MoE model")  # fmt: skip
-    b.add_argument("--rolling", action="store_true",
-                   help="fleet: 3 replicas under load while pushes run, stop-the-world against "
-                        "rolling, and a replica killed mid-push")  # fmt: skip
-    b.add_argument("--lora", action="store_true",
-                   help="generate: a batch mixing 4 LoRA adapters, one adapter, and the base "
-                        "model; adapter push vs full push")  # fmt: skip
-    b.add_argument("--no-vllm", action="store_true",
-                   help="generate: leave out the vLLM peer (made by `make vllm`)")  # fmt: skip
+    from tandem.bench import registry  # the table only: a bench is imported when it runs
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks with baselines measured in the same run",
+        description="Benchmarks with baselines measured in the same run: each scenario below\n"
+        "prints its ratios, or with --json its raw figures and a top-level `ratios` object.",
+        epilog=f"scenarios (`tandem bench list`):\n{registry.listing()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("what", choices=[*registry.commands(), "list"], help="list: the scenarios")
+    for opt in registry.arguments():
+        b.add_argument(*opt.names, **opt.settings)
     b.set_defaults(func=_bench)
     return p
 
@@ -426,6 +342,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, unknown = p.parse_known_args(vllm_flags.dashed(sys.argv[1:] if argv is None else argv))
+    if unknown and args.command != "serve":
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if unknown:
         vllm_flags.refuse_unknown(p, unknown)
     try:
