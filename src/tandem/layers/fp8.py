@@ -55,8 +55,9 @@ def _as_blocks(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int
     return box.reshape(grid[0], br, grid[1], bc), (top, left)
 
 
-def block_amax(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int],
-               grid: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+def block_amax(
+    box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int], grid: tuple[int, int]
+) -> torch.Tensor:
     """Per block of the canonical grid (float32, shape ``grid``): the amax of the elements of
     ``box`` (canonical rows and columns from ``origin``) it holds, 0 where it holds none."""
     out = torch.zeros(grid, dtype=torch.float32, device=box.device)
@@ -74,8 +75,9 @@ def block_scales(amax: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
 
 
-def quantize_box(box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int],
-                 scales: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def quantize_box(
+    box: torch.Tensor, origin: tuple[int, int], block: tuple[int, int], scales: torch.Tensor
+) -> torch.Tensor:
     """The e4m3 values of canonical box ``box`` (from ``origin``) under the grid's ``scales``."""
     rows, cols = box.shape
     if not box.numel():
@@ -95,14 +97,16 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int] = BLOCK):
     return quantize_box(weight, (0, 0), block, scales), scales
 
 
-def dequantize_blocks(values: torch.Tensor, scales: torch.Tensor,
-                      block: tuple[int, int] = BLOCK) -> torch.Tensor:  # fmt: skip
+def dequantize_blocks(
+    values: torch.Tensor, scales: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
     """The float32 weight a block-FP8 pair stands for."""
     return values.float() * _expand(scales, (0, 0), tuple(values.shape), block)
 
 
-def _expand(scales: torch.Tensor, origin: tuple[int, int], shape: tuple[int, int],
-            block: tuple[int, int]) -> torch.Tensor:  # fmt: skip
+def _expand(
+    scales: torch.Tensor, origin: tuple[int, int], shape: tuple[int, int], block: tuple[int, int]
+) -> torch.Tensor:
     """Each element's scale, for a box of ``shape`` at canonical ``origin``."""
     rows = (torch.arange(shape[0], device=scales.device) + origin[0]) // block[0]
     cols = (torch.arange(shape[1], device=scales.device) + origin[1]) // block[1]
@@ -120,8 +124,9 @@ class Fp8Placement:
     cols: tuple[int, ...]
 
 
-def fp8_placement(weight_pieces: list[Piece], local_shape: tuple[int, int],
-                  block: tuple[int, int]) -> Fp8Placement:  # fmt: skip
+def fp8_placement(
+    weight_pieces: list[Piece], local_shape: tuple[int, int], block: tuple[int, int]
+) -> Fp8Placement:
     """The scale placement of a weight laid out by ``weight_pieces``. Per dimension, each
     distinct (local offset, canonical span) of a piece covers a range of blocks, stacked in
     the local scale tensor in the order the pieces list them (fused q/k/v or gate/up rows
@@ -165,12 +170,16 @@ class Fp8Weight:
         # local rows and columns start on block boundaries and fill whole blocks: the scales
         # broadcast over a blocked view, no per-element scale tensor
         n, m = len(placement.rows), len(placement.cols)
-        self.regular = (n % block[0] == 0 and m % block[1] == 0
-                        and placement.rows == tuple(i // block[0] for i in range(n))
-                        and placement.cols == tuple(j // block[1] for j in range(m)))  # fmt: skip
+        self.regular = (
+            n % block[0] == 0
+            and m % block[1] == 0
+            and placement.rows == tuple(i // block[0] for i in range(n))
+            and placement.cols == tuple(j // block[1] for j in range(m))
+        )
 
-    def dequantize(self, values: torch.Tensor, scales: torch.Tensor,
-                   dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    def dequantize(
+        self, values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         dense = decode_e4m3(values)
         if self.regular:
             (br, bc), (n, m) = self.block, values.shape

@@ -71,8 +71,9 @@ class PackedWeight:
         """The weight ``make()`` builds from the tensors in ``made_from`` (a block-FP8
         weight dequantized; a dtype may close the tuple), kept like the packed copy: remade
         after `drop` or when one of them has a new storage or version counter value."""
-        key = tuple((t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t
-                    for t in made_from)  # fmt: skip
+        key = tuple(
+            (t.data_ptr(), t._version) if isinstance(t, torch.Tensor) else t for t in made_from
+        )
         if self._dense is None or key != self._source_key:
             self._dense, self._source_key = make(), key
         return self._dense

@@ -182,10 +182,14 @@ def _decide(dtype: torch.dtype, where: Regime) -> Kernel:
     chosen = choose(seconds, preferred(where))
     logger.info(
         "GEMM kernel for %s at %s row(s): %s (%d rows by %s weights, %s: %s)",
-        dtype, where, chosen, PROBE_ROWS[where], " and ".join(map(str, PROBE_WEIGHTS)),
+        dtype,
+        where,
+        chosen,
+        PROBE_ROWS[where],
+        " and ".join(map(str, PROBE_WEIGHTS)),
         "one each" if where == "batch" else f"{working_set_bytes() >> 20} MiB of them",
         ", ".join(f"{name} {s * 1e6:.0f} us" for name, s in seconds.items()),
-    )  # fmt: skip
+    )
     return chosen
 
 

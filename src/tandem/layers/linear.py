@@ -71,15 +71,19 @@ class LinearBase(nn.Module):
         values, scales = self.weight, self.weight_scale_inv
         if self.packed is None:
             return self.fp8.dequantize(values, scales, dtype)
-        return self.packed.source((values, scales, dtype),
-                                  lambda: self.fp8.dequantize(values, scales, dtype))  # fmt: skip
+        return self.packed.source(
+            (values, scales, dtype), lambda: self.fp8.dequantize(values, scales, dtype)
+        )
 
 
 def fp8_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
     """The canonical weights ``model`` holds as block-FP8, with their scale block."""
-    return {p.name: layer.fp8.block for layer in model.modules()
-            if isinstance(layer, LinearBase) and layer.fp8 is not None
-            for p in layer.weight.pieces}  # fmt: skip
+    return {
+        p.name: layer.fp8.block
+        for layer in model.modules()
+        if isinstance(layer, LinearBase) and layer.fp8 is not None
+        for p in layer.weight.pieces
+    }
 
 
 class ColumnParallelLinear(LinearBase):

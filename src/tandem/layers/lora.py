@@ -85,8 +85,11 @@ def slot_pieces(
         row = slot * width + i * max_rank  # section i of the slot
         out_box = (sec.start, sec.start + sec.size)
         a_pieces.append(Piece(a_name, (rank, site.in_full), ((0, rank), in_box), (row, 0)))
-        b_pieces.append(Piece(b_name, (sec.out_full, rank), (out_box, (0, rank)), (row, sec.at),
-                              transposed=True))  # fmt: skip
+        b_pieces.append(
+            Piece(
+                b_name, (sec.out_full, rank), (out_box, (0, rank)), (row, sec.at), transposed=True
+            )
+        )
     out_local = sum(sec.size for sec in site.sections)
     return [
         (f"{site.key}.lora_a", (slots * width, site.in_local), a_pieces),
@@ -112,9 +115,12 @@ class LoRARows:
         self.clear()
 
     def set(
-        self, slots_of_rows: list[int], kept: list[int] | None = None,
-        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-    ) -> None:  # fmt: skip
+        self,
+        slots_of_rows: list[int],
+        kept: list[int] | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         """``slots_of_rows``: each row's slot, -1 for the base model."""
         self._views = {len(slots_of_rows): slots_of_rows}
         if kept is not None:
@@ -135,8 +141,9 @@ class LoRARows:
         if key not in self._plans:
             slots = self._views.get(rows)
             if slots is None:
-                raise RuntimeError(f"LoRA rows were set for {sorted(self._views)} rows, a "
-                                   f"layer got {rows}")  # fmt: skip
+                raise RuntimeError(
+                    f"LoRA rows were set for {sorted(self._views)} rows, a layer got {rows}"
+                )
             self._plans[key] = self._plan(slots, width)
         return self._plans[key]
 
@@ -179,8 +186,15 @@ class LoRAStack(nn.Module):
     every slot's B transposed (slot s: rows ``s*n*R .. (s+1)*n*R``), so one slot is a
     contiguous block of rows of each and all slots are one matrix each."""
 
-    def __init__(self, site: LoraSite, slots: int, max_rank: int, rows: LoRARows,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        site: LoraSite,
+        slots: int,
+        max_rank: int,
+        rows: LoRARows,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__()
         self.site, self.rows = site, rows
         self.width = len(site.sections) * max_rank
@@ -241,8 +255,9 @@ def lora_site(name: str, layer: nn.Module) -> LoraSite | None:
     return LoraSite(f"{name}.lora", False, in_full, 0, in_full, sections)
 
 
-def attach_lora(model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype,
-                device: torch.device) -> tuple[LoRARows, list[LoraSite]]:  # fmt: skip
+def attach_lora(
+    model: nn.Module, slots: int, max_rank: int, dtype: torch.dtype, device: torch.device
+) -> tuple[LoRARows, list[LoraSite]]:
     """Give every LoRA-capable layer of ``model`` a `LoRAStack` (its ``lora`` submodule);
     the rows they share and their sites."""
     rows = LoRARows(slots)

@@ -100,8 +100,9 @@ class Sampler:
                 uniform[row].uniform_(generator=gen)
         if shared:
             rows = torch.tensor(shared, device=probs.device)
-            draw = torch.rand(len(shared), 1, generator=self.shared,
-                              device=probs.device, dtype=probs.dtype)  # fmt: skip
+            draw = torch.rand(
+                len(shared), 1, generator=self.shared, device=probs.device, dtype=probs.dtype
+            )
             uniform.index_copy_(0, rows, draw)
         cdf = probs.cumsum(dim=-1)
         # kept strictly below the total (U * total can round up to it), so the first
