@@ -29,9 +29,14 @@ logger = logging.getLogger(__name__)
 # and Python too). The link step below leaves it out. 512-bit vectors where the CPU has them
 # (gcc prefers 256 on AVX-512 CPUs): the decode kernel ran 1.2x faster with them.
 FLAGS = (
-    "-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp", "-fPIC",
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=512",
+    "-ffast-math",
+    "-fopenmp",
+    "-fPIC",
     "-std=c11",
-)  # fmt: skip
+)
 LINK = ("-shared", "-fopenmp")
 
 

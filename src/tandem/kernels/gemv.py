@@ -65,8 +65,15 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     getattr(_library.dll, f"gemv_{SUFFIX[x.dtype]}")(
-        rows.data_ptr(), rows.stride(0), rows.shape[0], weight.data_ptr(), in_features,
-        out_features, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+        rows.data_ptr(),
+        rows.stride(0),
+        rows.shape[0],
+        weight.data_ptr(),
+        in_features,
+        out_features,
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        out_features,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     return y

@@ -98,11 +98,24 @@ def paged_decode(
     assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert q.dtype == k_cache.dtype == v_cache.dtype == out.dtype
     rc = _library.dll.paged_decode(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        batch.rows.data_ptr(), batch.tables.data_ptr(), batch.lens.data_ptr(),
-        len(batch.rows), batch.tables.shape[1], batch.block_size, heads, kv_heads, dim, scale,
-        DTYPES[q.dtype], torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        q.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        batch.rows.data_ptr(),
+        batch.tables.data_ptr(),
+        batch.lens.data_ptr(),
+        len(batch.rows),
+        batch.tables.shape[1],
+        batch.block_size,
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        DTYPES[q.dtype],
+        torch.get_num_threads(),
+    )
     if rc:
         raise RuntimeError(
             f"paged decode kernel refused {heads} heads over {kv_heads} kv heads of size {dim}"

@@ -131,11 +131,23 @@ def paged_prefill(
     if fn is None:
         raise RuntimeError(f"no paged prefill kernel serves {q.dtype} here")
     rc = fn(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-        batch.starts.data_ptr(), batch.counts.data_ptr(), batch.lens.data_ptr(),
-        batch.tables.data_ptr(), len(batch.starts), batch.tables.shape[1], batch.block_size,
-        heads, kv_heads, dim, scale, torch.get_num_threads(),
-    )  # fmt: skip
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        out.data_ptr(),
+        batch.starts.data_ptr(),
+        batch.counts.data_ptr(),
+        batch.lens.data_ptr(),
+        batch.tables.data_ptr(),
+        len(batch.starts),
+        batch.tables.shape[1],
+        batch.block_size,
+        heads,
+        kv_heads,
+        dim,
+        scale,
+        torch.get_num_threads(),
+    )
     if rc == 2:
         raise MemoryError("paged prefill kernel: no memory for its per-thread buffers")
     if rc:

@@ -79,9 +79,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     assert weight.dtype == x.dtype, (weight.dtype, x.dtype)
     weight = weight.contiguous()
     _fn("rms_norm", x.dtype)(
-        rows.data_ptr(), rows.stride(0), weight.data_ptr(), out.data_ptr(), rows.shape[0], dim,
-        eps, torch.get_num_threads(),
-    )  # fmt: skip
+        rows.data_ptr(),
+        rows.stride(0),
+        weight.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -96,9 +102,18 @@ def add_rms_norm(
     h, out = torch.empty(rows, dim, dtype=x.dtype), torch.empty(rows, dim, dtype=x.dtype)
     weight = weight.contiguous()
     _fn("add_rms_norm", x.dtype)(
-        x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-        h.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        residual.data_ptr(),
+        residual.stride(0),
+        weight.data_ptr(),
+        h.data_ptr(),
+        out.data_ptr(),
+        rows,
+        dim,
+        eps,
+        torch.get_num_threads(),
+    )
     return h, out
 
 
@@ -125,9 +140,16 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
         cos = cos.reshape(tokens, dim).to(x.dtype).contiguous()
         signed_sin = signed_sin.reshape(tokens, dim).to(x.dtype).contiguous()
     rc = _fn("rotary", x.dtype)(
-        x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), signed_sin.data_ptr(), tokens,
-        heads, dim, torch.get_num_threads(),
-    )  # fmt: skip
+        x.data_ptr(),
+        x.stride(0),
+        x.stride(1),
+        cos.data_ptr(),
+        signed_sin.data_ptr(),
+        tokens,
+        heads,
+        dim,
+        torch.get_num_threads(),
+    )
     if rc:
         raise ValueError(f"rotary kernel takes an even head size up to {MAX_HEAD_DIM}, got {dim}")
     return x
@@ -159,10 +181,16 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> N
         return
     row_bytes = src[0].numel() * src.element_size() if len(src) else 0
     rc = _library.dll.scatter_rows(
-        src.data_ptr(), src.stride(0) * src.element_size(), index.data_ptr(), dst.data_ptr(),
-        dst.stride(0) * dst.element_size(), len(dst), len(src), row_bytes,
+        src.data_ptr(),
+        src.stride(0) * src.element_size(),
+        index.data_ptr(),
+        dst.data_ptr(),
+        dst.stride(0) * dst.element_size(),
+        len(dst),
+        len(src),
+        row_bytes,
         torch.get_num_threads(),
-    )  # fmt: skip
+    )
     if rc:
         raise IndexError(f"a row index is outside the {len(dst)} rows written into")
 
@@ -175,7 +203,12 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     _library.dll.greedy_f32(
-        logits.data_ptr(), logits.stride(0), rows, vocab, tokens.data_ptr(),
-        logprobs.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        vocab,
+        tokens.data_ptr(),
+        logprobs.data_ptr(),
+        torch.get_num_threads(),
+    )
     return tokens, logprobs
