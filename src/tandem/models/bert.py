@@ -54,15 +54,17 @@ class BertSelfAttention(nn.Module):
         self.heads = cfg.num_attention_heads // tp.size
         p = f"{prefix}.self"
         self.qkv = ColumnParallelLinear(
-            h, [Section(f"{p}.{n}.weight", f"{p}.{n}.bias", h) for n in ("query", "key", "value")],
+            h,
+            [Section(f"{p}.{n}.weight", f"{p}.{n}.bias", h) for n in ("query", "key", "value")],
             tp,
-        )  # fmt: skip
+        )
         self.dense = RowParallelLinear(
             h, h, f"{prefix}.output.dense.weight", f"{prefix}.output.dense.bias", tp
         )
         self.norm = LayerNorm(h, cfg.layer_norm_eps, f"{prefix}.output.LayerNorm")
-        self.attn = Attention(self.heads, self.heads, self.head_dim, self.head_dim**-0.5,
-                              causal=False)  # fmt: skip
+        self.attn = Attention(
+            self.heads, self.heads, self.head_dim, self.head_dim**-0.5, causal=False
+        )
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = (t.view(-1, self.heads, self.head_dim) for t in self.qkv(x).chunk(3, dim=-1))
@@ -75,9 +77,16 @@ class BertLayer(nn.Module):
         h, inter = cfg.hidden_size, cfg.intermediate_size
         self.attention = BertSelfAttention(cfg, f"{prefix}.attention", tp)
         self.intermediate = ColumnParallelLinear(
-            h, [Section(f"{prefix}.intermediate.dense.weight",
-                        f"{prefix}.intermediate.dense.bias", inter)], tp,
-        )  # fmt: skip
+            h,
+            [
+                Section(
+                    f"{prefix}.intermediate.dense.weight",
+                    f"{prefix}.intermediate.dense.bias",
+                    inter,
+                )
+            ],
+            tp,
+        )
         self.output = RowParallelLinear(
             inter, h, f"{prefix}.output.dense.weight", f"{prefix}.output.dense.bias", tp
         )
@@ -142,8 +151,13 @@ class BertModel(TandemModel):
     @staticmethod
     def unused_checkpoint_tensors(cfg: BertConfig) -> set[str]:
         """Heads a BertModel does not run, and position-id buffers of older checkpoints."""
-        return {"bert.pooler.dense.weight", "bert.pooler.dense.bias",
-                "bert.embeddings.position_ids", "classifier.weight", "classifier.bias"}  # fmt: skip
+        return {
+            "bert.pooler.dense.weight",
+            "bert.pooler.dense.bias",
+            "bert.embeddings.position_ids",
+            "classifier.weight",
+            "classifier.bias",
+        }
 
 
 @register_model("BertForSequenceClassification")

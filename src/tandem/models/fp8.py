@@ -50,10 +50,14 @@ class Fp8Config:
         if raw.get("fmt", "e4m3") != "e4m3":
             raise refuse("fmt", f"{raw['fmt']!r} is not supported; supported: ['e4m3']")
         block = raw.get("weight_block_size")
-        if not (isinstance(block, list) and len(block) == 2
-                and all(isinstance(b, int) and b > 0 for b in block)):  # fmt: skip
-            raise refuse("weight_block_size",
-                         f"must be two positive ints (block-wise FP8), got {block!r}")  # fmt: skip
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise refuse(
+                "weight_block_size", f"must be two positive ints (block-wise FP8), got {block!r}"
+            )
         if raw.get("scale_fmt") not in (None, "float32", "fp32"):
             raise refuse("scale_fmt", f"{raw['scale_fmt']!r} is not supported (float32 scales)")
         ignored = raw.get("modules_to_not_convert") or raw.get("ignored_layers") or []
@@ -65,8 +69,10 @@ class Fp8Config:
         """Whether the module holding canonical ``weight_name`` stays unquantized: it is, or
         lies under, or ends with one of the ``ignored`` dotted module names."""
         module = weight_name.rsplit(".", 1)[0]
-        return any(module == m or module.startswith(m + ".") or module.endswith("." + m)
-                   for m in self.ignored)  # fmt: skip
+        return any(
+            module == m or module.startswith(m + ".") or module.endswith("." + m)
+            for m in self.ignored
+        )
 
 
 def quantize_layers(model: nn.Module, config: Fp8Config) -> None:

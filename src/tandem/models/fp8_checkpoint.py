@@ -20,8 +20,9 @@ from tandem.models.fp8 import Fp8Config, quantize_layers
 from tandem.models.loader import checkpoint_files, read_model_spec
 
 
-def save_fp8_checkpoint(src: str | Path, dst: str | Path,
-                        block: tuple[int, int] = (128, 128)) -> Path:  # fmt: skip
+def save_fp8_checkpoint(
+    src: str | Path, dst: str | Path, block: tuple[int, int] = (128, 128)
+) -> Path:
     """Quantize the float checkpoint in ``src`` into ``dst`` (may be ``src``: rewritten in
     place); the reference quantizer (`tandem.layers.fp8.quantize_blocks`) makes every value
     and scale."""
@@ -46,15 +47,24 @@ def save_fp8_checkpoint(src: str | Path, dst: str | Path,
                 shutil.copy(path, dst / path.name)
     for path in dst.glob("model*.safetensors*"):
         path.unlink()
-    save_file({k: v.contiguous() for k, v in sorted(tensors.items())},
-              str(dst / "model.safetensors"))  # fmt: skip
+    save_file(
+        {k: v.contiguous() for k, v in sorted(tensors.items())}, str(dst / "model.safetensors")
+    )
     config = json.loads((dst / "config.json").read_text())
-    kept = sorted(name.removesuffix(".weight") for name, t in tensors.items()
-                  if t.dim() == 2 and name.endswith(".weight") and name not in converted
-                  and scale_name(name) not in tensors)  # fmt: skip
+    kept = sorted(
+        name.removesuffix(".weight")
+        for name, t in tensors.items()
+        if t.dim() == 2
+        and name.endswith(".weight")
+        and name not in converted
+        and scale_name(name) not in tensors
+    )
     config["quantization_config"] = {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-        "weight_block_size": list(block), "modules_to_not_convert": kept,
-    }  # fmt: skip
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(block),
+        "modules_to_not_convert": kept,
+    }
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst

@@ -27,8 +27,12 @@ _ACTIVATIONS = {
 
 
 class GPT2Config(HFConfig):
-    spellings = {"hidden_size": "n_embd", "max_position_embeddings": "n_positions",
-                 "num_attention_heads": "n_head", "num_hidden_layers": "n_layer"}  # fmt: skip
+    spellings = {
+        "hidden_size": "n_embd",
+        "max_position_embeddings": "n_positions",
+        "num_attention_heads": "n_head",
+        "num_hidden_layers": "n_layer",
+    }
 
     vocab_size: int
     n_embd: int

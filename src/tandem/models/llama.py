@@ -178,7 +178,7 @@ class LlamaForCausalLM(TandemModel):
                 self.make_mlp(cfg, i, tp),
                 qkv_bias=qkv_bias,
                 qk_norm=self.qk_norm,
-            )  # fmt: skip
+            )
             for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "model.norm.weight")

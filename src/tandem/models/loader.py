@@ -69,9 +69,11 @@ def _hub_hint(path: Path) -> str:
     name = path.as_posix()
     if not _HUB_ID.fullmatch(name) or path.parent.is_dir():
         return ""
-    return (f"; {name!r} looks like a Hugging Face hub id, and tandem loads only local "
-            f"directories (it downloads nothing): download it first, e.g. `huggingface-cli "
-            f"download {name} --local-dir DIR`, then pass DIR")  # fmt: skip
+    return (
+        f"; {name!r} looks like a Hugging Face hub id, and tandem loads only local "
+        f"directories (it downloads nothing): download it first, e.g. `huggingface-cli "
+        f"download {name} --local-dir DIR`, then pass DIR"
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -90,8 +92,9 @@ def read_model_spec(path: str | Path, quantization: str | None = None) -> ModelS
     """The checked spec of model directory ``path``. ``quantization="fp8"``: serve block-FP8
     weights (a checkpoint that is not FP8 is quantized as it is loaded, 128 x 128 blocks)."""
     if quantization not in (None, *QUANTIZATIONS):
-        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, "
-                         f"got {quantization!r}")  # fmt: skip
+        raise ValueError(
+            f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}"
+        )
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError("model directory not found" + _hub_hint(path), file=str(path))

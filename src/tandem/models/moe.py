@@ -65,10 +65,16 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             f"{prefix}.experts.{{e}}.down_proj.weight",
         )
         return SparseMoE(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts,
-            cfg.num_experts_per_tok, cfg.norm_topk_prob, f"{prefix}.gate.weight", names,
-            layer, tp,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.num_experts,
+            cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
+            f"{prefix}.gate.weight",
+            names,
+            layer,
+            tp,
+        )
 
     @staticmethod
     def moe_layers(cfg: Qwen3MoeConfig) -> list[int]:
@@ -88,9 +94,16 @@ class MixtralForCausalLM(MistralForCausalLM):
             f"{prefix}.experts.{{e}}.w2.weight",
         )
         return SparseMoE(
-            cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-            cfg.num_experts_per_tok, True, f"{prefix}.gate.weight", names, layer, tp,
-        )  # fmt: skip
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_local_experts,
+            cfg.num_experts_per_tok,
+            True,
+            f"{prefix}.gate.weight",
+            names,
+            layer,
+            tp,
+        )
 
     @staticmethod
     def moe_layers(cfg: MixtralConfig) -> list[int]:

@@ -43,8 +43,9 @@ class _ScoreHead:
 
     @staticmethod
     def unused_checkpoint_tensors(cfg: ClassifierConfig) -> set[str]:
-        return {f"model.layers.{i}.self_attn.rotary_emb.inv_freq"
-                for i in range(cfg.num_hidden_layers)}  # fmt: skip
+        return {
+            f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)
+        }
 
 
 @register_model("LlamaForSequenceClassification")

@@ -255,9 +255,14 @@ def make_tiny_model(
         tok = train_wordpiece(vocab_size, seed)
         config.setdefault("vocab_size", max(vocab_size, tok.get_vocab_size()))
         config.update(torch_dtype="float32")
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "cls_token": "[CLS]",
-                            "sep_token": "[SEP]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-                            "mask_token": "[MASK]"}  # fmt: skip
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "cls_token": "[CLS]",
+            "sep_token": "[SEP]",
+            "pad_token": "[PAD]",
+            "unk_token": "[UNK]",
+            "mask_token": "[MASK]",
+        }
     else:
         tok = train_tokenizer(vocab_size, seed)
         eos = tok.token_to_id(EOS)
@@ -268,8 +273,12 @@ def make_tiny_model(
         (out / "generation_config.json").write_text(
             json.dumps({"bos_token_id": eos, "eos_token_id": eos}, indent=2)
         )
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS,
-                            "bos_token": EOS, "chat_template": CHAT_TEMPLATE}  # fmt: skip
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOS,
+            "bos_token": EOS,
+            "chat_template": CHAT_TEMPLATE,
+        }
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
     return _write_weights(out, config, seed, max_shard_bytes)

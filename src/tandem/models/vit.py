@@ -73,22 +73,41 @@ class ViTLayer(nn.Module):
         self.qkv = ColumnParallelLinear(
             h, [Section(f"{a}.{n}.weight", bias(n), h) for n in ("query", "key", "value")], tp
         )
-        self.proj = RowParallelLinear(h, h, f"{prefix}.attention.output.dense.weight",
-                                      f"{prefix}.attention.output.dense.bias", tp)  # fmt: skip
-        self.attn = Attention(self.heads, self.heads, self.head_dim, self.head_dim**-0.5,
-                              causal=False)  # fmt: skip
+        self.proj = RowParallelLinear(
+            h,
+            h,
+            f"{prefix}.attention.output.dense.weight",
+            f"{prefix}.attention.output.dense.bias",
+            tp,
+        )
+        self.attn = Attention(
+            self.heads, self.heads, self.head_dim, self.head_dim**-0.5, causal=False
+        )
         self.after = LayerNorm(h, eps, f"{prefix}.layernorm_after")
         self.fc1 = ColumnParallelLinear(
-            h, [Section(f"{prefix}.intermediate.dense.weight",
-                        f"{prefix}.intermediate.dense.bias", cfg.intermediate_size)], tp,
-        )  # fmt: skip
-        self.fc2 = RowParallelLinear(cfg.intermediate_size, h, f"{prefix}.output.dense.weight",
-                                     f"{prefix}.output.dense.bias", tp)  # fmt: skip
+            h,
+            [
+                Section(
+                    f"{prefix}.intermediate.dense.weight",
+                    f"{prefix}.intermediate.dense.bias",
+                    cfg.intermediate_size,
+                )
+            ],
+            tp,
+        )
+        self.fc2 = RowParallelLinear(
+            cfg.intermediate_size,
+            h,
+            f"{prefix}.output.dense.weight",
+            f"{prefix}.output.dense.bias",
+            tp,
+        )
         self.act = _ACTIVATIONS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor, context: None, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = (t.view(-1, self.heads, self.head_dim)
-                   for t in self.qkv(self.before(x)).chunk(3, dim=-1))  # fmt: skip
+        q, k, v = (
+            t.view(-1, self.heads, self.head_dim) for t in self.qkv(self.before(x)).chunk(3, dim=-1)
+        )
         h = x + self.proj(self.attn(q, k, v, meta).flatten(1))
         return h + self.fc2(self.act(self.fc1(self.after(h))))
 
