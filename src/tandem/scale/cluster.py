@@ -51,8 +51,11 @@ class Cluster:
     @property
     def bandwidth(self) -> dict[str, float]:
         """Bytes per second of one direction of one GPU's link, per link class."""
-        return {"nic": self.nic_GBps * GB, "nvlink": self.nvlink_GBps * GB,
-                "local": self.local_GBps * GB}  # fmt: skip
+        return {
+            "nic": self.nic_GBps * GB,
+            "nvlink": self.nvlink_GBps * GB,
+            "local": self.local_GBps * GB,
+        }
 
     def gpus(self, trainer_ranks: int, fleet_ranks: int) -> tuple[list[int], list[int]]:
         """(GPU of each trainer rank, GPU of each fleet rank)."""

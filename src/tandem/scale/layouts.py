@@ -73,8 +73,10 @@ class TrainerSpec:
         """``fsdp:ranks=256`` or ``megatron:tp=1,pp=8,ep=64,dp=64`` (``ranks`` or ``dp``)."""
         kind, _, rest = text.partition(":")
         pairs = parse_pairs(rest, "trainer")
-        allowed = {"fsdp": {"ranks", "dtype"},
-                   "megatron": {"ranks", "tp", "pp", "ep", "dp", "dtype"}}.get(kind)  # fmt: skip
+        allowed = {
+            "fsdp": {"ranks", "dtype"},
+            "megatron": {"ranks", "tp", "pp", "ep", "dp", "dtype"},
+        }.get(kind)
         if allowed is None:
             raise ValueError(f"trainer: kind must be 'fsdp' or 'megatron', got {kind!r}")
         extra = sorted(set(pairs) - allowed)
@@ -148,8 +150,11 @@ def fleet_layouts(spec: ModelSpec, fleet: FleetSpec, dtype: str) -> list[RankLay
             prune_to_stage(model, stage)
             local.append(engine_layout(model, dims.rank(stage.index, tp_rank)))
     per = fleet.ranks_per_replica
-    return [RankLayout(r * per + j, lay.regions, lay.local_shapes, dtype, replica=r)
-            for r in range(fleet.replicas) for j, lay in enumerate(local)]  # fmt: skip
+    return [
+        RankLayout(r * per + j, lay.regions, lay.local_shapes, dtype, replica=r)
+        for r in range(fleet.replicas)
+        for j, lay in enumerate(local)
+    ]
 
 
 def canonical_shapes(layouts: list[RankLayout]) -> dict[str, tuple[int, ...]]:
@@ -228,14 +233,28 @@ class _Fsdp:
 
 
 class _Megatron:
-    _ROWS = ("self_attn.q_proj.weight", "self_attn.q_proj.bias", "mlp.gate_proj.weight",
-             "mlp.up_proj.weight")  # fmt: skip
-    _KV = ("self_attn.k_proj.weight", "self_attn.k_proj.bias", "self_attn.v_proj.weight",
-           "self_attn.v_proj.bias")  # fmt: skip
+    _ROWS = (
+        "self_attn.q_proj.weight",
+        "self_attn.q_proj.bias",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+    )
+    _KV = (
+        "self_attn.k_proj.weight",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.weight",
+        "self_attn.v_proj.bias",
+    )
     _COLS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-    _WHOLE = ("input_layernorm.weight", "post_attention_layernorm.weight",
-              "self_attn.q_norm.weight", "self_attn.k_norm.weight",
-              "self_attn.o_proj.bias", "mlp.down_proj.bias", "mlp.gate.weight")  # fmt: skip
+    _WHOLE = (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        "self_attn.o_proj.bias",
+        "mlp.down_proj.bias",
+        "mlp.gate.weight",
+    )
 
     def __init__(self, spec: ModelSpec, trainer: TrainerSpec):
         self.t = trainer

@@ -55,9 +55,16 @@ class LocalRates:
     @classmethod
     def measured(cls, cpu: dict, stream_Bps: float | None = None) -> LocalRates:
         """From `tandem.bench.sync_baselines.cpu_rates`'s figures."""
-        return cls(cpu["copy_one_Bps"], cpu["copy_all_Bps"], cpu["crc_one_Bps"],
-                   cpu["crc_all_Bps"], cpu["cores"], stream_Bps, cpu.get("checked_copy_one_Bps"),
-                   cpu.get("checked_copy_all_Bps"))  # fmt: skip
+        return cls(
+            cpu["copy_one_Bps"],
+            cpu["copy_all_Bps"],
+            cpu["crc_one_Bps"],
+            cpu["crc_all_Bps"],
+            cpu["cores"],
+            stream_Bps,
+            cpu.get("checked_copy_one_Bps"),
+            cpu.get("checked_copy_all_Bps"),
+        )
 
     def copy(self, active: int, threads: int = 1) -> float:
         """Seconds per byte copied by each of ``active`` processes copying at once."""
@@ -113,17 +120,19 @@ def predict_push(
     return {"seconds": sum(phases.values()), "phases": phases}
 
 
-def _cpu_pass(nbytes: list[int], rates: LocalRates, threads: int, copy: bool, crc: bool
-              ) -> float:  # fmt: skip
+def _cpu_pass(nbytes: list[int], rates: LocalRates, threads: int, copy: bool, crc: bool) -> float:
     """Every process working through its bytes at once (copying and/or checksumming each)."""
     active = sum(1 for n in nbytes if n)
-    per_byte = (rates.copy(active, threads) if copy else 0.0) + (
-        rates.crc(active) if crc else 0.0)  # fmt: skip
+    per_byte = (rates.copy(active, threads) if copy else 0.0) + (rates.crc(active) if crc else 0.0)
     if not per_byte or not active:
         return 0.0
     flows = [Flow(p, p, n, n) for p, n in enumerate(nbytes) if n]
-    net = Network(list(range(len(nbytes))), list(range(len(nbytes), 2 * len(nbytes))),
-                  lambda a, b: "cpu", {"cpu": 1 / per_byte})  # fmt: skip
+    net = Network(
+        list(range(len(nbytes))),
+        list(range(len(nbytes), 2 * len(nbytes))),
+        lambda a, b: "cpu",
+        {"cpu": 1 / per_byte},
+    )
     return simulate(flows, {}, net, 1 << 60).seconds
 
 
@@ -133,8 +142,13 @@ def _cpu_seconds(checked: list[int], copied: list[int], rates: LocalRates, crc: 
     ``checked`` bytes where they are: the slowest one's time."""
     active = sum(1 for n in checked if n)
     write = rates.checked_copy(active) if crc else rates.copy(active)
-    return max(((n - c) * (rates.crc(active) if crc else 0.0) + c * write
-                for n, c in zip(checked, copied, strict=True)), default=0.0)  # fmt: skip
+    return max(
+        (
+            (n - c) * (rates.crc(active) if crc else 0.0) + c * write
+            for n, c in zip(checked, copied, strict=True)
+        ),
+        default=0.0,
+    )
 
 
 def _stream(streams, replicas: int, rates: LocalRates, relays: bool, crc: bool) -> float:
@@ -148,12 +162,19 @@ def _stream(streams, replicas: int, rates: LocalRates, relays: bool, crc: bool) 
     per_byte = 1 / rates.stream_Bps + (2 / rates.crc_all_Bps if crc else 0.0)
     if relays:
         flows = [Flow(s, d, n, n) for s, row in enumerate(streams) for d, n in enumerate(row) if n]
-        chain = {r * ranks + d: (r + 1) * ranks + d for r in range(replicas - 1)
-                 for d in range(ranks)}  # fmt: skip
+        chain = {
+            r * ranks + d: (r + 1) * ranks + d for r in range(replicas - 1) for d in range(ranks)
+        }
     else:
-        flows = [Flow(s, r * ranks + d, n, n) for r in range(replicas)
-                 for s, row in enumerate(streams) for d, n in enumerate(row) if n]  # fmt: skip
+        flows = [
+            Flow(s, r * ranks + d, n, n)
+            for r in range(replicas)
+            for s, row in enumerate(streams)
+            for d, n in enumerate(row)
+            if n
+        ]
         chain = {}
-    node = Network([0] * senders, [0] * (ranks * replicas), lambda a, b: "loopback",
-                   {"loopback": 1 / per_byte})  # fmt: skip
+    node = Network(
+        [0] * senders, [0] * (ranks * replicas), lambda a, b: "loopback", {"loopback": 1 / per_byte}
+    )
     return simulate(flows, chain, node, 1 << 60).seconds

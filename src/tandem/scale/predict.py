@@ -17,7 +17,7 @@ from tandem.scale.layouts import (
     canonical_shapes,
     fleet_layouts,
     trainer_layouts,
-)  # fmt: skip
+)
 from tandem.scale.shapes import model_spec
 from tandem.scale.simulate import Flow, Network, Simulation, simulate
 from tandem.scale.wire import WIDTH, WireFormat
@@ -76,9 +76,13 @@ def predict_sync(
     flows = plan_flows(plan, wire, WIDTH[trainer.dtype])
     sender_gpu, receiver_gpu = cluster.gpus(trainer.ranks, len(receivers))
     net = Network(
-        sender_gpu, receiver_gpu, cluster.link, cluster.bandwidth, cluster.latency_us * 1e-6,
+        sender_gpu,
+        receiver_gpu,
+        cluster.link,
+        cluster.bandwidth,
+        cluster.latency_us * 1e-6,
         cluster.convert_GBps * 1e9 if trainer.dtype != wire.engine_dtype else None,
-    )  # fmt: skip
+    )
     sim = simulate(flows, plan.relay_next(), net, bucket_bytes)
     t3 = time.perf_counter()
     bound, where = sim.bound(net)
@@ -146,8 +150,13 @@ def _busiest(sim: Simulation, net: Network, cluster: Cluster, senders, receivers
     rows = []
     for (gpu, cls, way), n in sim.link_bytes.items():
         role = "+".join(r for r, s in (("trainer", trainer), ("engine", fleet)) if gpu in s)
-        rows.append({"link": f"{cluster.name(gpu)} ({role}) {cls} {way}", "bytes": n,
-                     "seconds": n / net.bandwidth[cls]})  # fmt: skip
+        rows.append(
+            {
+                "link": f"{cluster.name(gpu)} ({role}) {cls} {way}",
+                "bytes": n,
+                "seconds": n / net.bandwidth[cls],
+            }
+        )
     rows.sort(key=lambda row: -row["seconds"])
     return rows[:top]
 
@@ -172,14 +181,16 @@ def summary(p: SyncPrediction) -> str:
         f"(layouts {p.layout_seconds:.2f} s), peak RSS {p.peak_rss_mb:.0f} MB",
         f"trainer egress {p.trainer_egress_bytes / gb:.1f} GB; replica ingress "
         f"{max(p.replica_ingress_bytes) / gb:.1f} GB (largest)",
-        "bytes per link class: " + ", ".join(f"{c} {n / gb:.1f} GB"
-                                             for c, n in sorted(p.link_class_bytes.items())),
+        "bytes per link class: "
+        + ", ".join(f"{c} {n / gb:.1f} GB" for c, n in sorted(p.link_class_bytes.items())),
         "busiest links:",
-        *(f"  {row['link']}: {row['bytes'] / gb:.2f} GB, {row['seconds']:.3f} s"
-          for row in p.busiest_links),
+        *(
+            f"  {row['link']}: {row['bytes'] / gb:.2f} GB, {row['seconds']:.3f} s"
+            for row in p.busiest_links
+        ),
         f"bound {p.bound_seconds:.3f} s ({p.bound_link}); balanced egress "
         f"{p.egress_bound_seconds:.3f} s, ingress {p.ingress_bound_seconds:.3f} s",
         f"predicted {p.predicted_seconds:.3f} s = {p.predicted_over_bound:.3f}x the bound "
         f"({p.buckets} bucket hops of <= {p.bucket_bytes >> 20} MiB)",
-    ]  # fmt: skip
+    ]
     return "\n".join(lines)

@@ -49,11 +49,15 @@ class Simulation:
 
     def bound(self, net: Network) -> tuple[float, str]:
         """(seconds, which resource) of the busiest resource alone."""
-        loads = [(n / net.bandwidth[cls], f"gpu {gpu} {cls} {way}")
-                 for (gpu, cls, way), n in self.link_bytes.items()]  # fmt: skip
+        loads = [
+            (n / net.bandwidth[cls], f"gpu {gpu} {cls} {way}")
+            for (gpu, cls, way), n in self.link_bytes.items()
+        ]
         if net.convert_Bps:
-            loads += [(n / net.convert_Bps, f"sender {sender} conversion")
-                      for sender, n in self.convert_bytes.items()]  # fmt: skip
+            loads += [
+                (n / net.convert_Bps, f"sender {sender} conversion")
+                for sender, n in self.convert_bytes.items()
+            ]
         return max(loads, key=lambda load: load[0], default=(0.0, "none"))  # first of ties
 
 

@@ -14,8 +14,13 @@ from dataclasses import dataclass, field
 from tandem.exchange.plan import numel
 
 BLOCK = 128
-ENGINE_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp8": "fp8",
-                 "float32": "float32", "fp32": "float32"}  # fmt: skip
+ENGINE_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp8": "fp8",
+    "float32": "float32",
+    "fp32": "float32",
+}
 WIDTH = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
@@ -36,10 +41,12 @@ class WireFormat:
         known = self._fp8.get(name)
         if known is None:
             known = self._fp8[name] = (
-                self.engine_dtype == "fp8" and len(full_shape) == 2
-                and name.startswith("model.layers.") and name.endswith(".weight")
+                self.engine_dtype == "fp8"
+                and len(full_shape) == 2
+                and name.startswith("model.layers.")
+                and name.endswith(".weight")
                 and not name.endswith(".gate.weight")  # the MoE router
-            )  # fmt: skip
+            )
         return known
 
     def box_bytes(self, name: str, full_shape: tuple[int, ...], box) -> int:
