@@ -43,9 +43,11 @@ def read_adapter(path: str | Path, name: str) -> tuple[AdapterConfig, dict[str, 
 
 
 def canonical_tensors(
-    tensors: Mapping[str, torch.Tensor], config: AdapterConfig, name: str,
+    tensors: Mapping[str, torch.Tensor],
+    config: AdapterConfig,
+    name: str,
     adapter: str | None = None,
-) -> dict[str, torch.Tensor]:  # fmt: skip
+) -> dict[str, torch.Tensor]:
     """``tensors`` (PEFT's names, saved or live) under canonical names; only those of adapter
     ``adapter`` where the names carry one. Every tensor must be a LoRA A or B of a target
     module, of rank ``config.rank``."""
@@ -71,8 +73,9 @@ def canonical_tensors(
     if not out and not problems:
         problems.append("no LoRA tensors")
     if problems:
-        shown = "; ".join(problems[:10]) + (f" (and {len(problems) - 10} more)"
-                                            if len(problems) > 10 else "")  # fmt: skip
+        shown = "; ".join(problems[:10]) + (
+            f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        )
         raise LoRAError(f"adapter {name!r}: {shown}")
     return out
 
@@ -86,8 +89,10 @@ def peft_adapter(model, name: str) -> tuple[AdapterConfig, dict[str, torch.Tenso
     tensors themselves, DTensors where FSDP2 sharded them) under canonical names."""
     adapter = model.active_adapter
     if not isinstance(adapter, str):  # several active adapters: one is pushed at a time
-        raise LoRAError(f"adapter {name!r}: the PEFT model has active adapters {adapter}; "
-                        "set one with set_adapter()")  # fmt: skip
+        raise LoRAError(
+            f"adapter {name!r}: the PEFT model has active adapters {adapter}; "
+            "set one with set_adapter()"
+        )
     config = AdapterConfig.from_peft(model.peft_config[adapter], f"adapter {name!r}")
     params = {key: p for key, p in model.named_parameters() if "lora_" in key}
     return config, canonical_tensors(params, config, name, adapter)

@@ -33,8 +33,10 @@ class AdapterConfig:
             raise LoRAError(f"r must be an int >= 1, got {self.rank!r}")
         unknown = sorted(set(self.targets) - set(LORA_MODULES))
         if unknown or not self.targets:
-            raise LoRAError(f"target_modules: {unknown or 'none'} not servable; tandem serves "
-                            f"LoRA on {list(LORA_MODULES)}")  # fmt: skip
+            raise LoRAError(
+                f"target_modules: {unknown or 'none'} not servable; tandem serves "
+                f"LoRA on {list(LORA_MODULES)}"
+            )
 
     @property
     def scaling(self) -> float:
@@ -47,8 +49,10 @@ class AdapterConfig:
         if not isinstance(config, Mapping):
             to_dict = getattr(config, "to_dict", None)
             if to_dict is None:
-                raise LoRAError(f"{name}: lora_config must be a dict or a peft LoraConfig, "
-                                f"got {type(config).__name__}")  # fmt: skip
+                raise LoRAError(
+                    f"{name}: lora_config must be a dict or a peft LoraConfig, "
+                    f"got {type(config).__name__}"
+                )
             config = to_dict()
         get = config.get
         peft_type = str(get("peft_type", "LORA")).rsplit(".", 1)[-1].upper()
@@ -65,14 +69,18 @@ class AdapterConfig:
         }
         for field, set_ in refused.items():
             if set_:
-                raise LoRAError(f"{name}: adapter_config field {field}={get(field)!r} is not "
-                                "supported by tandem's LoRA")  # fmt: skip
+                raise LoRAError(
+                    f"{name}: adapter_config field {field}={get(field)!r} is not "
+                    "supported by tandem's LoRA"
+                )
         targets = get("target_modules")
         if targets == _ALL_LINEAR:
             targets = LORA_MODULES
         if isinstance(targets, str):  # a regex in PEFT: only plain names are served
-            raise LoRAError(f"{name}: target_modules as a pattern ({targets!r}) is not "
-                            "supported; list the module names")  # fmt: skip
+            raise LoRAError(
+                f"{name}: target_modules as a pattern ({targets!r}) is not "
+                "supported; list the module names"
+            )
         targets = tuple(sorted(set(targets or ()), key=_module_order))
         rank = get("r", 8)
         alpha = get("lora_alpha", 8)

@@ -23,8 +23,7 @@ class LoRARequest:
     lora_name: str
     lora_int_id: int
     lora_path: str | None = None
-    lora_tensors: Mapping[str, torch.Tensor] | None = field(default=None, repr=False,
-                                                            compare=False)  # fmt: skip
+    lora_tensors: Mapping[str, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     lora_config: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -33,8 +32,6 @@ class LoRARequest:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int):
             raise LoRAError(f"lora_int_id must be an int, got {self.lora_int_id!r}")
         if self.lora_path is not None and self.lora_tensors is not None:
-            raise LoRAError(f"adapter {self.lora_name!r}: give lora_path or lora_tensors, "
-                            "not both")  # fmt: skip
+            raise LoRAError(f"adapter {self.lora_name!r}: give lora_path or lora_tensors, not both")
         if (self.lora_tensors is None) != (self.lora_config is None):
-            raise LoRAError(f"adapter {self.lora_name!r}: lora_tensors and lora_config go "
-                            "together")  # fmt: skip
+            raise LoRAError(f"adapter {self.lora_name!r}: lora_tensors and lora_config go together")
