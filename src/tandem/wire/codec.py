@@ -31,8 +31,15 @@ import msgpack
 
 Convert = Callable[[typing.Any], typing.Any]
 
-_LEAVES = {int: {int}, float: {float, int}, bool: {bool}, str: {str}, bytes: {bytes},
-           type(None): {type(None)}, list: {list}}  # fmt: skip
+_LEAVES = {
+    int: {int},
+    float: {float, int},
+    bool: {bool},
+    str: {str},
+    bytes: {bytes},
+    type(None): {type(None)},
+    list: {list},
+}
 _LIST = frozenset({list})
 _classes: dict[type, _Class] = {}
 _compiling = threading.RLock()  # the exchange server decodes on several threads
