@@ -76,17 +76,20 @@ class ParallelConfig(_Group):
 
     tensor_parallel_size: int = Field(1, ge=1)
     data_parallel_size: int = Field(
-        1, ge=1, description="independent replicas (each tensor x pipeline ranks of its own) "
+        1,
+        ge=1,
+        description="independent replicas (each tensor x pipeline ranks of its own) "
         "behind one front (`tandem.fleet`): requests are routed over them, one push updates all",
-    )  # fmt: skip
+    )
     pipeline_parallel_size: int = Field(1, ge=1)
     pipeline_layer_split: list[int] | None = Field(
         None, description="decoder layers per pipeline stage (uneven allowed); default: even"
     )
     distributed_executor_backend: Literal["mp", "ray"] = Field(
-        "mp", description="mp: worker processes on this host (and nodes that join); ray: each "
+        "mp",
+        description="mp: worker processes on this host (and nodes that join); ray: each "
         "rank a Ray actor in one placement group",
-    )  # fmt: skip
+    )
     nnodes: int = Field(1, ge=1, description="hosts the TP x PP ranks are spread over")
     master_addr: str = Field("127.0.0.1", description="this (the engine's) host, for workers")
     master_port: int | None = Field(
@@ -94,16 +97,20 @@ class ParallelConfig(_Group):
     )
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(
-        120.0, gt=0, description="the ranks' torch.distributed collectives, and how long the "
+        120.0,
+        gt=0,
+        description="the ranks' torch.distributed collectives, and how long the "
         "engine waits for a step's result before it declares a rank hung (killed: a fleet "
         "quarantines the replica and runs its requests again elsewhere)",
-    )  # fmt: skip
+    )
     push_phase_timeout_s: float = Field(
-        300.0, gt=0, description="how long a weight push's transport waits (trainers staging, "
+        300.0,
+        gt=0,
+        description="how long a weight push's transport waits (trainers staging, "
         "joining the dist group, each transfer) before it fails the push; a rank still silent "
         "min(30 s, this) later is declared hung and killed (a fleet quarantines its replica and "
         "goes on)",
-    )  # fmt: skip
+    )
 
     @property
     def hung_after_s(self) -> float:
@@ -114,9 +121,11 @@ class ParallelConfig(_Group):
     @model_validator(mode="after")
     def _fleet(self):
         if self.data_parallel_size > 1 and self.nnodes > 1:
-            raise ValueError("nnodes > 1 spreads one replica over hosts; a fleet over hosts "
-                             "is `tandem router` over `tandem serve` instances, or "
-                             "distributed_executor_backend='ray' (set nnodes=1)")  # fmt: skip
+            raise ValueError(
+                "nnodes > 1 spreads one replica over hosts; a fleet over hosts "
+                "is `tandem router` over `tandem serve` instances, or "
+                "distributed_executor_backend='ray' (set nnodes=1)"
+            )
         return self
 
     @property
@@ -134,14 +143,17 @@ class FleetConfig(_Group):
     follow ``push_phase_timeout_s``, which every engine's pushes share."""
 
     max_staleness: int | None = Field(
-        None, ge=0, description="fleet: how many versions behind the newest a replica may be "
+        None,
+        ge=0,
+        description="fleet: how many versions behind the newest a replica may be "
         "and still take new requests during a rolling push (0: only the newest; requests "
         "wait for the first wave); None: any",
-    )  # fmt: skip
+    )
     heal: bool = Field(
-        True, description="fleet: a quarantined replica (restarted if its workers are gone) "
+        True,
+        description="fleet: a quarantined replica (restarted if its workers are gone) "
         "pulls the weights from a live peer replica, then serves again",
-    )  # fmt: skip
+    )
 
 
 class RayConfig(_Group):

@@ -111,8 +111,10 @@ class LLM:
         it (one replica, ``tensor_parallel_size=1``, ``pipeline_parallel_size=1``, the
         default backend); else `NotImplementedError`, as tandem sends no code to workers."""
         if self.fleet is not None:
-            raise NotImplementedError("apply_model needs one replica (data_parallel_size=1): "
-                                      "a fleet's replicas run in worker processes")  # fmt: skip
+            raise NotImplementedError(
+                "apply_model needs one replica (data_parallel_size=1): "
+                "a fleet's replicas run in worker processes"
+            )
         return self._engines()[0].apply_model(func)
 
     def embed(
@@ -136,8 +138,10 @@ class LLM:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         if self.engine.config.task != task:
-            raise ValueError(f"{task} needs LLM(..., task={task!r}); this LLM's task is "
-                             f"{self.engine.config.task!r}")  # fmt: skip
+            raise ValueError(
+                f"{task} needs LLM(..., task={task!r}); this LLM's task is "
+                f"{self.engine.config.task!r}"
+            )
         if self.engine.spec.cls.inputs == "pixels":
             return self._encode_images(inputs, pooling)
         ids, types = self.engine.admission.tokenize_inputs(_as_prompt_list(inputs))
@@ -157,8 +161,10 @@ class LLM:
         if self.engine is None:
             raise RuntimeError("this LLM has been shut down")
         if self.engine.config.task != "generate":
-            raise ValueError("score needs LLM(..., task='generate'); this LLM's task is "
-                             f"{self.engine.config.task!r}")  # fmt: skip
+            raise ValueError(
+                "score needs LLM(..., task='generate'); this LLM's task is "
+                f"{self.engine.config.task!r}"
+            )
         engine = self._serving_engine()
         ids = [engine.admission.prompt_ids(p) for p in _as_prompt_list(prompts)]
         return engine.encoder.score(ids, logprobs)
@@ -231,9 +237,12 @@ class LLM:
             conversations = [conversations]
         if not conversations:
             raise ValueError("messages is empty")
-        texts = [tokenizer.chat_template.render(c, add_generation_prompt, chat_template,
-                                                **(chat_template_kwargs or {}))
-                 for c in conversations]  # fmt: skip
+        texts = [
+            tokenizer.chat_template.render(
+                c, add_generation_prompt, chat_template, **(chat_template_kwargs or {})
+            )
+            for c in conversations
+        ]
         # the template writes the special tokens (BOS...): the tokenizer adds none, as in
         # transformers' apply_chat_template and vLLM
         ids = [tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -342,8 +351,11 @@ class LLM:
                 fleet.engines[req.replica].add(req.seqs)
                 work.setdefault(req.replica, []).extend(req.seqs)
             lost = _step_replicas(fleet, work)
-            pending = [req for req in pending if req.replica in lost
-                       and not all(s.finished for s in req.seqs)]  # fmt: skip
+            pending = [
+                req
+                for req in pending
+                if req.replica in lost and not all(s.finished for s in req.seqs)
+            ]
             for req in pending:
                 self._place(req, lost=lost[req.replica])
 
@@ -359,8 +371,9 @@ class LLM:
                 routed, req.routed = req.routed, None  # released by rerun
                 req.routed = fleet.rerun(routed, lost, req.ids, params.n, params.max_tokens or 0)
             engine = fleet.engines[req.routed.replica]
-        req.seqs = engine.admission.make_sequences(req.request_id, req.ids, req.params,
-                                                   req.priority)  # fmt: skip
+        req.seqs = engine.admission.make_sequences(
+            req.request_id, req.ids, req.params, req.priority
+        )
         if req.lora is not None:
             for seq in req.seqs:
                 seq.lora_slot, seq.lora_key = req.lora.slot, req.lora.key
@@ -373,14 +386,16 @@ class LLM:
         for i, image in enumerate(images):
             if not isinstance(image, torch.Tensor) or tuple(image.shape) != shape:
                 got = tuple(image.shape) if isinstance(image, torch.Tensor) else type(image)
-                raise ValueError(f"input {i}: an image tensor of shape {shape} is needed, "
-                                 f"got {got}")  # fmt: skip
+                raise ValueError(
+                    f"input {i}: an image tensor of shape {shape} is needed, got {got}"
+                )
         rows = [[0] * spec.config.rows_per_image for _ in images]
         pixels = [image.detach().float().flatten().tolist() for image in images]
         return self.engine.encoder.encode(rows, None, pooling, pixels)
 
-    def _output(self, request_id, prompt, prompt_ids, seqs: list[Sequence],
-                replica: int) -> RequestOutput:  # fmt: skip
+    def _output(
+        self, request_id, prompt, prompt_ids, seqs: list[Sequence], replica: int
+    ) -> RequestOutput:
         engine = self._engines()[replica]
         completions = [s.output(engine.outputs.text(s)) for s in seqs]
         firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
@@ -391,10 +406,16 @@ class LLM:
         )
         versions = sorted(set().union(*(s.weight_versions for s in seqs)))
         out = RequestOutput(
-            request_id, prompt, prompt_ids, completions, True,
-            versions[-1] if versions else engine.weight_version, metrics, versions,
+            request_id,
+            prompt,
+            prompt_ids,
+            completions,
+            True,
+            versions[-1] if versions else engine.weight_version,
+            metrics,
+            versions,
             replica=replica,
-        )  # fmt: skip
+        )
         k = seqs[0].params.prompt_logprobs
         if k is not None:  # the sample that computed the prompt holds its scores
             scored = max(seqs, key=lambda s: len(s.prompt_logprobs))
@@ -477,8 +498,10 @@ class LLM:
             while engine.weight_version < version:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(f"the engine serves version {engine.weight_version}, "
-                                       f"not {version}, after {timeout:g} s")  # fmt: skip
+                    raise TimeoutError(
+                        f"the engine serves version {engine.weight_version}, "
+                        f"not {version}, after {timeout:g} s"
+                    )
                 # and looks again now and then: a version may come by another way
                 self._committed.wait(VERSION_POLL_S if left is None else min(left, VERSION_POLL_S))
 
@@ -487,16 +510,18 @@ class LLM:
         nothing from disk, pulls the weights from a live peer (planned and verified like any
         push), and only then takes requests. Its number."""
         if self.fleet is None:
-            raise ValueError("add_replica needs a fleet: start the LLM with "
-                             "data_parallel_size >= 2")  # fmt: skip
+            raise ValueError(
+                "add_replica needs a fleet: start the LLM with data_parallel_size >= 2"
+            )
         return self.fleet.add_replica()
 
     def heal(self, replica: int) -> None:
         """Bring a quarantined replica back now (restarted if its workers are gone, then
         filled from a live peer); a fleet does this itself unless ``heal=False``."""
         if self.fleet is None:
-            raise ValueError("a single engine has no peer to heal from: heal needs "
-                             "data_parallel_size >= 2")  # fmt: skip
+            raise ValueError(
+                "a single engine has no peer to heal from: heal needs data_parallel_size >= 2"
+            )
         self.fleet.heal(replica)
 
     def shutdown(self) -> None:
@@ -538,8 +563,7 @@ def _per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
         raise ValueError(f"got {len(loras)} lora_requests for {count} prompts")
     for i, lora in enumerate(loras):
         if lora is not None and not isinstance(lora, LoRARequest):
-            raise TypeError(f"lora_request[{i}]: a LoRARequest or None, "
-                            f"got {type(lora).__name__}")  # fmt: skip
+            raise TypeError(f"lora_request[{i}]: a LoRARequest or None, got {type(lora).__name__}")
     return loras
 
 
@@ -567,8 +591,10 @@ def _step_replicas(fleet: Fleet, work: dict[int, list[Sequence]]) -> dict[int, s
             for other, mine in work.items():  # the caller gets its error now, not after all
                 fleet.engines[other].abort([s for s in mine if not s.finished])
 
-    threads = [threading.Thread(target=drive, args=item, name=f"tandem-replica-{item[0]}",
-                                daemon=True) for item in items[1:]]  # fmt: skip
+    threads = [
+        threading.Thread(target=drive, args=item, name=f"tandem-replica-{item[0]}", daemon=True)
+        for item in items[1:]
+    ]
     for t in threads:
         t.start()
     if items:
