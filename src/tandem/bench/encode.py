@@ -35,13 +35,19 @@ from tandem import LLM
 from tandem.models.tiny import make_tiny_model
 
 FULL: dict[str, Any] = {
-    "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 6,
-    "intermediate_size": 1536, "max_position_embeddings": 512,
-}  # fmt: skip
+    "hidden_size": 384,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 6,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 512,
+}
 QUICK: dict[str, Any] = {
-    "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "intermediate_size": 128, "max_position_embeddings": 128,
-}  # fmt: skip
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 128,
+    "max_position_embeddings": 128,
+}
 # (model dir, overrides, vocab, inputs, min length, max length)
 SETUPS = {
     False: (".tandem/bench-bert", FULL, 8192, 128, 8, 256),
@@ -62,8 +68,11 @@ class PaddedBatches:
     @torch.inference_mode()
     def __call__(self, inputs: list[list[int]], batch_size: int | None = None) -> torch.Tensor:
         size = batch_size or self.batch_size
-        order = sorted(range(len(inputs)), key=lambda i: len(inputs[i])) if self.sort else list(
-            range(len(inputs)))  # fmt: skip
+        order = (
+            sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+            if self.sort
+            else list(range(len(inputs)))
+        )
         out = torch.empty(len(inputs), self.model.config.num_labels)
         for b in range(0, len(order), size):
             chunk = order[b : b + size]
@@ -108,20 +117,27 @@ def run(quick: bool = False, tp: int = 1) -> dict[str, Any]:
     hf = transformers.BertForSequenceClassification.from_pretrained(
         str(path), dtype=torch.float32, attn_implementation="sdpa"
     ).eval()
-    sides = {"transformers": PaddedBatches(hf, 0, sort=True),
-             "transformers_arrival": PaddedBatches(hf, 0, sort=False)}  # fmt: skip
+    sides = {
+        "transformers": PaddedBatches(hf, 0, sort=True),
+        "transformers_arrival": PaddedBatches(hf, 0, sort=False),
+    }
     result: dict[str, Any] = {
         "benchmark": "encode",
-        "model": {"params": sum(p.numel() for p in hf.parameters()),
-                  "hidden": config["hidden_size"], "layers": config["num_hidden_layers"],
-                  "heads": config["num_attention_heads"], "vocab": vocab, "dtype": "float32"},
+        "model": {
+            "params": sum(p.numel() for p in hf.parameters()),
+            "hidden": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "heads": config["num_attention_heads"],
+            "vocab": vocab,
+            "dtype": "float32",
+        },
         "threads": torch.get_num_threads(),
         "quick": quick,
         "tensor_parallel_size": tp,
         "inputs": count,
         "tokens": tokens,
         "length_range": [lo, hi],
-    }  # fmt: skip
+    }
     with LLM(str(path), task="classify", tensor_parallel_size=tp, dtype="float32") as llm:
         reference = torch.tensor(llm.classify(warm))  # warm-up
         for name, side in sides.items():
@@ -159,5 +175,6 @@ def run(quick: bool = False, tp: int = 1) -> dict[str, Any]:
 def _padded(lengths: list[int], size: int, sort: bool = False) -> int:
     """Tokens a padded side computes (its batches' widths x rows)."""
     order = sorted(lengths) if sort else lengths
-    return sum(max(order[b : b + size]) * len(order[b : b + size])
-               for b in range(0, len(order), size))  # fmt: skip
+    return sum(
+        max(order[b : b + size]) * len(order[b : b + size]) for b in range(0, len(order), size)
+    )

@@ -83,29 +83,40 @@ def run(quick: bool = False) -> dict[str, Any]:
             },
             "trainer": {"ranks": 2, "sharding": "FSDP2", "backend": "gloo"},
             "fleets": {},
-        },  # fmt: skip
+        },
     }
     checks = []
     for replicas, tp in FLEETS:
         key = f"dp{replicas}_tp{tp}"
-        with LLM(str(path), data_parallel_size=replicas, tensor_parallel_size=tp,
-                 kv_cache_memory=KV_CACHE_MEMORY, dtype="float32") as llm:  # fmt: skip
-            ranks, check = run_pushes(llm.exchange_address, path, REPEATS, timeout,
-                                      lambda ref, v, llm=llm: check_replicas(llm, ref, v),
-                                      PUSH_MODES)  # fmt: skip
+        with LLM(
+            str(path),
+            data_parallel_size=replicas,
+            tensor_parallel_size=tp,
+            kv_cache_memory=KV_CACHE_MEMORY,
+            dtype="float32",
+        ) as llm:
+            ranks, check = run_pushes(
+                llm.exchange_address,
+                path,
+                REPEATS,
+                timeout,
+                lambda ref, v, llm=llm: check_replicas(llm, ref, v),
+                PUSH_MODES,
+            )
         checks.append(check)
         entry = {mode: fleet_figures(per_rank, replicas) for mode, per_rank in ranks.items()}
         lap(f"push_{key}")
         sends = ("broadcast",) if quick else ("broadcast", "isend")
         naive = {send: base.naive(path, timeout, send, replicas, tp) for send in sends}
         best = min(naive, key=lambda s: naive[s]["seconds"])
-        entry["naive"] = {**naive[best], "send": best,
-                          "seconds_by_send": {s: n["seconds"] for s, n in naive.items()},
-                          "trainer_egress_over_needed": replicas * tp if best == "isend"
-                          else None}  # fmt: skip
+        entry["naive"] = {
+            **naive[best],
+            "send": best,
+            "seconds_by_send": {s: n["seconds"] for s, n in naive.items()},
+            "trainer_egress_over_needed": replicas * tp if best == "isend" else None,
+        }
         lap(f"naive_{key}")
-        result["push"]["fleets"][key] = {"replicas": replicas, "tensor_parallel_size": tp,
-                                         **entry}  # fmt: skip
+        result["push"]["fleets"][key] = {"replicas": replicas, "tensor_parallel_size": tp, **entry}
     result["push"]["link_model"] = predict_fleet_pushes(result["push"]["fleets"], timeout)
     lap("link_model")
     result["push"]["checks"] = {
@@ -124,19 +135,28 @@ def run(quick: bool = False) -> dict[str, Any]:
         "fleet_vs_naive": round(r3["naive"]["seconds"] / r3["shm"]["seconds"], 3),
         "fleet_gloo_vs_naive": round(r3["naive"]["seconds"] / r3["dist"]["seconds"], 3),
         "dp2_vs_dp1": round(grpo["dp2_tokens_per_s"] / grpo["dp1_tokens_per_s"], 3),
-        "dp2_vs_dp1_mixed": round(result["routing"]["mixed"]["dp2_tokens_per_s"]
-                                  / result["routing"]["mixed"]["dp1_tokens_per_s"], 3),
-    }  # fmt: skip
+        "dp2_vs_dp1_mixed": round(
+            result["routing"]["mixed"]["dp2_tokens_per_s"]
+            / result["routing"]["mixed"]["dp1_tokens_per_s"],
+            3,
+        ),
+    }
     result["targets"] = {
-        "trainer_egress_over_needed": max(f[m]["trainer_egress_over_needed"]
-                                          for f in fleets.values() for m in PUSH_MODES),
-        "ingress_over_needed_max": max(max(f[m]["ingress_over_needed"])
-                                       for f in fleets.values() for m in PUSH_MODES),
-        "ingress_over_needed_min": min(min(f[m]["ingress_over_needed"])
-                                       for f in fleets.values() for m in PUSH_MODES),
-        "hit_rate_dp2_minus_dp1": round(grpo["dp2_engine"]["prefix_cache_hit_rate"]
-                                        - grpo["dp1_engine"]["prefix_cache_hit_rate"], 4),
-    }  # fmt: skip
+        "trainer_egress_over_needed": max(
+            f[m]["trainer_egress_over_needed"] for f in fleets.values() for m in PUSH_MODES
+        ),
+        "ingress_over_needed_max": max(
+            max(f[m]["ingress_over_needed"]) for f in fleets.values() for m in PUSH_MODES
+        ),
+        "ingress_over_needed_min": min(
+            min(f[m]["ingress_over_needed"]) for f in fleets.values() for m in PUSH_MODES
+        ),
+        "hit_rate_dp2_minus_dp1": round(
+            grpo["dp2_engine"]["prefix_cache_hit_rate"]
+            - grpo["dp1_engine"]["prefix_cache_hit_rate"],
+            4,
+        ),
+    }
     result["notes"] = [
         "fleet_vs_naive: the naive fleet push over tandem's default push on one host (shm "
         "staged: every replica reads the trainers' one staging), 3 replicas of TP 1, as "
@@ -170,10 +190,14 @@ def predict_fleet_pushes(fleets: dict[str, Any], timeout: float) -> dict[str, An
             per_rank = push["bytes_by_receiver_per_rank"]
             if any(any(row[tp:]) for row in per_rank):  # trainers feed the first replica only
                 raise RuntimeError(f"{mode} push sent trainers' bytes past replica 0: {per_rank}")
-            rates = LocalRates.measured(cpu, gloo if mode == "dist" else None)  # fmt: skip
-            predicted = predict_push(mode, [row[:tp] for row in per_rank], rates,
-                                     replicas=replicas,
-                                     engine_threads=engine_threads(replicas * tp))  # fmt: skip
+            rates = LocalRates.measured(cpu, gloo if mode == "dist" else None)
+            predicted = predict_push(
+                mode,
+                [row[:tp] for row in per_rank],
+                rates,
+                replicas=replicas,
+                engine_threads=engine_threads(replicas * tp),
+            )
             push["predicted_seconds"] = round(predicted["seconds"], 6)
             push["predicted_over_measured"] = round(predicted["seconds"] / push["seconds"], 3)
             push["predicted_phases"] = {k: round(v, 6) for k, v in predicted["phases"].items()}
@@ -238,8 +262,7 @@ def routing(quick: bool) -> dict[str, Any]:
     runs = fresh_runs(rng, vocab, eos_ids, mixed=mixed, grpo=grpo)
     options = dict(dtype="float32", kv_cache_memory=256 << 20)
     out: dict[str, Any] = {"model": str(path), "samples_per_prompt": n, "new_tokens": new}
-    with (LLM(str(path), **options) as dp1,
-          LLM(str(path), data_parallel_size=2, **options) as dp2):  # fmt: skip
+    with LLM(str(path), **options) as dp1, LLM(str(path), data_parallel_size=2, **options) as dp2:
         llms = {"dp1": dp1, "dp2": dp2}
         for llm in llms.values():  # warm-up
             sample(llm, [p for p, _ in grpo[:2]], n, 8)
@@ -264,8 +287,7 @@ def routing(quick: bool) -> dict[str, Any]:
                         a - b for a, b in zip(_requests(llm), requests, strict=True)
                     ]
             out[name] = entry
-    out["threads"] = {"dp1": torch.get_num_threads(),
-                      "dp2": "each replica's worker: cores // 2"}  # fmt: skip
+    out["threads"] = {"dp1": torch.get_num_threads(), "dp2": "each replica's worker: cores // 2"}
     return out
 
 
@@ -287,9 +309,11 @@ def _requests(llm) -> list[int] | None:
 def summary(result: dict[str, Any]) -> str:
     lines = [f"{k}: {v:.2f}x" for k, v in result["ratios"].items()]
     for key, f in result["push"]["fleets"].items():
-        lines.append(f"{key}: shm {f['shm']['seconds']:.3f} s, dist {f['dist']['seconds']:.3f} s,"
-                     f" naive {f['naive']['seconds']:.3f} s ({f['naive']['send']}); egress "
-                     f"{f['dist']['trainer_egress_over_needed']}x, ingress "
-                     f"{f['dist']['ingress_over_needed']}")  # fmt: skip
+        lines.append(
+            f"{key}: shm {f['shm']['seconds']:.3f} s, dist {f['dist']['seconds']:.3f} s,"
+            f" naive {f['naive']['seconds']:.3f} s ({f['naive']['send']}); egress "
+            f"{f['dist']['trainer_egress_over_needed']}x, ingress "
+            f"{f['dist']['ingress_over_needed']}"
+        )
     lines.append(f"targets: {result['targets']}")
     return "\n".join(lines)

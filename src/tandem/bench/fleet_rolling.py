@@ -55,8 +55,7 @@ class _Clients:
         self._threads = []
         for c in range(CLIENTS):
             rng = random.Random(c)
-            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, ignore_eos=True,
-                                    seed=c)  # fmt: skip
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, ignore_eos=True, seed=c)
 
             def loop(rng=rng, params=params):
                 while not self._stop.is_set():
@@ -117,11 +116,18 @@ def run(quick: bool = False) -> dict[str, Any]:
     window = WINDOW_S[quick]
     trainer = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     vocab = trainer.config.vocab_size
-    result: dict[str, Any] = {"benchmark": "fleet-rolling", "quick": quick,
-                              "model": str(path), "replicas": REPLICAS, "clients": CLIENTS,
-                              "new_tokens": NEW_TOKENS, "window_s": window}  # fmt: skip
-    with LLM(str(path), data_parallel_size=REPLICAS, dtype="float32",
-             kv_cache_memory=128 << 20) as llm:  # fmt: skip
+    result: dict[str, Any] = {
+        "benchmark": "fleet-rolling",
+        "quick": quick,
+        "model": str(path),
+        "replicas": REPLICAS,
+        "clients": CLIENTS,
+        "new_tokens": NEW_TOKENS,
+        "window_s": window,
+    }
+    with LLM(
+        str(path), data_parallel_size=REPLICAS, dtype="float32", kv_cache_memory=128 << 20
+    ) as llm:
         sender = WeightSender(trainer, llm, transport="shm")
         sender.push(version=1)  # warm-up: the staging memory, the plan
         clients = _Clients(llm, vocab)
@@ -134,8 +140,11 @@ def run(quick: bool = False) -> dict[str, Any]:
         clients.stop()
         during_all = clients.tokens_per_s(a0, a1)
         during_rolling = clients.tokens_per_s(r0, r1)
-        result["tokens_per_s"] = {"steady": round(steady, 1), "all": round(during_all, 1),
-                                  "rolling": round(during_rolling, 1)}  # fmt: skip
+        result["tokens_per_s"] = {
+            "steady": round(steady, 1),
+            "all": round(during_all, 1),
+            "rolling": round(during_rolling, 1),
+        }
         result["pushes"] = {"all": len(all_rollouts), "rolling": len(rolling_rollouts)}
         result["rollout_seconds"] = {
             "all": round(statistics.mean(all_rollouts), 4),
@@ -189,15 +198,18 @@ def _fault(llm, sender, version: int, sampling) -> dict[str, Any]:
         "quarantined_s": round(quarantined[0] - t0, 3) if quarantined else None,
         "push_s": round(pushed, 3),
         "healed_s": round(healed, 3),
-        "rejoined_equal": len(by_replica) == REPLICAS
-        and len({tuple(v) for v in by_replica.values()}) == 1,  # fmt: skip
+        "rejoined_equal": (
+            len(by_replica) == REPLICAS and len({tuple(v) for v in by_replica.values()}) == 1
+        ),
     }
 
 
 def summary(result: dict[str, Any]) -> str:
     lines = [f"{k}: {v}x" for k, v in result["ratios"].items()]
-    lines.append(f"tokens/s: {result['tokens_per_s']}; rollout s: {result['rollout_seconds']}; "
-                 f"failed requests: {result['failed_requests']}")  # fmt: skip
+    lines.append(
+        f"tokens/s: {result['tokens_per_s']}; rollout s: {result['rollout_seconds']}; "
+        f"failed requests: {result['failed_requests']}"
+    )
     lines.append(f"fault: {result['fault']}")
     lines.append(f"targets: {result['targets']}")
     return "\n".join(lines)

@@ -147,6 +147,7 @@ class Setup:
     grpo: tuple[int, int, int, int, int]  # prompts, samples each, min/max prompt, new tokens
 
 
+# a table (ruff would give each field of a Setup its own line): one a row, in the same order
 SETUPS: dict[bool, Setup] = {
     False: Setup(".tandem/bench-llama-30m", FULL_MODEL, 8192, (64, 64), (64, 8, 256, 16, 128),
                  (12, 8, 64, 192, 64)),
@@ -194,15 +195,17 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
         sum(len(p) + k + 16 for p, k in mixed), n * sum(len(p) + new + 16 for p, _ in grpo)
     )
     engine_options = dict(
-        dtype="float32", kv_cache_memory=kv_per_token * 4 * kv_tokens,
-        tensor_parallel_size=tp, pipeline_parallel_size=pp,
-    )  # fmt: skip
+        dtype="float32",
+        kv_cache_memory=kv_per_token * 4 * kv_tokens,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    )
     python = vllm_python() if vllm else None
-    vllm_missing = (
-        "--no-vllm" if not vllm
-        else None if python
-        else f"no {VLLM_VENV}/bin/python here or in the checkout: run `make vllm`"
-    )  # fmt: skip
+    vllm_missing = None
+    if not vllm:
+        vllm_missing = "--no-vllm"
+    elif not python:
+        vllm_missing = f"no {VLLM_VENV}/bin/python here or in the checkout: run `make vllm`"
     if vllm_missing:
         print(f"tandem bench generate: vLLM skipped: {vllm_missing}", file=sys.stderr)
 

@@ -46,18 +46,23 @@ ENGINES: dict[str, dict[str, Any]] = {
     "fp8": {"dtype": "float32", "quantization": "fp8"},
     "fp8_bf16": {"dtype": "bfloat16", "quantization": "fp8"},
     "float32_unpacked": {"dtype": "float32", "packed_weights": False},
-    "fp8_dequantize_each_call": {"dtype": "float32", "quantization": "fp8",
-                                 "packed_weights": False},
-}  # fmt: skip
+    "fp8_dequantize_each_call": {
+        "dtype": "float32",
+        "quantization": "fp8",
+        "packed_weights": False,
+    },
+}
 NEEDS_BF16 = ("bfloat16", "fp8_bf16")
 # ratio name -> (side, baseline)
 RATIOS = {
     "fp8_vs_float32": ("fp8", "float32"),
     "fp8_bf16_vs_bfloat16": ("fp8_bf16", "bfloat16"),
     "bfloat16_vs_float32": ("bfloat16", "float32"),
-    "fp8_dequantize_each_call_vs_float32_unpacked": ("fp8_dequantize_each_call",
-                                                     "float32_unpacked"),
-}  # fmt: skip
+    "fp8_dequantize_each_call_vs_float32_unpacked": (
+        "fp8_dequantize_each_call",
+        "float32_unpacked",
+    ),
+}
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -83,19 +88,27 @@ def run(quick: bool = False) -> dict[str, Any]:
             "layers": config["num_hidden_layers"],
             "intermediate": config["intermediate_size"],
             "vocab": vocab,
-        },  # fmt: skip
+        },
         "threads": torch.get_num_threads(),
         "engines": engines,
         "bf16": {"skipped": missing} if missing else {},
     }
     with ExitStack() as stack:
-        llms = {name: stack.enter_context(LLM(str(path), enable_prefix_caching=True,
-                                              kv_cache_memory=kv_per_token * 4 * kv_tokens,
-                                              **options))
-                for name, options in engines.items()}  # fmt: skip
+        llms = {
+            name: stack.enter_context(
+                LLM(
+                    str(path),
+                    enable_prefix_caching=True,
+                    kv_cache_memory=kv_per_token * 4 * kv_tokens,
+                    **options,
+                )
+            )
+            for name, options in engines.items()
+        }
         greedy = {name: (lambda reqs, llm=llm: tandem(llm, reqs)) for name, llm in llms.items()}
-        samples = {name: (lambda ps, llm=llm: sample(llm, ps, n, new))
-                   for name, llm in llms.items()}  # fmt: skip
+        samples = {
+            name: (lambda ps, llm=llm: sample(llm, ps, n, new)) for name, llm in llms.items()
+        }
         warm = [p for p, _ in grpo[:2]]
         for llm in llms.values():  # warm-ups
             tandem(llm, batch1)
@@ -118,8 +131,7 @@ def summary(result: dict[str, Any]) -> str:
     lines = []
     for scenario in ("batch1", "grpo"):
         e = result[scenario]
-        figures = ", ".join(f"{name} {e[f'{name}_tokens_per_s']:.0f}"
-                            for name in result["engines"])  # fmt: skip
+        figures = ", ".join(f"{name} {e[f'{name}_tokens_per_s']:.0f}" for name in result["engines"])
         lines.append(f"{scenario} tokens/s: {figures}")
     lines += [f"{k}: {v:.3f}x" for k, v in result["ratios"].items()]
     if result["bf16"]:

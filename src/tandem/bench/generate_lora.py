@@ -85,8 +85,13 @@ SIDES = ("base", "base_on_lora_engine", "lora_single", "lora_mixed")
 def lora_config():
     from peft import LoraConfig
 
-    return LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(TARGETS), lora_dropout=0.0,
-                      init_lora_weights=False)  # fmt: skip
+    return LoraConfig(
+        r=RANK,
+        lora_alpha=ALPHA,
+        target_modules=list(TARGETS),
+        lora_dropout=0.0,
+        init_lora_weights=False,
+    )
 
 
 def randomize(peft_model, seed: int) -> None:
@@ -129,15 +134,17 @@ def generate(llm: LLM, reqs: list[Request], loras: list[LoRARequest | None] | No
     return sum(len(t) for t in generated(llm, reqs, loras))
 
 
-def generated(llm: LLM, reqs: list[Request], loras: list[LoRARequest | None] | None
-              ) -> list[list[int]]:  # fmt: skip
+def generated(
+    llm: LLM, reqs: list[Request], loras: list[LoRARequest | None] | None
+) -> list[list[int]]:
     """`generate`'s token ids, request by request."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
     outs = llm.generate([p for p, _ in reqs], params, lora_request=loras)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if [len(t) for t in tokens] != [n for _, n in reqs]:
-        raise RuntimeError(f"tandem produced {[len(t) for t in tokens]} tokens, "
-                           f"asked {[n for _, n in reqs]}")  # fmt: skip
+        raise RuntimeError(
+            f"tandem produced {[len(t) for t in tokens]} tokens, asked {[n for _, n in reqs]}"
+        )
     return tokens
 
 
@@ -166,8 +173,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     runs = fresh_runs(rng, vocab, eos_ids, mixed=mixed)["mixed"]
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim  # elements
     kv_tokens = sum(len(p) + k + 16 for p, k in mixed)  # every sequence resident
-    options = dict(dtype="float32", enable_prefix_caching=False,
-                   kv_cache_memory=kv_per_token * 4 * kv_tokens)  # fmt: skip
+    options = dict(
+        dtype="float32", enable_prefix_caching=False, kv_cache_memory=kv_per_token * 4 * kv_tokens
+    )
     lora_options = dict(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK)
     result: dict[str, Any] = {
         "benchmark": "generate_lora",
@@ -196,11 +204,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         with LLM(str(path), **options) as base, LLM(str(path), **options, **lora_options) as llm:
             single = [requests[0]] * len(mixed)
             mixing = [requests[i % ADAPTERS] for i in range(len(mixed))]
-            loras = {"base": None, "base_on_lora_engine": None, "lora_single": single,
-                     "lora_mixed": mixing}  # fmt: skip
+            loras = {
+                "base": None,
+                "base_on_lora_engine": None,
+                "lora_single": single,
+                "lora_mixed": mixing,
+            }
             engine = {side: base if side == "base" else llm for side in SIDES}
-            sides = {side: (lambda reqs, side=side: generate(engine[side], reqs, loras[side]))
-                     for side in SIDES}  # fmt: skip
+            sides = {
+                side: (lambda reqs, side=side: generate(engine[side], reqs, loras[side]))
+                for side in SIDES
+            }
             warm = [(p, min(k, 8)) for p, k in mixed[:WARMUP_REQUESTS]]
             phases.lap("engines")
             warm_tokens = {}  # warm-ups; the LoRA sides' load the adapters
@@ -213,10 +227,11 @@ def run(quick: bool = False) -> dict[str, Any]:
             # the adapters change the output: warm-up requests whose greedy tokens differ
             # from the base model's (the base model's on both engines: equal)
             entry["warm_up_requests_differing_from_base"] = {
-                side: sum(a != b for a, b in zip(warm_tokens[side], warm_tokens["base"],
-                                                 strict=True))
+                side: sum(
+                    a != b for a, b in zip(warm_tokens[side], warm_tokens["base"], strict=True)
+                )
                 for side in SIDES[1:]
-            }  # fmt: skip
+            }
             entry["warm_up_requests"] = len(warm)
             result["mixed"] = time_sides(entry, sides, runs)
             phases.lap("mixed")
@@ -241,8 +256,7 @@ def adapter_params(path: str) -> int:
     from safetensors import safe_open
 
     with safe_open(str(Path(path) / "adapter_model.safetensors"), framework="pt") as f:
-        return sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1]
-                   for k in f.keys())  # fmt: skip
+        return sum(f.get_slice(k).get_shape()[0] * f.get_slice(k).get_shape()[1] for k in f.keys())
 
 
 def pushes(path: Path, llm: LLM, repeats: int) -> dict[str, Any]:
@@ -252,14 +266,17 @@ def pushes(path: Path, llm: LLM, repeats: int) -> dict[str, Any]:
     trainer = peft_model(path)
     full_model = load(path)
     lora = LoRARequest(PUSH_NAME, 100)
-    out: dict[str, Any] = {"repeats": repeats, "transport": "shm", "mode": "staged",
-                           "verify": True}  # fmt: skip
+    out: dict[str, Any] = {"repeats": repeats, "transport": "shm", "mode": "staged", "verify": True}
     version = 0
     for kind, model, sender, request in (
-        ("adapter", trainer, WeightSender(trainer, llm, lora_name=PUSH_NAME, transport="shm"),
-         lora),
+        (
+            "adapter",
+            trainer,
+            WeightSender(trainer, llm, lora_name=PUSH_NAME, transport="shm"),
+            lora,
+        ),
         ("full", full_model, WeightSender(full_model, llm, transport="shm"), None),
-    ):  # fmt: skip
+    ):
         pushed = [p for n, p in model.named_parameters() if kind == "full" or "lora_" in n]
         stats, errors, after, again = [], [], [], []
         try:
@@ -320,8 +337,9 @@ def check(llm: LLM, model, lora: LoRARequest | None) -> tuple[float, float, floa
     expected = logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
     error = float((torch.tensor(out.logprobs) - expected).abs().max())
     if error > TOLERANCE:
-        raise RuntimeError(f"after a push the engine's log-probs differ from the pushing "
-                           f"model's by {error:.3g}")  # fmt: skip
+        raise RuntimeError(
+            f"after a push the engine's log-probs differ from the pushing model's by {error:.3g}"
+        )
     return error, seconds[0], seconds[1]
 
 
@@ -330,7 +348,8 @@ def summary(result: dict[str, Any]) -> str:
     lines = ["mixed tokens/s: " + ", ".join(f"{s} {e[f'{s}_tokens_per_s']:.0f}" for s in SIDES)]
     p = result["pushes"]
     for kind in ("adapter", "full"):
-        lines.append(f"{kind} push: {p[kind]['bytes_needed']:,} bytes, "
-                     f"{p[kind]['seconds'] * 1e3:.1f} ms")  # fmt: skip
+        lines.append(
+            f"{kind} push: {p[kind]['bytes_needed']:,} bytes, {p[kind]['seconds'] * 1e3:.1f} ms"
+        )
     lines += [f"{k}: {v:.3f}x" for k, v in result["ratios"].items()]
     return "\n".join(lines)

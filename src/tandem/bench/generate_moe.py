@@ -32,17 +32,29 @@ from tandem.bench.generate_workloads import fresh_runs, greedy_workloads, read_b
 from tandem.models.tiny import make_tiny_model
 
 FULL: dict[str, Any] = {
-    "hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8,
-    "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 1280,
-    "moe_intermediate_size": 256, "num_experts": 16, "num_experts_per_tok": 2,
+    "hidden_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 1280,
+    "moe_intermediate_size": 256,
+    "num_experts": 16,
+    "num_experts_per_tok": 2,
     "max_position_embeddings": 1024,
-}  # fmt: skip
+}
 QUICK: dict[str, Any] = {
-    "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 320,
-    "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 320,
+    "moe_intermediate_size": 64,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
     "max_position_embeddings": 512,
-}  # fmt: skip
+}
 # (model dir, overrides, vocab, batch1 (prompt, new), mixed (requests, prompt lo/hi, out lo/hi))
 SETUPS = {
     False: (".tandem/bench-qwen3-moe", FULL, 8192, (64, 64), (48, 8, 192, 16, 96)),
@@ -84,8 +96,12 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         "transformers_experts_implementation": hf.config._experts_implementation,
         "transformers_experts_seconds": experts_seconds,
     }
-    options = dict(dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                   kv_cache_memory=256 << 20)  # fmt: skip
+    options = dict(
+        dtype="float32",
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        kv_cache_memory=256 << 20,
+    )
     with LLM(str(path), **options) as llm:
         tandem(llm, batch1)  # warm-ups
         static(batch1)

@@ -74,9 +74,13 @@ class StaticBatches:
                 mask[row, width - len(p) :] = 1
             new = max(n for _, n in chunk)
             out = self.model.generate(
-                ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
-                eos_token_id=None, pad_token_id=self.pad,
-            )  # fmt: skip
+                ids,
+                attention_mask=mask,
+                do_sample=False,
+                max_new_tokens=new,
+                eos_token_id=None,
+                pad_token_id=self.pad,
+            )
             if out.shape[1] != width + new:  # EOS must not stop a batch early
                 raise RuntimeError(f"transformers generated {out.shape[1] - width}, asked {new}")
             useful += sum(n for _, n in chunk)  # the rest of each row is waste
@@ -118,10 +122,14 @@ class ContinuousBatching:
             seed=CB_SEED,
         )
         self.generation = GenerationConfig(
-            do_sample=n is not None, temperature=1.0, top_k=0, top_p=1.0,
-            num_return_sequences=self.n, max_new_tokens=max(k for _, k in seqs),
+            do_sample=n is not None,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=self.n,
+            max_new_tokens=max(k for _, k in seqs),
             eos_token_id=-1,  # no EOS: -1 is never sampled
-        )  # fmt: skip
+        )
 
     def tune(self, warm: Callable[[], int], run: Callable[[], int]) -> dict[int, float]:
         """Times ``run`` once for each of CB_REQUESTS_PER_BATCH as ``max_requests_per_batch``
@@ -172,9 +180,11 @@ class ContinuousBatching:
     def generate_batch(self, prompts: list[list[int]], new: int) -> int:
         """The same sampling through one plain ``model.generate_batch`` call."""
         out = self.model.generate_batch(
-            prompts, generation_config=self.generation, continuous_batching_config=self.config,
+            prompts,
+            generation_config=self.generation,
+            continuous_batching_config=self.config,
             max_new_tokens=new,
-        )  # fmt: skip
+        )
         return _check(list(out.values()), [new] * len(prompts) * self.n)
 
     def __enter__(self) -> ContinuousBatching:

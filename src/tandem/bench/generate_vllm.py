@@ -88,9 +88,14 @@ class VllmPeer:
         self.log = log
         with log.open("w") as err:
             self.process = subprocess.Popen(
-                [str(python), str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=err, text=True, env=env, start_new_session=True,
-            )  # fmt: skip
+                [str(python), str(DRIVER)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
         try:
             self.ready: Ready = self._ask(encode(start), Ready)
         except BaseException:
@@ -169,9 +174,13 @@ class VllmPeer:
 
 
 def start_peer(
-    python: Path, path: Path, dtype: str, workloads: Workloads, kv_bytes_per_token: int,
+    python: Path,
+    path: Path,
+    dtype: str,
+    workloads: Workloads,
+    kv_bytes_per_token: int,
     threads: int,
-) -> VllmPeer:  # fmt: skip
+) -> VllmPeer:
     """vLLM on the bench model in ``dtype``, room for every workload's sequences at once."""
     scenarios = [
         [
@@ -182,8 +191,10 @@ def start_peer(
         for name in ("batch1", "mixed", "grpo")
     ]
     start = Start(
-        model=str(path.resolve()), dtype=dtype, seed=GRPO_SEED,
+        model=str(path.resolve()),
+        dtype=dtype,
+        seed=GRPO_SEED,
         max_model_len=max(p + k for seqs in scenarios for p, k in seqs),
         kv_cache_memory_bytes=max(kv_cache_bytes(kv_bytes_per_token, seqs) for seqs in scenarios),
-    )  # fmt: skip
+    )
     return VllmPeer(python, start, threads, Path(f".tandem/bench-vllm-{dtype}.log"))

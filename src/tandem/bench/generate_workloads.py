@@ -22,9 +22,12 @@ def read_bench_model(path: Path) -> tuple[dict[str, Any], set[int]]:
 
 
 def greedy_workloads(
-    rng: random.Random, vocab: int, eos_ids: set[int], batch1: tuple[int, int],
+    rng: random.Random,
+    vocab: int,
+    eos_ids: set[int],
+    batch1: tuple[int, int],
     mixed: tuple[int, int, int, int, int],
-) -> tuple[list[Request], list[Request]]:  # fmt: skip
+) -> tuple[list[Request], list[Request]]:
     """``batch1`` (prompt, new tokens) as one request; ``mixed`` (requests, prompt lengths
     lo..hi, outputs lo..hi) as that many random ones."""
     one = [(prompt_ids(rng, batch1[0], vocab, eos_ids), batch1[1])]
@@ -36,13 +39,15 @@ def greedy_workloads(
     return one, many
 
 
-def grpo_workload(rng: random.Random, vocab: int, eos_ids: set[int],
-                  grpo: tuple[int, int, int, int, int]) -> list[Request]:  # fmt: skip
+def grpo_workload(
+    rng: random.Random, vocab: int, eos_ids: set[int], grpo: tuple[int, int, int, int, int]
+) -> list[Request]:
     """``grpo`` (prompts, samples each, min/max prompt, new tokens) as that many random
     prompts, each with its useful tokens: n samples of ``new``."""
     n_prompts, n, lo, hi, new = grpo
-    return [(prompt_ids(rng, rng.randint(lo, hi), vocab, eos_ids), n * new)
-            for _ in range(n_prompts)]  # fmt: skip
+    return [
+        (prompt_ids(rng, rng.randint(lo, hi), vocab, eos_ids), n * new) for _ in range(n_prompts)
+    ]
 
 
 def fresh_runs(

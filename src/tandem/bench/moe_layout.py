@@ -67,8 +67,11 @@ class MoEShape:
 
     def expert(self, layer: int, x: int) -> dict[str, tuple[int, int]]:
         p, h, i = f"model.layers.{layer}.mlp.experts.{x}", self.hidden, self.expert_intermediate
-        return {f"{p}.gate_proj.weight": (i, h), f"{p}.up_proj.weight": (i, h),
-                f"{p}.down_proj.weight": (h, i)}  # fmt: skip
+        return {
+            f"{p}.gate_proj.weight": (i, h),
+            f"{p}.up_proj.weight": (i, h),
+            f"{p}.down_proj.weight": (h, i),
+        }
 
     def params(self) -> int:
         per_layer = sum(math.prod(s) for s in self.dense(0).values())
@@ -88,9 +91,19 @@ class MoEShape:
 
 FULL_MOE = MoEShape()
 QUICK_MOE = MoEShape(
-    layers=4, experts=16, hidden=512, expert_intermediate=256, heads=8, kv_heads=4, head_dim=64,
-    vocab=4096, pp=2, ep=4, expert_tp=2, attn_tp=4,
-)  # fmt: skip
+    layers=4,
+    experts=16,
+    hidden=512,
+    expert_intermediate=256,
+    heads=8,
+    kv_heads=4,
+    head_dim=64,
+    vocab=4096,
+    pp=2,
+    ep=4,
+    expert_tp=2,
+    attn_tp=4,
+)
 
 
 def moe_layouts(m: MoEShape) -> tuple[list[RankLayout], list[RankLayout]]:
@@ -120,8 +133,11 @@ def moe_layouts(m: MoEShape) -> tuple[list[RankLayout], list[RankLayout]]:
                 lay.add(f"decoder.layers.{layer}.mlp.experts.w13", (2 * i * per_ep, h), w13)
                 lay.add(f"decoder.layers.{layer}.mlp.experts.w2", (h, i * per_ep), w2)
             if stage == 0:
-                lay.add("model.embed_tokens.weight", (m.vocab, h),
-                        [whole("model.embed_tokens.weight", (m.vocab, h))])  # fmt: skip
+                lay.add(
+                    "model.embed_tokens.weight",
+                    (m.vocab, h),
+                    [whole("model.embed_tokens.weight", (m.vocab, h))],
+                )
             if stage == m.pp - 1:
                 lay.add("model.norm.weight", (h,), [whole("model.norm.weight", (h,))])
                 lay.add("lm_head.weight", (m.vocab, h), [whole("lm_head.weight", (m.vocab, h))])
@@ -136,24 +152,38 @@ def moe_layouts(m: MoEShape) -> tuple[list[RankLayout], list[RankLayout]]:
         for layer in range(m.layers):
             p = f"model.layers.{layer}"
             q, k, v, o, n1, n2, router = m.dense(layer).items()
-            lay.add(f"{p}.self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, h), [
-                rows(q[0], q[1], t * q_rows, (t + 1) * q_rows, 0),
-                rows(k[0], k[1], t * kv_rows, (t + 1) * kv_rows, q_rows),
-                rows(v[0], v[1], t * kv_rows, (t + 1) * kv_rows, q_rows + kv_rows),
-            ])  # fmt: skip
+            lay.add(
+                f"{p}.self_attn.qkv_proj.weight",
+                (q_rows + 2 * kv_rows, h),
+                [
+                    rows(q[0], q[1], t * q_rows, (t + 1) * q_rows, 0),
+                    rows(k[0], k[1], t * kv_rows, (t + 1) * kv_rows, q_rows),
+                    rows(v[0], v[1], t * kv_rows, (t + 1) * kv_rows, q_rows + kv_rows),
+                ],
+            )
             lay.add(o[0], (h, q_rows), [cols(o[0], o[1], t * q_rows, (t + 1) * q_rows)])
             for name, shape in (n1, n2, router):
                 lay.add(name, shape, [whole(name, shape)])
             gate, up, down = m.expert(layer, x)
-            lay.add(f"{p}.mlp.experts.gate_up_proj.weight", (2 * half, h), [
-                rows(gate, (i, h), part * half, (part + 1) * half, 0),
-                rows(up, (i, h), part * half, (part + 1) * half, half),
-            ])  # fmt: skip
-            lay.add(f"{p}.mlp.experts.down_proj.weight", (h, half),
-                    [cols(down, (h, i), part * half, (part + 1) * half)])  # fmt: skip
+            lay.add(
+                f"{p}.mlp.experts.gate_up_proj.weight",
+                (2 * half, h),
+                [
+                    rows(gate, (i, h), part * half, (part + 1) * half, 0),
+                    rows(up, (i, h), part * half, (part + 1) * half, half),
+                ],
+            )
+            lay.add(
+                f"{p}.mlp.experts.down_proj.weight",
+                (h, half),
+                [cols(down, (h, i), part * half, (part + 1) * half)],
+            )
         for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            lay.add(name, (vocab_rows, h),
-                    [rows(name, (m.vocab, h), t * vocab_rows, (t + 1) * vocab_rows)])  # fmt: skip
+            lay.add(
+                name,
+                (vocab_rows, h),
+                [rows(name, (m.vocab, h), t * vocab_rows, (t + 1) * vocab_rows)],
+            )
         lay.add("model.norm.weight", (h,), [whole("model.norm.weight", (h,))])
         receivers.append(lay)
     return senders, receivers

@@ -314,8 +314,10 @@ SCENARIOS = (
         name="generate",
         command="generate",
         flags={"--model-family": "llama"},
-        description="generation throughput of a dense Llama (batch 1, mixed, GRPO rollouts): "
-        "tandem against transformers and vLLM's CPU build",
+        description=(
+            "generation throughput of a dense Llama (batch 1, mixed, GRPO rollouts): "
+            "tandem against transformers and vLLM's CPU build"
+        ),
         run=Ref("tandem.bench.generate:run"),
         options=(TP, PP, NO_VLLM),
     ),
@@ -331,8 +333,10 @@ SCENARIOS = (
         name="generate-dtypes",
         command="generate",
         flags={"--engine-dtypes": True},
-        description="engines of each weight format (float32, bfloat16, block-FP8) on the "
-        "workloads of `tandem bench generate`",
+        description=(
+            "engines of each weight format (float32, bfloat16, block-FP8) on the "
+            "workloads of `tandem bench generate`"
+        ),
         run=Ref("tandem.bench.generate_dtypes:run"),
         summary=Ref("tandem.bench.generate_dtypes:summary"),
     ),
@@ -340,8 +344,10 @@ SCENARIOS = (
         name="generate-lora",
         command="generate",
         flags={"--lora": True},
-        description="a batch mixing 4 LoRA adapters, one adapter, and the base model; an "
-        "adapter push against a full push",
+        description=(
+            "a batch mixing 4 LoRA adapters, one adapter, and the base model; an "
+            "adapter push against a full push"
+        ),
         run=Ref("tandem.bench.generate_lora:run"),
         summary=Ref("tandem.bench.generate_lora:summary"),
     ),
@@ -358,8 +364,10 @@ SCENARIOS = (
         name="sync",
         command="sync",
         flags={"--into": "tandem"},
-        description="2 FSDP2 trainer processes pushing into LLM(tp=2) over shm, gloo and "
-        "Mooncake, staged and in place, against memcpy, raw gloo and raw Mooncake",
+        description=(
+            "2 FSDP2 trainer processes pushing into LLM(tp=2) over shm, gloo and "
+            "Mooncake, staged and in place, against memcpy, raw gloo and raw Mooncake"
+        ),
         run=Ref("tandem.bench.sync:run"),
         summary=Ref("tandem.bench.sync:summary"),
     ),
@@ -367,16 +375,20 @@ SCENARIOS = (
         name="sync-vllm",
         command="sync",
         flags={"--into": "vllm"},
-        description="the same trainers into vLLM's CPU build, tandem's push against vLLM's own "
-        "reload_weights (needs `make vllm`)",
+        description=(
+            "the same trainers into vLLM's CPU build, tandem's push against vLLM's own "
+            "reload_weights (needs `make vllm`)"
+        ),
         run=Ref("tandem.bench.sync_vllm:run"),
     ),
     Scenario(
         name="sync-serve",
         command="sync",
         flags={"--into": "serve"},
-        description="into a `tandem serve` through vLLM's RL weight-transfer protocol, against "
-        "tandem's WeightSender",
+        description=(
+            "into a `tandem serve` through vLLM's RL weight-transfer protocol, against "
+            "tandem's WeightSender"
+        ),
         run=Ref("tandem.bench.sync_serve:run"),
         summary=Ref("tandem.bench.sync_serve:summary"),
     ),
@@ -384,8 +396,10 @@ SCENARIOS = (
         name="sync-dtypes",
         command="sync",
         flags={"--engine-dtypes": True},
-        description="the same float32 trainer into float32, bfloat16 and block-FP8 engines "
-        "(bytes and seconds)",
+        description=(
+            "the same float32 trainer into float32, bfloat16 and block-FP8 engines "
+            "(bytes and seconds)"
+        ),
         run=Ref("tandem.bench.sync_dtypes:run"),
         summary=Ref("tandem.bench.sync_dtypes:summary"),
     ),
@@ -393,8 +407,10 @@ SCENARIOS = (
         name="encode",
         command="encode",
         flags={},
-        description="a BERT classifier on mixed-length inputs: tandem's unpadded batches "
-        "against transformers' padded ones",
+        description=(
+            "a BERT classifier on mixed-length inputs: tandem's unpadded batches "
+            "against transformers' padded ones"
+        ),
         run=Ref("tandem.bench.encode:run"),
         options=(TP,),
     ),
@@ -402,8 +418,10 @@ SCENARIOS = (
         name="fleet",
         command="fleet",
         flags={},
-        description="pushes into 1-3 replicas against the naive fleet push; routing over "
-        "replicas against one engine",
+        description=(
+            "pushes into 1-3 replicas against the naive fleet push; routing over "
+            "replicas against one engine"
+        ),
         run=Ref("tandem.bench.fleet:run"),
         summary=Ref("tandem.bench.fleet:summary"),
     ),
@@ -411,8 +429,10 @@ SCENARIOS = (
         name="fleet-rolling",
         command="fleet",
         flags={"--rolling": True},
-        description="3 replicas under load while pushes run, stop-the-world against rolling, "
-        "and a replica killed mid-push",
+        description=(
+            "3 replicas under load while pushes run, stop-the-world against rolling, "
+            "and a replica killed mid-push"
+        ),
         run=Ref("tandem.bench.fleet_rolling:run"),
         summary=Ref("tandem.bench.fleet_rolling:summary"),
     ),

@@ -54,6 +54,7 @@ class Setup:
     max_num_seqs: int
 
 
+# a table (ruff would lay each Setup out differently): one a row, its fields in the same order
 SETUPS = {
     False: Setup(".tandem/bench-llama-30m", FULL_MODEL, 8192, 64, (8, 256), (16, 128),
                  (1.0, 2.0, 4.0), 3, 16),
@@ -69,10 +70,16 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     config = json.loads((path / "config.json").read_text())
     requests, allowed = _workload(setup, path, config["vocab_size"])
     kv_bytes = _kv_bytes(config, setup)
-    flags = ["--served-model-name", SERVED_NAME, "--max-num-seqs", str(setup.max_num_seqs),
-             "--kv-cache-memory", str(kv_bytes), "--max-waiting-requests",
-             str(2 * setup.requests), "--tp", str(tp), "--pp", str(pp),
-             "--log-level", "warning"]  # fmt: skip
+    options = {
+        "--served-model-name": SERVED_NAME,
+        "--max-num-seqs": setup.max_num_seqs,
+        "--kv-cache-memory": kv_bytes,
+        "--max-waiting-requests": 2 * setup.requests,
+        "--tp": tp,
+        "--pp": pp,
+        "--log-level": "warning",
+    }
+    flags = [str(arg) for option in options.items() for arg in option]
     result: dict[str, Any] = {
         "benchmark": "serve",
         "quick": quick,
@@ -129,8 +136,10 @@ class _Fresh:
     def next(self) -> list[LoadRequest]:
         self.runs += 1
         rng = random.Random(f"{WORKLOAD_SEED}-run-{self.runs}")
-        return [LoadRequest(rng.choices(self.allowed, k=len(r.prompt)), r.max_tokens)
-                for r in self.requests]  # fmt: skip
+        return [
+            LoadRequest(rng.choices(self.allowed, k=len(r.prompt)), r.max_tokens)
+            for r in self.requests
+        ]
 
 
 def _step(
@@ -143,8 +152,11 @@ def _step(
         requests = fresh.next()
         for mode, server in servers.items():
             figures[mode].append(_load(server, requests, rate))
-            print(f"bench serve: {_label(rate)} {mode}: {figures[mode][-1]['tokens_per_s']} tok/s",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"bench serve: {_label(rate)} {mode}: {figures[mode][-1]['tokens_per_s']} tok/s",
+                file=sys.stderr,
+                flush=True,
+            )
     for mode, found in figures.items():
         entry[mode] = max(found, key=lambda m: m["tokens_per_s"])
         entry[mode]["tokens_per_s_runs"] = [m["tokens_per_s"] for m in found]
@@ -184,10 +196,15 @@ def _model_card(path: Path, config: dict[str, Any]) -> dict[str, Any]:
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             params += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return {"params": params, "hidden": config["hidden_size"],
-            "layers": config["num_hidden_layers"], "heads": config["num_attention_heads"],
-            "kv_heads": config["num_key_value_heads"], "vocab": config["vocab_size"],
-            "dtype": "float32"}  # fmt: skip
+    return {
+        "params": params,
+        "hidden": config["hidden_size"],
+        "layers": config["num_hidden_layers"],
+        "heads": config["num_attention_heads"],
+        "kv_heads": config["num_key_value_heads"],
+        "vocab": config["vocab_size"],
+        "dtype": "float32",
+    }
 
 
 def _label(rate: float | None) -> str:
@@ -196,8 +213,10 @@ def _label(rate: float | None) -> str:
 
 def summary(result: dict[str, Any]) -> str:
     """One line per rate and mode, then the ratio."""
-    lines = [f"{'arrivals':>10} {'mode':>10} {'tok/s':>8} {'req/s':>6} {'ttft p50/p99 s':>15} "
-             f"{'latency p50/p99 s':>18} {'ok/failed':>9}"]  # fmt: skip
+    lines = [
+        f"{'arrivals':>10} {'mode':>10} {'tok/s':>8} {'req/s':>6} {'ttft p50/p99 s':>15} "
+        f"{'latency p50/p99 s':>18} {'ok/failed':>9}"
+    ]
     for entry in result["sweep"]:
         for mode in MODES:
             m = entry[mode]

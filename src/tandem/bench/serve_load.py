@@ -77,8 +77,14 @@ async def _send_at(
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
     sent = time.perf_counter()
     result = RequestResult(send_lag_s=sent - at)
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     finish = None
     try:
         async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -103,8 +109,9 @@ async def _send_at(
         return result
     result.latency_s = time.perf_counter() - sent
     if result.tokens != req.max_tokens or finish != "length":
-        result.error = (f"streamed {result.tokens} tokens (finish_reason {finish!r}), "
-                        f"asked {req.max_tokens}")  # fmt: skip
+        result.error = (
+            f"streamed {result.tokens} tokens (finish_reason {finish!r}), asked {req.max_tokens}"
+        )
     return result
 
 

@@ -142,8 +142,9 @@ def run(quick: bool = False) -> dict[str, Any]:
     }
     # float32 named: dtype="auto" would pick bfloat16 on CPUs with bf16 units, and the checks
     # compare with the float32 trainer at float32 tolerance
-    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY,
-             dtype="float32") as llm:  # fmt: skip
+    with LLM(
+        str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY, dtype="float32"
+    ) as llm:
         lap("engine_start")
         ranks, result["checks"] = run_pushes(
             llm.exchange_address, path, REPEATS, timeout, lambda ref, v: check(llm, ref, v)
@@ -221,10 +222,14 @@ def run(quick: bool = False) -> dict[str, Any]:
 PLANNER_TIMEOUT_S = 450.0
 
 # bench key -> (the link model's push kind, the raw baseline its streams are calibrated on)
-PREDICTED = {"shm": ("shm", None), "shm_in_place": ("shm_in_place", None),
-             "gloo": ("dist", "raw_gloo"), "gloo_in_place": ("dist_in_place", "raw_gloo"),
-             "mooncake": ("mooncake", "raw_mooncake"),
-             "mooncake_in_place": ("mooncake_in_place", "raw_mooncake")}  # fmt: skip
+PREDICTED = {
+    "shm": ("shm", None),
+    "shm_in_place": ("shm_in_place", None),
+    "gloo": ("dist", "raw_gloo"),
+    "gloo_in_place": ("dist_in_place", "raw_gloo"),
+    "mooncake": ("mooncake", "raw_mooncake"),
+    "mooncake_in_place": ("mooncake_in_place", "raw_mooncake"),
+}
 
 
 def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
@@ -234,19 +239,26 @@ def predict_pushes(result: dict[str, Any], needed: int) -> dict[str, Any]:
     from tandem.scale.local import LocalRates, predict_push, stream_rate
 
     cpu = base.cpu_rates(needed // 2)  # what one trainer rank or one engine rank handles
-    streams = {raw: stream_rate(result[raw]["streams"], result[raw]["seconds"])
-               for raw in ("raw_gloo", "raw_mooncake")}  # fmt: skip
+    streams = {
+        raw: stream_rate(result[raw]["streams"], result[raw]["seconds"])
+        for raw in ("raw_gloo", "raw_mooncake")
+    }
     for key, (kind, raw) in PREDICTED.items():
         push = result[key]
-        rates = LocalRates.measured(cpu, streams.get(raw))  # fmt: skip
+        rates = LocalRates.measured(cpu, streams.get(raw))
         per_stream = push["bytes_by_receiver_per_rank"]
         for verify, field in ((True, ""), (False, "unverified_")):
             if f"{field}seconds" not in push:
                 continue
             threads = max(1, cpu["cores"] // 2)  # each of the engine's TP=2 workers
-            predicted = predict_push(kind, per_stream, rates, verify=verify,
-                                     engine_threads=threads,
-                                     staged=push["bytes_staged_per_rank"])  # fmt: skip
+            predicted = predict_push(
+                kind,
+                per_stream,
+                rates,
+                verify=verify,
+                engine_threads=threads,
+                staged=push["bytes_staged_per_rank"],
+            )
             push[f"{field}predicted_seconds"] = round(predicted["seconds"], 6)
             push[f"{field}predicted_over_measured"] = round(
                 predicted["seconds"] / push[f"{field}seconds"], 3
@@ -289,8 +301,10 @@ def push_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     per_push = [max(r["seconds"][i] for r in ranks) for i in range(REPEATS)]  # slowest rank
     best = min(per_push)
     first = ranks[0]
-    if any((r["bytes_needed"], r["bytes_moved"]) != (first["bytes_needed"], first["bytes_moved"])
-           for r in ranks):  # fmt: skip
+    if any(
+        (r["bytes_needed"], r["bytes_moved"]) != (first["bytes_needed"], first["bytes_moved"])
+        for r in ranks
+    ):
         raise RuntimeError(f"trainer ranks disagree on the bytes: {ranks}")
     return {
         "seconds": round(best, 6),
@@ -314,6 +328,7 @@ def summary(result: dict[str, Any]) -> str:
     lines.append(f"shm push: {shm['seconds']:.3f} s, {shm['gib_per_s']:.2f} GiB/s")
     lines.append(f"bytes_moved_over_needed: {result['bytes_moved_over_needed']:.3f}")
     seconds = "did not finish" if planner["seconds"] is None else f"{planner['seconds']:.1f} s"
-    lines.append(f"planner ({planner['trainer_ranks']} -> {planner['engine_ranks']} ranks): "
-                 f"{seconds}")  # fmt: skip
+    lines.append(
+        f"planner ({planner['trainer_ranks']} -> {planner['engine_ranks']} ranks): {seconds}"
+    )
     return "\n".join(lines)

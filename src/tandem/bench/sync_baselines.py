@@ -43,8 +43,13 @@ def memcpy(nbytes: int) -> dict[str, Any]:
     if int(dst[-1]) != 7:
         raise RuntimeError("memcpy baseline did not copy")
     best = min(seconds)
-    return {"seconds": round(best, 6), "gib_per_s": gib_per_s(nbytes, best), "bytes": nbytes,
-            "threads": torch.get_num_threads(), "timing": f"best of {REPEATS}"}  # fmt: skip
+    return {
+        "seconds": round(best, 6),
+        "gib_per_s": gib_per_s(nbytes, best),
+        "bytes": nbytes,
+        "threads": torch.get_num_threads(),
+        "timing": f"best of {REPEATS}",
+    }
 
 
 def cpu_rates(nbytes: int) -> dict[str, Any]:
@@ -61,8 +66,11 @@ def cpu_rates(nbytes: int) -> dict[str, Any]:
         src.fill_(7)
         dst.fill_(0)  # every page touched before timing
         pairs.append((src, dst))
-    ops = {"copy": lambda src, dst: dst.copy_(src), "crc": lambda src, dst: crc32(src),
-           "checked_copy": lambda src, dst: checked_copy(src, dst, True)}  # fmt: skip
+    ops = {
+        "copy": lambda src, dst: dst.copy_(src),
+        "crc": lambda src, dst: crc32(src),
+        "checked_copy": lambda src, dst: checked_copy(src, dst, True),
+    }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out: dict[str, Any] = {"bytes": nbytes, "cores": cores, "timing": f"best of {REPEATS}"}
@@ -95,15 +103,17 @@ RAW_GLOO_NOTE = (
 )
 
 
-def raw_gloo(streams: list[list[int]], timeout: float,
-             message_bytes: int = RAW_GLOO_MESSAGE_BYTES) -> dict[str, Any]:  # fmt: skip
+def raw_gloo(
+    streams: list[list[int]], timeout: float, message_bytes: int = RAW_GLOO_MESSAGE_BYTES
+) -> dict[str, Any]:
     """Point-to-point gloo shaped like the dist push: ``streams[s][d]`` bytes from sender s to
     receiver d, senders and receivers in their own processes (see `sync_worker.raw_gloo`). A
     run is the slowest receiver's time; the best run counts."""
     port, spec = str(free_port()), json.dumps(streams)
     world = len(streams) + len(streams[0])
-    argv = [["raw-gloo", str(r), port, spec, str(REPEATS), str(message_bytes)]
-            for r in range(world)]  # fmt: skip
+    argv = [
+        ["raw-gloo", str(r), port, spec, str(REPEATS), str(message_bytes)] for r in range(world)
+    ]
     messages = f"{message_bytes >> 20} MiB messages" if message_bytes else "one message a stream"
     timing = f"receiver's last message; streams in the push's rounds, {messages}"
     return _raw_runs("raw gloo", streams, workers(argv, timeout), timing)
@@ -116,13 +126,17 @@ def raw_mooncake(streams: list[list[int]], timeout: float) -> dict[str, Any]:
     port, spec = str(free_port()), json.dumps(streams)
     world = len(streams) + len(streams[0])
     argv = [["raw-mooncake", str(r), port, spec, str(REPEATS)] for r in range(world)]
-    return _raw_runs("raw mooncake", streams, workers(argv, timeout),
-                     "receiver's last read; one batched read per (sender, receiver), TCP on "
-                     "loopback")  # fmt: skip
+    return _raw_runs(
+        "raw mooncake",
+        streams,
+        workers(argv, timeout),
+        "receiver's last read; one batched read per (sender, receiver), TCP on loopback",
+    )
 
 
-def _raw_runs(what: str, streams: list[list[int]], ranks: list[dict[str, Any]],
-              timing: str) -> dict[str, Any]:  # fmt: skip
+def _raw_runs(
+    what: str, streams: list[list[int]], ranks: list[dict[str, Any]], timing: str
+) -> dict[str, Any]:
     """A raw baseline's figures from its ranks' reports (senders first, then receivers): a
     run is its slowest receiver's time, the best run counts; every byte must have arrived."""
     receivers = ranks[len(streams) :]
@@ -152,14 +166,17 @@ NAIVE_NOTE = (
 )
 
 
-def naive(path: Path, timeout: float, send: str = NAIVE_SEND, replicas: int = 1,
-          tp: int = 2) -> dict[str, Any]:  # fmt: skip
+def naive(
+    path: Path, timeout: float, send: str = NAIVE_SEND, replicas: int = 1, tp: int = 2
+) -> dict[str, Any]:
     """The in-memory path RL stacks take, trainer and engine ranks in one gloo group (see
     `sync_worker.naive`): a push is the barrier to the slowest engine rank's last copy."""
     port = str(free_port())
     ranks = 2 + replicas * tp
-    argv = [["naive", str(r), port, str(path), str(REPEATS), send, str(replicas), str(tp)]
-            for r in range(ranks)]  # fmt: skip
+    argv = [
+        ["naive", str(r), port, str(path), str(REPEATS), send, str(replicas), str(tp)]
+        for r in range(ranks)
+    ]
     rank0, _, *engine = workers(argv, timeout)
     per_push = [max(r["seconds"][i] for r in engine) for i in range(REPEATS)]
     best, nbytes = min(per_push), rank0["state_dict_bytes"]
@@ -194,9 +211,15 @@ def planner(quick: bool, timeout: float) -> dict[str, Any]:
     try:
         (got,) = workers([["planner", "quick" if quick else "full"]], timeout)
     except TimeoutError:
-        return {"seconds": None, "transfers": None, "sender_max_over_mean": None,
-                "bound_max_over_mean": None, "max_over_bound": None, "timeout_s": timeout,
-                **out}  # fmt: skip
+        return {
+            "seconds": None,
+            "transfers": None,
+            "sender_max_over_mean": None,
+            "bound_max_over_mean": None,
+            "max_over_bound": None,
+            "timeout_s": timeout,
+            **out,
+        }
     return {
         "seconds": round(got["seconds"], 3),
         "sender_max_over_mean": round(got["sender_max_over_mean"], 4),

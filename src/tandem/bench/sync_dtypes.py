@@ -59,8 +59,9 @@ def _check(llm, engine: str, tolerance: float, fp8_names: set[str]):
     def check(reference: Reference, version: int) -> float:
         out = llm.generate([PROMPT], params)[0]
         if out.weight_version != version:
-            raise RuntimeError(f"{engine} engine served version {out.weight_version} "
-                               f"after push {version}")  # fmt: skip
+            raise RuntimeError(
+                f"{engine} engine served version {out.weight_version} after push {version}"
+            )
         tokens, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
         model = _as_held(reference, engine, fp8_names)
         with torch.no_grad():
@@ -69,9 +70,10 @@ def _check(llm, engine: str, tolerance: float, fp8_names: set[str]):
         expected = logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
         error = float((torch.tensor(logprobs) - expected).abs().max())
         if error > tolerance:
-            raise RuntimeError(f"after push {version} the {engine} engine's log-probs differ "
-                               f"from the trainer's weights as it holds them by "
-                               f"{error:.3g}")  # fmt: skip
+            raise RuntimeError(
+                f"after push {version} the {engine} engine's log-probs differ from the "
+                f"trainer's weights as it holds them by {error:.3g}"
+            )
         return error
 
     return check
@@ -96,11 +98,18 @@ def run(quick: bool = False) -> dict[str, Any]:
         "bf16_tolerance": BF16_TOLERANCE,
     }
     for engine, (options, tolerance) in ENGINES.items():
-        with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY,
-                 **options) as llm:  # fmt: skip
+        with LLM(
+            str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY, **options
+        ) as llm:
             names = set(fp8_blocks(_whole_model(path))) if engine == "fp8" else set()
-            ranks, checks = run_pushes(llm.exchange_address, path, REPEATS, timeout,
-                                       _check(llm, engine, tolerance, names), MODES)  # fmt: skip
+            ranks, checks = run_pushes(
+                llm.exchange_address,
+                path,
+                REPEATS,
+                timeout,
+                _check(llm, engine, tolerance, names),
+                MODES,
+            )
             checks["tolerance"] = tolerance  # this engine's, not float32's
         pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
         needed = {p["bytes_needed"] for p in pushes.values()}
@@ -146,8 +155,12 @@ def _fp8_part(path) -> dict[str, int]:
     blocks = fp8_blocks(model)
     count = sum(shapes[n][0] * shapes[n][1] for n in blocks)
     scales = sum(math.prod(grid_shape(shapes[n], b)) for n, b in blocks.items())
-    return {"params": count, "scales": scales, "bytes": count + 4 * scales,
-            "float32_bytes": 4 * count}  # fmt: skip
+    return {
+        "params": count,
+        "scales": scales,
+        "bytes": count + 4 * scales,
+        "float32_bytes": 4 * count,
+    }
 
 
 def _whole_model(path):
@@ -166,7 +179,9 @@ def summary(result: dict[str, Any]) -> str:
     lines = []
     for engine in ENGINES:
         r = result[engine]
-        lines.append(f"{engine}: {r['bytes_needed'] / 2**20:.1f} MiB needed; shm "
-                     f"{r['shm']['seconds']:.3f} s, dist {r['dist']['seconds']:.3f} s")  # fmt: skip
+        lines.append(
+            f"{engine}: {r['bytes_needed'] / 2**20:.1f} MiB needed; shm "
+            f"{r['shm']['seconds']:.3f} s, dist {r['dist']['seconds']:.3f} s"
+        )
     lines += [f"{k}: {v:.3f}" for k, v in result["ratios"].items()]
     return "\n".join(lines)

@@ -83,8 +83,13 @@ class Reference:
         return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
 
 
-def scored(reference: Reference, tokens: list[int], logprobs: list[float], served: int | None,
-           version: int | None) -> float:  # fmt: skip
+def scored(
+    reference: Reference,
+    tokens: list[int],
+    logprobs: list[float],
+    served: int | None,
+    version: int | None,
+) -> float:
     """The largest log-prob error of an engine's greedy ``tokens`` after push ``version``,
     scored by the reference; raises if the engine serves another version (None: not
     versioned) or other weights."""
@@ -104,13 +109,19 @@ def check(llm, reference: Reference, version: int) -> float:
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, logprobs=0, ignore_eos=True)
     out = llm.generate([PROMPT], params)[0]
-    return scored(reference, out.outputs[0].token_ids, out.outputs[0].logprobs,
-                  out.weight_version, version)  # fmt: skip
+    return scored(
+        reference, out.outputs[0].token_ids, out.outputs[0].logprobs, out.weight_version, version
+    )
 
 
-def run_pushes(address: str, model_dir: Path, repeats: int, timeout: float,
-               check: Callable[[Reference, int], float], modes: tuple[str, ...] = tuple(MODES),
-               ) -> tuple[dict, dict]:  # fmt: skip
+def run_pushes(
+    address: str,
+    model_dir: Path,
+    repeats: int,
+    timeout: float,
+    check: Callable[[Reference, int], float],
+    modes: tuple[str, ...] = tuple(MODES),
+) -> tuple[dict, dict]:
     """Each mode of ``modes`` (names in `MODES`) by the same 2 trainer processes pushing to
     ``address``, ``check(reference, version)`` after every push: (per mode the figures of both
     ranks, the checks made; ``checks["scalings"]``: the scalings the trainers' weights went
@@ -124,17 +135,24 @@ def run_pushes(address: str, model_dir: Path, repeats: int, timeout: float,
     logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
     out1 = tempfile.TemporaryFile()
     procs = [
-        subprocess.Popen([*argv, "0", *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=logs[0], env=env),
+        subprocess.Popen(
+            [*argv, "0", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=logs[0],
+            env=env,
+        ),
         subprocess.Popen([*argv, "1", *args], stdout=out1, stderr=logs[1], env=env),
-    ]  # fmt: skip
+    ]
     deadline = time.monotonic() + timeout
     try:
         while True:  # rank 0 reports every push and waits for our answer
             line = _line(procs[0], deadline, timeout)
             if not line:
-                raise RuntimeError(f"push trainer rank 0 exited with {procs[0].wait()} before "
-                                   f"reporting:\n{tail(logs[0])}")  # fmt: skip
+                raise RuntimeError(
+                    f"push trainer rank 0 exited with {procs[0].wait()} before "
+                    f"reporting:\n{tail(logs[0])}"
+                )
             event = json.loads(line)
             if "pushed" not in event:
                 rank0 = event
@@ -145,8 +163,9 @@ def run_pushes(address: str, model_dir: Path, repeats: int, timeout: float,
             procs[0].stdin.flush()
         for i, p in enumerate(procs):
             if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(f"push trainer rank {i} exited with {p.returncode}:\n"
-                                   f"{tail(logs[i])}")  # fmt: skip
+                raise RuntimeError(
+                    f"push trainer rank {i} exited with {p.returncode}:\n{tail(logs[i])}"
+                )
         out1.seek(0)
         rank1 = json.loads(out1.read().decode().splitlines()[-1])
     finally:
@@ -156,10 +175,15 @@ def run_pushes(address: str, model_dir: Path, repeats: int, timeout: float,
                 p.wait()
         for f in (*logs, out1):
             f.close()
-    checks = {"pushes_checked": len(errors), "max_abs_logprob_error": max(errors),
-              "tolerance": TOLERANCE, "prompt_tokens": len(PROMPT),
-              "generated_tokens": NEW_TOKENS, "scales": list(SCALES),
-              "scalings": reference.scalings}  # fmt: skip
+    checks = {
+        "pushes_checked": len(errors),
+        "max_abs_logprob_error": max(errors),
+        "tolerance": TOLERANCE,
+        "prompt_tokens": len(PROMPT),
+        "generated_tokens": NEW_TOKENS,
+        "scales": list(SCALES),
+        "scalings": reference.scalings,
+    }
     return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in modes}, checks
 
 
@@ -208,12 +232,18 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
                     raise RuntimeError("the benchmark did not confirm the push")
             dist.barrier()
         sender.close()
-        out[name] = {"seconds": seconds, "warmup_seconds": warmup, "version": stats.version,
-                     "bytes_sent": stats.bytes_sent, "bytes_needed": stats.bytes_needed,
-                     "bytes_moved": stats.bytes_moved, "transport": stats.transport,
-                     "bytes_by_receiver": list(stats.bytes_by_receiver),
-                     "bytes_staged": stats.bytes_staged,
-                     "replicas": [asdict(r) for r in stats.replicas]}  # fmt: skip
+        out[name] = {
+            "seconds": seconds,
+            "warmup_seconds": warmup,
+            "version": stats.version,
+            "bytes_sent": stats.bytes_sent,
+            "bytes_needed": stats.bytes_needed,
+            "bytes_moved": stats.bytes_moved,
+            "transport": stats.transport,
+            "bytes_by_receiver": list(stats.bytes_by_receiver),
+            "bytes_staged": stats.bytes_staged,
+            "replicas": [asdict(r) for r in stats.replicas],
+        }
     dist.barrier()
     print(json.dumps({"rank": rank, "pushes": version, "modes": out}), flush=True)
     dist.destroy_process_group()

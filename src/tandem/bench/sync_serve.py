@@ -50,10 +50,10 @@ def _greedy(url: str, model: str) -> list[int]:
     import json
     import urllib.request
 
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as r:
         return json.loads(r.read())["choices"][0]["token_ids"]
 
@@ -72,11 +72,24 @@ def run(quick: bool = False) -> dict[str, Any]:
     for d in dirs:
         with LLM(str(d), dtype="float32", kv_cache_memory=32 << 20) as ref:
             expected.append(ref.generate([PROMPT], params)[0].outputs[0].token_ids)
-    models = [transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
-              for d in dirs]  # fmt: skip
+    models = [
+        transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32) for d in dirs
+    ]
     _, nbytes = weights_of(dirs[0])
-    server = ServerProcess(["--model", str(dirs[0]), "--tp", str(TP), "--dtype", "float32",
-                            "--admin-key", KEY, "--kv-cache-memory", str(32 << 20)])  # fmt: skip
+    server = ServerProcess(
+        [
+            "--model",
+            str(dirs[0]),
+            "--tp",
+            str(TP),
+            "--dtype",
+            "float32",
+            "--admin-key",
+            KEY,
+            "--kv-cache-memory",
+            str(32 << 20),
+        ]
+    )
     kinds: dict[str, Any] = {}
     try:
         for kind in KINDS:
@@ -91,8 +104,9 @@ def run(quick: bool = False) -> dict[str, Any]:
 
                 close = client.close
             else:
-                senders = [WeightSender(m, server.url, admin_key=KEY, transport=kind)
-                           for m in models]  # fmt: skip
+                senders = [
+                    WeightSender(m, server.url, admin_key=KEY, transport=kind) for m in models
+                ]
 
                 def push(model, senders=senders) -> int:
                     stats = senders[models.index(model)].push()
@@ -114,22 +128,35 @@ def run(quick: bool = False) -> dict[str, Any]:
                 close()
             tokens = _greedy(server.url, server.model_name)
             if tokens != expected[last]:
-                raise RuntimeError(f"{kind}: the server generates {tokens}, the pushed "
-                                   f"checkpoint {expected[last]}")  # fmt: skip
-            kinds[kind] = {"seconds_best": round(min(seconds), 4),
-                           "seconds_median": round(statistics.median(seconds), 4),
-                           "bytes_received_by_engine_ranks": received,
-                           "gb_per_s": round(nbytes / min(seconds) / 1e9, 3)}  # fmt: skip
+                raise RuntimeError(
+                    f"{kind}: the server generates {tokens}, the pushed checkpoint {expected[last]}"
+                )
+            kinds[kind] = {
+                "seconds_best": round(min(seconds), 4),
+                "seconds_median": round(statistics.median(seconds), 4),
+                "bytes_received_by_engine_ranks": received,
+                "gb_per_s": round(nbytes / min(seconds) / 1e9, 3),
+            }
     finally:
         server.stop()
     shm = kinds["shm"]
-    ratios = {f"{k}_seconds_vs_shm": round(v["seconds_best"] / shm["seconds_best"], 3)
-              for k, v in kinds.items() if k != "shm"}  # fmt: skip
+    ratios = {
+        f"{k}_seconds_vs_shm": round(v["seconds_best"] / shm["seconds_best"], 3)
+        for k, v in kinds.items()
+        if k != "shm"
+    }
     ratios["broadcast_bytes_received_vs_shm"] = round(
         kinds["broadcast"]["bytes_received_by_engine_ranks"]
-        / shm["bytes_received_by_engine_ranks"], 3)  # fmt: skip
-    return {"model_bytes": nbytes, "engine": "tandem serve, TP=2, float32", "repeats": REPEATS,
-            "kinds": kinds, "ratios": ratios}  # fmt: skip
+        / shm["bytes_received_by_engine_ranks"],
+        3,
+    )
+    return {
+        "model_bytes": nbytes,
+        "engine": "tandem serve, TP=2, float32",
+        "repeats": REPEATS,
+        "kinds": kinds,
+        "ratios": ratios,
+    }
 
 
 def summary(result: dict[str, Any]) -> str:

@@ -60,13 +60,22 @@ class VllmHost:
         # then hands tensors to the workers through vLLM's shared-memory broadcast (across
         # the engine core's own process boundary its msgpack decodes them as plain lists)
         cores = sorted(os.sched_getaffinity(0))[:tp]  # one per worker
-        env = vllm_env(python, "|".join(map(str, cores)), VLLM_CPU_CI_ENV="1",
-                       VLLM_ENABLE_V1_MULTIPROCESSING="0")  # fmt: skip
+        env = vllm_env(
+            python,
+            "|".join(map(str, cores)),
+            VLLM_CPU_CI_ENV="1",
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        )
         self.log = log
         self.process = subprocess.Popen(
-            [str(python), "-m", "tandem.bench.sync_vllm_host"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True,
-        )  # fmt: skip
+            [str(python), "-m", "tandem.bench.sync_vllm_host"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         try:
             self.started = self.ask("start", model=str(model_dir), tp=tp)
         except BaseException:
@@ -119,15 +128,23 @@ def run(quick: bool = False) -> dict[str, Any]:
         "engines": {"tensor_parallel_size": 2},
         "repeats": REPEATS,
     }
-    with LLM(str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY,
-             dtype="float32") as llm:  # fmt: skip
-        ranks, _ = run_pushes(llm.exchange_address, path, REPEATS, timeout,
-                              lambda ref, v: check(llm, ref, v), ("shm",))  # fmt: skip
+    with LLM(
+        str(path), tensor_parallel_size=2, kv_cache_memory=KV_CACHE_MEMORY, dtype="float32"
+    ) as llm:
+        ranks, _ = run_pushes(
+            llm.exchange_address,
+            path,
+            REPEATS,
+            timeout,
+            lambda ref, v: check(llm, ref, v),
+            ("shm",),
+        )
     result["into_tandem"] = push_figures(ranks["shm"])
     with tempfile.TemporaryFile() as log, VllmHost(python, path, 2, log) as host:
         result["vllm_load_seconds"] = host.started["load_seconds"]
-        ranks, result["checks"] = run_pushes(host.started["address"], path, REPEATS, timeout,
-                                             host.check, VLLM_MODES)  # fmt: skip
+        ranks, result["checks"] = run_pushes(
+            host.started["address"], path, REPEATS, timeout, host.check, VLLM_MODES
+        )
         pushes = {mode: push_figures(per_rank) for mode, per_rank in ranks.items()}
         into = result["into_vllm"] = pushes["shm"]
         into["unverified_seconds"] = pushes["shm-unverified"]["seconds"]
@@ -146,13 +163,16 @@ def run(quick: bool = False) -> dict[str, Any]:
             "seconds_per_push": [round(s, 6) for s in seconds],
             "gib_per_s": base.gib_per_s(into["bytes_needed"], min(seconds)),
             "max_abs_logprob_error": max(errors),
-            "how": "collective_rpc('reload_weights', weights_iterator=full tensors) on every "
-                   "worker; the tensors ready in the engine's process (gathering not counted)",
-        }  # fmt: skip
+            "how": (
+                "collective_rpc('reload_weights', weights_iterator=full tensors) on every "
+                "worker; the tensors ready in the engine's process (gathering not counted)"
+            ),
+        }
         address = f"127.0.0.1:{free_port()}"
         host.ask("gathered", address=address, pushes=1 + REPEATS)
-        ranks, checks = run_pushes(address, path, REPEATS, timeout,
-                                   lambda ref, v: host.check(ref, None), (GATHERED,))  # fmt: skip
+        ranks, checks = run_pushes(
+            address, path, REPEATS, timeout, lambda ref, v: host.check(ref, None), (GATHERED,)
+        )
         gathered = result["load_weights"] = push_figures(ranks[GATHERED])
         gathered["max_abs_logprob_error"] = checks["max_abs_logprob_error"]
         gathered["how"] = (

@@ -43,25 +43,38 @@ def main() -> int:
 
     llm = target = model_dir = None
     for line in sys.stdin:
-        (kind, args), = json.loads(line).items()  # fmt: skip
+        ((kind, args),) = json.loads(line).items()
         if kind == "start":
             began = time.perf_counter()
             model_dir = args["model"]
-            llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=args["tp"],
-                           max_model_len=256, kv_cache_memory_bytes=32 << 20,
-                           enforce_eager=True, worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+            llm = vllm.LLM(
+                model_dir,
+                dtype="float32",
+                tensor_parallel_size=args["tp"],
+                max_model_len=256,
+                kv_cache_memory_bytes=32 << 20,
+                enforce_eager=True,
+                worker_extension_cls=WORKER_EXTENSION,
+            )
             target = vllm_target(llm)
-            answer = {"address": target.exchange_address,
-                      "load_seconds": round(time.perf_counter() - began, 2)}  # fmt: skip
+            answer = {
+                "address": target.exchange_address,
+                "load_seconds": round(time.perf_counter() - began, 2),
+            }
         elif kind == "generate":
-            params = vllm.SamplingParams(max_tokens=args["max_tokens"], temperature=0.0,
-                                         logprobs=0, ignore_eos=True)  # fmt: skip
-            got = llm.generate([vllm.TokensPrompt(prompt_token_ids=args["prompt"])], params,
-                               use_tqdm=False)[0].outputs[0]  # fmt: skip
-            answer = {"tokens": list(got.token_ids),
-                      "logprobs": [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids,
-                                                                  strict=True)],
-                      "version": target.weight_version}  # fmt: skip
+            params = vllm.SamplingParams(
+                max_tokens=args["max_tokens"], temperature=0.0, logprobs=0, ignore_eos=True
+            )
+            got = llm.generate(
+                [vllm.TokensPrompt(prompt_token_ids=args["prompt"])], params, use_tqdm=False
+            )[0].outputs[0]
+            answer = {
+                "tokens": list(got.token_ids),
+                "logprobs": [
+                    lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)
+                ],
+                "version": target.weight_version,
+            }
         elif kind == "gathered":
             tensors = _tensors(model_dir)
             receiver = threading.Thread(

@@ -54,11 +54,15 @@ def raw_gloo(rank: int, port: str, streams: list[list[int]], repeats: int, messa
     senders, receivers = len(streams), len(streams[0])
     sending = rank < senders
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=senders + receivers)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=senders + receivers
+    )
     me = rank if sending else rank - senders
-    mine = [(s, d) for s, d in _rounds(senders, receivers)
-            if (s if sending else d) == me and streams[s][d]]  # fmt: skip
+    mine = [
+        (s, d)
+        for s, d in _rounds(senders, receivers)
+        if (s if sending else d) == me and streams[s][d]
+    ]
     bufs = []
     for s, d in mine:
         buf = torch.empty(streams[s][d], dtype=torch.uint8)
@@ -102,8 +106,9 @@ def raw_mooncake(rank: int, port: str, streams: list[list[int]], repeats: int):
     senders, receivers = len(streams), len(streams[0])
     sending = rank < senders
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=senders + receivers)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=senders + receivers
+    )
     engine = ProcessEngine.get()
     me = rank if sending else rank - senders
     size = sum(streams[me]) if sending else sum(row[me] for row in streams)
@@ -128,8 +133,9 @@ def raw_mooncake(rank: int, port: str, streams: list[list[int]], repeats: int):
                     continue
                 rpc, remote = handles[s].tolist()
                 offset = sum(streams[s][:me])
-                rc = engine.engine.batch_transfer_sync_read(f"{host}:{rpc}", [buf.data_ptr() + at],
-                                                            [remote + offset], [n])  # fmt: skip
+                rc = engine.engine.batch_transfer_sync_read(
+                    f"{host}:{rpc}", [buf.data_ptr() + at], [remote + offset], [n]
+                )
                 if rc != 0:
                     raise RuntimeError(f"rank {rank}: reading from sender {s} failed: {rc}")
                 ends.append((s, at, at + n - 1))
@@ -151,8 +157,9 @@ def raw_mooncake(rank: int, port: str, streams: list[list[int]], repeats: int):
 NAIVE_TRAINERS = [0, 1]
 
 
-def naive(rank: int, port: str, model_dir: str, repeats: int, send: str, replicas: int = 1,
-          tp: int = 2):  # fmt: skip
+def naive(
+    rank: int, port: str, model_dir: str, repeats: int, send: str, replicas: int = 1, tp: int = 2
+):
     """The in-memory path RL stacks take: the 2 FSDP2 trainer ranks (`NAIVE_TRAINERS`) and
     ``replicas`` x ``tp`` engine ranks in one gloo group. Per push, trainer rank 0 gathers every
     parameter (``full_tensor()``, rank 1 joins) and sends the full tensor to every engine rank
@@ -162,8 +169,12 @@ def naive(rank: int, port: str, model_dir: str, repeats: int, send: str, replica
     (load_weights-style)."""
     torch.set_num_threads(1)
     engine_ranks = list(range(len(NAIVE_TRAINERS), len(NAIVE_TRAINERS) + replicas * tp))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=len(NAIVE_TRAINERS) + len(engine_ranks))  # fmt: skip
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=len(NAIVE_TRAINERS) + len(engine_ranks),
+    )
     # every rank creates every group, in the same order
     trainers = dist.new_group(NAIVE_TRAINERS)
     replica_groups = [dist.new_group(engine_ranks[r * tp : (r + 1) * tp]) for r in range(replicas)]
@@ -195,15 +206,17 @@ def _fsdp_model(model_dir: str, group: dist.ProcessGroup) -> torch.nn.Module:
     return model
 
 
-def _naive_trainer(rank: int, trainers, fanout, engine_ranks: list[int], model_dir: str,
-                   repeats: int, send: str):  # fmt: skip
+def _naive_trainer(
+    rank: int, trainers, fanout, engine_ranks: list[int], model_dir: str, repeats: int, send: str
+):
     """Gather and send (rank 0) or join the gathers (rank 1): one untimed push, ``repeats``
     timed, one untimed for the engine's check. Rank 0 reports each push's gathering time."""
     params = dict(_fsdp_model(model_dir, trainers).named_parameters())
     sender = rank == NAIVE_TRAINERS[0]
     if sender:  # what follows, so the engine ranks can preallocate (untimed)
-        header = [[n, list(p.shape), str(p.dtype).removeprefix("torch.")]
-                  for n, p in params.items()]  # fmt: skip
+        header = [
+            [n, list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in params.items()
+        ]
         _broadcast_bytes(json.dumps(header).encode(), fanout)
     seconds, gathers, nbytes = [], [], 0
     with torch.no_grad():
@@ -233,8 +246,9 @@ def _fan_out(full: torch.Tensor, fanout, engine_ranks: list[int], send: str) -> 
             work.wait()
 
 
-def _naive_engine(rank: int, engine, tp_rank: int, tp: int, fanout, model_dir: str,
-                  repeats: int, send: str):  # fmt: skip
+def _naive_engine(
+    rank: int, engine, tp_rank: int, tp: int, fanout, model_dir: str, repeats: int, send: str
+):
     """This engine rank's tensor-parallel model (random storage, no KV cache); per push every
     full tensor is received into one preallocated buffer and its pieces copied into the
     parameters. Reports each timed push's seconds (barrier to the last copy); after them, one
@@ -314,17 +328,23 @@ def planner(scale: str):
     seconds = time.perf_counter() - start
     # A pipeline stage's tensors live only on its EP ranks: at best a stage's load is spread
     # evenly over them.
-    stage_load = [sum(plan.sender_numel[s * shape.ep : (s + 1) * shape.ep]) / shape.ep
-                  for s in range(shape.pp)]  # fmt: skip
+    stage_load = [
+        sum(plan.sender_numel[s * shape.ep : (s + 1) * shape.ep]) / shape.ep
+        for s in range(shape.pp)
+    ]
     # and a sender alone sends the elements no other sender holds
     bound = max(*stage_load, *_sole_loads(senders, plan))
     mean = plan.total_numel / len(plan.sender_numel)
-    _emit(seconds=seconds, transfers=len(plan.transfers),
-          sender_max_over_mean=plan.sender_max_over_mean,
-          bound_max_over_mean=bound / mean, build_seconds=built,
-          sender_regions=sum(len(s.regions) for s in senders),
-          receiver_regions=sum(len(r.regions) for r in receivers),
-          max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # fmt: skip
+    _emit(
+        seconds=seconds,
+        transfers=len(plan.transfers),
+        sender_max_over_mean=plan.sender_max_over_mean,
+        bound_max_over_mean=bound / mean,
+        build_seconds=built,
+        sender_regions=sum(len(s.regions) for s in senders),
+        receiver_regions=sum(len(r.regions) for r in receivers),
+        max_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
 
 
 def _sole_loads(senders, plan) -> list[int]:
@@ -337,8 +357,11 @@ def _sole_loads(senders, plan) -> list[int]:
             boxes = holders.setdefault(region.piece.name, {})
             boxes.setdefault(region.piece.box, set()).add(lay.rank)
     # only tensors with a box a single sender holds can have sole elements
-    solo = {name: list(boxes.items()) for name, boxes in holders.items()
-            if any(len(ranks) == 1 for ranks in boxes.values())}  # fmt: skip
+    solo = {
+        name: list(boxes.items())
+        for name, boxes in holders.items()
+        if any(len(ranks) == 1 for ranks in boxes.values())
+    }
     load = [0] * plan.num_senders
     for t in plan.transfers:
         boxes = solo.get(t.name)

@@ -108,9 +108,14 @@ def main() -> int:
         if (value := getattr(start, name)) is not None
     }
     llm = vllm.LLM(
-        model=start.model, dtype=start.dtype, seed=start.seed, max_model_len=start.max_model_len,
-        kv_cache_memory_bytes=start.kv_cache_memory_bytes, block_size=BLOCK_SIZE, **options,
-    )  # fmt: skip
+        model=start.model,
+        dtype=start.dtype,
+        seed=start.seed,
+        max_model_len=start.max_model_len,
+        kv_cache_memory_bytes=start.kv_cache_memory_bytes,
+        block_size=BLOCK_SIZE,
+        **options,
+    )
     config = llm.llm_engine.vllm_config
     settings = {
         "max_model_len": config.model_config.max_model_len,
@@ -141,7 +146,7 @@ def main() -> int:
                 max_tokens=k,
                 ignore_eos=True,
                 detokenize=False,
-            )  # fmt: skip
+            )
             for k in call.max_tokens
         ]
         prompts = [vllm.TokensPrompt(prompt_token_ids=ids) for ids in call.prompts]
