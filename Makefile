@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 # bench preloads both; tcmalloc is a system library, installed here where apt-get may run.
 # tandem itself goes in too (without its dependencies, which would move vLLM's pins; msgpack
 # and isal are all its exchange needs there): vLLM's workers load tandem's worker extension,
-# and tests/into_vllm runs in this venv.
+# and tests/integrations/vllm runs in this venv.
 $(VLLM_STAMP): pyproject.toml
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
@@ -50,7 +50,7 @@ vllm: $(VLLM_STAMP)
 # use a newer one as their numerical reference. torch is ours, pinned (verl's base requirements
 # pull no CUDA; its extras pin another torch and are never installed). tandem goes in without
 # its dependencies, then those verl lacks; cachetools is a runtime import of verl's rollout
-# client (listed only in an extra). tests/into_verl runs in this venv.
+# client (listed only in an extra). tests/integrations/verl runs in this venv.
 $(VERL_STAMP): pyproject.toml
 	test -d $(VERL_VENV) || $(PYTHON) -m venv $(VERL_VENV)
 	$(VERL_VENV)/bin/pip install --quiet --upgrade pip
@@ -67,14 +67,14 @@ verl: $(VERL_STAMP)
 demo: $(STAMP)
 	$(BIN)/tandem demo
 
-# The vLLM venv too: the tests that drive vLLM's CPU build (tests/test_bench_vllm.py) run in CI,
-# and tests/into_vllm (pushes into vLLM engines in this process) runs in that venv.
+# The vLLM venv too: the tests that drive vLLM's CPU build (tests/bench/test_bench_vllm.py) run in CI,
+# and tests/integrations/vllm (pushes into vLLM engines in this process) runs in that venv.
 test: $(STAMP) $(VLLM_STAMP) $(VERL_STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/python -m pytest -q --durations=30
-	$(VLLM_VENV)/bin/python -m pytest -q tests/into_vllm
-	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/into_verl
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
+	$(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/integrations/verl
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

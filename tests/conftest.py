@@ -1,6 +1,6 @@
 import os
 
-# Ray (tests/test_ray.py) resolves 127.0.0.1 to this host's interface address unless told it
+# Ray (tests/integrations/ray) resolves 127.0.0.1 to this host's interface address unless told it
 # is not running a real cluster: keep every local Ray cluster on loopback. Set before Ray is
 # imported anywhere; subprocesses (Ray workers, `tandem serve`) inherit it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

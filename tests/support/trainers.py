@@ -1,0 +1,66 @@
+"""Trainers for the push tests: the reference model in transformers, and the 2-rank FSDP2
+trainer (`fsdp_trainer.py`) or rolling trainer (`rolling_trainer.py`) started as processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+import transformers
+
+from support.paths import SUPPORT
+from tandem.wire import free_port
+
+
+def hf_model(path: str) -> torch.nn.Module:
+    """The model at ``path`` in transformers, float32, eval mode: a trainer and a reference."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def scale(model: torch.nn.Module, factor: float) -> None:
+    """Every weight of ``model`` times ``factor`` (a training step that moves every weight)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+
+
+def run_trainer(
+    model_dir: str,
+    address: str,
+    version: int,
+    transport: str,
+    mode: str = "staged",
+    *,
+    die: bool = False,
+) -> list[int]:
+    """Two FSDP2 trainer processes push ``model_dir``'s weights (moved, see the script) as
+    ``version`` into ``address``; their exit codes."""
+    script = SUPPORT / "fsdp_trainer.py"
+    port = str(free_port())
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
+    extra = ["die"] if die else []
+    argv = [port, model_dir, address, str(version), transport, mode, *extra]
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), *argv], env=env) for r in range(2)
+    ]
+    try:
+        return [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def rolling_trainer(
+    trainer_dir: str, address: str, version: int, when: str, transport: str = "shm"
+) -> subprocess.Popen:
+    """`rolling_trainer.py`: one trainer process that pushes ``version`` rolling and dies
+    ``when`` told (its stdout says how far it got)."""
+    script = SUPPORT / "rolling_trainer.py"
+    return subprocess.Popen(
+        [sys.executable, str(script), trainer_dir, address, str(version), when, transport],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
