@@ -10,7 +10,6 @@ from tandem.errors import (
     StaleVersionError,
     UnsupportedModelError,
 )
-from tandem.integrations import vllm as _vllm  # noqa: F401  (vLLM engines as push targets)
 from tandem.llm import LLM
 from tandem.lora.request import LoRARequest
 

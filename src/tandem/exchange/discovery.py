@@ -4,26 +4,34 @@ A `WeightSender` target may be ``host:port/token`` (an `LLM`'s ``exchange_addres
 server's address (``http://host:port`` or ``host:port``): then ``GET /admin/weights`` with the
 admin key returns the exchange endpoint. HTTP only negotiates; the tensor bytes go through
 the transports. Any object with an ``exchange_address`` is a target too, and so is another
-project's engine once its integration registered an adapter (`register_target_adapter`: the
-vLLM one, `tandem.integrations.vllm`, does on import, which ``import tandem`` makes).
+project's engine an integration adapts: adapters are found through the ``tandem.targets``
+entry point group (tandem's own: vLLM engines, `tandem.integrations.vllm.exchange_address_of`),
+loaded the first time a target is not one of the above, or given to `register_target_adapter`.
+The exchange imports no integration itself.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from importlib.metadata import entry_points
 from urllib.parse import urlsplit
 
 from tandem.exchange.address import ExchangeAddress
 
 ADMIN_KEY_ENV = "TANDEM_ADMIN_KEY"
+TARGETS_GROUP = "tandem.targets"  # entry points: adapters of other projects' engines
+
+log = logging.getLogger(__name__)
 
 # an engine object of another project -> its exchange address, or None when not its kind
 TargetAdapter = Callable[[object], str | None]
 _TARGET_ADAPTERS: list[TargetAdapter] = []
+_entry_points_loaded = False
 
 
 def register_target_adapter(adapter: TargetAdapter) -> None:
@@ -39,13 +47,30 @@ def target_address(target, admin_key: str | None = None) -> ExchangeAddress:
         return exchange_address(target, admin_key)
     if hasattr(target, "exchange_address"):
         return ExchangeAddress.parse(target.exchange_address)
-    for adapter in _TARGET_ADAPTERS:
+    for adapter in _adapters():
         address = adapter(target)
         if address is not None:
             return ExchangeAddress.parse(address)
-    raise TypeError(f"cannot push into a {type(target).__name__}: give an LLM, its "
-                    f"exchange_address, a server's URL, or an engine an integration adapts "
-                    f"(a vLLM LLM made with tandem's worker extension)")  # fmt: skip
+    raise TypeError(
+        f"cannot push into a {type(target).__name__}: give an LLM, its "
+        f"exchange_address, a server's URL, or an engine an integration adapts "
+        f"(a vLLM LLM made with tandem's worker extension)"
+    )
+
+
+def _adapters() -> list[TargetAdapter]:
+    """The registered adapters, with those the installed packages declare (loaded once)."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for point in entry_points(group=TARGETS_GROUP):
+            try:
+                register_target_adapter(point.load())
+            except Exception as exc:  # a broken plugin must not break every other push
+                log.warning(
+                    "target adapter %s (%s) could not be loaded: %s", point.name, point.value, exc
+                )
+    return list(_TARGET_ADAPTERS)
 
 
 class DiscoveryError(RuntimeError):
@@ -64,8 +89,9 @@ def exchange_address(
     url = target.rstrip("/") + "/admin/weights"
     key = admin_key or os.environ.get(ADMIN_KEY_ENV)
     if not key:
-        raise DiscoveryError(f"{url}: pushing to a server needs its admin key "
-                             f"(admin_key=... or ${ADMIN_KEY_ENV})")  # fmt: skip
+        raise DiscoveryError(
+            f"{url}: pushing to a server needs its admin key (admin_key=... or ${ADMIN_KEY_ENV})"
+        )
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:

@@ -6,16 +6,15 @@ As vLLM's ``tandem`` weight-transfer backend (registered through vLLM's plugin e
 with vLLM's trainer API and `TandemTrainerInitInfo` (`tandem.integrations.vllm.trainer`).
 
 ``LLM(model, worker_extension_cls=WORKER_EXTENSION)`` gives each vLLM worker tandem's receiving
-side; `WeightSender(trainer_model, llm)` then pushes into it (`vllm_target`), as does a trainer
-in another process given ``vllm_target(llm).exchange_address``. Importing this package (``import
-tandem`` does) registers vLLM engines as push targets; it does not import vLLM.
+side; `WeightSender(trainer_model, llm)` then pushes into it (`vllm_target`; the exchange finds
+`exchange_address_of` through the ``tandem.targets`` entry point), as does a trainer in another
+process given ``vllm_target(llm).exchange_address``. Importing this package does not import vLLM;
+``import tandem`` does not import this package.
 """
 
 from __future__ import annotations
 
 import weakref
-
-from tandem.exchange.discovery import register_target_adapter
 
 WORKER_EXTENSION = "tandem.integrations.vllm.worker.TandemWorkerExtension"
 
@@ -37,11 +36,10 @@ def vllm_target(llm):
     return target
 
 
-def _address(obj) -> str | None:
+def exchange_address_of(obj) -> str | None:
+    """Where `WeightSender(model, obj)` pushes when ``obj`` is a vLLM engine (else None): the
+    ``tandem.targets`` entry point."""
     return vllm_target(obj).exchange_address if is_vllm_engine(obj) else None
-
-
-register_target_adapter(_address)  # WeightSender(model, vllm_llm)
 
 
 def __getattr__(name: str):
@@ -56,6 +54,7 @@ __all__ = [
     "WORKER_EXTENSION",
     "TandemTrainerEngine",
     "TandemTrainerInitInfo",
+    "exchange_address_of",
     "is_vllm_engine",
     "vllm_target",
 ]
