@@ -130,7 +130,11 @@ def test_register_refuses_a_clash():
     )
     with pytest.raises(ValueError, match="--tp"):
         registry.register(odd)
+    first = registry.Scenario("train-rolling", "train", {"--rolling": True}, "no default", sync.run)
+    with pytest.raises(ValueError, match="default"):
+        registry.register(first)
     assert registry.scenarios("sync")[-1].name == "sync-dtypes"  # nothing half-registered
+    assert "train" not in registry.commands()
 
 
 def test_list_and_help_show_every_scenario(capsys):

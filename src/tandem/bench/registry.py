@@ -64,7 +64,7 @@ def ratios(result: Result) -> str:
     return "\n".join(f"{k}: {v:.2f}x" for k, v in result["ratios"].items())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # one record per scenario: equal only to itself
 class Scenario:
     name: str  # unique: `tandem bench list` and `get` use it
     command: str  # `tandem bench COMMAND`
@@ -89,6 +89,11 @@ def register(scenario: Scenario) -> Scenario:
         raise ValueError("`tandem bench list` lists the scenarios: no scenario is called list")
     if any(s.name == scenario.name for s in _registered):
         raise ValueError(f"a bench scenario is already called {scenario.name!r}")
+    if not scenarios(scenario.command) and True in scenario.flags.values():
+        raise ValueError(
+            f"{scenario.name}: a command's first scenario is its default, run with no "
+            "selecting flag: no switch can select it"
+        )
     switches = {flag for s in (*_registered, scenario) for flag, v in s.flags.items() if v is True}
     valued = {
         flag for s in (*_registered, scenario) for flag, v in s.flags.items() if v is not True
@@ -191,9 +196,10 @@ def select(command: str, values: Mapping[str, Any]) -> Scenario:
     match = [s for s in own if _vector(s) == wanted] if not foreign else []
     if not match:
         shown = " ".join(_spelled(flag, given[flag]) for flag in given if _is_flag(flag))
+        line = f"tandem bench {command} {shown}".rstrip()
         hint = "".join(f"; {flag} goes with {_lines(_takers(flag))}" for flag in foreign)
         raise ValueError(
-            f"no bench scenario is `tandem bench {command} {shown}`{hint}; the {command} "
+            f"no bench scenario is `{line}`{hint}; the {command} "
             f"scenarios: {_lines(own)} (`tandem bench list` describes them)"
         )
     (scenario,) = match
