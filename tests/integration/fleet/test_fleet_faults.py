@@ -17,6 +17,7 @@ from support.fleets import Load, matches
 from support.kills import KILL_IN_HEAL, KILL_IN_PHASE
 from support.serving import alive
 from support.trainers import hf_model, rolling_trainer, scale
+from support.waits import until
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 
@@ -27,12 +28,7 @@ DEADLINE_S = 60.0  # every wait below ends well within it, or the test fails nam
 
 
 def _until(what: str, ok, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := ok():
-            return value
-        time.sleep(0.001)
-    raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
+    return until(what, ok, timeout_s)
 
 
 @contextmanager

@@ -29,6 +29,7 @@ import transformers
 
 from support.routers import Router, decodes
 from support.serving import ADMIN_KEY, Server, children
+from support.waits import until
 from tandem.exchange import WeightSender, WeightSyncError
 
 DEADLINE_S = 60.0  # every wait below ends well within it, or the test fails naming it
@@ -67,12 +68,7 @@ KILL_IN_PHASE = """
 
 
 def _until(what: str, ok, timeout_s: float = DEADLINE_S):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if value := ok():
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"{what} did not happen within {timeout_s:g} s")
+    return until(what, ok, timeout_s)
 
 
 @dataclass
