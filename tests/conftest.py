@@ -15,7 +15,9 @@ import torch
 
 from tandem.models.tiny import make_tiny_model
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# the cores shared among the test processes running at once (`make test` runs two, xdist)
+_RUNNING = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _RUNNING)))
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
             assert push["ingress_over_needed"] == [1.0] * f["replicas"]  # counted per replica
             assert _positive(push["predicted_seconds"])  # the link model of this host
             assert push["predicted_over_measured"] == pytest.approx(
-                push["predicted_seconds"] / push["seconds"], abs=1e-3)  # fmt: skip
+                push["predicted_seconds"] / push["seconds"], abs=1e-3
+            )
             # dist: trainers into replica 0, then every relay hop; shm: no stream at all
             assert ("deliver" in push["predicted_phases"]) and "commit" in push["predicted_phases"]
         relayed = f["dist"]["bytes_relayed"]  # the chain: every replica but the last passes on
@@ -51,8 +52,12 @@ def test_quick_fleet_bench_shape_and_counted_bytes(tmp_path, monkeypatch):
         assert _positive(entry["dp1_tokens_per_s"]) and _positive(entry["dp2_tokens_per_s"])
         assert sum(entry["dp2_engine"]["requests_per_replica"]) == entry["requests"] * REPEATS
         assert min(entry["dp2_engine"]["requests_per_replica"]) > 0  # both replicas served
-    assert set(result["ratios"]) == {"fleet_vs_naive", "fleet_gloo_vs_naive", "dp2_vs_dp1",
-                                     "dp2_vs_dp1_mixed"}  # fmt: skip
+    assert set(result["ratios"]) == {
+        "fleet_vs_naive",
+        "fleet_gloo_vs_naive",
+        "dp2_vs_dp1",
+        "dp2_vs_dp1_mixed",
+    }
     assert all(_positive(v) for v in result["ratios"].values())
 
 

@@ -49,9 +49,13 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
     for name in ("mixed", "grpo"):
         assert _positive(result[name]["transformers_cb_config"]["num_blocks"])
     assert set(result["ratios"]) == {
-        "batch1_vs_transformers", "mixed_vs_transformers", "mixed_vs_transformers_cb",
-        "grpo_vs_transformers_cb", "prefix_sharing", "continuous_vs_static",
-    }  # fmt: skip
+        "batch1_vs_transformers",
+        "mixed_vs_transformers",
+        "mixed_vs_transformers_cb",
+        "grpo_vs_transformers_cb",
+        "prefix_sharing",
+        "continuous_vs_static",
+    }
     batching = result["batching"]
     for mode in ("continuous", "static"):
         assert batching[mode]["tokens"] == result["mixed"]["tokens"]

@@ -31,8 +31,12 @@ def test_quick_lora_bench_through_the_cli(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "bench", "generate", "--lora", "--quick", "--json"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=220,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(done.stdout)
     assert result["benchmark"] == "generate_lora" and result["quick"] is True
@@ -60,9 +64,12 @@ def test_quick_lora_bench_through_the_cli(tmp_path):
     assert pushes["adapter"]["params"] == result["adapters"]["params_each"]
     ratios = result["ratios"]
     assert set(ratios) == {
-        "lora_mixed_vs_base", "lora_single_vs_base", "base_on_lora_engine_vs_base",
-        "adapter_push_bytes_vs_full", "adapter_push_seconds_vs_full",
-    }  # fmt: skip
+        "lora_mixed_vs_base",
+        "lora_single_vs_base",
+        "base_on_lora_engine_vs_base",
+        "adapter_push_bytes_vs_full",
+        "adapter_push_seconds_vs_full",
+    }
     assert all(_positive(v) for v in ratios.values())
     assert ratios["adapter_push_bytes_vs_full"] < 0.2
     assert ratios["adapter_push_bytes_vs_full"] == round(

@@ -14,8 +14,14 @@ import pytest
 from tandem.bench.serve import MODES, SETUPS
 from tandem.bench.serve_load import poisson_offsets
 
-FIGURES = ("tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p99_s", "latency_p50_s",
-           "latency_p99_s")  # fmt: skip
+FIGURES = (
+    "tokens_per_s",
+    "requests_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "latency_p50_s",
+    "latency_p99_s",
+)
 
 
 def _positive(x: object) -> bool:
@@ -26,8 +32,12 @@ def _positive(x: object) -> bool:
 def test_quick_serve_bench(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "bench", "serve", "--quick", "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=280, env=os.environ.copy(),
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)  # stdout is the JSON alone: the servers' output is not on it
     setup = SETUPS[True]

@@ -38,8 +38,11 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     assert shm["transport"] == shm_direct["transport"] == "shm"
     assert gloo["transport"] == gloo_direct["transport"] == "dist"
     assert [shm["mode"], shm_direct["mode"], gloo["mode"], gloo_direct["mode"]] == [
-        "staged", "in_place", "staged", "in_place"
-    ]  # fmt: skip
+        "staged",
+        "in_place",
+        "staged",
+        "in_place",
+    ]
     for push in (gloo, shm_direct, gloo_direct):
         assert push["bytes_moved"] == push["bytes_needed"] == shm["bytes_needed"]
     assert shm["bytes_moved"] == shm["bytes_needed"] >= model["bytes"]
@@ -83,22 +86,31 @@ def test_quick_sync_bench_shape(tmp_path, monkeypatch):
     # every FSDP2 shard is contiguous float32: only the engine's column shards are staged
     assert all(0 < n < shm["bytes_needed"] / 2 for n in mooncake["bytes_staged_per_rank"])
     model_ = result["link_model"]
-    assert all(_positive(model_[k]) for k in ("copy_one_Bps", "copy_all_Bps", "crc_one_Bps",
-                                                "crc_all_Bps"))  # fmt: skip
+    assert all(
+        _positive(model_[k]) for k in ("copy_one_Bps", "copy_all_Bps", "crc_one_Bps", "crc_all_Bps")
+    )
     assert result["mooncake_in_place"]["mode"] == "in_place"
     assert raw_mc["streams"] == result["mooncake_in_place"]["bytes_by_receiver_per_rank"]
     for name in ("shm", "shm_in_place", "gloo", "gloo_in_place", "mooncake", "mooncake_in_place"):
         push = result[name]
         assert _positive(push["predicted_seconds"]) and push["predicted_phases"], name
         assert push["predicted_over_measured"] == pytest.approx(
-            push["predicted_seconds"] / push["seconds"], abs=1e-3)  # fmt: skip
+            push["predicted_seconds"] / push["seconds"], abs=1e-3
+        )
 
     ratios = result["ratios"]
     assert set(ratios) == {
-        "shm_vs_memcpy", "gloo_vs_raw_gloo", "vs_naive", "vs_naive_gloo", "shm_staged_vs_memcpy",
-        "gloo_staged_vs_raw_gloo", "shm_unverified_vs_memcpy", "gloo_unverified_vs_raw_gloo",
-        "mooncake_vs_raw", "mooncake_staged_vs_raw",
-    }  # fmt: skip
+        "shm_vs_memcpy",
+        "gloo_vs_raw_gloo",
+        "vs_naive",
+        "vs_naive_gloo",
+        "shm_staged_vs_memcpy",
+        "gloo_staged_vs_raw_gloo",
+        "shm_unverified_vs_memcpy",
+        "gloo_unverified_vs_raw_gloo",
+        "mooncake_vs_raw",
+        "mooncake_staged_vs_raw",
+    }
     assert all(_positive(v) for v in ratios.values())
     expected = result["memcpy"]["seconds"] / shm_direct["seconds"]
     assert ratios["shm_vs_memcpy"] == pytest.approx(expected, abs=1e-3)  # 3 decimals

@@ -38,8 +38,14 @@ def test_model_flops_by_hand():
 
 
 def test_model_shape_from_config():
-    config = {"hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "intermediate_size": 320, "vocab_size": 1024}  # fmt: skip
+    config = {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 320,
+        "vocab_size": 1024,
+    }
     shape = ModelShape.from_config(config)
     assert (shape.head_dim, shape.kv_heads) == (32, 2)
     projections = shape.projections()
@@ -95,8 +101,9 @@ def test_a_driver_that_dies_raises_with_its_log(tmp_path):
 @pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
 def test_vllm_driver_generates_the_tokens_asked(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CPU_CI_ENV", "1")  # vLLM's own CI switch: no inductor compile
-    model = make_tiny_model(tmp_path / "model", "llama", seed=0, vocab_size=1024,
-                            overrides=QUICK_MODEL)  # fmt: skip
+    model = make_tiny_model(
+        tmp_path / "model", "llama", seed=0, vocab_size=1024, overrides=QUICK_MODEL
+    )
     start = Start(str(model), "float32", 0, max_model_len=64, kv_cache_memory_bytes=16 << 20)
     with VllmPeer(vllm_python(), start, torch.get_num_threads(), tmp_path / "vllm.log") as peer:
         settings = peer.describe()
@@ -139,12 +146,19 @@ def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, mo
     monkeypatch.setenv("TANDEM_VLLM_PYTHON", str(vllm_python().absolute()))
     monkeypatch.chdir(tmp_path)  # the model is cached under ./.tandem
     result = run(quick=True)
-    for side in ("into_tandem", "into_vllm", "into_vllm_dist", "load_weights",
-                 "load_weights_in_process"):  # fmt: skip
+    for side in (
+        "into_tandem",
+        "into_vllm",
+        "into_vllm_dist",
+        "load_weights",
+        "load_weights_in_process",
+    ):
         assert result[side]["seconds"] > 0, side
     assert result["into_vllm"]["bytes_moved"] == result["into_vllm"]["bytes_needed"]
     assert result["checks"]["pushes_checked"] == 4 * 3  # 3 modes x (1 untimed + 3 timed)
     assert result["load_weights"]["max_abs_logprob_error"] <= 1e-3
-    assert set(result["ratios"]) == {"into_vllm_vs_load_weights",
-                                     "into_vllm_vs_load_weights_in_process",
-                                     "into_vllm_vs_into_tandem"}  # fmt: skip
+    assert set(result["ratios"]) == {
+        "into_vllm_vs_load_weights",
+        "into_vllm_vs_load_weights_in_process",
+        "into_vllm_vs_into_tandem",
+    }

@@ -78,9 +78,14 @@ def test_the_bound_is_never_above_the_prediction():
             [rng.randrange(12) for _ in range(senders)],
             rng.sample(range(12, 40), receivers),
         )
-        net = Network(gpus[0], gpus[1], lambda a, b: "nvlink" if a // 8 == b // 8 else "nic",
-                      {"nic": 1.0 * GB, "nvlink": 9.0 * GB}, rng.choice([0.0, 1e-3]),
-                      rng.choice([None, 3.0 * GB]))  # fmt: skip
+        net = Network(
+            gpus[0],
+            gpus[1],
+            lambda a, b: "nvlink" if a // 8 == b // 8 else "nic",
+            {"nic": 1.0 * GB, "nvlink": 9.0 * GB},
+            rng.choice([0.0, 1e-3]),
+            rng.choice([None, 3.0 * GB]),
+        )
         pairs = [(s, d) for s in range(senders) for d in range(receivers) if rng.random() < 0.6]
         flows = [Flow(s, d, rng.randint(1, 3 * GB), rng.randint(1, 6 * GB)) for s, d in pairs]
         order = list(range(receivers))
@@ -116,13 +121,23 @@ def test_fsdp_holds_torch_chunks_of_dim0_and_whole_experts(tmp_path):
     shapes = canonical_shapes(fleet_layouts(spec, FleetSpec(1, 2), "bfloat16"))
     ranks = trainer_layouts(spec, TrainerSpec("fsdp", 4), shapes)
     experts = spec.config.num_experts  # 6 over 4 ranks: torch.chunk gives 2, 2, 2, 0
-    held = [{n.split(".experts.")[1].split(".")[0] for n, _ in _boxes(lay) if ".experts." in n
-             and n.startswith("model.layers.0.")} for lay in ranks]  # fmt: skip
+    held = [
+        {
+            n.split(".experts.")[1].split(".")[0]
+            for n, _ in _boxes(lay)
+            if ".experts." in n and n.startswith("model.layers.0.")
+        }
+        for lay in ranks
+    ]
     assert held == [{"0", "1"}, {"2", "3"}, {"4", "5"}, set()] and experts == 6
     embed = shapes["model.embed_tokens.weight"]
     rows = [b for lay in ranks for n, b in _boxes(lay) if n == "model.embed_tokens.weight"]
-    assert rows == [((0, 128), (0, embed[1])), ((128, 256), (0, embed[1])),
-                    ((256, 384), (0, embed[1])), ((384, 512), (0, embed[1]))]  # fmt: skip
+    assert rows == [
+        ((0, 128), (0, embed[1])),
+        ((128, 256), (0, embed[1])),
+        ((256, 384), (0, embed[1])),
+        ((384, 512), (0, embed[1])),
+    ]
 
 
 def test_megatron_rules_match_the_megatron_adapters_boxes(tmp_path):
@@ -132,9 +147,16 @@ def test_megatron_rules_match_the_megatron_adapters_boxes(tmp_path):
     c = spec.config
     shapes = canonical_shapes(fleet_layouts(spec, FleetSpec(1, 1), "bfloat16"))
     ranks = trainer_layouts(spec, TrainerSpec("megatron", 2, tp=2), shapes)
-    cfg = MegatronLlamaConfig(c.hidden_size, c.num_attention_heads, c.kv_heads, c.dim_per_head,
-                              c.intermediate_size, c.vocab_size, c.vocab_size,
-                              c.num_hidden_layers)  # fmt: skip
+    cfg = MegatronLlamaConfig(
+        c.hidden_size,
+        c.num_attention_heads,
+        c.kv_heads,
+        c.dim_per_head,
+        c.intermediate_size,
+        c.vocab_size,
+        c.vocab_size,
+        c.num_hidden_layers,
+    )
     for tp_rank in range(2):
         expected = defaultdict(list)
         for template, kind in GPT_TO_LLAMA.items():
@@ -209,13 +231,31 @@ def test_fp8_wire_is_a_byte_per_weight_plus_block_scales():
 
 def test_tandem_plan_prints_the_promised_json(tmp_path, capsys):
     model = _config_dir(tmp_path, "qwen3_moe", vocab_size=512)
-    argv = ["plan", "--model", model, "--trainer", "megatron:tp=2,ep=2,dp=2", "--fleet",
-            "replicas=2,tp=2", "--engine-dtype", "fp8", "--cluster",
-            "gpus_per_node=4,nvlink_GBps=450,nic_GBps=50", "--json"]  # fmt: skip
+    argv = [
+        "plan",
+        "--model",
+        model,
+        "--trainer",
+        "megatron:tp=2,ep=2,dp=2",
+        "--fleet",
+        "replicas=2,tp=2",
+        "--engine-dtype",
+        "fp8",
+        "--cluster",
+        "gpus_per_node=4,nvlink_GBps=450,nic_GBps=50",
+        "--json",
+    ]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("predicted_seconds", "bound_seconds", "predicted_over_bound", "planner_seconds",
-                "link_class_bytes", "busiest_links", "trainer_egress_bytes"):  # fmt: skip
+    for key in (
+        "predicted_seconds",
+        "bound_seconds",
+        "predicted_over_bound",
+        "planner_seconds",
+        "link_class_bytes",
+        "busiest_links",
+        "trainer_egress_bytes",
+    ):
         assert key in out, key
     assert out["predicted_over_bound"] >= 1.0
     assert set(out["link_class_bytes"]) == {"nic", "nvlink"}  # both replicas on one node
@@ -240,8 +280,13 @@ def test_tandem_plan_prints_the_promised_json(tmp_path, capsys):
     ],
 )
 def test_tandem_plan_errors_name_the_field(tmp_path, capsys, flag, value, field):
-    args = {"--model": _config_dir(tmp_path, "llama"), "--trainer": "fsdp:ranks=4",
-            "--fleet": "replicas=2,tp=2", "--engine-dtype": "bf16", "--cluster": ""}  # fmt: skip
+    args = {
+        "--model": _config_dir(tmp_path, "llama"),
+        "--trainer": "fsdp:ranks=4",
+        "--fleet": "replicas=2,tp=2",
+        "--engine-dtype": "bf16",
+        "--cluster": "",
+    }
     args[flag] = value
     assert main(["plan", *(x for kv in args.items() for x in kv)]) == 1
     assert field in capsys.readouterr().err

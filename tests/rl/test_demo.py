@@ -20,19 +20,26 @@ SHORT = dict(steps=20, prompts_per_step=32, eval_every=5)
 # bfloat16 matmuls without bfloat16 units are emulated, ~200x slower (tests/conftest.py)
 NATIVE_BF16 = any(
     flag in line.split()
-    for line in (Path("/proc/cpuinfo").read_text().splitlines()
-                 if Path("/proc/cpuinfo").is_file() else [])
+    for line in (
+        Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").is_file() else []
+    )
     if line.startswith("flags")
     for flag in ("avx512_bf16", "amx_bf16")
-)  # fmt: skip
+)
 needs_native_bf16 = pytest.mark.skipif(
-    not NATIVE_BF16, reason="a bfloat16 engine on a CPU without avx512_bf16/amx_bf16 is "
-    "emulated (~200x slower): too slow for a demo run"
-)  # fmt: skip
+    not NATIVE_BF16,
+    reason="a bfloat16 engine on a CPU without avx512_bf16/amx_bf16 is "
+    "emulated (~200x slower): too slow for a demo run",
+)
 
 
-def _check(result: dict, config: DemoConfig, tol: float = 1e-4, kl_tol: float = 1e-5,
-           vocab_tol: float = 1e-4) -> dict:  # fmt: skip
+def _check(
+    result: dict,
+    config: DemoConfig,
+    tol: float = 1e-4,
+    kl_tol: float = 1e-5,
+    vocab_tol: float = 1e-4,
+) -> dict:
     """``tol``: the sampled-token log-prob agreement. It is float32 rounding, which grows as the
     policy sharpens and samples rarer tokens (1e-6 at the start, 1.2e-5 after 20 steps, up to
     6e-5 after 150); a wrong or missing push moves log-probs by far more (the test fails on
@@ -88,10 +95,24 @@ def test_short_sync_demo_learns(placement, llama_dir, tmp_path):
 @pytest.mark.timeout(300)
 def test_short_async_demo_through_the_cli_sees_staleness_and_learns(llama_dir, tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "demo", "--async", "1", "--steps", "20",
-         "--model-dir", llama_dir, "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "demo",
+            "--async",
+            "1",
+            "--steps",
+            "20",
+            "--model-dir",
+            llama_dir,
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step  20/20" in done.stdout and "held-out greedy accuracy" in done.stdout
     result = json.loads((tmp_path / "demo.json").read_text())
@@ -121,8 +142,9 @@ BF16_TOLERANCES = dict(tol=0.5, kl_tol=5e-3, vocab_tol=0.5)
 FP8_TOLERANCES = dict(tol=3.0, kl_tol=0.1, vocab_tol=2.0)
 
 
-def _check_mismatch(result: dict, summary: dict, correction: str, gap_mean_max: float = 0.03
-                    ) -> None:  # fmt: skip
+def _check_mismatch(
+    result: dict, summary: dict, correction: str, gap_mean_max: float = 0.03
+) -> None:
     """A low-precision engine's mismatch is visible (far above float32's ~1e-7 mean gap) but
     small, and the importance weights are reported per step. (The final check's 16 samples of 2
     problems can be near-deterministic tokens, where the gap is tiny: no lower bound there.)"""
@@ -146,8 +168,13 @@ def test_short_demo_with_a_bfloat16_engine_and_tis_learns(llama_dir, tmp_path):
     does; the sampled-token log-prob gap is bfloat16-sized (measured: max 0.23, mean 0.007 over
     20 steps; ``BF16_TOLERANCES``), and at cap 2 (a gap of ln 2 = 0.69) no token is truncated.
     ~13 s on 2 cores with avx512_bf16 (the CLI run with MIS: ~19 s)."""
-    config = DemoConfig(model_dir=llama_dir, out_dir=str(tmp_path), engine_dtype="bfloat16",
-                        is_correction="tis", **SHORT)  # fmt: skip
+    config = DemoConfig(
+        model_dir=llama_dir,
+        out_dir=str(tmp_path),
+        engine_dtype="bfloat16",
+        is_correction="tis",
+        **SHORT,
+    )
     result = run(config)
     summary = _check(result, config, **BF16_TOLERANCES)
     _check_mismatch(result, summary, "tis")
@@ -163,11 +190,28 @@ def test_short_demo_through_the_cli_with_a_bfloat16_engine_and_mis_learns(llama_
     enough that some tokens are masked (measured: 0.5% of them, up to 1% in a step), and it
     still learns; the printed summary names the dtype, the correction and what it did."""
     done = subprocess.run(
-        [sys.executable, "-m", "tandem.cli", "demo", "--steps", "20", "--engine-dtype",
-         "bfloat16", "--is-correction", "mis", "--is-cap", "1.05", "--model-dir", llama_dir,
-         "--out-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=280,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "demo",
+            "--steps",
+            "20",
+            "--engine-dtype",
+            "bfloat16",
+            "--is-correction",
+            "mis",
+            "--is-cap",
+            "1.05",
+            "--model-dir",
+            llama_dir,
+            "--out-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "engine bfloat16, correction mis (cap 1.05)" in done.stdout, done.stdout
     result = json.loads((tmp_path / "demo.json").read_text())
@@ -186,8 +230,9 @@ def test_short_demo_with_an_fp8_engine_and_tis_learns(llama_dir, tmp_path):
     """Block-FP8 weights, bfloat16 activations (``LLM(quantization="fp8", dtype="bfloat16")``),
     float32 trainers pushing into it, truncated IS: it learns. FP8-sized tolerances
     (``FP8_TOLERANCES``: measured sampled-token gaps up to 1.28, mean 0.031; KL 2.2e-2)."""
-    config = DemoConfig(model_dir=llama_dir, out_dir=str(tmp_path), engine_dtype="fp8",
-                        is_correction="tis", **SHORT)  # fmt: skip
+    config = DemoConfig(
+        model_dir=llama_dir, out_dir=str(tmp_path), engine_dtype="fp8", is_correction="tis", **SHORT
+    )
     result = run(config)
     summary = _check(result, config, **FP8_TOLERANCES)
     _check_mismatch(result, summary, "tis", gap_mean_max=0.1)

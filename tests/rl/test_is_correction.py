@@ -24,8 +24,9 @@ def _loss(correction: str, trainer=TRAINER, engine=ENGINE, advantages=(1.0,), ma
     engine_logp = torch.tensor(engine)
     mask = torch.ones_like(engine_logp) if mask is None else torch.tensor(mask)
     corr = correct_mismatch(logp, engine_logp, mask, correction, cap=2.0)
-    loss, _ = policy_loss(logp, corr.old_logp, torch.tensor(advantages), corr.mask,
-                          is_weight=corr.weight)  # fmt: skip
+    loss, _ = policy_loss(
+        logp, corr.old_logp, torch.tensor(advantages), corr.mask, is_weight=corr.weight
+    )
     loss.backward()
     return loss.item(), logp.grad[0].tolist(), corr
 
@@ -63,8 +64,7 @@ def test_no_correction_is_the_old_loss():
     loss, grad, corr = _loss("none", trainer, engine, (1.0, -0.5), mask)
     assert corr.weight is None and torch.equal(corr.old_logp, torch.tensor(engine))
     logp = torch.tensor(trainer, requires_grad=True)
-    old, _ = policy_loss(logp, torch.tensor(engine), torch.tensor([1.0, -0.5]),
-                         torch.tensor(mask))  # fmt: skip
+    old, _ = policy_loss(logp, torch.tensor(engine), torch.tensor([1.0, -0.5]), torch.tensor(mask))
     old.backward()
     assert loss == old.item() and grad == logp.grad[0].tolist()
     # the padded token (engine 0, trainer -4: ratio e^-4 * 0) is counted nowhere
@@ -124,12 +124,19 @@ def test_the_runs_figure_plots_each_run(tmp_path):
     for i, dtype in enumerate(("float32", "fp8")):
         run_dir = tmp_path / dtype
         run_dir.mkdir()
-        evals = [{"phase": "start", "step": 0, "reward": 0.3},
-                 {"phase": "rl", "step": 5, "reward": 0.5 + i / 10}]  # fmt: skip
-        steps = [{"step": k, "reward_mean": 0.2 + k / 10, "logprob_gap_mean": 1e-3 * (k + 1)}
-                 for k in range(1, 6)]  # fmt: skip
-        result = {"config": {"engine_dtype": dtype, "is_correction": "tis"}, "evals": evals,
-                  "steps": steps}  # fmt: skip
+        evals = [
+            {"phase": "start", "step": 0, "reward": 0.3},
+            {"phase": "rl", "step": 5, "reward": 0.5 + i / 10},
+        ]
+        steps = [
+            {"step": k, "reward_mean": 0.2 + k / 10, "logprob_gap_mean": 1e-3 * (k + 1)}
+            for k in range(1, 6)
+        ]
+        result = {
+            "config": {"engine_dtype": dtype, "is_correction": "tis"},
+            "evals": evals,
+            "steps": steps,
+        }
         (run_dir / "demo.json").write_text(json.dumps(result))
     out = tmp_path / "runs.png"
     assert compare.main([str(out), str(tmp_path / "float32"), str(tmp_path / "fp8")]) == 0

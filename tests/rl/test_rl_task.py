@@ -30,8 +30,12 @@ def test_held_out_problems_are_never_trained_on():
     task = ReverseTask(seed=3)
     held = {p.digits for p in task.held_out()}
     assert len(held) == 100
-    seen = {p.digits for step in range(200) for stream in ("rl", "warmup")
-            for p in task.problems(step, 64, stream)}  # fmt: skip
+    seen = {
+        p.digits
+        for step in range(200)
+        for stream in ("rl", "warmup")
+        for p in task.problems(step, 64, stream)
+    }
     assert not seen & held
     assert len(seen) == 900  # every other problem is drawn
     assert task.problems(5, 8) == task.problems(5, 8)  # seeded
@@ -104,10 +108,19 @@ def test_next_token_kl_matches_torch():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("steps", 0), ("group_size", 1), ("warmup_steps", -1), ("warmup_batch", 1),
-     ("prompts_per_step", 1), ("eval_every", 0), ("digits", 5), ("lr", 0.0),
-     ("placement", "remote"), ("async_staleness", 0)],
-)  # fmt: skip
+    [
+        ("steps", 0),
+        ("group_size", 1),
+        ("warmup_steps", -1),
+        ("warmup_batch", 1),
+        ("prompts_per_step", 1),
+        ("eval_every", 0),
+        ("digits", 5),
+        ("lr", 0.0),
+        ("placement", "remote"),
+        ("async_staleness", 0),
+    ],
+)
 def test_demo_config_errors_name_the_field(field, value):
     from tandem.rl.config import DemoConfig
 

@@ -206,8 +206,16 @@ def encode(body) -> bytes:
     return text.encode()
 
 
-INVALID_UTF8 = [b"\xff", b"\xfe\xff", b"\xc0\xaf", b"\xed\xa0\x80", b"\xf8\x88\x80\x80\x80",
-                b"\x80", b"\xe2\x82", b"\xf4\x90\x80\x80"]  # fmt: skip
+INVALID_UTF8 = [
+    b"\xff",
+    b"\xfe\xff",
+    b"\xc0\xaf",
+    b"\xed\xa0\x80",
+    b"\xf8\x88\x80\x80\x80",
+    b"\x80",
+    b"\xe2\x82",
+    b"\xf4\x90\x80\x80",
+]
 
 
 def raw_bodies(valid: dict, max_request_bytes: int):
@@ -247,11 +255,15 @@ def odd_requests(admin_key: str):
     unknown = path.map(lambda p: "/" + p).filter(
         lambda p: p not in ROUTES + ADMIN and p[:-1] not in ROUTES + ADMIN  # no slash redirect
     )
-    bad_keys = [{}, {"authorization": "Bearer wrong"}, {"authorization": admin_key},
-                {"authorization": f"Basic {admin_key}"},
-                {"authorization": f"Bearer {admin_key[:-1]}"},
-                {"authorization": f"Bearer {admin_key}x"},
-                {"authorization": b"Bearer \xff\xfe"}]  # fmt: skip
+    bad_keys = [
+        {},
+        {"authorization": "Bearer wrong"},
+        {"authorization": admin_key},
+        {"authorization": f"Basic {admin_key}"},
+        {"authorization": f"Bearer {admin_key[:-1]}"},
+        {"authorization": f"Bearer {admin_key}x"},
+        {"authorization": b"Bearer \xff\xfe"},
+    ]
     no_headers = st.just({})
     return st.one_of(
         st.tuples(

@@ -32,8 +32,9 @@ def main() -> int:
     args = p.parse_args()
     transformers.utils.logging.disable_progress_bar()
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
-    sender = WeightSender(model, args.url, transport=args.transport, mode=args.mode,
-                          admin_key=args.key)  # fmt: skip
+    sender = WeightSender(
+        model, args.url, transport=args.transport, mode=args.mode, admin_key=args.key
+    )
     # faults strike once the boxes are delivered, before the engine is told they are ready
     if args.fault == "die":
         if sender.transport == "dist":  # only the first engine rank gets its boxes

@@ -12,12 +12,21 @@ import transformers
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def peft_model(model_dir: str, seed: int, *, r: int = 4, alpha: float = 8, targets=ALL,
-               rslora: bool = False, std: float = 0.2):  # fmt: skip
+def peft_model(
+    model_dir: str,
+    seed: int,
+    *,
+    r: int = 4,
+    alpha: float = 8,
+    targets=ALL,
+    rslora: bool = False,
+    std: float = 0.2,
+):
     """A PEFT LoRA model on ``model_dir`` with random, non-zero A and B (PEFT starts B at 0)."""
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
-                             use_rslora=rslora, lora_dropout=0.0)  # fmt: skip
+    config = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=list(targets), use_rslora=rslora, lora_dropout=0.0
+    )
     model = peft.get_peft_model(base, config)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

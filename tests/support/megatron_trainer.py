@@ -38,42 +38,65 @@ def build(model_dir: str, tp: int, pp: int):
     # LayerNorm, GELU, biases, tied)
     family = hf["model_type"]
     common = dict(
-        use_cpu_initialization=True, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
         bias_activation_fusion=False,
-    )  # fmt: skip
+    )
     if family == "gpt2":
         cfg = TransformerConfig(
-            num_layers=hf["n_layer"], hidden_size=hf["n_embd"], num_attention_heads=hf["n_head"],
-            ffn_hidden_size=4 * hf["n_embd"], normalization="LayerNorm",
-            layernorm_epsilon=hf["layer_norm_epsilon"], gated_linear_unit=False,
-            activation_func=lambda x: F.gelu(x, approximate="tanh"), add_bias_linear=True,
+            num_layers=hf["n_layer"],
+            hidden_size=hf["n_embd"],
+            num_attention_heads=hf["n_head"],
+            ffn_hidden_size=4 * hf["n_embd"],
+            normalization="LayerNorm",
+            layernorm_epsilon=hf["layer_norm_epsilon"],
+            gated_linear_unit=False,
+            activation_func=lambda x: F.gelu(x, approximate="tanh"),
+            add_bias_linear=True,
             **common,
-        )  # fmt: skip
+        )
         positions = dict(position_embedding_type="learned_absolute")
         max_len = hf["n_positions"]
     else:
         cfg = TransformerConfig(
-            num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
             num_attention_heads=hf["num_attention_heads"],
-            num_query_groups=hf["num_key_value_heads"], ffn_hidden_size=hf["intermediate_size"],
+            num_query_groups=hf["num_key_value_heads"],
+            ffn_hidden_size=hf["intermediate_size"],
             kv_channels=hf.get("head_dim", hf["hidden_size"] // hf["num_attention_heads"]),
-            add_qkv_bias=family == "qwen2", qk_layernorm=family == "qwen3",
-            normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"],
-            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, **common,
-        )  # fmt: skip
+            add_qkv_bias=family == "qwen2",
+            qk_layernorm=family == "qwen3",
+            normalization="RMSNorm",
+            layernorm_epsilon=hf["rms_norm_eps"],
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            **common,
+        )
         positions = dict(position_embedding_type="rope", rotary_base=int(hf["rope_theta"]))
         max_len = hf["max_position_embeddings"]
     multiple = 64 * tp
     padded = -(-hf["vocab_size"] // multiple) * multiple
     model = GPTModel(
-        cfg, get_gpt_layer_local_spec(qk_layernorm=family == "qwen3"), vocab_size=padded,
-        max_sequence_length=max_len, **positions,
+        cfg,
+        get_gpt_layer_local_spec(qk_layernorm=family == "qwen3"),
+        vocab_size=padded,
+        max_sequence_length=max_len,
+        **positions,
         share_embeddings_and_output_weights=hf.get("tie_word_embeddings", False),
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-    )  # fmt: skip
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+    )
     return model, hf["vocab_size"]
 
 
@@ -123,8 +146,9 @@ def main() -> int:
     assert world == tp * pp, "one model replica: WORLD = TP x PP"
     model_dir, address, version, out_path, prompt = sys.argv[6:11]
     megatron_shims.install()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     from megatron.core import parallel_state as ps
 
     from tandem.exchange import WeightSender

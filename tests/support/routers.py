@@ -23,9 +23,17 @@ class Router(ServerProcess):
 def decodes(server: Server, trainer) -> None:
     """``server`` greedy-decodes what transformers does on ``trainer``'s weights."""
     prompt = [5, 17, 99, 3]
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
-                                             "max_tokens": 4, "temperature": 0,
-                                             "ignore_eos": True, "logprobs": 0})  # fmt: skip
+    r = server.post(
+        "/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": prompt,
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        },
+    )
     choice = r.json()["choices"][0]
     ids = prompt + choice["token_ids"]
     with torch.no_grad():

@@ -87,19 +87,36 @@ ID_PROMPTS = [[5, 17, 99, 3], [40, 41, 42]]
 
 def greedy(server: Server, max_tokens: int = 6) -> tuple[list[list[int]], dict]:
     """Greedy token ids for ID_PROMPTS, and the response body."""
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": ID_PROMPTS,
-                                             "max_tokens": max_tokens, "temperature": 0,
-                                             "ignore_eos": True})  # fmt: skip
+    r = server.post(
+        "/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": ID_PROMPTS,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     return [c["token_ids"] for c in sorted(body["choices"], key=lambda c: c["index"])], body
 
 
-def push(server: Server, model_dir: str, transport: str = "shm", *extra: str, key=ADMIN_KEY,
-         url: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+def push(
+    server: Server,
+    model_dir: str,
+    transport: str = "shm",
+    *extra: str,
+    key=ADMIN_KEY,
+    url: str | None = None,
+) -> subprocess.CompletedProcess:
     """Run tests/support/http_trainer.py: a separate trainer process pushing into ``server``."""
-    return subprocess.run([sys.executable, TRAINER, model_dir, url or server.url, transport, key,
-                           *extra], capture_output=True, text=True, timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, TRAINER, model_dir, url or server.url, transport, key, *extra],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def alive(pid: int) -> bool:

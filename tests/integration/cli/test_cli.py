@@ -21,8 +21,18 @@ def test_make_tiny_model_then_generate(tmp_path):
     made = _run("make-tiny-model", str(model), "--family", "qwen3", "--seed", "3")
     assert "qwen3" in made.stdout
     assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    out = _run("generate", "--model", str(model), "--prompt", "Hello", "--prompt", "1 + 1 =",
-               "--max-tokens", "5", "--logprobs")  # fmt: skip
+    out = _run(
+        "generate",
+        "--model",
+        str(model),
+        "--prompt",
+        "Hello",
+        "--prompt",
+        "1 + 1 =",
+        "--max-tokens",
+        "5",
+        "--logprobs",
+    )
     records = [json.loads(line) for line in out.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["Hello", "1 + 1 ="]
     assert all(
@@ -39,8 +49,13 @@ def test_bad_model_dir_is_a_one_line_error(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_serve_with_a_hub_id_says_to_download_it(tmp_path):
-    done = subprocess.run([*TANDEM, "serve", "--model", "Qwen/Qwen2.5-0.5B", "--port", "0"],
-                          capture_output=True, text=True, timeout=100, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [*TANDEM, "serve", "--model", "Qwen/Qwen2.5-0.5B", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        cwd=tmp_path,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "looks like a Hugging Face hub id" in done.stderr
     assert "huggingface-cli download Qwen/Qwen2.5-0.5B --local-dir" in done.stderr

@@ -89,9 +89,10 @@ QWEN2_REWARD = {  # qkv bias, tied embeddings, two labels
 }
 
 
-@pytest.mark.parametrize("tp,pp,overrides", [(1, 1, {}), (2, 1, {}),
-                                             pytest.param(1, 2, {}, marks=pytest.mark.slow),
-                                             (2, 1, QWEN2_REWARD)])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp,pp,overrides",
+    [(1, 1, {}), (2, 1, {}), pytest.param(1, 2, {}, marks=pytest.mark.slow), (2, 1, QWEN2_REWARD)],
+)
 def test_reward_model_scores_the_last_token(model_factory, tp, pp, overrides):
     path = model_factory("llama_reward", **overrides)
     hf = _hf(path)
@@ -134,8 +135,7 @@ def test_quick_encode_bench_shape(tmp_path, monkeypatch):
     for side in ("transformers", "transformers_arrival"):
         assert set(result[f"{side}_batch_seconds"]) == {str(b) for b in BATCH_SIZES}
     assert result["padded_tokens_sorted"] >= result["tokens"]
-    assert set(result["ratios"]) == {"unpadded_vs_transformers",
-                                     "unpadded_vs_transformers_arrival"}  # fmt: skip
+    assert set(result["ratios"]) == {"unpadded_vs_transformers", "unpadded_vs_transformers_arrival"}
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), (1, 2)])
@@ -169,9 +169,20 @@ def test_classify_cli_reads_images_like_transformers_image_processor(model_facto
         pixels = torch.randint(0, 256, (size, size + 5, 3), generator=rng, dtype=torch.uint8)
         files.append(tmp_path / f"image{i}.png")
         Image.fromarray(pixels.numpy()).save(files[-1])
-    out = subprocess.run([sys.executable, "-m", "tandem.cli", "classify", "--model", path,
-                          *[a for f in files for a in ("--image", str(f))]],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "classify",
+            "--model",
+            path,
+            *[a for f in files for a in ("--image", str(f))],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
     processor = transformers.ViTImageProcessor.from_pretrained(path)

@@ -45,8 +45,11 @@ def _port_free(port: int) -> bool:
 
 @pytest.fixture(scope="module")
 def models(model_factory):
-    return {"engine": model_factory("llama", seed=0), "trainer": model_factory("llama", seed=1),
-            "other": model_factory("llama", seed=2, hidden_size=96)}  # fmt: skip
+    return {
+        "engine": model_factory("llama", seed=0),
+        "trainer": model_factory("llama", seed=1),
+        "other": model_factory("llama", seed=2, hidden_size=96),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +64,9 @@ def expected(models):
 
 @pytest.fixture(scope="module")
 def server(models):
-    with Server(models["engine"], "--tp", "2", "--admin-key", ADMIN_KEY,
-                "--kv-cache-memory", str(16 << 20)) as s:  # fmt: skip
+    with Server(
+        models["engine"], "--tp", "2", "--admin-key", ADMIN_KEY, "--kv-cache-memory", str(16 << 20)
+    ) as s:
         yield s
 
 
@@ -96,8 +100,13 @@ def test_trainer_killed_mid_push_keeps_the_old_version(server, models, expected,
     streamed = {}
 
     def stream():  # a request in flight while the push breaks: it must finish, not hang
-        body = {"model": server.model, "prompt": "go", "max_tokens": 40, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": server.model,
+            "prompt": "go",
+            "max_tokens": 40,
+            "ignore_eos": True,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
                 streamed["events"] = [x for x in r.iter_lines() if x.startswith("data:")]
@@ -151,10 +160,13 @@ def test_corrupted_byte_in_transit_is_rejected(server, models, expected):
 
 def test_peers_closing_connections_mid_request(server, models, expected):
     host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": server.model, "prompt": "x", "max_tokens": 300,
-                       "ignore_eos": True}).encode()  # fmt: skip
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    body = json.dumps(
+        {"model": server.model, "prompt": "x", "max_tokens": 300, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((host, int(port))) as s:  # closes halfway through the body
         s.sendall(head + body[:10])
     with socket.create_connection((host, int(port))) as s:  # closes while generating
@@ -177,8 +189,13 @@ def test_worker_killed_mid_generation(models):
     result = {}
 
     def stream():
-        body = {"model": server.model, "prompt": "go", "max_tokens": 400, "ignore_eos": True,
-                "stream": True}  # fmt: skip
+        body = {
+            "model": server.model,
+            "prompt": "go",
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             result["events"] = [x for x in r.iter_lines() if x.startswith("data:")]
             result["done"] = time.monotonic()
@@ -193,15 +210,19 @@ def test_worker_killed_mid_generation(models):
         assert not t.is_alive() and result["done"] - killed < 5  # the stream ends, with a reason
         assert "engine_unavailable" in result["events"][-2]
         assert wait_for(lambda: server.get("/health").status_code == 503, timeout=5)
-        assert server.post("/v1/completions", json={"model": server.model,
-                                                    "prompt": "x"}).status_code == 503  # fmt: skip
+        assert (
+            server.post("/v1/completions", json={"model": server.model, "prompt": "x"}).status_code
+            == 503
+        )
     finally:
         assert server.stop() == 0
     assert not any(os.path.exists(f"/proc/{w}/status") and alive(w) for w in workers)
     assert wait_for(lambda: _port_free(port), timeout=5)
     with Server(models["engine"], "--tp", "2", "--kv-cache-memory", str(16 << 20)) as again:
-        assert again.post("/v1/completions", json={"model": again.model,
-                                                   "prompt": "x"}).status_code == 200  # fmt: skip
+        assert (
+            again.post("/v1/completions", json={"model": again.model, "prompt": "x"}).status_code
+            == 200
+        )
 
 
 @pytest.mark.parametrize("damage", ["truncated weights (disk full)", "missing tokenizer"])
@@ -217,9 +238,23 @@ def test_load_failure_is_a_clear_error_and_leaves_nothing(models, tmp_path, dama
         (model / "tokenizer.json").unlink()
         named = "tokenizer.json"
     port = free_port()
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--model", str(model),
-                           "--tp", "2", "--port", str(port)], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--tp",
+            "2",
+            "--port",
+            str(port),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     last = done.stderr.strip().splitlines()[-1]  # (workers print their own traceback above)
     assert last.startswith("tandem serve: cannot start") and named in last, done.stderr

@@ -106,9 +106,13 @@ def test_scales_are_placed_with_the_shards_that_hold_their_blocks():
 
 @pytest.mark.parametrize(
     ("family", "parallel"),
-    [("llama", {}), ("llama", {"tensor_parallel_size": 2}),
-     ("llama", {"pipeline_parallel_size": 2}), ("qwen3_moe", {"tensor_parallel_size": 2})],
-)  # fmt: skip
+    [
+        ("llama", {}),
+        ("llama", {"tensor_parallel_size": 2}),
+        ("llama", {"pipeline_parallel_size": 2}),
+        ("qwen3_moe", {"tensor_parallel_size": 2}),
+    ],
+)
 def test_an_fp8_checkpoint_serves_as_transformers_fp8_path(fp8_dirs, family, parallel):
     src, fp8 = fp8_dirs(family)
     # transformers' FP8 path on a machine without a GPU: each weight x its block's scale
@@ -152,10 +156,15 @@ def _expected_bytes(held: dict[str, torch.Tensor]) -> int:
 
 @pytest.mark.parametrize(
     ("transport", "mode", "trainer_dtype"),
-    [("shm", "staged", torch.float32), ("shm", "in_place", torch.float32),
-     ("dist", "staged", torch.float32), ("dist", "in_place", torch.float32),
-     ("mooncake", "staged", torch.float32), ("shm", "staged", torch.bfloat16)],
-)  # fmt: skip
+    [
+        ("shm", "staged", torch.float32),
+        ("shm", "in_place", torch.float32),
+        ("dist", "staged", torch.float32),
+        ("dist", "in_place", torch.float32),
+        ("mooncake", "staged", torch.float32),
+        ("shm", "staged", torch.bfloat16),
+    ],
+)
 def test_a_float_push_lands_as_the_reference_quantization_of_the_trainers_weights(
     fp8_dirs, model_factory, transport, mode, trainer_dtype
 ):
@@ -248,12 +257,16 @@ def test_an_fp8_fleet_takes_a_push_and_heals_a_new_replica_from_a_peer(fp8_dirs,
 
 @pytest.mark.parametrize(
     ("config", "field"),
-    [({"quant_method": "awq"}, "quant_method"),
-     ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt"),
-     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
-     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
-      "scale_fmt")],
-)  # fmt: skip
+    [
+        ({"quant_method": "awq"}, "quant_method"),
+        ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt"),
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"},
+            "scale_fmt",
+        ),
+    ],
+)
 def test_an_fp8_config_tandem_cannot_serve_is_refused_naming_the_field(config, field):
     from tandem.errors import UnsupportedModelError
     from tandem.models.fp8 import Fp8Config

@@ -20,11 +20,21 @@ FUZZ = settings(
     deadline=None,
     derandomize=True,  # the same requests on every run: CI is reproducible
     database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                           HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)  # fmt: skip
-CONTENT_TYPES = ["application/json", "text/plain", "application/x-www-form-urlencoded",
-                 "multipart/form-data", "application/xml", ""]  # fmt: skip
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
+CONTENT_TYPES = [
+    "application/json",
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data",
+    "application/xml",
+    "",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,15 +88,23 @@ def test_hostile_completions_get_4xx(server, mutation, stream):
 @FUZZ
 @given(mutation=hostile.chat_mutations(CONTEXT), stream=st.booleans())
 def test_hostile_chat_requests_get_4xx(server, mutation, stream):
-    base = {"model": server.model, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 1, "stream": stream}  # fmt: skip
+    base = {
+        "model": server.model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 1,
+        "stream": stream,
+    }
     r = post_json(server, "chat", "/v1/chat/completions", hostile.apply(base, mutation))
     assert_openai_error(r)
 
 
 @FUZZ
-@given(data=st.data(), content_type=st.sampled_from(CONTENT_TYPES), chunked=st.booleans(),
-       path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))  # fmt: skip
+@given(
+    data=st.data(),
+    content_type=st.sampled_from(CONTENT_TYPES),
+    chunked=st.booleans(),
+    path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+)
 def test_malformed_bodies_get_4xx(server, data, content_type, chunked, path):
     valid = {"model": server.model, "prompt": "hi", "max_tokens": 1}
     raw = data.draw(hostile.raw_bodies(valid, MAX_REQUEST_BYTES))

@@ -33,8 +33,13 @@ async def client(url: str, model: str, deadline: float, seed: int, stats: Counte
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         while time.monotonic() < deadline:
-            body = {"model": model, "prompt": f"client {seed} says", "stream": True,
-                    "max_tokens": rng.randint(4, 32), "temperature": 1.0}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": f"client {seed} says",
+                "stream": True,
+                "max_tokens": rng.randint(4, 32),
+                "temperature": 1.0,
+            }
             async with http.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code == 429:
                     assert r.headers["retry-after"] == "1"
@@ -60,8 +65,14 @@ async def client(url: str, model: str, deadline: float, seed: int, stats: Counte
 
 def test_100_streaming_clients_for_60_seconds(model_factory):
     model = model_factory("llama", max_position_embeddings=128)
-    args = ["--max-num-seqs", "16", "--max-waiting-requests", "16",
-            "--kv-cache-memory", str(32 << 20)]  # fmt: skip
+    args = [
+        "--max-num-seqs",
+        "16",
+        "--max-waiting-requests",
+        "16",
+        "--kv-cache-memory",
+        str(32 << 20),
+    ]
     with Server(model, *args) as server:
         stats: Counter = Counter()
         start = time.monotonic()

@@ -69,8 +69,14 @@ def _pairs(outs):
 def test_every_row_of_a_mixed_batch_equals_its_merged_peft_model(llama_dir, lora, tp, pp):
     names = ["a1", "a2", None, "a2", "a1", None]
     prompts = [PROMPTS[i % 2] for i in range(len(names))]
-    with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8,
-             tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:  # fmt: skip
+    with LLM(
+        llama_dir,
+        enable_lora=True,
+        max_loras=2,
+        max_lora_rank=8,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+    ) as llm:
         outs = llm.generate(prompts, GREEDY, lora_request=[_request(lora, n) for n in names])
     for out, prompt, name in zip(outs, prompts, names, strict=True):
         _close(_pairs([out])[0], greedy(lora["models"][name], prompt, MAX_TOKENS))
@@ -84,10 +90,13 @@ def test_a_mixed_batch_equals_each_adapter_run_alone(llama_dir, lora):
     names = ["a1", None, "a2", "a1"]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[1]]
     with LLM(llama_dir, enable_lora=True, max_loras=2, max_lora_rank=8) as llm:
-        mixed = _pairs(llm.generate(prompts, GREEDY,
-                                    lora_request=[_request(lora, n) for n in names]))  # fmt: skip
-        alone = [_pairs(llm.generate([p], GREEDY, lora_request=_request(lora, n)))[0]
-                 for p, n in zip(prompts, names, strict=True)]  # fmt: skip
+        mixed = _pairs(
+            llm.generate(prompts, GREEDY, lora_request=[_request(lora, n) for n in names])
+        )
+        alone = [
+            _pairs(llm.generate([p], GREEDY, lora_request=_request(lora, n)))[0]
+            for p, n in zip(prompts, names, strict=True)
+        ]
     for got, want in zip(mixed, alone, strict=True):
         _close(got, want, 1e-5)
 
@@ -135,8 +144,9 @@ def test_an_adapter_push_sends_only_the_adapter_and_serves_its_latest_version(ll
         assert stats.bytes_needed == stats.bytes_moved == adapter_bytes
         assert llm.weight_version == 0  # the base weights did not move
         policy = LoRARequest("policy", 123)
-        for prompt, got in zip(PROMPTS, _pairs(llm.generate(PROMPTS, GREEDY, lora_request=policy)),
-                               strict=True):  # fmt: skip
+        for prompt, got in zip(
+            PROMPTS, _pairs(llm.generate(PROMPTS, GREEDY, lora_request=policy)), strict=True
+        ):
             _close(got, greedy(merged(trainer), prompt, MAX_TOKENS))
         with torch.no_grad():  # a training step's worth of change
             for name, p in trainer.named_parameters():
@@ -182,18 +192,32 @@ def test_keep_versions_keeps_the_last_n_versions_in_their_slots(llama_dir):
         _close(_pairs(out)[0], greedy(merged(trainer), PROMPTS[0], MAX_TOKENS))
 
 
-def test_an_adapter_push_from_a_two_rank_fsdp2_peft_trainer_lands_exactly(llama_dir, lora,
-                                                                          tmp_path):  # fmt: skip
+def test_an_adapter_push_from_a_two_rank_fsdp2_peft_trainer_lands_exactly(
+    llama_dir, lora, tmp_path
+):
     """FSDP2 shards every A and B by rows over two trainer ranks (DTensors); the engine at
     TP=2 takes each box from the rank that holds it and serves the merged model."""
     script = SUPPORT / "fsdp_peft_trainer.py"
     port = str(free_port())
-    with LLM(llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8,
-             tensor_parallel_size=2) as llm:  # fmt: skip
+    with LLM(
+        llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8, tensor_parallel_size=2
+    ) as llm:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
-        procs = [subprocess.Popen([sys.executable, str(script), str(r), port, llama_dir,
-                                   lora["paths"]["a1"], llm.exchange_address], env=env)
-                 for r in range(2)]  # fmt: skip
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(script),
+                    str(r),
+                    port,
+                    llama_dir,
+                    lora["paths"]["a1"],
+                    llm.exchange_address,
+                ],
+                env=env,
+            )
+            for r in range(2)
+        ]
         try:
             codes = [p.wait(timeout=240) for p in procs]
         finally:
@@ -218,16 +242,20 @@ def test_a_wrong_copy_of_an_adapter_is_rejected_and_its_last_version_serves(llam
                     p.add_(0.5)
         with monkeypatch.context() as m:
             m.setattr(SenderHalf, "write_box", faulty_sender(shifted))
-            with pytest.raises(WeightSyncError, match="checksum mismatch.*versions loaded "
-                               "before keep serving|versions loaded before keep serving.*"
-                               "checksum mismatch"):  # fmt: skip
+            with pytest.raises(
+                WeightSyncError,
+                match="checksum mismatch.*versions loaded "
+                "before keep serving|versions loaded before keep serving.*"
+                "checksum mismatch",
+            ):
                 sender.push(version=2)
         assert llm.engine.adapters.registry.latest("policy").version == 1
         assert _pairs(llm.generate(PROMPTS, GREEDY, lora_request=policy)) == before
 
 
-def test_bad_adapters_are_refused_by_name_and_nothing_runs(llama_dir, lora, tmp_path,
-                                                           model_factory):  # fmt: skip
+def test_bad_adapters_are_refused_by_name_and_nothing_runs(
+    llama_dir, lora, tmp_path, model_factory
+):
     wide = save_adapter(peft_model(llama_dir, 6, r=16), tmp_path / "wide")
     dora_dir = save_adapter(peft_model(llama_dir, 7), tmp_path / "dora")
     config = Path(dora_dir, "adapter_config.json")
@@ -245,8 +273,10 @@ def test_bad_adapters_are_refused_by_name_and_nothing_runs(llama_dir, lora, tmp_
             llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=three)
         assert llm.engine.scheduler.has_unfinished() is False
         assert sorted(a.name for a in llm.engine.adapters.loaded()) == ["a1", "a2"]
-        _close(_pairs(llm.generate(PROMPTS[:1], GREEDY, lora_request=_request(lora, "a1")))[0],
-               greedy(lora["models"]["a1"], PROMPTS[0], MAX_TOKENS))  # fmt: skip
+        _close(
+            _pairs(llm.generate(PROMPTS[:1], GREEDY, lora_request=_request(lora, "a1")))[0],
+            greedy(lora["models"]["a1"], PROMPTS[0], MAX_TOKENS),
+        )
     with LLM(llama_dir) as llm:
         with pytest.raises(LoRAError, match="enable_lora"):
             llm.generate(PROMPTS, GREEDY, lora_request=_request(lora, "a1"))

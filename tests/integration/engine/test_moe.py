@@ -40,8 +40,14 @@ def model(request, model_factory):
     path = model_factory(request.param, **overrides)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with LLM(path) as llm:
-        params = SamplingParams(max_tokens=N, temperature=1.0, seed=7, logprobs=0,
-                                return_routed_experts=True, ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=N,
+            temperature=1.0,
+            seed=7,
+            logprobs=0,
+            return_routed_experts=True,
+            ignore_eos=True,
+        )
         outs = llm.generate(PROMPTS, params)
     return path, hf, outs
 
@@ -49,8 +55,9 @@ def model(request, model_factory):
 def _hf_routing(hf, ids: list[int]) -> list[torch.Tensor]:
     """transformers' own top-k expert ids at every position, one tensor per MoE layer."""
     seen = []
-    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[2].clone()))
-             for r in moe_routers(hf)]  # fmt: skip
+    hooks = [
+        r.register_forward_hook(lambda m, i, o: seen.append(o[2].clone())) for r in moe_routers(hf)
+    ]
     with torch.no_grad():
         hf(torch.tensor([ids]))
     for h in hooks:
@@ -87,8 +94,11 @@ def test_replay_gives_the_engines_logprobs_and_is_really_applied(model):
             replayed = _completion_logprobs(hf, prompt, c.token_ids)
         assert replayed == pytest.approx(c.logprobs, abs=1e-5, rel=0)
         # other experts at those positions: the replay is applied, log-probs move
-        num_experts = hf.config.num_experts if hasattr(hf.config, "num_experts") else (
-            hf.config.num_local_experts)  # fmt: skip
+        num_experts = (
+            hf.config.num_experts
+            if hasattr(hf.config, "num_experts")
+            else (hf.config.num_local_experts)
+        )
         wrong = [[[(e + 1) % num_experts for e in ids] for ids in t] for t in c.routed_experts]
         with replay_routing(hf, [wrong], [len(prompt) - 1]):
             moved = _completion_logprobs(hf, prompt, c.token_ids)
@@ -104,8 +114,14 @@ def test_routed_experts_under_expert_and_pipeline_parallel(model, tp, pp):
     if pp > 1 and tp > 1 and "mixtral" in path:
         pytest.skip("one TP2xPP2 family is enough")
     with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
-        params = SamplingParams(max_tokens=N, temperature=1.0, seed=7, logprobs=0,
-                                return_routed_experts=True, ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=N,
+            temperature=1.0,
+            seed=7,
+            logprobs=0,
+            return_routed_experts=True,
+            ignore_eos=True,
+        )
         got = llm.generate(PROMPTS, params)
     for a, b in zip(outs, got, strict=True):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids
@@ -114,8 +130,15 @@ def test_routed_experts_under_expert_and_pipeline_parallel(model, tp, pp):
 
 def test_routed_experts_over_http(model):
     path, hf, outs = model
-    body = {"model": "moe", "prompt": PROMPTS[0], "max_tokens": N, "temperature": 1.0,
-            "seed": 7, "ignore_eos": True, "return_routed_experts": True}  # fmt: skip
+    body = {
+        "model": "moe",
+        "prompt": PROMPTS[0],
+        "max_tokens": N,
+        "temperature": 1.0,
+        "seed": 7,
+        "ignore_eos": True,
+        "return_routed_experts": True,
+    }
     with Server(path, "--served-model-name", "moe") as server:
         whole = server.post("/v1/completions", json=body).json()["choices"][0]
         streamed = []

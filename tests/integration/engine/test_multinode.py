@@ -19,16 +19,36 @@ def test_two_nodes_on_loopback_match_single_process(llama_dir):
     port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}  # on real hosts: the NIC between them
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "tandem.cli", "serve", "--model", llama_dir, "--tp", "2",
-         "--pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
-         "--master-port", str(port)],
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "serve",
+            "--model",
+            llama_dir,
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ],
         env=env,
-    )  # fmt: skip
+    )
     try:
         with LLM(
-            llama_dir, tensor_parallel_size=2, pipeline_parallel_size=2, nnodes=2,
+            llama_dir,
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            nnodes=2,
             master_port=port,
-        ) as llm:  # fmt: skip
+        ) as llm:
             assert len(llm.worker_locations()) == 2  # ranks 0-1 here, 2-3 on node 1
             got = llm.generate(prompts, params)
         assert node1.wait(timeout=30) == 0

@@ -55,9 +55,12 @@ def reference(model_factory):
         for o in outs:
             with torch.no_grad():
                 full = hf.generate(
-                    torch.tensor([o.prompt_token_ids]), do_sample=False, max_new_tokens=12,
-                    eos_token_id=None, pad_token_id=0,
-                )[0]  # fmt: skip
+                    torch.tensor([o.prompt_token_ids]),
+                    do_sample=False,
+                    max_new_tokens=12,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0]
             assert o.outputs[0].token_ids == full[len(o.prompt_token_ids) :].tolist()
         out[family] = (path, outs)
     return out
@@ -168,8 +171,13 @@ def test_engine_process_ending_leaves_no_workers(llama_dir, ending, tmp_path):
         + ("time.sleep(60)" if ending == "sigkill" else "sys.exit(0)")
     )
     env = {**os.environ, "TMPDIR": str(tmpdir)}
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     pids = [int(p) for p in proc.stdout.readline().split()]
     engines = set(tmpdir.iterdir())  # while the engine runs: its rendezvous directory
     proc.stdin.close()

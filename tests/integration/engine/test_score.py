@@ -61,8 +61,10 @@ def test_in_process_matches_transformers(llama_dir, reference, monkeypatch):
         _check(llm, reference)
         after = llm.engine.stats()
         # two calls of 4 prompts (1 + 5 + 17 tokens, then 40 alone), no generation step
-        assert (after.score_batches - before.score_batches,
-                after.score_prompts - before.score_prompts) == (4, 8)  # fmt: skip
+        assert (
+            after.score_batches - before.score_batches,
+            after.score_prompts - before.score_prompts,
+        ) == (4, 8)
         assert after.steps == before.steps and after.kv_blocks_used == 0
         # rows come in pieces of at most SCORE_FRAME_BYTES (3 rows of the 512-token vocab here)
         monkeypatch.setattr(model_runner, "SCORE_FRAME_BYTES", 3 * 4 * 512)
@@ -82,8 +84,10 @@ def _generate_and_score(llm: LLM, reference, scoring: bool):
     """A batch of seeded and greedy requests run on a thread; with ``scoring``, the prompts are
     scored again and again until it finishes. (its outputs, the scores taken meanwhile)"""
     _, prompts, _ = reference
-    params = [SamplingParams(max_tokens=48, temperature=0.8, seed=i, logprobs=0, ignore_eos=True)
-              for i in range(len(prompts))]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=48, temperature=0.8, seed=i, logprobs=0, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
     params[0] = SamplingParams(max_tokens=48, temperature=0, logprobs=0, ignore_eos=True)
     outs, scores = [], []
     llm.reset_prefix_cache()  # both runs compute their prompts whole
@@ -136,8 +140,9 @@ def _parts(msg: ScoreMessage, rows: torch.Tensor, per_part: int) -> list[ScoreRe
     parts = []
     for first in range(0, len(rows), per_part):
         piece = rows[first : first + per_part]
-        part = ScoreResult(msg.step_id, first, len(piece), rows.shape[1],
-                           piece.numpy().astype("<f4").tobytes())  # fmt: skip
+        part = ScoreResult(
+            msg.step_id, first, len(piece), rows.shape[1], piece.numpy().astype("<f4").tobytes()
+        )
         parts.append(CONTROL.decode(CONTROL.encode(part)))
     return parts
 

@@ -89,10 +89,19 @@ def test_a_handle_whose_descriptor_is_closed_is_refused_naming_why():
 def test_a_handle_of_a_process_that_exited_is_refused_naming_why():
     """A process killed but not yet reaped still has ``/proc/PID`` and no descriptor at all:
     the error says it exited (it used to say "alive")."""
-    child = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys; fd = os.memfd_create('tandem-test'); os.ftruncate(fd, 4096); "
-        "print(os.getpid(), fd, os.fstat(fd).st_ino, flush=True); sys.stdin.read()")],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import os, sys; fd = os.memfd_create('tandem-test'); os.ftruncate(fd, 4096); "
+                "print(os.getpid(), fd, os.fstat(fd).st_ino, flush=True); sys.stdin.read()"
+            ),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         pid, fd, inode = map(int, child.stdout.readline().split())
         MappedMemory([pid, fd, inode, 4096])  # mapped while it lives

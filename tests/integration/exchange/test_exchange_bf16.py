@@ -54,9 +54,9 @@ def _outputs(llm) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize(
-    ("transport", "mode"), [("shm", "staged"), ("shm", "in_place"), ("dist", "staged"),
-                            ("dist", "in_place")],
-)  # fmt: skip
+    ("transport", "mode"),
+    [("shm", "staged"), ("shm", "in_place"), ("dist", "staged"), ("dist", "in_place")],
+)
 def test_a_float32_push_lands_as_the_trainers_weights_in_bfloat16(
     dirs, trainer, loaded, transport, mode
 ):

@@ -58,10 +58,17 @@ def test_gpu_cuda_ipc_wrong_copy_is_rejected_and_the_old_weights_keep_serving(mo
     with LLM(engine_dir, device="cuda") as llm:
         before = llm.generate([[5, 9, 33, 2, 17]], params)[0].outputs[0].token_ids
         done = subprocess.run(
-            [sys.executable, str(script), trainer_dir, llm.exchange_address, "1", "cuda_ipc",
-             "shifted"],
+            [
+                sys.executable,
+                str(script),
+                trainer_dir,
+                llm.exchange_address,
+                "1",
+                "cuda_ipc",
+                "shifted",
+            ],
             timeout=240,
-        )  # fmt: skip
+        )
         assert done.returncode == 3 and llm.weight_version == 0
         after = llm.generate([[5, 9, 33, 2, 17]], params)[0].outputs[0].token_ids
         assert after == before

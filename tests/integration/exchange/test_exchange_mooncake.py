@@ -34,8 +34,9 @@ def _serves_the_trainer(llm, trainer) -> None:
         assert out.outputs[0].token_ids == full[len(ids) - 1 : -1].argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("tp, dp, dtype", [(2, 1, "float32"), (1, 2, "float32"),
-                                           (2, 1, "bfloat16")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tp, dp, dtype", [(2, 1, "float32"), (1, 2, "float32"), (2, 1, "bfloat16")]
+)
 def test_a_push_lands_by_one_sided_reads(models, tp, dp, dtype, monkeypatch):
     """TP=2 (worker processes read the trainer's registered tensors where a box is contiguous,
     its staging for the rest: column shards), a fleet of two replicas (both read the one

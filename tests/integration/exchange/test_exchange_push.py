@@ -55,10 +55,16 @@ def _staging_inodes() -> set[int]:
 
 @pytest.mark.parametrize(
     ("family", "transport", "mode"),
-    [("llama", "shm", "staged"), ("qwen2", "shm", "staged"), ("gpt2", "shm", "staged"),
-     ("llama", "shm", "in_place"), ("gpt2", "shm", "in_place"), ("llama", "dist", "staged"),
-     ("gpt2", "dist", "staged")],
-)  # fmt: skip
+    [
+        ("llama", "shm", "staged"),
+        ("qwen2", "shm", "staged"),
+        ("gpt2", "shm", "staged"),
+        ("llama", "shm", "in_place"),
+        ("gpt2", "shm", "in_place"),
+        ("llama", "dist", "staged"),
+        ("gpt2", "dist", "staged"),
+    ],
+)
 def test_push_into_single_process_engine_in_place(model_factory, family, transport, mode):
     engine_dir, trainer_dir = model_factory(family), model_factory(family, seed=1)
     trainer = _trainer(trainer_dir)
@@ -75,8 +81,9 @@ def test_push_into_single_process_engine_in_place(model_factory, family, transpo
         assert out[0].weight_version == 7
 
 
-@pytest.mark.parametrize(("transport", "mode"), [("shm", "staged"), ("shm", "in_place"),
-                                                 ("dist", "staged")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("transport", "mode"), [("shm", "staged"), ("shm", "in_place"), ("dist", "staged")]
+)
 def test_push_into_tensor_parallel_engine(model_factory, transport, mode):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     trainer = _trainer(trainer_dir)
@@ -145,9 +152,13 @@ def _check_matches_transformers(llm, trainer_dir: str, version: int) -> None:
 
 @pytest.mark.parametrize(
     ("transport", "mode"),
-    [("shm", "staged"), pytest.param("shm", "in_place", marks=pytest.mark.slow),
-     pytest.param("dist", "staged", marks=pytest.mark.slow), ("dist", "in_place")],
-)  # fmt: skip
+    [
+        ("shm", "staged"),
+        pytest.param("shm", "in_place", marks=pytest.mark.slow),
+        pytest.param("dist", "staged", marks=pytest.mark.slow),
+        ("dist", "in_place"),
+    ],
+)
 def test_fsdp2_trainer_processes_push_into_tp2_engine(model_factory, transport, mode):
     """2 FSDP2 ranks (uneven vocab shards) -> engine TP=2, each transport and mode."""
     engine_dir = model_factory("llama", vocab_size=509)

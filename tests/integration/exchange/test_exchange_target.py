@@ -30,14 +30,23 @@ PROTOCOL = {name for name in vars(WeightTarget) if not name.startswith("_")}
 
 
 def test_the_protocol_names_no_engine_internals():
-    assert PROTOCOL == {"weight_version", "weight_dtype", "weight_device_type",
-                        "receivers_in_process", "update_listeners", "weight_layouts",
-                        "weight_update", "unavailable", "refuses"}  # fmt: skip
+    assert PROTOCOL == {
+        "weight_version",
+        "weight_dtype",
+        "weight_device_type",
+        "receivers_in_process",
+        "update_listeners",
+        "weight_layouts",
+        "weight_update",
+        "unavailable",
+        "refuses",
+    }
 
 
 def test_the_engine_is_a_weight_target(llama_dir):
-    assert all(hasattr(EngineTarget, name) for name in PROTOCOL - {"weight_version",
-                                                                   "update_listeners"})  # fmt: skip
+    assert all(
+        hasattr(EngineTarget, name) for name in PROTOCOL - {"weight_version", "update_listeners"}
+    )
     with LLM(llama_dir) as llm:
         engine = llm.engine.target
         assert isinstance(engine, WeightTarget)
@@ -120,8 +129,9 @@ class _FakeTarget:
         return None
 
 
-@pytest.mark.parametrize(("transport", "mode"), [("shm", "staged"), ("dist", "staged"),
-                                                 ("dist", "in_place")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("transport", "mode"), [("shm", "staged"), ("dist", "staged"), ("dist", "in_place")]
+)
 def test_a_server_pushes_into_a_target_that_is_only_the_protocol(transport, mode):
     live, trainer = _Tiny(0), _Tiny(1)
     before = {n: p.data_ptr() for n, p in live.named_parameters()}
@@ -136,7 +146,8 @@ def test_a_server_pushes_into_a_target_that_is_only_the_protocol(transport, mode
         server.close()
     assert stats.version == target.weight_version == 3 and stats.bytes_moved > 0
     assert [(r.replica, r.bytes_in, r.bytes_needed) for r in stats.replicas] == [
-        (0, stats.bytes_needed, stats.bytes_needed)]  # fmt: skip
+        (0, stats.bytes_needed, stats.bytes_needed)
+    ]
     for (name, got), want in zip(live.named_parameters(), trainer.parameters(), strict=True):
         assert torch.equal(got, want) and got.data_ptr() == before[name]
     receive = [PushPhase.RECEIVE] if TRANSPORTS[transport].engine_receives else []
@@ -205,8 +216,10 @@ def test_a_target_without_adapter_slots_refuses_an_adapter_push_and_keeps_its_we
     target = _FakeTarget(live)
     assert not isinstance(target, AdapterTarget)
     config = {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
-    adapter = {"model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4),
-               "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2)}  # fmt: skip
+    adapter = {
+        "model.layers.0.self_attn.q_proj.lora_A.weight": torch.ones(2, 4),
+        "model.layers.0.self_attn.q_proj.lora_B.weight": torch.ones(4, 2),
+    }
     server = ExchangeServer(target)
     try:
         sender = WeightSender(adapter, server.address, lora_name="policy", lora_config=config)

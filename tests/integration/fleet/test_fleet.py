@@ -127,7 +127,8 @@ def test_controls_reach_every_replica_and_state_is_per_replica(fleet):
     locations = fleet.worker_locations()
     assert sorted(loc["replica"] for loc in locations) == [0, 1]
     assert len({loc["pid"] for loc in locations}) == 2 and os.getpid() not in {
-        loc["pid"] for loc in locations}  # fmt: skip
+        loc["pid"] for loc in locations
+    }
     fleet.pause("keep")
     assert [e.controls.paused for e in fleet.fleet.engines] == ["keep", "keep"]
     fleet.resume()

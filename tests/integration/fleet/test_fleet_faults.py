@@ -69,8 +69,10 @@ def test_a_replica_lost_while_a_rolling_update_commits_heals_and_the_next_push_l
         second.wait(timeout=DEADLINE_S)
         llm.wait_for_version(2, timeout=DEADLINE_S)
         assert time.monotonic() - start < DEADLINE_S
-        _until("replica 2 healed", lambda: [(s["state"], s["version"]) for s in
-                                            llm.fleet_state()] == [("serving", 2)] * 3)  # fmt: skip
+        _until(
+            "replica 2 healed",
+            lambda: [(s["state"], s["version"]) for s in llm.fleet_state()] == [("serving", 2)] * 3,
+        )
         calls = load.stop()  # no generate call failed meanwhile
         assert calls
         matches(llm, trainer, 2, 3)
@@ -142,8 +144,11 @@ def test_a_replica_killed_receiving_fails_the_push_at_its_deadline_and_the_retry
     reaches all three."""
     _kill_in("receive", tmp_path, monkeypatch)
     with _fleet_under_load(model_factory, "dist", push_phase_timeout_s=5) as (
-        llm, trainer, sender, load,
-    ):  # fmt: skip
+        llm,
+        trainer,
+        sender,
+        load,
+    ):
         start = time.monotonic()
         with pytest.raises(WeightSyncError):
             sender.push(version=1, policy="rolling", max_unavailable=1)
@@ -270,11 +275,15 @@ def test_the_trainer_killed_while_replicas_receive_leaves_every_replica_serving_
     receiving: the push fails on every replica within the push deadline, none is
     torn or quarantined, every replica serves version 0 throughout, and the next push lands."""
     with _fleet_under_load(model_factory, "dist", push_phase_timeout_s=5) as (
-        llm, trainer, sender, load,
-    ):  # fmt: skip
+        llm,
+        trainer,
+        sender,
+        load,
+    ):
         start = time.monotonic()
-        proc = rolling_trainer(model_factory("llama", seed=1), llm.exchange_address, 1,
-                                "receiving", "dist")  # fmt: skip
+        proc = rolling_trainer(
+            model_factory("llama", seed=1), llm.exchange_address, 1, "receiving", "dist"
+        )
         assert proc.wait(DEADLINE_S) == 17
         _until(
             "every replica serving 0, none updating", lambda: _states(llm) == [("serving", 0)] * 3

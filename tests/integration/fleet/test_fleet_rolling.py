@@ -96,8 +96,7 @@ def test_keep_waves_say_which_versions_a_request_spans(model_factory):
         thread.start()
         while not all(e.stats().decode_tokens > 0 for e in llm.fleet.engines):
             time.sleep(0.001)  # both replicas are decoding
-        WeightSender(trainer, llm).push(version=3, policy="rolling", max_unavailable=2,
-                                        wave="keep")  # fmt: skip
+        WeightSender(trainer, llm).push(version=3, policy="rolling", max_unavailable=2, wave="keep")
         thread.join(120)
         spans = [o.weight_versions for o in box["out"]]
         # a request running at its wave's commit went on across it (wave="wait" would have
@@ -111,7 +110,8 @@ def test_in_place_rolling_push_writes_the_first_wave_and_the_rest_from_it(model_
     with LLM(engine_dir, data_parallel_size=3) as llm:
         events = _Events(llm.fleet.board)
         stats = WeightSender(trainer, llm, transport="shm", mode="in_place").push(
-            version=5, policy="rolling", max_unavailable=1)  # fmt: skip
+            version=5, policy="rolling", max_unavailable=1
+        )
         # the trainer wrote one replica's weights, once; the others were written from it
         assert stats.bytes_moved == stats.bytes_needed
         assert [r.replica for r in stats.replicas] == [0]
@@ -143,7 +143,8 @@ def test_a_replica_torn_by_its_in_place_wave_heals_from_a_peer(model_factory, mo
     with LLM(engine_dir, data_parallel_size=3) as llm:
         events = _Events(llm.fleet.board)
         WeightSender(trainer, llm, transport="shm", mode="in_place").push(
-            version=6, policy="rolling", max_unavailable=1)  # fmt: skip
+            version=6, policy="rolling", max_unavailable=1
+        )
         wait_serving(llm, 3, version=6)  # the torn replica quarantined, then healed
         torn = int(flipped[0].rsplit("-", 1)[1])
         assert (torn, ReplicaState.QUARANTINED) in [(r, s) for _, r, s in events.log]
@@ -241,7 +242,8 @@ def test_requests_on_a_replica_that_dies_run_again_on_another(model_factory):
         long = SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
         box = {}
         thread = threading.Thread(
-            target=lambda: box.update(out=llm.generate(PROMPTS + PROMPTS, long)))  # fmt: skip
+            target=lambda: box.update(out=llm.generate(PROMPTS + PROMPTS, long))
+        )
         decoded = llm.fleet.engines[1].stats().decode_tokens
         thread.start()
         while llm.fleet.engines[1].stats().decode_tokens == decoded:
@@ -279,8 +281,9 @@ def test_a_trainer_gone_after_every_replica_staged_still_rolls_the_version_out(m
             start = [e.stats().decode_tokens for e in llm.fleet.engines]
             thread = threading.Thread(target=llm.generate, args=(PROMPTS, long))
             thread.start()
-            while not all(e.stats().decode_tokens > n for e, n in zip(llm.fleet.engines, start,
-                                                                      strict=True)):  # fmt: skip
+            while not all(
+                e.stats().decode_tokens > n for e, n in zip(llm.fleet.engines, start, strict=True)
+            ):
                 time.sleep(0.001)
             llm.pause("keep")  # each wave drains its requests first: none can commit yet
             if all(e.stats().num_running for e in llm.fleet.engines):
@@ -318,9 +321,11 @@ def test_bad_rolling_settings_are_refused_naming_the_field(model_factory):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     with LLM(engine_dir, data_parallel_size=2) as llm:
         sender = WeightSender(hf_model(trainer_dir), llm)
-        for kwargs, field in [({"policy": "some"}, "policy"),
-                              ({"policy": "rolling", "max_unavailable": 0}, "max_unavailable"),
-                              ({"policy": "rolling", "wave": "drop"}, "wave")]:  # fmt: skip
+        for kwargs, field in [
+            ({"policy": "some"}, "policy"),
+            ({"policy": "rolling", "max_unavailable": 0}, "max_unavailable"),
+            ({"policy": "rolling", "wave": "drop"}, "wave"),
+        ]:
             with pytest.raises(ValueError, match=field):
                 sender.push(version=2, **kwargs)
         assert [s["version"] for s in llm.fleet_state()] == [0, 0]

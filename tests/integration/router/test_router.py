@@ -50,9 +50,14 @@ def test_streams_through_the_router_equal_one_engine_and_spread(router, replicas
     streamed = []
     for prompt in _prompts(6):
         ids = []
-        for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=5,
-                                               temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True}):  # fmt: skip
+        for chunk in client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
             ids += chunk.choices[0].token_ids or []
         streamed.append(ids)
     with LLM(llama_dir) as llm:
@@ -68,8 +73,9 @@ def test_the_same_prompt_prefix_goes_to_the_replica_that_cached_it(router):
     prompt = [7] * 200  # three full text-blocks' worth of tokens, the same each time
     before = [r["requests"] for r in router.client.get("/health").json()["replicas"]]
     for _ in range(3):
-        r = router.client.post("/v1/completions", json={"model": "m", "prompt": prompt,
-                                                        "max_tokens": 2})  # fmt: skip
+        r = router.client.post(
+            "/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 2}
+        )
         assert r.status_code in (200, 404), r.text  # 404: the model name; routing happened
     after = [r["requests"] for r in router.client.get("/health").json()["replicas"]]
     assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3]
@@ -86,8 +92,9 @@ def test_controls_fan_out_under_the_admin_key(router, replicas):
 
 
 @pytest.mark.parametrize(("transport", "version"), [("dist", 1), ("shm", 2)])
-def test_one_push_through_the_router_updates_every_replica(router, replicas, model_factory,
-                                                           transport, version):  # fmt: skip
+def test_one_push_through_the_router_updates_every_replica(
+    router, replicas, model_factory, transport, version
+):
     trainer_dir = model_factory("llama", seed=1)
     trainer = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
     with torch.no_grad():  # each push carries weights the replicas do not hold yet
@@ -114,7 +121,8 @@ def test_fleet_state_is_current_once_a_push_returned(llama_dir, model_factory):
     replicas = [Server(llama_dir, "--admin-key", ADMIN_KEY) for _ in range(2)]
     router = Router(*replicas, extra=("--admin-key", ADMIN_KEY, "--health-interval", "30"))
     trainer = transformers.AutoModelForCausalLM.from_pretrained(
-        model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+        model_factory("llama", seed=1), dtype=torch.float32
+    )
     before = max(s.get("/health").json()["weight_version"] for s in replicas)
     sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport="shm")
     try:
@@ -146,7 +154,8 @@ def test_a_replica_joins_through_the_router_and_a_restarted_one_heals(llama_dir,
     try:
         assert wait_for(lambda: router.client.get("/health").json()["status"] == "ok", 30)
         trainer = transformers.AutoModelForCausalLM.from_pretrained(
-            model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+            model_factory("llama", seed=1), dtype=torch.float32
+        )
         sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport="shm")
         sender.push(version=3)
         sender.close()
@@ -192,8 +201,10 @@ def test_health_names_the_replica_that_is_down_and_requests_avoid_it(llama_dir):
         assert down_url in body["reason"]
         assert [r["status"] for r in body["replicas"]] == ["ok", "unavailable"]
         for prompt in _prompts(4):  # all go to the replica that is up
-            r = router.client.post("/v1/completions", json={
-                "model": servers[0].model, "prompt": prompt, "max_tokens": 2})  # fmt: skip
+            r = router.client.post(
+                "/v1/completions",
+                json={"model": servers[0].model, "prompt": prompt, "max_tokens": 2},
+            )
             assert r.status_code == 200, r.text
         servers[0].stop()
         assert wait_for(lambda: router.client.get("/health").status_code == 503, timeout=20)
@@ -216,7 +227,8 @@ def test_embeddings_go_through_the_router(model_factory):
         routed = router.client.post("/v1/embeddings", json=body)
         assert routed.status_code == 200, routed.text
         assert [d["embedding"] for d in routed.json()["data"]] == [
-            d["embedding"] for d in direct["data"]]  # fmt: skip
+            d["embedding"] for d in direct["data"]
+        ]
     finally:
         router.stop()
         server.stop()

@@ -87,9 +87,12 @@ class _HttpLoad:
         self.calls: list[_Call] = []
         self.floor = 0
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(url, model, k, max_tokens),
-                                          name=f"load-{k}", daemon=True)
-                         for k in range(threads)]  # fmt: skip
+        self._threads = [
+            threading.Thread(
+                target=self._loop, args=(url, model, k, max_tokens), name=f"load-{k}", daemon=True
+            )
+            for k in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -98,8 +101,13 @@ class _HttpLoad:
             i = 0
             while not self._stop.is_set():
                 prompt = [1 + (97 * k + 13 * i + j) % 400 for j in range(6)]
-                body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 floor, i = self.floor, i + 1
                 try:
                     r = client.post("/v1/completions", json=body)
@@ -109,8 +117,9 @@ class _HttpLoad:
                 if r.status_code != 200:
                     self.calls.append(_Call(floor, r.status_code, error=r.text[:500]))
                     continue
-                versions = [{s["version"] for s in c["weight_versions"]}
-                            for c in r.json()["choices"]]  # fmt: skip
+                versions = [
+                    {s["version"] for s in c["weight_versions"]} for c in r.json()["choices"]
+                ]
                 self.calls.append(_Call(floor, 200, versions))
 
     def answered(self) -> int:
@@ -143,7 +152,8 @@ class _Fleet:
         self.router: Router | None = None
         self.load: _HttpLoad | None = None
         self.trainer = transformers.AutoModelForCausalLM.from_pretrained(
-            trainer_dir, dtype=torch.float32)  # fmt: skip
+            trainer_dir, dtype=torch.float32
+        )
         self.sender: WeightSender | None = None
 
     def start(self) -> None:
@@ -168,12 +178,16 @@ class _Fleet:
             assert children(s.pid) == [], children(s.pid)
         self.router = Router(*self.servers, extra=("--admin-key", ADMIN_KEY, *self.router_flags))
         _until("the router sees every replica", lambda: self.health()["status"] == "ok")
-        self.sender = WeightSender(self.trainer, self.router.url, admin_key=ADMIN_KEY,
-                                   transport="shm")  # fmt: skip
+        self.sender = WeightSender(
+            self.trainer, self.router.url, admin_key=ADMIN_KEY, transport="shm"
+        )
         self.load = _HttpLoad(self.router.url, self.servers[0].model)
-        _until("the load answered on every replica",
-               lambda: all(r["requests"] for r in self.health()["replicas"])
-               and self.load.answered() >= 3)  # fmt: skip
+        _until(
+            "the load answered on every replica",
+            lambda: (
+                all(r["requests"] for r in self.health()["replicas"]) and self.load.answered() >= 3
+            ),
+        )
 
     def _serve(self, port: int = 0) -> Server:
         return Server(self.llama_dir, "--admin-key", ADMIN_KEY, "--port", str(port))
@@ -199,8 +213,9 @@ class _Fleet:
     def healed_at(self, version: int) -> None:
         """Every replica serving ``version`` (the router's board and each server alike); the
         load's calls all good; every server decodes as transformers does on the trainer."""
-        _until(f"every replica serving {version}",
-               lambda: self.states() == [("serving", version)] * 3)  # fmt: skip
+        _until(
+            f"every replica serving {version}", lambda: self.states() == [("serving", version)] * 3
+        )
         assert [s.get("/health").json()["weight_version"] for s in self.servers] == [version] * 3
         assert self.health()["status"] == "ok"
         self.load.floor, answered = version, self.load.answered()
@@ -224,8 +239,15 @@ class _Fleet:
 
 
 @contextmanager
-def _routed_fleet(llama_dir, model_factory, tmp_path=None, monkeypatch=None, phase=None,
-                  kill_in: str = "push", router_flags: tuple[str, ...] = ()):  # fmt: skip
+def _routed_fleet(
+    llama_dir,
+    model_factory,
+    tmp_path=None,
+    monkeypatch=None,
+    phase=None,
+    kill_in: str = "push",
+    router_flags: tuple[str, ...] = (),
+):
     """A `_Fleet` started (with `KILL_IN_PHASE` on the servers' path when ``phase`` is
     given), stopped on exit."""
     if phase is not None:
@@ -259,11 +281,13 @@ def test_a_replica_killed_receiving_over_dist_fails_the_push_by_its_deadline_and
     version 0 and serving meanwhile. Started again, replica 1 serves; the retry lands on all
     three."""
     flags = ("--push-phase-timeout", "5")
-    with _routed_fleet(llama_dir, model_factory, tmp_path, monkeypatch, "receive",
-                       router_flags=flags) as fleet:  # fmt: skip
+    with _routed_fleet(
+        llama_dir, model_factory, tmp_path, monkeypatch, "receive", router_flags=flags
+    ) as fleet:
         _victim(fleet, 1, tmp_path)
-        sender = WeightSender(fleet.trainer, fleet.router.url, admin_key=ADMIN_KEY,
-                              transport="dist")  # fmt: skip
+        sender = WeightSender(
+            fleet.trainer, fleet.router.url, admin_key=ADMIN_KEY, transport="dist"
+        )
         try:
             start = time.monotonic()
             with pytest.raises(WeightSyncError):
@@ -333,8 +357,9 @@ def test_a_replica_killed_while_a_peer_heals_it_heals_again_and_a_push_lands(
     (at its checkpoint's version 0): the router quarantines it and a peer pushes version 1
     into it, and it dies again in that push's verify. Started once more, it heals; then a
     rolling push of version 2 reaches all three."""
-    with _routed_fleet(llama_dir, model_factory, tmp_path, monkeypatch, "verify",
-                       kill_in="heal") as fleet:  # fmt: skip
+    with _routed_fleet(
+        llama_dir, model_factory, tmp_path, monkeypatch, "verify", kill_in="heal"
+    ) as fleet:
         stats = fleet.sender.push(version=1, policy="rolling", max_unavailable=1)
         assert stats.wait(DEADLINE_S).committed == [0, 1, 2]
         fleet.load.floor = 1

@@ -39,8 +39,15 @@ CHAT = [
 ]
 
 
-def _save(model_dir: str, out: Path, templates: str | dict, *, jinja: bool = True,
-          config_key=None, legacy_json=None) -> Path:  # fmt: skip
+def _save(
+    model_dir: str,
+    out: Path,
+    templates: str | dict,
+    *,
+    jinja: bool = True,
+    config_key=None,
+    legacy_json=None,
+) -> Path:
     """A copy of ``model_dir`` whose tokenizer transformers saved with ``templates`` (as
     ``chat_template.jinja`` + named files, or into ``tokenizer_config.json`` with
     ``jinja=False``); then ``config_key`` / ``legacy_json`` written beside, as older tools
@@ -78,15 +85,24 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def checkpoints(model_factory, tmp_path_factory) -> dict[str, Path]:
     base, root = model_factory("llama"), tmp_path_factory.mktemp("chat-templates")
-    return {name: _save(base, root / name.replace(" ", "_"), templates, jinja=jinja,
-                        config_key=key, legacy_json=legacy)
-            for name, (templates, jinja, key, legacy) in LAYOUTS.items()}  # fmt: skip
+    return {
+        name: _save(
+            base,
+            root / name.replace(" ", "_"),
+            templates,
+            jinja=jinja,
+            config_key=key,
+            legacy_json=legacy,
+        )
+        for name, (templates, jinja, key, legacy) in LAYOUTS.items()
+    }
 
 
 def _reference(model_dir, chat, add_generation_prompt=True, **kw) -> str:
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    return tok.apply_chat_template(chat, add_generation_prompt=add_generation_prompt,
-                                   tokenize=False, **kw)  # fmt: skip
+    return tok.apply_chat_template(
+        chat, add_generation_prompt=add_generation_prompt, tokenize=False, **kw
+    )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -222,9 +238,16 @@ def test_server_renders_a_checkpoint_saved_by_current_transformers(llm, named_mo
     want_ids = list(hf.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False))
     want = llm.generate([want_ids], GREEDY)[0].outputs[0]
     with Server(str(named_model)) as s:
-        r = s.post("/v1/chat/completions", json={
-            "model": s.model, "messages": CHAT, "max_tokens": 5, "temperature": 0,
-            "return_token_ids": True})  # fmt: skip
+        r = s.post(
+            "/v1/chat/completions",
+            json={
+                "model": s.model,
+                "messages": CHAT,
+                "max_tokens": 5,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
         assert choice["prompt_token_ids"] == want_ids

@@ -40,16 +40,22 @@ def test_streams_match_one_engine_and_spread_over_replicas(server, llama_dir):
     streamed = []
     for prompt in prompts:
         ids = []
-        for chunk in client.completions.create(model=server.model, prompt=prompt, max_tokens=5,
-                                               temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True}):  # fmt: skip
+        for chunk in client.completions.create(
+            model=server.model,
+            prompt=prompt,
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
             ids += chunk.choices[0].token_ids or []
         streamed.append(ids)
     with LLM(llama_dir) as llm:
         params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
         assert streamed == [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    tokens = [server.metric("tandem_replica_generation_tokens_total", replica=str(r))
-              for r in range(2)]  # fmt: skip
+    tokens = [
+        server.metric("tandem_replica_generation_tokens_total", replica=str(r)) for r in range(2)
+    ]
     assert all(t > 0 for t in tokens) and sum(tokens) == 30, tokens
     health = server.get("/health").json()
     assert [r["replica"] for r in health["replicas"]] == [0, 1]
@@ -78,9 +84,16 @@ def test_a_push_over_http_updates_both_replicas(server, model_factory):
     with LLM(trainer_dir) as llm:  # both replicas now serve the trainer's weights
         params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
         want = [o.outputs[0].token_ids for o in llm.generate(_prompts(4), params)]
-    r = server.post("/v1/completions", json={"model": server.model, "prompt": _prompts(4),
-                                             "max_tokens": 4, "temperature": 0,
-                                             "ignore_eos": True})  # fmt: skip
+    r = server.post(
+        "/v1/completions",
+        json={
+            "model": server.model,
+            "prompt": _prompts(4),
+            "max_tokens": 4,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     got = [c["token_ids"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
     assert got == want
 
@@ -111,8 +124,10 @@ def test_a_killed_replica_is_quarantined_and_healed_while_the_front_serves(llama
         assert wait_for(healed, timeout=60)  # restarted, filled from the live replica
         assert len(children(server.proc.pid)) == 2
         assert all(greedy(server)[0] == want for _ in range(4))
-        tokens = [server.metric("tandem_replica_generation_tokens_total", replica=str(r))
-                  for r in range(2)]  # fmt: skip
+        tokens = [
+            server.metric("tandem_replica_generation_tokens_total", replica=str(r))
+            for r in range(2)
+        ]
         assert all(t > 0 for t in tokens), tokens
     finally:
         server.stop()
@@ -127,8 +142,14 @@ def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
         events: list[str] = []
 
         def stream() -> None:
-            body = {"model": server.model, "prompt": _prompts(1)[0], "max_tokens": 480,
-                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            body = {
+                "model": server.model,
+                "prompt": _prompts(1)[0],
+                "max_tokens": 480,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             with server.client.stream("POST", "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if line.startswith("data: "):
@@ -143,8 +164,13 @@ def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
         answers: list = []
 
         def one(k: int) -> None:
-            body = {"model": server.model, "prompt": _prompts(8)[k], "max_tokens": 8,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": server.model,
+                "prompt": _prompts(8)[k],
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             answers.append(server.post("/v1/completions", json=body))
 
         waiting = [threading.Thread(target=one, args=(k,)) for k in range(1, 7)]
@@ -173,8 +199,10 @@ def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
             t.join(60)
         assert [a.status_code for a in answers] == [200] * 6, [a.text for a in answers]
         assert all(len(a.json()["choices"][0]["token_ids"]) == 8 for a in answers)
-        assert wait_for(lambda: [s["state"] for s in server.get("/fleet_state").json()]
-                        == ["serving"] * 2, timeout=60)  # fmt: skip
+        assert wait_for(
+            lambda: [s["state"] for s in server.get("/fleet_state").json()] == ["serving"] * 2,
+            timeout=60,
+        )
     finally:
         server.stop()
 
@@ -183,15 +211,21 @@ def test_a_rolling_push_under_load_answers_every_request_on_one_version(llama_di
     """Clients keep calling while a trainer pushes with ``policy="rolling"`` into a server of
     two replicas started with ``--max-staleness 0``: no 5xx, no response spans two versions
     (waves drain), and none that started after a replica served the new version ran the old."""
-    server = Server(llama_dir, "--data-parallel-size", "2", "--admin-key", ADMIN_KEY,
-                    "--max-staleness", "0")  # fmt: skip
+    server = Server(
+        llama_dir, "--data-parallel-size", "2", "--admin-key", ADMIN_KEY, "--max-staleness", "0"
+    )
     try:
         answers: list[tuple[float, int, list[int]]] = []
         stop = threading.Event()
 
         def client(c: int) -> None:
-            body = {"model": server.model, "prompt": _prompts(4)[c], "max_tokens": 24,
-                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": server.model,
+                "prompt": _prompts(4)[c],
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             while not stop.is_set():
                 start = time.monotonic()
                 r = server.post("/v1/completions", json=body)
@@ -212,12 +246,15 @@ def test_a_rolling_push_under_load_answers_every_request_on_one_version(llama_di
             t.start()
         time.sleep(1.0)
         trainer = transformers.AutoModelForCausalLM.from_pretrained(
-            model_factory("llama", seed=1), dtype=torch.float32)  # fmt: skip
+            model_factory("llama", seed=1), dtype=torch.float32
+        )
         stats = WeightSender(trainer, server.url, admin_key=ADMIN_KEY).push(
-            version=1, policy="rolling", max_unavailable=1)  # fmt: skip
+            version=1, policy="rolling", max_unavailable=1
+        )
         assert [r.state for r in stats.replicas] == ["rolling", "rolling"]
-        assert wait_for(lambda: [s["version"] for s in server.get("/fleet_state").json()]
-                        == [1, 1], timeout=60)  # fmt: skip
+        assert wait_for(
+            lambda: [s["version"] for s in server.get("/fleet_state").json()] == [1, 1], timeout=60
+        )
         time.sleep(1.0)
         stop.set()
         for t in threads:

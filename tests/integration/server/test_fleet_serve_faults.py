@@ -44,14 +44,22 @@ class _HttpLoad:
             while not self._stop.is_set():
                 prompt = PROMPTS[(c + 3 * k) % len(PROMPTS)]
                 k += 1
-                body = {"model": server.model, "prompt": prompt, "max_tokens": 24,
-                        "temperature": 0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+                body = {
+                    "model": server.model,
+                    "prompt": prompt,
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                }
                 r = server.post("/v1/completions", json=body)
-                self.answers.append((r.status_code, prompt,
-                                     r.json() if r.status_code == 200 else r.text))  # fmt: skip
+                self.answers.append(
+                    (r.status_code, prompt, r.json() if r.status_code == 200 else r.text)
+                )
 
-        self._threads = [threading.Thread(target=loop, args=(c,), daemon=True)
-                         for c in range(clients)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=loop, args=(c,), daemon=True) for c in range(clients)
+        ]
         for t in self._threads:
             t.start()
 
@@ -108,8 +116,14 @@ def _every_replica_equals(server: Server, reference: torch.nn.Module, version: i
     deadline = time.monotonic() + DEADLINE_S
     while any(server.metric(metric, replica=str(r)) == before[r] for r in range(3)):
         assert time.monotonic() < deadline, "a replica took no request"
-        body = {"model": server.model, "prompt": PROMPTS, "max_tokens": 6, "temperature": 0,
-                "ignore_eos": True, "logprobs": 0}  # fmt: skip
+        body = {
+            "model": server.model,
+            "prompt": PROMPTS,
+            "max_tokens": 6,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
         r = server.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
@@ -132,8 +146,9 @@ def _worker(server: Server, replica: int) -> int:
 
 
 @contextmanager
-def _served_under_load(model_factory, tmp_path, monkeypatch, sitecustomize: str | None = None,
-                       transport: str = "shm"):  # fmt: skip
+def _served_under_load(
+    model_factory, tmp_path, monkeypatch, sitecustomize: str | None = None, transport: str = "shm"
+):
     """(server, load, trainer, sender, references) for a `tandem serve` of 3 replicas whose
     workers start with ``sitecustomize`` (a fault planted in a push phase)."""
     if sitecustomize is not None:
@@ -142,13 +157,23 @@ def _served_under_load(model_factory, tmp_path, monkeypatch, sitecustomize: str 
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [path])]))
         monkeypatch.setenv("TANDEM_TEST_KILL_MARK", str(tmp_path / "killed"))
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
-    server = Server(engine_dir, "--data-parallel-size", "3", "--admin-key", ADMIN_KEY,
-                    "--push-phase-timeout", "5")  # fmt: skip
+    server = Server(
+        engine_dir,
+        "--data-parallel-size",
+        "3",
+        "--admin-key",
+        ADMIN_KEY,
+        "--push-phase-timeout",
+        "5",
+    )
     load = None
     try:
         load = _HttpLoad(server)
-        assert wait_for(lambda: all(s["load"] for s in server.get("/fleet_state").json()),
-                        timeout=DEADLINE_S, interval=0.01)  # fmt: skip
+        assert wait_for(
+            lambda: all(s["load"] for s in server.get("/fleet_state").json()),
+            timeout=DEADLINE_S,
+            interval=0.01,
+        )
         trainer = _model(trainer_dir)
         sender = WeightSender(trainer, server.url, admin_key=ADMIN_KEY, transport=transport)
         yield server, load, trainer, sender, {0: _model(engine_dir), 1: trainer}
@@ -172,8 +197,12 @@ def test_a_replica_killed_receiving_fails_the_push_and_the_retry_lands(
     monkeypatch.setenv("TANDEM_TEST_KILL_PHASE", "receive")
     monkeypatch.setenv("TANDEM_TEST_KILL_SIGNAL", "SIGKILL")
     with _served_under_load(model_factory, tmp_path, monkeypatch, KILL_IN_PHASE, "dist") as (
-        server, load, trainer, sender, references,
-    ):  # fmt: skip
+        server,
+        load,
+        trainer,
+        sender,
+        references,
+    ):
         start = time.monotonic()
         with pytest.raises(WeightSyncError):
             sender.push(version=1, policy="rolling", max_unavailable=1)
@@ -187,8 +216,12 @@ def test_a_replica_killed_receiving_fails_the_push_and_the_retry_lands(
 def test_the_replica_draining_for_its_wave_killed_heals(model_factory, tmp_path, monkeypatch):
     """Cell (d): `/fleet_state` names the replica whose wave drains; its worker is killed."""
     with _served_under_load(model_factory, tmp_path, monkeypatch) as (
-        server, load, trainer, sender, references,
-    ):  # fmt: skip
+        server,
+        load,
+        trainer,
+        sender,
+        references,
+    ):
         stats = sender.push(version=1, policy="rolling", max_unavailable=1)
         updating: list[int] = []
 
@@ -211,8 +244,12 @@ def test_a_replica_killed_committing_its_wave_heals(model_factory, tmp_path, mon
     monkeypatch.setenv("TANDEM_TEST_KILL_PHASE", "commit")
     monkeypatch.setenv("TANDEM_TEST_KILL_SIGNAL", "SIGKILL")
     with _served_under_load(model_factory, tmp_path, monkeypatch, KILL_IN_PHASE) as (
-        server, load, trainer, sender, references,
-    ):  # fmt: skip
+        server,
+        load,
+        trainer,
+        sender,
+        references,
+    ):
         ended = sender.push(version=1, policy="rolling", max_unavailable=1).wait(DEADLINE_S)
         assert (tmp_path / "killed").exists()
         assert len(ended.committed) == 2 and len(ended.failed) == 1, ended
@@ -224,8 +261,12 @@ def test_a_replica_killed_while_being_healed_heals_again(model_factory, tmp_path
     restarted worker is killed too; it heals again, then a rolling push reaches all three."""
     monkeypatch.setenv("TANDEM_TEST_KILL_PID", "")
     with _served_under_load(model_factory, tmp_path, monkeypatch, KILL_IN_HEAL) as (
-        server, load, trainer, sender, references,
-    ):  # fmt: skip
+        server,
+        load,
+        trainer,
+        sender,
+        references,
+    ):
         first = _worker(server, 2)
         os.kill(first, signal.SIGKILL)
         assert wait_for(lambda: (tmp_path / "killed").exists(), timeout=DEADLINE_S)

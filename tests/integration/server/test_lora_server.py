@@ -51,15 +51,17 @@ def lora(llama_dir, tmp_path_factory):
         "a": _adapter(llama_dir, root / "a", 1),
         "b": _adapter(
             llama_dir, root / "b", 2, r=8, alpha=16, targets=("q_proj", "v_proj"), rslora=True
-        ),  # fmt: skip
+        ),
         "c": _adapter(llama_dir, root / "c", 3),
     }
     _adapter(llama_dir, root / "big", 4, r=16)
     (root / "broken").mkdir()
-    (root / "broken" / "adapter_config.json").write_text((root / "a" / "adapter_config.json")
-                                                         .read_text())  # fmt: skip
+    (root / "broken" / "adapter_config.json").write_text(
+        (root / "a" / "adapter_config.json").read_text()
+    )
     models[None] = transformers.AutoModelForCausalLM.from_pretrained(
-        llama_dir, dtype=torch.float32).eval()  # fmt: skip
+        llama_dir, dtype=torch.float32
+    ).eval()
     want = {name: _greedy(m, PROMPT) for name, m in models.items()}
     assert len({tuple(t) for t in want.values()}) == 4, want  # the adapters change the output
     paths = {name: str(root / name) for name in ("a", "b", "c", "big", "broken")}
@@ -70,9 +72,22 @@ def lora(llama_dir, tmp_path_factory):
 def server(llama_dir, lora):
     """max_loras 2, max_lora_rank 8; adapter `boot` (a's directory) from --lora-modules."""
     boot = json.dumps({"name": "boot", "path": lora.paths["a"]})
-    with Server(llama_dir, "--admin-key", ADMIN_KEY, "--served-model-name", BASE,
-                "--kv-cache-memory-bytes", str(32 << 20), "--enable-lora", "--max-loras", "2",
-                "--max-lora-rank", "8", "--lora-modules", boot) as s:  # fmt: skip
+    with Server(
+        llama_dir,
+        "--admin-key",
+        ADMIN_KEY,
+        "--served-model-name",
+        BASE,
+        "--kv-cache-memory-bytes",
+        str(32 << 20),
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-modules",
+        boot,
+    ) as s:
         yield s
 
 
@@ -82,8 +97,9 @@ def client(server):
 
 
 def _load(server: Server, name: str, path: str, **kw):
-    return server.admin("POST", "/v1/load_lora_adapter",
-                        json={"lora_name": name, "lora_path": path}, **kw)  # fmt: skip
+    return server.admin(
+        "POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}, **kw
+    )
 
 
 def _unload(server: Server, name: str):
@@ -99,9 +115,17 @@ def _tokens(server: Server, model: str, **extra) -> list[int]:
 
 
 def _complete(server: Server, model: str, **extra):
-    return server.post("/v1/completions", json={"model": model, "prompt": PROMPT,
-                                                "max_tokens": MAX_TOKENS, "temperature": 0,
-                                                "ignore_eos": True, **extra})  # fmt: skip
+    return server.post(
+        "/v1/completions",
+        json={
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            **extra,
+        },
+    )
 
 
 def _models(server: Server) -> dict[str, dict]:
@@ -113,8 +137,13 @@ def test_lora_modules_adapter_is_listed_and_served(server, client, lora):
     assert list(cards)[0] == BASE and "boot" in cards
     assert cards["boot"].model_extra["root"] == lora.paths["a"]
     assert cards["boot"].model_extra["parent"] == BASE
-    got = client.completions.create(model="boot", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    got = client.completions.create(
+        model="boot",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert got.model == "boot"
     assert got.choices[0].model_extra["token_ids"] == lora.want["a"]
     assert _tokens(server, BASE) == lora.want[None]
@@ -132,9 +161,17 @@ def test_adapters_loaded_over_http_equal_the_merged_peft_model(server, client, l
         for model, want in (("a", "a"), ("b", "b"), ("boot", "a"), (BASE, None)):
             assert _tokens(server, model) == lora.want[want], model
     # streamed, n=2: every sample runs with the adapter
-    chunks = list(client.completions.create(model="b", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                            temperature=0, n=2, stream=True,
-                                            extra_body={"ignore_eos": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="b",
+            prompt=PROMPT,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            n=2,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     samples: dict[int, list[int]] = {0: [], 1: []}
     for chunk in chunks:
         assert chunk.model == "b"
@@ -143,8 +180,12 @@ def test_adapters_loaded_over_http_equal_the_merged_peft_model(server, client, l
     assert samples == {0: lora.want["b"], 1: lora.want["b"]}
     # chat: the rendered prompt through the merged model
     chat = client.chat.completions.create(
-        model="a", messages=[{"role": "user", "content": "hi there"}], max_tokens=MAX_TOKENS,
-        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+        model="a",
+        messages=[{"role": "user", "content": "hi there"}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert chat.model == "a"
     extra = chat.choices[0].model_extra
     assert extra["token_ids"] == _greedy(lora.models["a"], extra["prompt_token_ids"])
@@ -197,8 +238,9 @@ def test_load_and_unload_need_the_admin_key(server, lora):
         (BASE, "c", 400, "the served model's name"),
     ],
 )
-def test_bad_adapters_are_refused_by_name_and_nothing_is_loaded(server, lora, name, path,
-                                                                 status, message):  # fmt: skip
+def test_bad_adapters_are_refused_by_name_and_nothing_is_loaded(
+    server, lora, name, path, status, message
+):
     before = _models(server)
     r = _load(server, name, lora.paths.get(path, path))
     assert r.status_code == status, r.text
@@ -213,8 +255,11 @@ def test_bad_adapters_are_refused_by_name_and_nothing_is_loaded(server, lora, na
 def test_bad_bodies_are_400_naming_the_field(server):
     r = server.admin("POST", "/v1/load_lora_adapter", json={"lora_name": "x"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
-    r = server.admin("POST", "/v1/load_lora_adapter",
-                     json={"lora_name": "x", "lora_path": "/p", "lora_pth": "/p"})  # fmt: skip
+    r = server.admin(
+        "POST",
+        "/v1/load_lora_adapter",
+        json={"lora_name": "x", "lora_path": "/p", "lora_pth": "/p"},
+    )
     assert r.status_code == 400 and "lora_pth" in r.json()["error"]["message"]
 
 
@@ -229,8 +274,14 @@ def test_every_slot_held_by_running_requests(server, lora):
     streams = []
     try:
         for model in ("boot", "b"):  # headers come once the request is queued, its adapter held
-            body = {"model": model, "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
-                    "ignore_eos": True, "stream": True}  # fmt: skip
+            body = {
+                "model": model,
+                "prompt": PROMPT,
+                "max_tokens": 20,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
             stream = server.client.stream("POST", "/v1/completions", json=body)
             streams.append((stream, stream.__enter__()))
             assert streams[-1][1].status_code == 200
@@ -291,11 +342,29 @@ def test_a_bad_lora_module_stops_the_start_up(llama_dir, lora):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--model", llama_dir,
-                          "--port", "0", "--kv-cache-memory-bytes", str(16 << 20),
-                          "--enable-lora", "--max-lora-rank", "8", "--lora-modules",
-                          f"ok={lora.paths['a']}", f"big={lora.paths['big']}"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tandem.cli",
+            "serve",
+            "--model",
+            llama_dir,
+            "--port",
+            "0",
+            "--kv-cache-memory-bytes",
+            str(16 << 20),
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--lora-modules",
+            f"ok={lora.paths['a']}",
+            f"big={lora.paths['big']}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "cannot start: adapter 'big': rank 16 is above max_lora_rank 8" in run.stderr
     assert " on http://" not in run.stdout
@@ -316,14 +385,30 @@ def _serve_config(argv: list[str]):
 
 @pytest.mark.timeout(60)
 def test_vllm_lora_flags_are_taken():
-    config = _serve_config(["m", "--enable-lora", "--max-loras", "3", "--max_lora_rank", "32",
-                            "--lora-modules", "a=/x", '{"name": "b", "path": "/y=z"}',
-                            '{"name": "c", "path": "/c", "base_model_name": "m"}',
-                            "--lora-modules", "d=/d"])  # fmt: skip
+    config = _serve_config(
+        [
+            "m",
+            "--enable-lora",
+            "--max-loras",
+            "3",
+            "--max_lora_rank",
+            "32",
+            "--lora-modules",
+            "a=/x",
+            '{"name": "b", "path": "/y=z"}',
+            '{"name": "c", "path": "/c", "base_model_name": "m"}',
+            "--lora-modules",
+            "d=/d",
+        ]
+    )
     lora = config.engine_config().lora
     assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank) == (True, 3, 32)
-    assert list(config.lora_modules.items()) == [("a", "/x"), ("b", "/y=z"), ("c", "/c"),
-                                                 ("d", "/d")]  # fmt: skip
+    assert list(config.lora_modules.items()) == [
+        ("a", "/x"),
+        ("b", "/y=z"),
+        ("c", "/c"),
+        ("d", "/d"),
+    ]
     assert _serve_config(["m", "--no-enable-lora"]).engine_config().lora.enable_lora is False
 
 
@@ -365,8 +450,9 @@ def test_lora_modules_in_the_toml_file(tmp_path):
     from tandem.server.config import load_config
 
     path = tmp_path / "serve.toml"
-    path.write_text('model = "m"\n[engine]\nenable_lora = true\n'
-                    '[lora_modules]\nsql = "/a"\nchat = "/b"\n')  # fmt: skip
+    path.write_text(
+        'model = "m"\n[engine]\nenable_lora = true\n[lora_modules]\nsql = "/a"\nchat = "/b"\n'
+    )
     assert list(load_config(path, {}).lora_modules.items()) == [("sql", "/a"), ("chat", "/b")]
 
 
@@ -380,14 +466,18 @@ def test_without_enable_lora_the_routes_say_so(llama_dir):
     from tandem.server.config import ServeConfig
     from tandem.server.state import ServerState
 
-    engine = SimpleNamespace(config=EngineConfig(model=llama_dir), max_model_len=512,
-                             lora_adapters=lambda: [])  # fmt: skip
+    engine = SimpleNamespace(
+        config=EngineConfig(model=llama_dir), max_model_len=512, lora_adapters=lambda: []
+    )
     config = ServeConfig(model=llama_dir, admin_key=ADMIN_KEY, served_model_name=BASE)
     app = build_app(ServerState(config, engine, MagicMock(), MagicMock()))
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     with TestClient(app) as http:
-        r = http.post("/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": llama_dir},
-                      headers=headers)  # fmt: skip
+        r = http.post(
+            "/v1/load_lora_adapter",
+            json={"lora_name": "a", "lora_path": llama_dir},
+            headers=headers,
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "lora_not_enabled"
         assert "--enable-lora" in r.json()["error"]["message"]
         r = http.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=headers)

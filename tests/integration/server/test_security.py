@@ -97,21 +97,37 @@ def test_package_never_unpickles_or_evaluates():
     assert not found, "unsafe code:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("snippet", [
-    "import pickle", "import dill as d", "from marshal import loads", "from shelve import open",
-    "import torch\ntorch.load(f)", "import torch\ntorch.load(f, weights_only=False)",
-    "from torch import load\nload(f)", "import torch as t\nt.load(f, **kw)",
-    "import numpy as np\nnp.load(f, allow_pickle=True)", "eval('1')", "exec(code)",
-    "import subprocess\nsubprocess.run('ls', shell=True)", "import os\nos.system('ls')",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "import pickle",
+        "import dill as d",
+        "from marshal import loads",
+        "from shelve import open",
+        "import torch\ntorch.load(f)",
+        "import torch\ntorch.load(f, weights_only=False)",
+        "from torch import load\nload(f)",
+        "import torch as t\nt.load(f, **kw)",
+        "import numpy as np\nnp.load(f, allow_pickle=True)",
+        "eval('1')",
+        "exec(code)",
+        "import subprocess\nsubprocess.run('ls', shell=True)",
+        "import os\nos.system('ls')",
+    ],
+)
 def test_scan_catches(snippet):
     assert unsafe_code(snippet)
 
 
-@pytest.mark.parametrize("snippet", [
-    "model.eval()", "import torch\ntorch.load(f, weights_only=True)",
-    "import numpy as np\nnp.load(f)", "import subprocess\nsubprocess.run(['ls'], shell=False)",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "snippet",
+    [
+        "model.eval()",
+        "import torch\ntorch.load(f, weights_only=True)",
+        "import numpy as np\nnp.load(f)",
+        "import subprocess\nsubprocess.run(['ls'], shell=False)",
+    ],
+)
 def test_scan_allows(snippet):
     assert not unsafe_code(snippet)
 
@@ -184,8 +200,7 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
             for path in ("/v1/completions", "/v1/chat/completions"):
                 r = server.post(path, content=payload, headers={"content-type": ctype})
                 assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
-        for method, path in (("GET", "/admin/weights"), ("POST", "/sleep"),
-                             ("POST", "/wake_up")):  # fmt: skip
+        for method, path in (("GET", "/admin/weights"), ("POST", "/sleep"), ("POST", "/wake_up")):
             r = server.client.request(method, path, content=payload, headers=admin)
             assert r.status_code < 500, r.text
         for path in ("/pause", "/abort_requests"):
@@ -214,9 +229,16 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
 
 
 JUNK = [  # each used to kill the exchange server's thread: later pushes hung
-    msgpack.packb(1), msgpack.packb([]), msgpack.packb(["hello"]), msgpack.packb([[1], 2]),
-    msgpack.packb(5), "ключ".encode(), msgpack.packb({"hello": 1}), b"\xc1", b"",
-]  # fmt: skip
+    msgpack.packb(1),
+    msgpack.packb([]),
+    msgpack.packb(["hello"]),
+    msgpack.packb([[1], 2]),
+    msgpack.packb(5),
+    "ключ".encode(),
+    msgpack.packb({"hello": 1}),
+    b"\xc1",
+    b"",
+]
 # ... and a well-formed hello sent without the token first
 HELLO = PushHello(0, 1, None, RankLayout(0), [], PushSettings("shm", "staged", False))
 MALFORMED = [*JUNK, PUSH.encode(HELLO)]
@@ -238,8 +260,14 @@ def test_malformed_frames_do_not_stop_the_exchange_server(server):
 
 
 def legitimate_push_still_works(server, version: int) -> None:
-    cmd = [sys.executable, str(SUPPORT / "http_trainer.py"), server.model_dir, server.url, "shm",
-           ADMIN_KEY]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(SUPPORT / "http_trainer.py"),
+        server.model_dir,
+        server.url,
+        "shm",
+        ADMIN_KEY,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert server.admin("GET", "/admin/weights").json()["version"] == version
@@ -293,8 +321,12 @@ def test_shared_memory_is_nameless_and_a_mapping_checks_what_it_opens():
     memory.data[:4].copy_(memory.data.new_tensor([1, 2, 3, 4]))
     mapped = shm.MappedMemory([pid, fd, inode, size])
     assert mapped.data[:4].tolist() == [1, 2, 3, 4]
-    bad = [[pid, fd, inode + 1, size], [pid, fd, inode, size + 1], [pid, 0, inode, size],
-           [2**22 + 7, fd, inode, size]]  # fmt: skip
+    bad = [
+        [pid, fd, inode + 1, size],
+        [pid, fd, inode, size + 1],
+        [pid, 0, inode, size],
+        [2**22 + 7, fd, inode, size],
+    ]
     for wire in bad:  # a recycled descriptor or pid, a wrong size: refused before mapping
         with pytest.raises(RuntimeError):
             shm.MappedMemory(wire)
@@ -467,8 +499,17 @@ def test_admin_routes_need_the_admin_key(server):
         {"Authorization": f"Basic {ADMIN_KEY}"},
     ]
     routes = [("GET", "/admin/weights"), ("GET", "/is_paused"), ("GET", "/is_sleeping")] + [
-        ("POST", p) for p in ("/sleep", "/wake_up", "/pause", "/resume", "/abort_requests",
-                              "/reset_prefix_cache", "/reload_weights")]  # fmt: skip
+        ("POST", p)
+        for p in (
+            "/sleep",
+            "/wake_up",
+            "/pause",
+            "/resume",
+            "/abort_requests",
+            "/reset_prefix_cache",
+            "/reload_weights",
+        )
+    ]
     for method, path in routes:
         for headers in wrong:
             r = server.client.request(method, path, headers=headers)

@@ -48,11 +48,19 @@ def test_models_lists_the_served_name(client):
 def test_completions_equal_offline_llm(client, offline):
     prompts = ["The quick dog", "12 + 7 ="]
     got = client.completions.create(
-        model="tiny", prompt=prompts, max_tokens=12, temperature=0.9, top_p=0.95, seed=7, n=2,
-        logprobs=2, extra_body={"top_k": 50},
-    )  # fmt: skip
-    params = SamplingParams(n=2, max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=7,
-                            logprobs=2)  # fmt: skip
+        model="tiny",
+        prompt=prompts,
+        max_tokens=12,
+        temperature=0.9,
+        top_p=0.95,
+        seed=7,
+        n=2,
+        logprobs=2,
+        extra_body={"top_k": 50},
+    )
+    params = SamplingParams(
+        n=2, max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=7, logprobs=2
+    )
     expected = offline.generate(prompts, params)
     assert len(got.choices) == 4
     for choice in got.choices:
@@ -73,10 +81,12 @@ def test_stop_string_and_token_ids_prompt(client, offline):
     text = ref.outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), text
-    got = client.completions.create(model="tiny", prompt=[5, 6, 7, 8], max_tokens=30,
-                                    temperature=0, stop=[stop])  # fmt: skip
-    want = offline.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=30, temperature=0,
-                                                          stop=[stop]))[0]  # fmt: skip
+    got = client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8], max_tokens=30, temperature=0, stop=[stop]
+    )
+    want = offline.generate(
+        [[5, 6, 7, 8]], SamplingParams(max_tokens=30, temperature=0, stop=[stop])
+    )[0]
     assert got.choices[0].text == want.outputs[0].text == text[: text.find(stop)]
     assert got.choices[0].finish_reason == "stop"
 
@@ -86,12 +96,18 @@ def test_chat_uses_the_model_template(client, offline, llama_dir):
     tok = transformers.AutoTokenizer.from_pretrained(llama_dir)  # the independent reference
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    want = offline.generate([ids], SamplingParams(max_tokens=10, temperature=0.7, seed=3,
-                                                  logprobs=1))[0]  # fmt: skip
+    want = offline.generate(
+        [ids], SamplingParams(max_tokens=10, temperature=0.7, seed=3, logprobs=1)
+    )[0]
     got = client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=10, temperature=0.7, seed=3, logprobs=True,
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0.7,
+        seed=3,
+        logprobs=True,
         top_logprobs=1,
-    )  # fmt: skip
+    )
     choice = got.choices[0]
     assert choice.message.role == "assistant"
     assert choice.message.content == want.outputs[0].text
@@ -104,8 +120,9 @@ def test_chat_uses_the_model_template(client, offline, llama_dir):
 def test_streaming_matches_non_streaming(client):
     kw = dict(model="tiny", prompt="Every policy learns", max_tokens=20, temperature=0.8, seed=1)
     whole = client.completions.create(**kw)
-    chunks = list(client.completions.create(**kw, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -113,8 +130,11 @@ def test_streaming_matches_non_streaming(client):
 
     messages = [{"role": "user", "content": "Tell me"}]
     whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=15, seed=2)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=15,
-                                                 seed=2, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=15, seed=2, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
         whole.choices[0].message.content
@@ -124,11 +144,14 @@ def test_streaming_matches_non_streaming(client):
 def test_metrics_parse_and_move(server, client):
     before = server.metric("tandem_generation_tokens_total")
     requests = server.metric("tandem_requests_total", endpoint="/v1/completions", status="200")
-    client.completions.create(model="tiny", prompt="Count", max_tokens=5, extra_body={
-        "ignore_eos": True})  # fmt: skip
+    client.completions.create(
+        model="tiny", prompt="Count", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert server.metric("tandem_generation_tokens_total") == before + 5
-    assert server.metric("tandem_requests_total", endpoint="/v1/completions",
-                         status="200") == requests + 1  # fmt: skip
+    assert (
+        server.metric("tandem_requests_total", endpoint="/v1/completions", status="200")
+        == requests + 1
+    )
     assert server.metric("tandem_request_latency_seconds_count") >= 1
     assert server.metric("tandem_kv_blocks_total") > 0
     assert server.metric("tandem_weight_version") == 0
@@ -157,8 +180,13 @@ def test_prefix_cache_counts_hits_and_resets_through_admin(server, client):
 
 
 def test_client_disconnect_mid_stream_frees_kv_blocks(server):
-    body = {"model": "tiny", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "A long story",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with server.client.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
@@ -176,10 +204,13 @@ def test_client_leaving_a_non_streamed_request_is_a_499(server):
     left = server.metric("tandem_requests_total", **labels)
     errors = server.metric("tandem_requests_total", endpoint="/v1/completions", status="500")
     host, port = server.url.removeprefix("http://").split(":")
-    body = json.dumps({"model": "tiny", "prompt": "A long story", "max_tokens": 400,
-                       "ignore_eos": True}).encode()  # fmt: skip
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
-            f"\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny", "prompt": "A long story", "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
+        f"\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection((host, int(port))) as s:  # closes halfway through the body
         s.sendall(head + body[:10])
     assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 1)
@@ -188,14 +219,16 @@ def test_client_leaving_a_non_streamed_request_is_a_499(server):
         with socket.create_connection((host, int(port))) as s:  # closes before the answer
             s.sendall(head + body)
             assert wait_for(lambda: server.metric("tandem_queue_depth") == 1, timeout=10)
-        assert wait_for(lambda: server.metric("tandem_requests_total", **labels) == left + 2,
-                        timeout=10), server.output  # fmt: skip
+        assert wait_for(
+            lambda: server.metric("tandem_requests_total", **labels) == left + 2, timeout=10
+        ), server.output
         assert wait_for(lambda: server.metric("tandem_queue_depth") == 0, timeout=10)
     finally:
         assert server.admin("POST", "/resume").status_code == 200
     assert server.metric("tandem_running_sequences") == 0
-    assert server.metric("tandem_requests_total", endpoint="/v1/completions",
-                         status="500") == errors  # fmt: skip
+    assert (
+        server.metric("tandem_requests_total", endpoint="/v1/completions", status="500") == errors
+    )
     assert "Traceback" not in server.output
 
 
@@ -223,8 +256,11 @@ def test_sleep_releases_kv_and_wake_resumes(server, client):
     import threading
 
     result = {}
-    t = threading.Thread(target=lambda: result.setdefault("r", client.completions.create(
-        model="tiny", prompt="wait", max_tokens=3)))  # fmt: skip
+    t = threading.Thread(
+        target=lambda: result.setdefault(
+            "r", client.completions.create(model="tiny", prompt="wait", max_tokens=3)
+        )
+    )
     t.start()
     assert wait_for(lambda: server.metric("tandem_queue_depth") == 1, timeout=10)
     assert "r" not in result  # queued while asleep

@@ -17,8 +17,10 @@ def _write(tmp_path, text: str) -> str:
 
 
 def test_file_and_flags_merge(tmp_path):
-    path = _write(tmp_path, 'model = "m"\ntp = 2\nport = 9000\n[engine]\ndtype = "float32"\n'
-                  "max_num_seqs = 8\n")  # fmt: skip
+    path = _write(
+        tmp_path,
+        'model = "m"\ntp = 2\nport = 9000\n[engine]\ndtype = "float32"\nmax_num_seqs = 8\n',
+    )
     config = load_config(path, {"port": 9100, "engine": {"max_num_seqs": 4}})
     assert (config.model, config.tp, config.port, config.host) == ("m", 2, 9100, "127.0.0.1")
     engine = SimpleNamespace(**config.engine_config().flat())
@@ -31,8 +33,18 @@ def test_engine_flags_reach_the_engine_config():
     from tandem.cli import parser
     from tandem.server.serve_args import serve_config
 
-    args = parser().parse_args(["serve", "--model", "m", "--max-num-batched-tokens", "64",
-                                "--no-enable-prefix-caching", "--batching", "static"])  # fmt: skip
+    args = parser().parse_args(
+        [
+            "serve",
+            "--model",
+            "m",
+            "--max-num-batched-tokens",
+            "64",
+            "--no-enable-prefix-caching",
+            "--batching",
+            "static",
+        ]
+    )
     engine = SimpleNamespace(**serve_config(args).engine_config().flat())
     assert engine.max_num_batched_tokens == 64 and engine.enable_prefix_caching is False
     assert engine.batching == "static"
@@ -66,8 +78,12 @@ def test_bad_settings_name_the_key(tmp_path, text, named):
 @pytest.mark.timeout(60)
 def test_cli_reports_a_bad_config_and_exits_2(tmp_path):
     path = _write(tmp_path, 'model = "m"\nmax_waiting_requests = "many"\n')
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--config", path],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--config", path],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "`max_waiting_requests`" in done.stderr
 
@@ -84,30 +100,118 @@ def _serve_config(argv: list[str]):
 
 
 def test_vllm_spellings_give_the_same_settings(capsys):
-    vllm = _serve_config([
-        "m", "-tp", "2", "-pp", "2", "--max_model_len", "256", "--max-num-seqs", "8",
-        "--max-num-batched-tokens=64", "--kv-cache-memory-bytes", "1048576", "--block-size", "8",
-        "--dtype", "float", "--disable-prefix-caching", "--scheduling-policy", "priority",
-        "--served-model-name", "tiny", "--distributed-timeout-seconds", "30", "--seed", "3",
-        "--uvicorn-log-level", "trace", "--runner", "pooling", "--convert", "embed",
-        "-n", "1", "-r", "0", "--master-addr", "127.0.0.1", "--master-port", "29555",
-        "--distributed-executor-backend", "mp", "--host", "127.0.0.1", "--port", "0",
-        "--load-format", "safetensors", "--kv-cache-dtype", "auto", "--shutdown-timeout", "5",
-    ])  # fmt: skip
-    tandem = _serve_config([
-        "--model", "m", "--tp", "2", "--pp", "2", "--max-model-len", "256", "--max-num-seqs",
-        "8", "--max-num-batched-tokens", "64", "--kv-cache-memory", "1048576", "--block-size",
-        "8", "--dtype", "float32", "--no-enable-prefix-caching", "--scheduling-policy",
-        "priority", "--served-model-name", "tiny", "--distributed-timeout-seconds", "30",
-        "--seed", "3", "--log-level", "debug", "--task", "embed", "--nnodes", "1",
-        "--master-addr", "127.0.0.1", "--master-port", "29555", "--port", "0",
-        "--distributed-executor-backend", "mp", "--host", "127.0.0.1", "--shutdown-timeout", "5",
-    ])  # fmt: skip
+    vllm = _serve_config(
+        [
+            "m",
+            "-tp",
+            "2",
+            "-pp",
+            "2",
+            "--max_model_len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens=64",
+            "--kv-cache-memory-bytes",
+            "1048576",
+            "--block-size",
+            "8",
+            "--dtype",
+            "float",
+            "--disable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--served-model-name",
+            "tiny",
+            "--distributed-timeout-seconds",
+            "30",
+            "--seed",
+            "3",
+            "--uvicorn-log-level",
+            "trace",
+            "--runner",
+            "pooling",
+            "--convert",
+            "embed",
+            "-n",
+            "1",
+            "-r",
+            "0",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29555",
+            "--distributed-executor-backend",
+            "mp",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--load-format",
+            "safetensors",
+            "--kv-cache-dtype",
+            "auto",
+            "--shutdown-timeout",
+            "5",
+        ]
+    )
+    tandem = _serve_config(
+        [
+            "--model",
+            "m",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--kv-cache-memory",
+            "1048576",
+            "--block-size",
+            "8",
+            "--dtype",
+            "float32",
+            "--no-enable-prefix-caching",
+            "--scheduling-policy",
+            "priority",
+            "--served-model-name",
+            "tiny",
+            "--distributed-timeout-seconds",
+            "30",
+            "--seed",
+            "3",
+            "--log-level",
+            "debug",
+            "--task",
+            "embed",
+            "--nnodes",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "29555",
+            "--port",
+            "0",
+            "--distributed-executor-backend",
+            "mp",
+            "--host",
+            "127.0.0.1",
+            "--shutdown-timeout",
+            "5",
+        ]
+    )
     assert vllm == tandem
     engine = SimpleNamespace(**vllm.engine_config().flat())
     assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)
     assert (engine.max_model_len, engine.max_num_seqs, engine.max_num_batched_tokens) == (
-        256, 8, 64)  # fmt: skip
+        256,
+        8,
+        64,
+    )
     assert (engine.kv_cache_memory, engine.block_size, engine.dtype) == (1 << 20, 8, "float32")
     assert engine.enable_prefix_caching is False and engine.scheduling_policy == "priority"
     assert (engine.collective_timeout_s, engine.seed, engine.task) == (30.0, 3, "embed")
@@ -116,9 +220,16 @@ def test_vllm_spellings_give_the_same_settings(capsys):
     assert capsys.readouterr().err == ""  # nothing taken was ignored
 
 
-IGNORED = [["--gpu-memory-utilization", "0.9"], ["--enforce-eager"], ["--trust-remote-code"],
-           ["--enable-sleep-mode"], ["--disable-log-requests"], ["-cc", '{"level": 3}'],
-           ["--no-async-scheduling"], ["--enable-chunked-prefill"]]  # fmt: skip
+IGNORED = [
+    ["--gpu-memory-utilization", "0.9"],
+    ["--enforce-eager"],
+    ["--trust-remote-code"],
+    ["--enable-sleep-mode"],
+    ["--disable-log-requests"],
+    ["-cc", '{"level": 3}'],
+    ["--no-async-scheduling"],
+    ["--enable-chunked-prefill"],
+]
 
 
 @pytest.mark.parametrize("flag", IGNORED, ids=lambda f: f[0])
@@ -162,8 +273,12 @@ def test_kv_cache_memory_takes_bytes_or_a_fraction(capsys):
 
 
 def test_serve_help_shows_no_internal_placeholders():
-    done = subprocess.run([sys.executable, "-m", "tandem.cli", "serve", "--help"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and "--gpu-memory-utilization VALUE" in done.stdout
     assert "SUPPRESS" not in done.stdout and "--load-format {auto,safetensors}" in done.stdout
 
@@ -171,8 +286,9 @@ def test_serve_help_shows_no_internal_placeholders():
 def test_a_check_across_settings_has_no_empty_label():
     with pytest.raises(ConfigError) as err:
         _serve_config(["m", "--enable-lora", "--data-parallel-size", "2"])
-    assert str(err.value) == ("command line: enable_lora with data_parallel_size > 1 is not "
-                              "supported yet")  # fmt: skip
+    assert str(err.value) == (
+        "command line: enable_lora with data_parallel_size > 1 is not supported yet"
+    )
 
 
 @pytest.mark.parametrize(
@@ -192,8 +308,9 @@ def test_vllm_spellings_that_clash_name_the_flag(argv, message):
 def test_generate_takes_vllms_parallel_spellings():
     from tandem.cli import parser
 
-    args = parser().parse_args(["generate", "--model", "m", "--prompt", "x", "-tp", "2",
-                                "--pipeline-parallel-size", "2"])  # fmt: skip
+    args = parser().parse_args(
+        ["generate", "--model", "m", "--prompt", "x", "-tp", "2", "--pipeline-parallel-size", "2"]
+    )
     assert (args.tp, args.pp) == (2, 2)
 
 

@@ -31,8 +31,9 @@ def test_embeddings_through_the_openai_client(model_factory):
         for d, w in zip(out.data, want, strict=True):
             assert d.embedding == pytest.approx(w, abs=1e-6)
         assert out.usage.prompt_tokens == sum(len(llm_ids) for llm_ids in _ids(path, TEXTS))
-        raw = server.post("/v1/embeddings", json={"model": "enc", "input": TEXTS[:1],
-                                                  "encoding_format": "base64"}).json()  # fmt: skip
+        raw = server.post(
+            "/v1/embeddings", json={"model": "enc", "input": TEXTS[:1], "encoding_format": "base64"}
+        ).json()
         vector = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
         assert vector.tolist() == pytest.approx(want[0], abs=1e-6)
         body = {"model": "enc", "input": TEXTS, "pooling": "mean", "normalize": True}
@@ -40,10 +41,13 @@ def test_embeddings_through_the_openai_client(model_factory):
         assert [d["embedding"] for d in mean] == [pytest.approx(w, abs=1e-6) for w in want_mean]
         by_ids = server.post("/v1/embeddings", json={"model": "enc", "input": ids}).json()
         assert by_ids["data"][0]["embedding"] == pytest.approx(want[0], abs=1e-6)
-        for bad, param in (({"input": []}, "input"), ({"input": "x", "dimensions": 8},
-                           "dimensions"), ({"input": "x", "encoding_format": "hex"},
-                           "encoding_format"), ({"input": [[]]}, "input.0"),
-                           ({"input": [[5, 10**6]]}, "input")):  # fmt: skip
+        for bad, param in (
+            ({"input": []}, "input"),
+            ({"input": "x", "dimensions": 8}, "dimensions"),
+            ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+            ({"input": [[]]}, "input.0"),
+            ({"input": [[5, 10**6]]}, "input"),
+        ):
             r = server.post("/v1/embeddings", json={"model": "enc", **bad})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         r = server.post("/v1/completions", json={"model": "enc", "prompt": "x"})

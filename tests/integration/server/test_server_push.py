@@ -20,8 +20,9 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
     with LLM(trainer_dir, kv_cache_memory=16 << 20) as ref:
         expected = [o.outputs[0].token_ids for o in ref.generate(ID_PROMPTS, params)]
 
-    server = Server(engine_dir, "--tp", "2", "--admin-key", ADMIN_KEY,
-                    "--kv-cache-memory", str(16 << 20))  # fmt: skip
+    server = Server(
+        engine_dir, "--tp", "2", "--admin-key", ADMIN_KEY, "--kv-cache-memory", str(16 << 20)
+    )
     try:
         before, body = greedy(server, 8)
         assert body["weight_version"] == 0 and before != expected
@@ -32,8 +33,12 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
         assert refused.returncode != 0 and "401" in refused.stderr
 
         for version, transport in ((1, "shm"), (2, "dist")):
-            done = push(server, trainer_dir, transport, url=server.url.removeprefix("http://")
-                         if transport == "dist" else server.url)  # both spellings  # fmt: skip
+            done = push(
+                server,
+                trainer_dir,
+                transport,
+                url=server.url.removeprefix("http://") if transport == "dist" else server.url,
+            )  # both spellings
             assert done.returncode == 0, done.stdout + done.stderr
             assert f"pushed version {version}" in done.stdout
             after, body = greedy(server, 8)
@@ -53,8 +58,13 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
         code = server.stop(signal.SIGTERM)
     assert code == 0, server.output
     assert "tandem serve: stopped" in server.output
-    assert wait_for(lambda: not children(server.proc.pid) and not any(
-        os.path.exists(f"/proc/{w}") and alive(w) for w in workers), timeout=10)  # fmt: skip
+    assert wait_for(
+        lambda: (
+            not children(server.proc.pid)
+            and not any(os.path.exists(f"/proc/{w}") and alive(w) for w in workers)
+        ),
+        timeout=10,
+    )
 
 
 def test_sigterm_cancels_in_flight_requests_with_a_clear_status(model_factory, tmp_path):
@@ -68,8 +78,13 @@ def test_sigterm_cancels_in_flight_requests_with_a_clear_status(model_factory, t
     results = {}
 
     def stream():
-        body = {"model": server.model, "prompt": "A story", "ignore_eos": True,
-                "max_tokens": 500, "stream": True}  # fmt: skip
+        body = {
+            "model": server.model,
+            "prompt": "A story",
+            "ignore_eos": True,
+            "max_tokens": 500,
+            "stream": True,
+        }
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
             results["events"] = [line for line in r.iter_lines() if line.startswith("data:")]
 

@@ -21,8 +21,15 @@ PROMPT = [5, 17, 99, 3, 250, 42, 7]
 
 @pytest.fixture(scope="module")
 def server(llama_dir):
-    with Server(llama_dir, "--admin-key", ADMIN_KEY, "--kv-cache-memory", str(32 << 20),
-                "--served-model-name", "tiny") as s:  # fmt: skip
+    with Server(
+        llama_dir,
+        "--admin-key",
+        ADMIN_KEY,
+        "--kv-cache-memory",
+        str(32 << 20),
+        "--served-model-name",
+        "tiny",
+    ) as s:
         yield s
 
 
@@ -36,8 +43,9 @@ def _chunks(response: httpx.Response):
             yield json.loads(line[6:])
 
 
-def _run(server: Server, body: dict, path: str = "/v1/completions"
-         ) -> tuple[threading.Thread, dict]:  # fmt: skip
+def _run(
+    server: Server, body: dict, path: str = "/v1/completions"
+) -> tuple[threading.Thread, dict]:
     """A non-streamed completion on a thread of its own: (thread, {"r": response})."""
     out: dict = {}
     client = httpx.Client(base_url=server.url, timeout=120)
@@ -52,8 +60,10 @@ def _run(server: Server, body: dict, path: str = "/v1/completions"
 
 
 def _running(server: Server, n: int = 1) -> bool:
-    return server.metric("tandem_running_sequences") >= n and server.metric(
-        "tandem_generation_tokens_total") > 0  # fmt: skip
+    return (
+        server.metric("tandem_running_sequences") >= n
+        and server.metric("tandem_generation_tokens_total") > 0
+    )
 
 
 def test_pause_abort_returns_partial_rollouts_then_resume(server):
@@ -87,8 +97,9 @@ def test_pause_wait_answers_once_running_requests_finished(server):
         paused["r"] = server.admin("POST", "/pause", json={"mode": "wait"})
         paused["running"] = server.metric("tandem_running_sequences")
 
-    with server.client.stream("POST", "/v1/completions",
-                              json=_body(max_tokens=200, stream=True)) as response:  # fmt: skip
+    with server.client.stream(
+        "POST", "/v1/completions", json=_body(max_tokens=200, stream=True)
+    ) as response:
         chunks = _chunks(response)
         first = next(chunks)  # running now
         waiter = threading.Thread(target=pause)
@@ -130,8 +141,13 @@ def test_abort_requests_by_id_and_all(server):
 def test_abort_names_exactly_the_call_given(server):
     """Ids clients choose never collide with the per-prompt ids tandem derives: a chat call
     named ``foo-1`` (or ``foo-0``) is its own call, untouched by an abort of ``foo``."""
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-            "ignore_eos": True, "max_tokens": 400}  # fmt: skip
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+        "ignore_eos": True,
+        "max_tokens": 400,
+    }
     first, foo = _run(server, _body(max_tokens=500, request_id="foo"))
     assert wait_for(lambda: _running(server))
     second, foo0 = _run(server, chat | {"request_id": "foo-0"}, "/v1/chat/completions")
@@ -139,7 +155,8 @@ def test_abort_names_exactly_the_call_given(server):
     assert wait_for(lambda: _running(server, 3))
     near = ["fo", "foo-2", "foo#0", "foo-1-0"]  # no live call has these ids
     assert server.admin("POST", "/abort_requests", json={"request_ids": near}).json() == {
-        "aborted": []}  # fmt: skip
+        "aborted": []
+    }
     r = server.admin("POST", "/abort_requests", json={"request_ids": ["foo"]})
     assert r.json() == {"aborted": ["foo"]}
     for thread in (first, second, third):
@@ -179,7 +196,10 @@ def test_sleep_levels_and_wake_up_tags(server):
     r = server.admin("POST", "/sleep", params={"level": 2}).json()
     assert r["is_sleeping"] and r["level"] == 2 and r["weights_released"] is True
     assert server.admin("GET", "/is_sleeping").json() == {
-        "is_sleeping": True, "weights_released": True, "kv_cache_released": True}  # fmt: skip
+        "is_sleeping": True,
+        "weights_released": True,
+        "kv_cache_released": True,
+    }
     assert server.admin("POST", "/wake_up?tags=weights").json()["is_sleeping"] is True
     woke = server.admin("POST", "/wake_up", params=[("tags", "kv_cache")]).json()
     assert woke["is_sleeping"] is False and woke["kv_blocks"] > 0
@@ -218,9 +238,18 @@ def test_echo_scores_the_prompt_as_openai_does(server, llama_dir):
     assert lp["text_offset"] == sorted(lp["text_offset"])
     assert choice["text"] == "".join(lp["tokens"])
     # lm-evaluation-harness's loglikelihood request: one generated token after the prompt
-    lm_eval = server.post("/v1/completions", json={"model": "tiny", "prompt": [PROMPT],
-                          "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True,
-                          "seed": 1234})  # fmt: skip
+    lm_eval = server.post(
+        "/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": [PROMPT],
+            "temperature": 0,
+            "max_tokens": 1,
+            "logprobs": 1,
+            "echo": True,
+            "seed": 1234,
+        },
+    )
     lp = lm_eval.json()["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(PROMPT) + 1
     assert lp["token_logprobs"][1 : len(PROMPT)] == pytest.approx(want, abs=1e-4)
@@ -237,9 +266,15 @@ def test_token_ids_in_and_out_without_detokenizing(server):
     assert choice["prompt_token_ids"] == PROMPT and choice["text"] == ""
     assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
     assert choice["weight_versions"] == [{"version": 0, "start": 0, "end": 4}]
-    chat = server.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-        "return_token_ids": True})  # fmt: skip
+    chat = server.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "return_token_ids": True,
+        },
+    )
     assert chat.json()["choices"][0]["prompt_token_ids"]
     stop = server.post("/v1/completions", json=_body(detokenize=False, stop=["x"]))
     assert stop.status_code == 400
@@ -264,8 +299,15 @@ def test_pause_keep_push_resume_version_spans(model_factory):
     # long enough that the engine cannot finish the rollout between the client reading its
     # first tokens and the pause landing (40 tokens did, once, on a loaded CI machine)
     n = 400
-    with Server(engine_dir, "--admin-key", ADMIN_KEY, "--served-model-name", "tiny",
-                "--kv-cache-memory", str(16 << 20)) as server:  # fmt: skip
+    with Server(
+        engine_dir,
+        "--admin-key",
+        ADMIN_KEY,
+        "--served-model-name",
+        "tiny",
+        "--kv-cache-memory",
+        str(16 << 20),
+    ) as server:
         old = server.post("/v1/completions", json=_body(max_tokens=n)).json()
         old_tokens = old["choices"][0]["token_ids"]
         tokens, spans = [], []

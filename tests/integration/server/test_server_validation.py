@@ -16,8 +16,16 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server(model_factory):
     model = model_factory("llama", max_position_embeddings=128)
-    args = ["--api-key", KEY, "--max-num-seqs", "1", "--max-waiting-requests", "1",
-            "--kv-cache-memory", str(8 << 20)]  # fmt: skip
+    args = [
+        "--api-key",
+        KEY,
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--kv-cache-memory",
+        str(8 << 20),
+    ]
     with Server(model, *args) as s:
         s.client.headers.update(AUTH)
         yield s
@@ -104,16 +112,50 @@ def test_limits_name_the_field_the_prompt_and_the_limit(server):
 # null means the field's default. (`max_tokens: null` is not the default 16 of /v1/completions
 # but up to the context, as in vLLM, so the completions list leaves it out.)
 NULLABLE = {
-    "/v1/completions": ["best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "n",
-                        "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix",
-                        "temperature", "top_p", "user", "top_k", "stop_token_ids",
-                        "return_token_ids"],
-    "/v1/chat/completions": ["frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
-                             "max_tokens", "n", "presence_penalty", "response_format", "seed",
-                             "stop", "stream", "stream_options", "temperature", "tool_choice",
-                             "tools", "top_logprobs", "top_p", "user", "top_k", "stop_token_ids",
-                             "return_token_ids"],
-}  # fmt: skip
+    "/v1/completions": [
+        "best_of",
+        "echo",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "n",
+        "presence_penalty",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "suffix",
+        "temperature",
+        "top_p",
+        "user",
+        "top_k",
+        "stop_token_ids",
+        "return_token_ids",
+    ],
+    "/v1/chat/completions": [
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "n",
+        "presence_penalty",
+        "response_format",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "top_k",
+        "stop_token_ids",
+        "return_token_ids",
+    ],
+}
 
 
 def _base(server, route: str) -> dict:
@@ -146,14 +188,23 @@ def test_null_is_still_a_wrong_type_where_vllm_refuses_it(server):
 def test_openai_client_none_is_null(server):
     """The official client sends ``temperature=None`` as ``"temperature": null``."""
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-    nones = dict(temperature=None, top_p=None, n=None, presence_penalty=None,
-                 frequency_penalty=None, stop=None, logit_bias=None, user=None)  # fmt: skip
+    nones = dict(
+        temperature=None,
+        top_p=None,
+        n=None,
+        presence_penalty=None,
+        frequency_penalty=None,
+        stop=None,
+        logit_bias=None,
+        user=None,
+    )
     kw = dict(model=server.model, prompt="Hello", max_tokens=5, seed=3)
     assert client.completions.create(**kw, **nones, echo=None, logprobs=None).choices[0].text == (
         client.completions.create(**kw).choices[0].text
     )
-    kw = dict(model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
-              seed=3)  # fmt: skip
+    kw = dict(
+        model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5, seed=3
+    )
     got = client.chat.completions.create(**kw, **nones, logprobs=None, top_logprobs=None)
     assert got.choices[0].message.content == (
         client.chat.completions.create(**kw).choices[0].message.content
@@ -170,8 +221,10 @@ def test_chat_without_template_is_400(model_factory, tmp_path):
     del config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
     with Server(str(model)) as s:
-        r = s.post("/v1/chat/completions", json={"model": s.model, "messages": [
-            {"role": "user", "content": "hi"}]})  # fmt: skip
+        r = s.post(
+            "/v1/chat/completions",
+            json={"model": s.model, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 400
         assert r.json()["error"]["code"] == "no_chat_template"
         assert s.post("/v1/completions", json={"model": s.model, "prompt": "x"}).status_code == 200
@@ -184,8 +237,7 @@ def test_wrong_model_is_404(server):
 
 def test_api_key_required(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = httpx.post(server.url + "/v1/completions", headers=headers,
-                       json=_completion(server))  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", headers=headers, json=_completion(server))
         assert r.status_code == 401, headers
         assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health").status_code == 200  # health needs no key

@@ -53,8 +53,17 @@ def test_chunks_follow_vllms_packing_rule():
 @pytest.fixture(scope="module")
 def tp2(model_factory):
     engine_dir = model_factory("llama", seed=0)
-    server = Server(engine_dir, "--tp", "2", "--admin-key", ADMIN_KEY,
-                    "--kv-cache-memory", str(16 << 20), "--push-phase-timeout", "3")  # fmt: skip
+    server = Server(
+        engine_dir,
+        "--tp",
+        "2",
+        "--admin-key",
+        ADMIN_KEY,
+        "--kv-cache-memory",
+        str(16 << 20),
+        "--push-phase-timeout",
+        "3",
+    )
     try:
         yield server
     finally:
@@ -84,16 +93,21 @@ def test_a_transfer_in_buckets_lands_on_both_ranks_and_publishes_its_version(tp2
 def test_bad_calls_name_the_field_and_the_served_version_stays(tp2, model_factory):
     served, body = greedy(tp2)
     version = body["weight_version"]
-    r = tp2.admin("POST", "/update_weights", json={"update_info": {"names": [],
-                  "dtype_names": [], "shapes": []}})  # fmt: skip
+    r = tp2.admin(
+        "POST",
+        "/update_weights",
+        json={"update_info": {"names": [], "dtype_names": [], "shapes": []}},
+    )
     assert r.status_code == 409 and "start_weight_update" in r.json()["error"]["message"]
     assert tp2.admin("POST", "/finish_weight_update").status_code == 409
-    info = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1,
-            "world_size": 5}  # fmt: skip
+    info = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 5}
     r = tp2.admin("POST", "/init_weight_transfer_engine", json={"init_info": info})
     assert r.status_code == 400 and r.json()["error"]["param"] == "init_info.world_size"
-    r = tp2.admin("POST", "/init_weight_transfer_engine",
-                  json={"init_info": info | {"world_size": 3, "backend": "x"}})  # fmt: skip
+    r = tp2.admin(
+        "POST",
+        "/init_weight_transfer_engine",
+        json={"init_info": info | {"world_size": 3, "backend": "x"}},
+    )
     assert r.status_code == 400 and "backend" in r.json()["error"]["param"]
     t0 = time.monotonic()  # no trainer ever comes: the ranks give up after --push-phase-timeout
     r = tp2.admin(
@@ -111,8 +125,7 @@ def test_bad_calls_name_the_field_and_the_served_version_stays(tp2, model_factor
     # (the trainer is not left hanging), the transfer dropped, the served weights untouched
     trainer = _tensors(model_factory("llama", seed=2))
     name = next(n for n in trainer if n.endswith("q_proj.weight"))
-    for bad in ({"model.bogus.weight": torch.zeros(3, 4)},
-                {name: torch.zeros(3, 4)}):  # fmt: skip
+    for bad in ({"model.bogus.weight": torch.zeros(3, 4)}, {name: torch.zeros(3, 4)}):
         client = BroadcastClient(tp2.url, ADMIN_KEY, bucket_bytes=1 << 30)
         try:
             with pytest.raises(TransferFailed, match="400") as caught:
@@ -126,8 +139,9 @@ def test_bad_calls_name_the_field_and_the_served_version_stays(tp2, model_factor
     assert r.status_code == 200
 
 
-def test_a_tensor_corrupted_on_the_way_is_caught_and_nothing_changes(tp2, model_factory,
-                                                                      monkeypatch):  # fmt: skip
+def test_a_tensor_corrupted_on_the_way_is_caught_and_nothing_changes(
+    tp2, model_factory, monkeypatch
+):
     served, _ = greedy(tp2)
     real = broadcast_client.crc32
     calls = []
@@ -153,8 +167,10 @@ def test_an_abandoned_transfer_closes_and_the_engine_serves_again(tp2):
     try:
         client.start()  # then the trainer goes quiet: the engine takes no step meanwhile
         t0 = time.monotonic()
-        r = tp2.post("/v1/completions", json={"model": tp2.model, "prompt": ID_PROMPTS[0],
-                                              "max_tokens": 2, "temperature": 0})  # fmt: skip
+        r = tp2.post(
+            "/v1/completions",
+            json={"model": tp2.model, "prompt": ID_PROMPTS[0], "max_tokens": 2, "temperature": 0},
+        )
         assert r.status_code == 200 and time.monotonic() - t0 > 4  # served after the close
         r = tp2.admin("POST", "/finish_weight_update")
         assert r.status_code == 502 and "window" in r.json()["error"]["message"]
@@ -188,8 +204,9 @@ def test_in_place_a_failed_transfer_refuses_requests_until_a_complete_one(model_
 def test_a_fleet_takes_the_transfer_on_every_replica(model_factory):
     engine_dir = model_factory("llama", seed=0)
     trainer_dir = model_factory("llama", seed=1)
-    server = Server(engine_dir, "--dp", "2", "--admin-key", ADMIN_KEY,
-                    "--kv-cache-memory", str(16 << 20))  # fmt: skip
+    server = Server(
+        engine_dir, "--dp", "2", "--admin-key", ADMIN_KEY, "--kv-cache-memory", str(16 << 20)
+    )
     try:
         assert server.admin("GET", "/get_world_size").json() == {"world_size": 2}
         assert server.admin("GET", "/get_world_size", params={"include_dp": "false"}).json() == {

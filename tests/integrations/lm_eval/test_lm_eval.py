@@ -33,10 +33,14 @@ def test_loglikelihood_through_tandem_equals_lm_evals_hf_backend(llama_dir):
     want = hf.loglikelihood(requests())
     with Server(llama_dir, "--served-model-name", "tiny") as server:
         api = LocalCompletionsAPI(
-            base_url=f"{server.url}/v1/completions", model="tiny", tokenizer=llama_dir,
-            tokenizer_backend="huggingface", tokenized_requests=True, num_concurrent=2,
+            base_url=f"{server.url}/v1/completions",
+            model="tiny",
+            tokenizer=llama_dir,
+            tokenizer_backend="huggingface",
+            tokenized_requests=True,
+            num_concurrent=2,
             max_retries=1,
-        )  # fmt: skip
+        )
         got = api.loglikelihood(requests())
     assert len(got) == len(want) == len(PAIRS)
     for (lp, greedy), (ref_lp, ref_greedy) in zip(got, want, strict=True):

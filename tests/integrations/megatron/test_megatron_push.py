@@ -26,10 +26,20 @@ SCRIPT = SUPPORT / "megatron_trainer.py"
 def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Path) -> dict:
     world, port = tp * pp, str(free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    args = [port, str(tp), str(pp), model_dir, llm.exchange_address, str(version), str(out),
-            ",".join(map(str, PROMPT))]  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(world), *args], env=env)
-             for r in range(world)]  # fmt: skip
+    args = [
+        port,
+        str(tp),
+        str(pp),
+        model_dir,
+        llm.exchange_address,
+        str(version),
+        str(out),
+        ",".join(map(str, PROMPT)),
+    ]
+    procs = [
+        subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(world), *args], env=env)
+        for r in range(world)
+    ]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -43,12 +53,15 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
 
 @pytest.mark.parametrize(
     ("family", "tp", "pp", "engine"),
-    [("llama", 2, 1, {"tensor_parallel_size": 2}), ("llama", 2, 1, {"pipeline_parallel_size": 2}),
-     ("llama", 2, 2, {"tensor_parallel_size": 2}),
-     ("qwen2", 2, 1, {"tensor_parallel_size": 2}),  # QKV bias, tied output
-     ("qwen3", 2, 1, {"tensor_parallel_size": 2}),  # QK-norm, head_dim != hidden / heads, tied
-     ("gpt2", 2, 1, {"tensor_parallel_size": 2})],  # learned positions, LayerNorm, GELU, biases
-)  # fmt: skip
+    [
+        ("llama", 2, 1, {"tensor_parallel_size": 2}),
+        ("llama", 2, 1, {"pipeline_parallel_size": 2}),
+        ("llama", 2, 2, {"tensor_parallel_size": 2}),
+        ("qwen2", 2, 1, {"tensor_parallel_size": 2}),  # QKV bias, tied output
+        ("qwen3", 2, 1, {"tensor_parallel_size": 2}),  # QK-norm, head_dim != hidden / heads, tied
+        ("gpt2", 2, 1, {"tensor_parallel_size": 2}),
+    ],  # learned positions, LayerNorm, GELU, biases
+)
 def test_megatron_trainer_pushes_and_the_engine_decodes_what_megatron_does(
     model_factory, tmp_path, family, tp, pp, engine
 ):
@@ -69,8 +82,16 @@ def test_a_megatron_layout_that_disagrees_fails_before_any_byte_moves(model_fact
     from tandem.exchange.plan import plan_transfers
 
     model_dir = model_factory("llama", vocab_size=500)
-    cfg = MegatronLlamaConfig(hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=176,
-                              vocab=500, padded_vocab=512, layers=2)  # fmt: skip
+    cfg = MegatronLlamaConfig(
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        head_dim=16,
+        intermediate=176,
+        vocab=500,
+        padded_vocab=512,
+        layers=2,
+    )
     shapes = {
         "embedding.word_embeddings.weight": (512, 64),
         "decoder.layers.0.input_layernorm.weight": (64,),
@@ -86,9 +107,16 @@ def test_a_megatron_layout_that_disagrees_fails_before_any_byte_moves(model_fact
         with pytest.raises(LayoutMismatch, match="model.layers.1.self_attn.q_proj.weight"):
             layouts = llm.engine.target.weight_layouts()
             plan_transfers([megatron_layout(shapes, cfg, 0, 1, 0)], layouts)
-        wrong_heads = MegatronLlamaConfig(hidden=64, heads=4, kv_heads=1, head_dim=16,
-                                          intermediate=176, vocab=500, padded_vocab=512,
-                                          layers=2)  # fmt: skip
+        wrong_heads = MegatronLlamaConfig(
+            hidden=64,
+            heads=4,
+            kv_heads=1,
+            head_dim=16,
+            intermediate=176,
+            vocab=500,
+            padded_vocab=512,
+            layers=2,
+        )
         with pytest.raises(LayoutMismatch, match="linear_qkv.weight: local shape"):
             megatron_layout(shapes, wrong_heads, 0, 1, 0)
 
@@ -106,6 +134,8 @@ def test_megatron_trainer_pushes_once_into_every_replica_of_a_fleet(model_factor
             served.append(out.replica)
             got = out.outputs[0]
             assert got.token_ids == expected["tokens"]
-            assert max(abs(a - b) for a, b in zip(got.logprobs, expected["logprobs"],
-                                                  strict=True)) <= 1e-4  # fmt: skip
+            assert (
+                max(abs(a - b) for a, b in zip(got.logprobs, expected["logprobs"], strict=True))
+                <= 1e-4
+            )
         assert served == [0, 1]

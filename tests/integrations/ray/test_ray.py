@@ -34,8 +34,7 @@ def cluster():
     c.add_node(**{k: v for k, v in LOCAL.items() if k != "include_dashboard"})
     # the actors (support.ray_actors) are imported by name on the workers
     path = os.pathsep.join([str(TESTS), *sys.path])
-    ray.init(address=c.address, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    ray.init(address=c.address, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
     try:
         yield c
     finally:
@@ -58,8 +57,12 @@ def test_tp2_ranks_spread_over_two_nodes_equal_one_process(cluster, llama_dir):
     with LLM(llama_dir) as one:
         want = one.generate(PROMPTS, GREEDY)
         want_scores = one.score(PROMPTS)
-    with LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
-             placement_strategy="STRICT_SPREAD") as llm:  # fmt: skip
+    with LLM(
+        llama_dir,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        placement_strategy="STRICT_SPREAD",
+    ) as llm:
         got = llm.generate(PROMPTS, GREEDY)
         for a, b in zip(want_scores, llm.score(PROMPTS), strict=True):  # the same messages
             assert a.shape == b.shape and (a - b).abs().max().item() <= 1e-5
@@ -77,8 +80,12 @@ def test_tp2_ranks_spread_over_two_nodes_equal_one_process(cluster, llama_dir):
 
 
 def test_killed_rank_actor_is_an_engine_dead_error_naming_it(cluster, llama_dir):
-    llm = LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
-              placement_strategy="SPREAD")  # fmt: skip
+    llm = LLM(
+        llama_dir,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        placement_strategy="SPREAD",
+    )
     try:
         llm.generate(PROMPTS[:1], GREEDY)
         [rank1] = [w for w in llm.worker_locations() if w["rank"] == 1]
@@ -101,13 +108,18 @@ def test_trainer_actor_on_the_other_node_pushes_weights(cluster, model_factory):
     engine_dir, trainer_dir = model_factory("llama"), model_factory("llama", seed=1)
     with LLM(trainer_dir) as ref:
         want = [o.outputs[0].token_ids for o in ref.generate(PROMPTS, GREEDY)]
-    with LLM(engine_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
-             placement_strategy="STRICT_PACK") as llm:  # fmt: skip
+    with LLM(
+        engine_dir,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        placement_strategy="STRICT_PACK",
+    ) as llm:
         nodes = {p["node_id"] for p in llm.worker_locations()}
         assert len(nodes) == 1
         other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in nodes)
-        trainer = Trainer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-            other, soft=False)).remote()  # fmt: skip
+        trainer = Trainer.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(other, soft=False)
+        ).remote()
         assert ray.get(trainer.node.remote()) == other
         assert ray.get(trainer.push.remote(trainer_dir, llm.exchange_address, 4)) == 4
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
@@ -119,13 +131,20 @@ def test_trainer_actor_on_the_other_node_pushes_weights(cluster, model_factory):
 def test_launch_trainers_colocated_and_split(cluster, llama_dir):
     from tandem.integrations.ray import launch_trainers
 
-    with LLM(llama_dir, tensor_parallel_size=2, distributed_executor_backend="ray",
-             placement_strategy="STRICT_SPREAD", ray_cpus_per_rank=0.5) as llm:  # fmt: skip
+    with LLM(
+        llama_dir,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        placement_strategy="STRICT_SPREAD",
+        ray_cpus_per_rank=0.5,
+    ) as llm:
         engine_nodes = [p["node_id"] for p in llm.worker_locations()]
-        near = launch_trainers(Where, 2, llm, layout="colocated", num_cpus=0.5,
-                               kwargs={"tag": "near"})  # fmt: skip
-        apart = launch_trainers(Where, 2, llm, layout="split", strategy="STRICT_SPREAD",
-                                num_cpus=0.5)  # fmt: skip
+        near = launch_trainers(
+            Where, 2, llm, layout="colocated", num_cpus=0.5, kwargs={"tag": "near"}
+        )
+        apart = launch_trainers(
+            Where, 2, llm, layout="split", strategy="STRICT_SPREAD", num_cpus=0.5
+        )
         try:
             got = ray.get([a.where.remote() for a in near.actors])
             assert [(r, w, t) for r, w, t, _ in got] == [(0, 2, "near"), (1, 2, "near")]
@@ -142,12 +161,29 @@ def test_launch_trainers_colocated_and_split(cluster, llama_dir):
 def test_serve_with_ray_ranks(cluster, llama_dir):
     from support.serving import Server
 
-    with Server(llama_dir, "--tp", "2", "--distributed-executor-backend", "ray",
-                "--ray-address", cluster.address, "--placement-strategy", "STRICT_SPREAD",
-                "--served-model-name", "tiny") as server:  # fmt: skip
-        r = server.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0],
-                                                 "max_tokens": 8, "temperature": 0,
-                                                 "ignore_eos": True})  # fmt: skip
+    with Server(
+        llama_dir,
+        "--tp",
+        "2",
+        "--distributed-executor-backend",
+        "ray",
+        "--ray-address",
+        cluster.address,
+        "--placement-strategy",
+        "STRICT_SPREAD",
+        "--served-model-name",
+        "tiny",
+    ) as server:
+        r = server.post(
+            "/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": PROMPTS[0],
+                "max_tokens": 8,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
     with LLM(llama_dir) as one:
         want = one.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids

@@ -24,14 +24,18 @@ def _reward(completions, **kwargs):
 def _lora_config(r: int = 4):
     from peft import LoraConfig
 
-    return LoraConfig(r=r, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS,
-                      task_type="CAUSAL_LM")  # fmt: skip
+    return LoraConfig(
+        r=r, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM"
+    )
 
 
 def _adapter_bytes(model, adapter: str = "default") -> int:
     """The bytes of one adapter's lora_A/lora_B tensors in a PEFT model."""
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
-               if ".lora_" in name and f".{adapter}." in name)  # fmt: skip
+    return sum(
+        p.numel() * p.element_size()
+        for name, p in model.named_parameters()
+        if ".lora_" in name and f".{adapter}." in name
+    )
 
 
 def _completion_logprobs(model, prompt_ids, completion_ids) -> torch.Tensor:
@@ -59,11 +63,22 @@ def test_grpo_trainer_on_a_peft_model_syncs_the_adapter_and_logprobs_match(model
     full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     data = Dataset.from_dict({"prompt": ["the cat", "a dog runs", "red fish", "one bird"] * 4})
     config = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, max_steps=3, learning_rate=0.05, beta=0.0, bf16=False,
-        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, temperature=1.0,
-        seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=0.05,
+        beta=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        temperature=1.0,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     with LLM(model_dir, enable_lora=True, max_lora_rank=8) as llm:
         rollout = TandemRollout(llm, max_tokens=8, seed=0)
         seen: list[dict] = []
@@ -82,21 +97,34 @@ def test_grpo_trainer_on_a_peft_model_syncs_the_adapter_and_logprobs_match(model
                 assert adapter_bytes * 10 < full_bytes
             # the engine's log-probs are the trainer's PEFT model's, at the synced adapter
             worst, moved = 0.0, 0.0
-            for ids, completion, logprobs in zip(out["prompt_ids"], out["completion_ids"],
-                                                 out["logprobs"], strict=True):  # fmt: skip
+            for ids, completion, logprobs in zip(
+                out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True
+            ):
                 assert len(completion) == len(logprobs) >= 1
                 expected = _completion_logprobs(peft_model, ids, completion)
                 worst = max(worst, (torch.tensor(logprobs) - expected).abs().max().item())
                 with peft_model.disable_adapter():  # the base model alone
                     base = _completion_logprobs(peft_model, ids, completion)
                 moved = max(moved, (expected - base).abs().max().item())
-            seen.append({"step": step, "versions": set(out["weight_version"]),
-                         "worst": worst, "moved": moved})  # fmt: skip
+            seen.append(
+                {
+                    "step": step,
+                    "versions": set(out["weight_version"]),
+                    "worst": worst,
+                    "moved": moved,
+                }
+            )
             return out
 
-        trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=config,
-                              train_dataset=data, processing_class=tokenizer,
-                              peft_config=_lora_config(), rollout_func=recording)  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=_reward,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            peft_config=_lora_config(),
+            rollout_func=recording,
+        )
         trainer.train()
         assert trainer.state.global_step == 3
         assert [s["step"] for s in seen] == [0, 1, 2], seen
@@ -124,9 +152,13 @@ def test_peft_model_needs_an_engine_serving_its_adapter(model_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
 
     def trainer_of(model):  # what TRL hands a rollout_func
-        return SimpleNamespace(state=SimpleNamespace(global_step=0), model=model,
-                               args=SimpleNamespace(temperature=1.0),
-                               processing_class=tokenizer, accelerator=None)  # fmt: skip
+        return SimpleNamespace(
+            state=SimpleNamespace(global_step=0),
+            model=model,
+            args=SimpleNamespace(temperature=1.0),
+            processing_class=tokenizer,
+            accelerator=None,
+        )
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with pytest.raises(ValueError, match="lora_name='policy' needs a PEFT model"):
@@ -162,8 +194,9 @@ def test_peft_model_needs_an_engine_serving_its_adapter(model_factory):
         out = rollout(["the cat"] * 2, trainer_of(small))
         assert rollout.last_push.bytes_needed == _adapter_bytes(small, "default")
         assert [(a.name, a.version) for a in llm.engine.adapters.loaded()] == [("mine", 0)]
-        for ids, completion, logprobs in zip(out["prompt_ids"], out["completion_ids"],
-                                             out["logprobs"], strict=True):  # fmt: skip
+        for ids, completion, logprobs in zip(
+            out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True
+        ):
             expected = _completion_logprobs(small, ids, completion)
             assert (torch.tensor(logprobs) - expected).abs().max() <= 1e-4
             with small.disable_adapter():

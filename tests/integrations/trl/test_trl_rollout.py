@@ -36,11 +36,22 @@ def test_grpo_trainer_trains_with_tandem_rollouts(model_factory, tmp_path):
         before = model(probe).logits.clone()
     data = Dataset.from_dict({"prompt": ["the cat", "a dog runs", "red fish", "one bird"] * 4})
     config = GRPOConfig(
-        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-        max_completion_length=8, max_steps=3, learning_rate=0.05, beta=0.0, bf16=False,
-        use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, temperature=1.0,
-        seed=0, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=3,
+        learning_rate=0.05,
+        beta=0.0,
+        bf16=False,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        temperature=1.0,
+        seed=0,
+        dataloader_num_workers=0,
+    )
     with LLM(model_dir) as llm:
         rollout = TandemRollout(llm, max_tokens=8, seed=0)
         seen: list[dict] = []
@@ -51,9 +62,14 @@ def test_grpo_trainer_trains_with_tandem_rollouts(model_factory, tmp_path):
             seen.append({"step": trainer.state.global_step, "versions": out["weight_version"]})
             return out
 
-        trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=config,
-                              train_dataset=data, processing_class=tokenizer,
-                              rollout_func=recording)  # fmt: skip
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=_reward,
+            args=config,
+            train_dataset=data,
+            processing_class=tokenizer,
+            rollout_func=recording,
+        )
         trainer.train()
         assert trainer.state.global_step == 3
         with torch.no_grad():  # training moved the weights (so the pushes carried news)
@@ -65,8 +81,9 @@ def test_grpo_trainer_trains_with_tandem_rollouts(model_factory, tmp_path):
         rollout.sync(trainer.model, trainer.state.global_step)  # the trained weights
         assert llm.weight_version == 3
         prompt = tokenizer("the cat", add_special_tokens=False)["input_ids"]
-        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=0,
-                                                    ignore_eos=True))[0].outputs[0]  # fmt: skip
+        out = llm.generate(
+            [prompt], SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        )[0].outputs[0]
         with torch.no_grad():
             logits = trainer.model(torch.tensor([prompt + out.token_ids])).logits[0].float()
         logp = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
@@ -91,9 +108,13 @@ def test_rollout_against_a_tandem_serve_pushes_over_http_and_samples_the_pushed_
     tokenizer = transformers.AutoTokenizer.from_pretrained(trainer_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(trainer_dir, dtype=torch.float32)
     # what TRL hands a rollout_func: its trainer (state, args, tokenizer, model)
-    trainer = SimpleNamespace(state=SimpleNamespace(global_step=2), model=model,
-                              args=SimpleNamespace(temperature=1.0), processing_class=tokenizer,
-                              accelerator=None)  # fmt: skip
+    trainer = SimpleNamespace(
+        state=SimpleNamespace(global_step=2),
+        model=model,
+        args=SimpleNamespace(temperature=1.0),
+        processing_class=tokenizer,
+        accelerator=None,
+    )
     server = Server(engine_dir, "--admin-key", ADMIN_KEY, "--kv-cache-memory", str(16 << 20))
     try:
         rollout = TandemRollout(server.url, admin_key=ADMIN_KEY, max_tokens=5, seed=3)
@@ -101,8 +122,9 @@ def test_rollout_against_a_tandem_serve_pushes_over_http_and_samples_the_pushed_
         out = rollout(prompts, trainer)
         assert rollout.pushes == 1 and rollout.version == 2
         assert len(out["completion_ids"]) == len(prompts) and set(out["weight_version"]) == {2}
-        for ids, completion, logprobs in zip(out["prompt_ids"], out["completion_ids"],
-                                             out["logprobs"], strict=True):  # fmt: skip
+        for ids, completion, logprobs in zip(
+            out["prompt_ids"], out["completion_ids"], out["logprobs"], strict=True
+        ):
             assert len(completion) == len(logprobs) >= 1
             with torch.no_grad():
                 logits = model(torch.tensor([ids + completion])).logits[0].float()

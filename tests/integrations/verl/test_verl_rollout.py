@@ -101,38 +101,52 @@ def test_verl_generates_through_tandem_and_update_weights_lands(cluster, model_f
         pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
         # verl's base worker stands in for its actor/rollout workers: the hybrid replica
         # takes its node from them
-        group = RayWorkerGroup(pool, RayClassWithInitArgs(cls=ray.remote(Worker)),
-                               name_prefix="tandem_test")  # fmt: skip
+        group = RayWorkerGroup(
+            pool, RayClassWithInitArgs(cls=ray.remote(Worker)), name_prefix="tandem_test"
+        )
         manager = await LLMServerManager.create(config=config, worker_group=group)
         (replica,) = manager.get_replicas()
         client = manager.get_client()
-        greedy = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
-                  "logprobs": True}  # fmt: skip
-        before = [await client.generate(request_id=f"a{i}", prompt_ids=p,
-                                        sampling_params=dict(greedy))
-                  for i, p in enumerate(PROMPTS)]  # fmt: skip
+        greedy = {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": -1,
+            "repetition_penalty": 1.0,
+            "logprobs": True,
+        }
+        before = [
+            await client.generate(request_id=f"a{i}", prompt_ids=p, sampling_params=dict(greedy))
+            for i, p in enumerate(PROMPTS)
+        ]
         assert all(len(o.token_ids) == 6 and o.stop_reason == "completed" for o in before)
 
         # verl's weight sync (ActorRolloutRefWorker.update_weights, naive backend)
-        adapter = TandemServerAdapter(config=config.actor_rollout_ref.rollout,
-                                      model_config=config.actor_rollout_ref.model,
-                                      device_mesh=None, replica_rank=0)  # fmt: skip
+        adapter = TandemServerAdapter(
+            config=config.actor_rollout_ref.rollout,
+            model_config=config.actor_rollout_ref.model,
+            device_mesh=None,
+            replica_rank=0,
+        )
         await replica.sleep()
         await adapter.resume(tags=["weights"])
-        await adapter.update_weights(trained.named_parameters(), global_steps=3,
-                                     peft_config=None, base_sync_done=True)  # fmt: skip
+        await adapter.update_weights(
+            trained.named_parameters(), global_steps=3, peft_config=None, base_sync_done=True
+        )
         await adapter.resume(tags=["kv_cache"])
 
-        after = [await client.generate(request_id=f"b{i}", prompt_ids=p,
-                                       sampling_params=dict(greedy))
-                 for i, p in enumerate(PROMPTS)]  # fmt: skip
-        sampled = await client.generate(request_id="c", prompt_ids=PROMPTS[0],
-                                        sampling_params=dict(greedy, temperature=0.7))  # fmt: skip
+        after = [
+            await client.generate(request_id=f"b{i}", prompt_ids=p, sampling_params=dict(greedy))
+            for i, p in enumerate(PROMPTS)
+        ]
+        sampled = await client.generate(
+            request_id="c", prompt_ids=PROMPTS[0], sampling_params=dict(greedy, temperature=0.7)
+        )
         # verl's partial-rollout controls: after abort_all_requests generation is blocked, a
         # new request waits, and resume_generation lets it run
         assert await replica.abort_all_requests() is None
-        held = asyncio.ensure_future(client.generate(request_id="d", prompt_ids=PROMPTS[1],
-                                                     sampling_params=dict(greedy)))  # fmt: skip
+        held = asyncio.ensure_future(
+            client.generate(request_id="d", prompt_ids=PROMPTS[1], sampling_params=dict(greedy))
+        )
         await asyncio.sleep(1.0)
         assert not held.done()
         await replica.resume_generation()

@@ -37,9 +37,15 @@ from tandem.wire.frames import free_port  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 # vLLM's CPU attention takes head sizes 32 and up (not 16)
-MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}  # fmt: skip
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 NEW = 6
 ONE_CORE_PER_RANK = "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))  # vLLM's TP=2 bind
@@ -52,9 +58,16 @@ def engine(request, model_factory):
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
     vllm.envs.disable_envs_cache()  # an earlier engine froze the environment vLLM reads
     model_dir = model_factory("llama", vocab_size=500, **MODEL)
-    llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=tp, max_model_len=128,
-                   kv_cache_memory_bytes=8 << 20, enforce_eager=True, seed=0,
-                   worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+    llm = vllm.LLM(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=tp,
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        enforce_eager=True,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
     yield llm, model_dir, tp
     vllm_target(llm).close()
     del llm
@@ -74,8 +87,9 @@ def trainer(model_dir: str, seed: int) -> torch.nn.Module:
 
 def generate(llm) -> list[tuple[list[int], list[float]]]:
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        [vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+    )
     out = [o.outputs[0] for o in outs]
     return [
         (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
@@ -143,13 +157,15 @@ def test_a_wrong_copy_into_vllms_layers_is_caught_reading_back_its_kernels(engin
     load = VllmReceiver._load
 
     def rolled_qkv(self, records, boxes):
-        boxes = [b.roll(1, 0) if "qkv_proj" in r.key else b
-                 for r, b in zip(records, boxes, strict=True)]  # fmt: skip
+        boxes = [
+            b.roll(1, 0) if "qkv_proj" in r.key else b for r, b in zip(records, boxes, strict=True)
+        ]
         return load(self, records, boxes)
 
     monkeypatch.setattr(VllmReceiver, "_load", rolled_qkv)
-    with pytest.raises(WeightSyncError, match="qkv_proj.*in vLLM's live weights after commit"
-                       ) as err:  # fmt: skip
+    with pytest.raises(
+        WeightSyncError, match="qkv_proj.*in vLLM's live weights after commit"
+    ) as err:
         WeightSender(trainer(model_dir, seed=96), llm).push()
     assert "mixed weights" in str(err.value)
     assert target.unavailable() is not None and target.weight_state()["torn"]
@@ -164,8 +180,9 @@ def run_trainer_ranks(python, script: str, argv) -> None:
     """tests/``script`` as 2 trainer ranks (``argv(rank)``: each one's arguments), run by
     ``python``, over gloo on loopback; both must exit 0 within 240 s."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([str(python), str(SUPPORT / script), *argv(r)], env=env)
-             for r in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen([str(python), str(SUPPORT / script), *argv(r)], env=env) for r in range(2)
+    ]
     try:
         assert [p.wait(timeout=240) for p in procs] == [0, 0]
     finally:
@@ -190,17 +207,26 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "overrides"),
-    [("qwen2", {}),  # QKV bias, tied embeddings
-     ("qwen3", {"head_dim": 32})],  # QK-norm, head_dim set apart from hidden / heads, tied
-)  # fmt: skip
+    [
+        ("qwen2", {}),  # QKV bias, tied embeddings
+        ("qwen3", {"head_dim": 32}),
+    ],  # QK-norm, head_dim set apart from hidden / heads, tied
+)
 def test_qwen_families_at_two_ranks(model_factory, family, overrides):
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
     vllm.envs.disable_envs_cache()
     shape = {k: v for k, v in MODEL.items() if k != "tie_word_embeddings"}
     model_dir = model_factory(family, vocab_size=500, **shape, **overrides)
-    llm = vllm.LLM(model_dir, dtype="float32", tensor_parallel_size=2, max_model_len=128,
-                   kv_cache_memory_bytes=8 << 20, enforce_eager=True, seed=0,
-                   worker_extension_cls=WORKER_EXTENSION)  # fmt: skip
+    llm = vllm.LLM(
+        model_dir,
+        dtype="float32",
+        tensor_parallel_size=2,
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        enforce_eager=True,
+        seed=0,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
     try:
         model = trainer(model_dir, seed=7)
         stats = WeightSender(model, llm).push(version=4)
@@ -226,13 +252,22 @@ def test_a_megatron_trainer_from_tandems_venv_pushes_into_vllm(engine, tmp_path)
     version = target.weight_version + 3
     out = tmp_path / "megatron.json"
     prompt = [5, 9, 33, 2, 17, 100, 3, 8]
-    args = [str(free_port()), "2", "1", model_dir, target.exchange_address, str(version),
-            str(out), ",".join(map(str, prompt))]  # fmt: skip
+    args = [
+        str(free_port()),
+        "2",
+        "1",
+        model_dir,
+        target.exchange_address,
+        str(version),
+        str(out),
+        ",".join(map(str, prompt)),
+    ]
     run_trainer_ranks(TANDEM_PYTHON, "megatron_trainer.py", lambda r: [str(r), "2", *args])
     expected = json.loads(out.read_text())
     assert target.weight_version == version
-    params = vllm.SamplingParams(max_tokens=len(expected["tokens"]), temperature=0.0, logprobs=0,
-                                 ignore_eos=True)  # fmt: skip
+    params = vllm.SamplingParams(
+        max_tokens=len(expected["tokens"]), temperature=0.0, logprobs=0, ignore_eos=True
+    )
     got = llm.generate([vllm.TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
     got = got[0].outputs[0]
     assert list(got.token_ids) == expected["tokens"]
@@ -256,8 +291,9 @@ if __name__ == "__main__":
         print("REFUSED:", exc)
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_CPU_OMP")}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          env=env, timeout=240)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=240
+    )
     assert "REFUSED: the vLLM engine has no tandem worker extension" in done.stdout, done.stderr[
         -3000:
     ]

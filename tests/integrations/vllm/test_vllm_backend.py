@@ -43,9 +43,15 @@ from tandem.integrations.vllm.receiver import VllmReceiver  # noqa: E402
 pytestmark = pytest.mark.timeout(300)
 
 # vLLM's CPU attention takes head sizes 32 and up (not 16)
-MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}  # fmt: skip
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 NEW = 6
 
@@ -54,9 +60,15 @@ NEW = 6
 def engine(model_factory):
     vllm.envs.disable_envs_cache()  # an earlier engine froze the environment vLLM reads
     model_dir = model_factory("llama", vocab_size=500, **MODEL)
-    llm = vllm.LLM(model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20,
-                   enforce_eager=True, seed=0,
-                   weight_transfer_config={"backend": "tandem"})  # fmt: skip
+    llm = vllm.LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        enforce_eager=True,
+        seed=0,
+        weight_transfer_config={"backend": "tandem"},
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = WeightTransferTrainerFactory.trainer_init(
         TandemTrainerInitInfo(rank=0), client=llm, source=ModuleSource(model)
@@ -77,8 +89,9 @@ def train_step(model: torch.nn.Module, seed: int) -> None:
 
 def generate(llm) -> list[tuple[list[int], list[float]]]:
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate([vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params,
-                        use_tqdm=False)  # fmt: skip
+    outs = llm.generate(
+        [vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+    )
     out = [o.outputs[0] for o in outs]
     return [
         (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
@@ -140,8 +153,9 @@ def test_a_torn_commit_is_reported_and_the_next_push_lands(engine, monkeypatch):
     load = VllmReceiver._load
 
     def rolled_qkv(self, records, boxes):
-        boxes = [b.roll(1, 0) if "qkv_proj" in r.key else b
-                 for r, b in zip(records, boxes, strict=True)]  # fmt: skip
+        boxes = [
+            b.roll(1, 0) if "qkv_proj" in r.key else b for r, b in zip(records, boxes, strict=True)
+        ]
         return load(self, records, boxes)
 
     served = llm.get_weight_version()

@@ -28,9 +28,14 @@ from tandem.integrations.vllm.receiver import VllmReceiver  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2,
-         "max_position_embeddings": 256}  # fmt: skip
+SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+}
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 NEW = 6
 ONE_CORE_PER_RANK = "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))  # vLLM's TP=2 bind
@@ -43,9 +48,16 @@ def in_engine(model_dir: str, body, tp: int = 1) -> None:
     if tp == 2:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
     vllm.envs.disable_envs_cache()
-    llm = vllm.LLM(model_dir, dtype="float32", max_model_len=128, kv_cache_memory_bytes=8 << 20,
-                   enforce_eager=True, seed=0, tensor_parallel_size=tp,
-                   weight_transfer_config={"backend": "tandem"})  # fmt: skip
+    llm = vllm.LLM(
+        model_dir,
+        dtype="float32",
+        max_model_len=128,
+        kv_cache_memory_bytes=8 << 20,
+        enforce_eager=True,
+        seed=0,
+        tensor_parallel_size=tp,
+        weight_transfer_config={"backend": "tandem"},
+    )
     try:
         body(llm)
     finally:
@@ -102,8 +114,10 @@ def test_a_moe_model_lands_in_vllms_prepacked_experts(model_factory, monkeypatch
         load = VllmReceiver._load
 
         def rolled(self, records, boxes):
-            boxes = [b.roll(1, 0) if "experts" in r.key and "w13" in r.key else b
-                     for r, b in zip(records, boxes, strict=True)]  # fmt: skip
+            boxes = [
+                b.roll(1, 0) if "experts" in r.key and "w13" in r.key else b
+                for r, b in zip(records, boxes, strict=True)
+            ]
             return load(self, records, boxes)
 
         monkeypatch.setattr(VllmReceiver, "_load", rolled)

@@ -34,9 +34,15 @@ from vllm_backend_trainer import moved  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}  # fmt: skip
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 TRAINER = SUPPORT / "vllm_backend_trainer.py"
 
@@ -47,19 +53,41 @@ def server(model_factory, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
     cores = sorted(os.sched_getaffinity(0))[:2]  # one per worker
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_CI_ENV": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores))}  # fmt: skip
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)),
+    }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # vllm-cpu's `vllm` script looks its own version up under the name "vllm" and fails: its
     # server module, which `vllm serve` runs
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-           "--max-model-len", "128", "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager",
-           "--tensor-parallel-size", "2",
-           "--weight-transfer-config", json.dumps({"backend": "tandem"})]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "2",
+        "--weight-transfer-config",
+        json.dumps({"backend": "tandem"}),
+    ]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -91,11 +119,18 @@ def _get(url: str) -> dict:
 
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    body = {"model": _get(url + "/v1/models")["data"][0]["id"], "prompt": prompt,
-            "max_tokens": 6, "temperature": 0, "logprobs": 0, "ignore_eos": True,
-            "return_token_ids": True}  # fmt: skip
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": _get(url + "/v1/models")["data"][0]["id"],
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as r:
         choice = json.loads(r.read())["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]
@@ -117,11 +152,25 @@ def run_trainer(url: str, model_dir: str, version: int, seed: int, fault: str | 
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     port = str(free_port())
     procs = [
-        subprocess.Popen([sys.executable, str(TRAINER), str(rank), port, model_dir, url,
-                          str(version), str(seed), *([fault] if fault else [])], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(TRAINER),
+                str(rank),
+                port,
+                model_dir,
+                url,
+                str(version),
+                str(seed),
+                *([fault] if fault else []),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for rank in range(2)
-    ]  # fmt: skip
+    ]
     try:
         outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:

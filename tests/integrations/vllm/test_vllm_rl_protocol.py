@@ -40,9 +40,21 @@ def server(model_factory):
     from tandem.server.process import ServerProcess
 
     engine_dir = model_factory("llama", seed=0)
-    server = ServerProcess(["--model", engine_dir, "--tp", "2", "--admin-key", KEY,
-                            "--kv-cache-memory", str(16 << 20), "--dtype", "float32"],
-                           python=str(TANDEM_PYTHON))  # fmt: skip
+    server = ServerProcess(
+        [
+            "--model",
+            engine_dir,
+            "--tp",
+            "2",
+            "--admin-key",
+            KEY,
+            "--kv-cache-memory",
+            str(16 << 20),
+            "--dtype",
+            "float32",
+        ],
+        python=str(TANDEM_PYTHON),
+    )
     try:
         yield server.url, engine_dir
     finally:
@@ -64,8 +76,14 @@ def _call(url: str, method: str = "GET", body: dict | None = None, key: str | No
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], list[float], int]:
     _, models = _call(url + "/v1/models")
-    body = {"model": models["data"][0]["id"], "prompt": prompt, "max_tokens": 6,
-            "temperature": 0, "logprobs": 0, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": models["data"][0]["id"],
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
     status, out = _call(url + "/v1/completions", "POST", body, key=None)
     assert status == 200, out
     choice = out["choices"][0]
@@ -90,12 +108,17 @@ def _send(url: str, model, packed: bool) -> None:
     assert status == 200 and world["world_size"] == 2  # TP=2
     with gloo_trainer(timeout_s=120):
         engine = WeightTransferTrainerFactory.trainer_init(
-            NCCLTrainerInitInfo(master_address="127.0.0.1", master_port=free_port(),
-                                world_size=world["world_size"] + 1, rank=0, packed=packed,
-                                packed_buffer_size_bytes=200_000),  # several buffers
+            NCCLTrainerInitInfo(
+                master_address="127.0.0.1",
+                master_port=free_port(),
+                world_size=world["world_size"] + 1,
+                rank=0,
+                packed=packed,
+                packed_buffer_size_bytes=200_000,
+            ),  # several buffers
             client=TandemWeightSyncClient(url, KEY, timeout=120),
             source=ModuleSource(model),
-        )  # fmt: skip
+        )
         try:
             assert _call(url + "/pause", "POST")[0] == 200
             engine.send_weights()
@@ -114,8 +137,11 @@ def test_vllm_trainer_client_pushes_and_completions_follow(server, packed):
     _, after = _call(url + "/weight_info")
     assert int(after["weight_version"]) == int(info["weight_version"]) + 1  # finish: + 1
     named = int(after["weight_version"]) + 40  # a trainer's own step number (versions only
-    status, body = _call(url + "/update_weight_version", "POST",  # go forward)
-                         {"new_version": str(named)})  # fmt: skip
+    status, body = _call(
+        url + "/update_weight_version",
+        "POST",  # go forward)
+        {"new_version": str(named)},
+    )
     assert status == 200 and _call(url + "/weight_info")[1]["weight_version"] == str(named)
     for ids in PROMPTS:
         tokens, logprobs, version = _complete(url, ids)

@@ -29,9 +29,15 @@ from tandem.wire.frames import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-         "tie_word_embeddings": False}  # fmt: skip
+MODEL = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
 KEY = "tandem-test-admin-key"
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
 
@@ -42,21 +48,43 @@ def server(model_factory, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
     cores = sorted(os.sched_getaffinity(0))[:2]  # one per worker
-    env = {**os.environ, "TANDEM_ADMIN_KEY": KEY, "VLLM_CPU_CI_ENV": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores))}  # fmt: skip
+    env = {
+        **os.environ,
+        "TANDEM_ADMIN_KEY": KEY,
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)),
+    }
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     # vllm-cpu's `vllm` script looks its own version up under the name "vllm" and fails: its
     # server module, which `vllm serve` runs
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--port", str(port),
-           "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "128",
-           "--kv-cache-memory-bytes", str(8 << 20), "--enforce-eager",
-           "--tensor-parallel-size", "2",
-           "--worker-extension-cls", "tandem.integrations.vllm.worker.TandemWorkerExtension",
-           "--middleware", "tandem.integrations.vllm.serve.exchange"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "2",
+        "--worker-extension-cls",
+        "tandem.integrations.vllm.worker.TandemWorkerExtension",
+        "--middleware",
+        "tandem.integrations.vllm.serve.exchange",
+    ]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -92,12 +120,20 @@ def _get(url: str, key: str | None) -> tuple[int, dict]:
 
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
-    body = {"model": None, "prompt": prompt, "max_tokens": 6, "temperature": 0,
-            "logprobs": 0, "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    body = {
+        "model": None,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
     _, models = _get(url + "/v1/models", None)
     body["model"] = models["data"][0]["id"]
-    request = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request) as r:
         choice = json.loads(r.read())["choices"][0]
     return choice["token_ids"], choice["logprobs"]["token_logprobs"]

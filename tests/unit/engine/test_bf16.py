@@ -29,8 +29,12 @@ from tandem.rl.replay import moe_routers
 
 pytestmark = pytest.mark.timeout(300)
 ULPS = 4
-PROMPTS = [[5], [100, 3, 8, 41, 250], [17, 2, 9, 33, 70, 12, 1, 88, 45, 6, 19, 23, 300, 4, 61],
-           list(range(10, 50))]  # fmt: skip
+PROMPTS = [
+    [5],
+    [100, 3, 8, 41, 250],
+    [17, 2, 9, 33, 70, 12, 1, 88, 45, 6, 19, 23, 300, 4, 61],
+    list(range(10, 50)),
+]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=1.0, seed=3, logprobs=0, ignore_eos=True)
 
@@ -91,8 +95,9 @@ def test_single_process_matches_transformers_bf16(model_factory, family):
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_parallel_ranks_match_transformers_bf16(llama_dir, tp, pp):
-    with LLM(llama_dir, dtype="bfloat16", tensor_parallel_size=tp,
-             pipeline_parallel_size=pp) as llm:  # fmt: skip
+    with LLM(
+        llama_dir, dtype="bfloat16", tensor_parallel_size=tp, pipeline_parallel_size=pp
+    ) as llm:
         assert {lay.dtype for lay in llm.engine.target.weight_layouts()} == {"bfloat16"}
         _check_generation(llm, _hf(llama_dir))
 
@@ -102,8 +107,7 @@ def test_prefix_cache_hits_match_transformers_bf16(llama_dir):
     cached bfloat16 KV blocks."""
     shared = list(range(60, 100))
     prompts = [shared + [7, 8], shared + [250, 3, 9]]
-    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, logprobs=0,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, logprobs=0, ignore_eos=True)
     ref = _hf(llama_dir)
     with LLM(llama_dir, dtype="bfloat16", enable_prefix_caching=True) as llm:
         first = llm.generate(prompts, params)
@@ -127,8 +131,9 @@ def test_moe_matches_transformers_bf16_under_the_engines_routing(model_factory, 
     ref = _hf(path)
     k = ref.config.num_experts_per_tok
     prompts = [[5], [100], [33], [250]]
-    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True,
-                            return_routed_experts=True)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=12, temperature=0, logprobs=0, ignore_eos=True, return_routed_experts=True
+    )
     with LLM(path, dtype="bfloat16", tensor_parallel_size=tp) as llm:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
@@ -144,8 +149,9 @@ def _replayed_router_logits(ref, prompt: list[int], completion) -> list[torch.Te
     """Checks ``completion`` against transformers routed as the engine routed it; returns
     transformers' router logits in that forward, one [tokens, experts] tensor per MoE layer."""
     seen = []
-    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[0].float()))
-             for r in moe_routers(ref)]  # fmt: skip
+    hooks = [
+        r.register_forward_hook(lambda m, i, o: seen.append(o[0].float())) for r in moe_routers(ref)
+    ]
     try:
         with replay_routing(ref, [completion.routed_experts], [0]):
             _check_completion(ref, prompt, completion, greedy=True)
@@ -160,14 +166,19 @@ TEXTS = ["The quick dog runs", "a", "Every policy learns from the reward near th
 
 @pytest.mark.parametrize(
     ("family", "task", "tp"),
-    [("bert", "classify", 1), ("bert", "classify", 2), ("bert", "embed", 1),
-     ("llama_reward", "classify", 1)],
-)  # fmt: skip
+    [
+        ("bert", "classify", 1),
+        ("bert", "classify", 2),
+        ("bert", "embed", 1),
+        ("llama_reward", "classify", 1),
+    ],
+)
 def test_encoders_match_transformers_bf16(model_factory, family, task, tp):
     embed = task == "embed"
     path = model_factory(family, **({"architectures": ["BertModel"]} if embed else {}))
-    hf = _hf(path, transformers.BertModel if embed else
-             transformers.AutoModelForSequenceClassification)  # fmt: skip
+    hf = _hf(
+        path, transformers.BertModel if embed else transformers.AutoModelForSequenceClassification
+    )
     with LLM(path, task=task, dtype="bfloat16", tensor_parallel_size=tp) as llm:
         assert llm.dtype == "bfloat16"
         rows = llm.embed(TEXTS) if embed else llm.classify(TEXTS)

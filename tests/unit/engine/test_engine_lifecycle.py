@@ -43,8 +43,9 @@ def _kv_caches_bound(llm) -> list[bool]:
     (a mix fails the test)."""
 
     def bound(model) -> bool:
-        caches = [c for m in model.modules() if isinstance(m, Attention)
-                  for c in (m.k_cache, m.v_cache)]  # fmt: skip
+        caches = [
+            c for m in model.modules() if isinstance(m, Attention) for c in (m.k_cache, m.v_cache)
+        ]
         assert caches and len({c is None for c in caches}) == 1, "some layers hold a cache"
         return caches[0] is not None
 
@@ -112,8 +113,14 @@ def _shared_rss(pids: list[int]) -> int:
     return total
 
 
-BIG = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-           num_key_value_heads=2)  # fmt: skip  # ~30 MB of float32 weights: measurable
+# ~30 MB of float32 weights: measurable
+BIG = dict(
+    hidden_size=256,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 @pytest.mark.timeout(240)
@@ -123,8 +130,12 @@ def test_sleep_level_2_releases_the_weights_until_a_reload(model_factory, tp):
     with LLM(model_dir, tensor_parallel_size=tp, kv_cache_memory=8 << 20) as llm:
         before = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
         pids = [w["pid"] for w in llm.worker_locations()]
-        weights = sum(p.numel() * 4 for p in transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32).parameters())  # fmt: skip
+        weights = sum(
+            p.numel() * 4
+            for p in transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32
+            ).parameters()
+        )
         resident = _shared_rss(pids)
         assert resident > 0.9 * weights  # the ranks' arenas hold the weights
         llm.sleep(level=2)
@@ -150,8 +161,9 @@ def test_a_push_after_sleep_level_2_serves_the_trainers_weights(model_factory):
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
     ids = [5, 17, 99, 3, 250, 42, 7]
     with torch.no_grad():
-        expected = trainer.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
-                                    eos_token_id=None)[0, len(ids):].tolist()  # fmt: skip
+        expected = trainer.generate(
+            torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=None
+        )[0, len(ids) :].tolist()
     with LLM(engine_dir, kv_cache_memory=8 << 20) as llm:
         llm.sleep(level=2)
         WeightSender(trainer.eval(), llm).push(version=1)

@@ -326,9 +326,13 @@ def test_pipeline_with_chunks_in_flight_and_preemption(llama_dir, reference):
     """PP=2 keeps two steps in flight; tiny budgets force chunks and preemption."""
     kv = _bytes_for_blocks(llama_dir, 10)  # per rank: each stage holds half the layers
     with LLM(
-        llama_dir, pipeline_parallel_size=2, block_size=BS, max_num_batched_tokens=9,
-        max_num_seqs=9, kv_cache_memory=kv,
-    ) as llm:  # fmt: skip
+        llama_dir,
+        pipeline_parallel_size=2,
+        block_size=BS,
+        max_num_batched_tokens=9,
+        max_num_seqs=9,
+        kv_cache_memory=kv,
+    ) as llm:
         runs = _workload(llm)
         stats = llm.engine.stats()
         assert stats.peak_steps_in_flight == 2 and stats.kv_blocks_total == 20
@@ -367,8 +371,7 @@ def test_random_aborts_with_shared_blocks_leak_nothing(llama_dir):
         assert blocks.num_free == blocks.num_blocks, "a block leaked"
         assert engine.scheduler.num_unfinished == 0 and 0 < len(aborted) < 30
         assert engine.scheduler.num_preemptions > 0
-    survivors = [(i, s) for i, seqs in enumerate(requests) for s in seqs
-                 if s.seq_id not in aborted]  # fmt: skip
+    survivors = [(i, s) for i, seqs in enumerate(requests) for s in seqs if s.seq_id not in aborted]
     with LLM(llama_dir, block_size=BS, enable_prefix_caching=False) as ref:
         expected = ref.generate(prompts, params)
     for i, seq in survivors:

@@ -23,8 +23,10 @@ def _reference(ref, ids: list[int], k: int):
         logits = ref(torch.tensor([ids])).logits[0].float()
     lp = torch.log_softmax(logits, dim=-1)
     scores = [None] + [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
-    tops = [None] + [dict(zip(*(t.tolist() for t in reversed(lp[p - 1].topk(k))), strict=True))
-                     for p in range(1, len(ids))]  # fmt: skip
+    tops = [None] + [
+        dict(zip(*(t.tolist() for t in reversed(lp[p - 1].topk(k))), strict=True))
+        for p in range(1, len(ids))
+    ]
     return scores, tops
 
 
@@ -79,8 +81,13 @@ def test_max_tokens_zero_scores_the_prompt_only(model):
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_prompt_logprobs_under_tensor_and_pipeline_parallel(model, tp, pp):
     path, ref = model
-    with LLM(path, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             max_num_batched_tokens=16, max_num_seqs=4) as llm:  # fmt: skip
+    with LLM(
+        path,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    ) as llm:
         prompts = _prompts(llm.engine.spec.vocab_size, [3, 21, 40])
         outs = llm.generate(prompts, SamplingParams(max_tokens=2, prompt_logprobs=2))
         for out in outs:
@@ -99,18 +106,24 @@ def _bytes_for_blocks(path: str, num_blocks: int, block_size: int) -> int:
     [(23, 14, 7), (22, 14, 14), (23, 15, 30)],
     ids=["after-1-chunk", "after-2-chunks", "while-decoding"],
 )
-def test_a_scored_prompt_preempted_midway_keeps_exact_scores(model, hog_prompt, blocks,
-                                                             scored_before):  # fmt: skip
+def test_a_scored_prompt_preempted_midway_keeps_exact_scores(
+    model, hog_prompt, blocks, scored_before
+):
     """A running request needs a KV block while a 30-token scored prompt is being prefilled
     in 7-token chunks (or is decoding): the scored one, the newest, is preempted with part of
     its prompt scored, recomputes from scratch, and its scores and tokens equal transformers'
     and an unpreempted run's."""
     path, ref = model
     bs = 4
-    options = dict(block_size=bs, max_num_batched_tokens=8, max_num_seqs=4,
-                   kv_cache_memory=_bytes_for_blocks(path, blocks, bs))  # fmt: skip
-    scored_params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3, logprobs=0,
-                                   ignore_eos=True)  # fmt: skip
+    options = dict(
+        block_size=bs,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        kv_cache_memory=_bytes_for_blocks(path, blocks, bs),
+    )
+    scored_params = SamplingParams(
+        max_tokens=2, temperature=0, prompt_logprobs=3, logprobs=0, ignore_eos=True
+    )
     with LLM(path, **options) as llm:
         engine = llm.engine
         hog_ids, scored_ids = _prompts(engine.spec.vocab_size, [hog_prompt, 30])

@@ -36,10 +36,14 @@ def test_a_row_larger_than_the_limit_travels_alone_and_packing_respects_the_limi
 def test_stream_order_never_waits_in_a_cycle_and_pairs_ranks_in_rounds(senders, receivers):
     """A stream moves only when it is next for both its sender and its receiver (a blocking
     send meets a blocking receive): every stream must finish, in rounds of disjoint pairs."""
-    sends = {s: stream_order(s, range(receivers), senders, receivers, sending=True)
-             for s in range(senders)}  # fmt: skip
-    recvs = {d: stream_order(d, range(senders), senders, receivers, sending=False)
-             for d in range(receivers)}  # fmt: skip
+    sends = {
+        s: stream_order(s, range(receivers), senders, receivers, sending=True)
+        for s in range(senders)
+    }
+    recvs = {
+        d: stream_order(d, range(senders), senders, receivers, sending=False)
+        for d in range(receivers)
+    }
     rounds = []
     while any(sends.values()):
         ready = [(s, q[0]) for s, q in sends.items() if q and recvs[q[0]][0] == s]

@@ -72,11 +72,16 @@ def canonical_shapes(cfg=CFG) -> dict[str, tuple[int, ...]]:
 def moves(plan, dst: int, dst_key: str, name: str) -> list[tuple]:
     """(src, src key, canonical box, src local slices, dst local slices), sorted."""
     out = [
-        (t.src, t.src_key, t.box, _spans(_local_slices(t.src_piece, t.box)),
-         _spans(_local_slices(t.dst_piece, t.box)))
+        (
+            t.src,
+            t.src_key,
+            t.box,
+            _spans(_local_slices(t.src_piece, t.box)),
+            _spans(_local_slices(t.dst_piece, t.box)),
+        )
         for t in plan.transfers
         if t.dst == dst and t.dst_key == dst_key and t.name == name
-    ]  # fmt: skip
+    ]
     return sorted(out)
 
 
@@ -296,22 +301,35 @@ def test_megatron_qkv_is_grouped_by_kv_head():
     # TP2 of 4 kv heads: rank 1 holds groups of kv heads 2 and 3, each [2 q heads; k; v]
     shapes = megatron_shapes(MCFG, 2) | {MQKV0.replace("weight", "bias"): (16,)}
     layout = megatron_layout(shapes, MCFG, 1, 2, 7)
-    pieces = [(r.piece.name.split(".")[-2], r.piece.box[0], r.piece.offset[0])
-              for r in layout.regions if r.key == MQKV0]  # fmt: skip
+    pieces = [
+        (r.piece.name.split(".")[-2], r.piece.box[0], r.piece.offset[0])
+        for r in layout.regions
+        if r.key == MQKV0
+    ]
     assert pieces == [
-        ("q_proj", (8, 12), 0), ("k_proj", (4, 6), 4), ("v_proj", (4, 6), 6),
-        ("q_proj", (12, 16), 8), ("k_proj", (6, 8), 12), ("v_proj", (6, 8), 14),
-    ]  # fmt: skip
+        ("q_proj", (8, 12), 0),
+        ("k_proj", (4, 6), 4),
+        ("v_proj", (4, 6), 6),
+        ("q_proj", (12, 16), 8),
+        ("k_proj", (6, 8), 12),
+        ("v_proj", (6, 8), 14),
+    ]
     assert layout.rank == 7 and layout.local_shapes[MQKV0] == (16, 16)
-    bias = [(r.piece.name, r.piece.box, r.piece.offset) for r in layout.regions
-            if r.key == "decoder.layers.0.self_attention.linear_qkv.bias"][:3]  # fmt: skip
+    bias = [
+        (r.piece.name, r.piece.box, r.piece.offset)
+        for r in layout.regions
+        if r.key == "decoder.layers.0.self_attention.linear_qkv.bias"
+    ][:3]
     assert bias == [
         ("model.layers.0.self_attn.q_proj.bias", ((8, 12),), (0,)),
         ("model.layers.0.self_attn.k_proj.bias", ((4, 6),), (4,)),
         ("model.layers.0.self_attn.v_proj.bias", ((4, 6),), (6,)),
     ]
-    fc1 = [(r.piece.name, r.piece.box, r.piece.offset) for r in layout.regions
-           if r.key == "decoder.layers.0.mlp.linear_fc1.weight"]  # fmt: skip
+    fc1 = [
+        (r.piece.name, r.piece.box, r.piece.offset)
+        for r in layout.regions
+        if r.key == "decoder.layers.0.mlp.linear_fc1.weight"
+    ]
     assert fc1 == [
         ("model.layers.0.mlp.gate_proj.weight", ((4, 8), (0, 16)), (0, 0)),
         ("model.layers.0.mlp.up_proj.weight", ((4, 8), (0, 16)), (4, 0)),
@@ -446,16 +464,23 @@ def test_dtensor_layout_reads_mesh_and_rejects_partial():
     ]
     m = mesh((2,), 1)
     partial = [
-        DTensor.from_local(torch.zeros(4), m, [Partial()], run_check=False,
-                           shape=torch.Size([4]), stride=(1,))
+        DTensor.from_local(
+            torch.zeros(4), m, [Partial()], run_check=False, shape=torch.Size([4]), stride=(1,)
+        )
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     with pytest.raises(LayoutMismatch) as err:
         dtensor_layout({"a": partial[0], "b": partial[1], "c": torch.zeros(2)}, 1)
     assert [p.split(":")[0] for p in err.value.problems] == ["a", "b"]
     # an explicit coordinate overrides the mesh's own; the local shape must fit the shard
-    last_rows = DTensor.from_local(torch.zeros(3, 8), mesh((3,), 0), [Shard(0)], run_check=False,
-                                   shape=torch.Size([11, 8]), stride=(8, 1))  # fmt: skip
+    last_rows = DTensor.from_local(
+        torch.zeros(3, 8),
+        mesh((3,), 0),
+        [Shard(0)],
+        run_check=False,
+        shape=torch.Size([11, 8]),
+        stride=(8, 1),
+    )
     (region,) = dtensor_layout({"emb": last_rows}, 2, coordinate=(2,)).regions
     assert region.piece.box == ((8, 11), (0, 8))
     with pytest.raises(LayoutMismatch, match=r"emb: local tensor \(3, 8\) is not its shard"):

@@ -17,10 +17,13 @@ from tandem.layers.placement import LocalRegion, Piece
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"transport": "rdma"}, "transport"), ({"transport": "shm", "mode": "eager"}, "mode"),
-     ({"transport": "cuda_ipc", "mode": "in_place"}, "mode"),
-     ({"transport": "shm", "verify": "yes"}, "verify")],
-)  # fmt: skip
+    [
+        ({"transport": "rdma"}, "transport"),
+        ({"transport": "shm", "mode": "eager"}, "mode"),
+        ({"transport": "cuda_ipc", "mode": "in_place"}, "mode"),
+        ({"transport": "shm", "verify": "yes"}, "verify"),
+    ],
+)
 def test_push_settings_name_the_bad_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field} must be"):
         check(PushSettings(**kwargs))
@@ -41,15 +44,32 @@ def test_weight_sender_refuses_the_broadcast_transport():
 
 def layout() -> RankLayout:
     out = RankLayout(1, dtype="bfloat16", arena=[7, 3, 99, 4096, [["w", 0, [4, 8]]]])
-    out.add("model.qkv", (6, 8), [Piece("q", (4, 8), ((0, 4), (0, 8)), (0, 0)),
-                                  Piece("k", (2, 8), ((0, 2), (0, 8)), (4, 0), True)])  # fmt: skip
+    out.add(
+        "model.qkv",
+        (6, 8),
+        [
+            Piece("q", (4, 8), ((0, 4), (0, 8)), (0, 0)),
+            Piece("k", (2, 8), ((0, 2), (0, 8)), (4, 0), True),
+        ],
+    )
     return out
 
 
 def test_messages_round_trip_with_their_named_types():
     region = LocalRegion(((2, 5), (0, 8)), transposed=True)
-    item = SendItem("w", region, (3, 8), 96, 96, 1, "model.w", LocalRegion(((0, 3), (0, 8))),
-                    "bfloat16", "model.w", (2, 0))  # fmt: skip
+    item = SendItem(
+        "w",
+        region,
+        (3, 8),
+        96,
+        96,
+        1,
+        "model.w",
+        LocalRegion(((0, 3), (0, 8))),
+        "bfloat16",
+        "model.w",
+        (2, 0),
+    )
     settings = PushSettings("dist", "in_place", False)
     group = GroupInfo("h", 1, "p", 4, "gloo")
     for msg in (
@@ -89,8 +109,16 @@ def test_a_hello_with_untyped_settings_is_malformed():
     unknown = PUSH.decode(hello.replace(b"\xa3shm", b"\xa3xyz"))  # the exchange server's check
     with pytest.raises(ValueError, match="transport must be one of"):
         check(unknown.settings)
-    old_wire = ["hello", 0, 1, None, [0, "float32", [], [], None], [], ["shm", "staged", True],
-                False]  # fmt: skip
+    old_wire = [
+        "hello",
+        0,
+        1,
+        None,
+        [0, "float32", [], [], None],
+        [],
+        ["shm", "staged", True],
+        False,
+    ]
     with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
         PUSH.decode(msgpack.packb(old_wire))
 

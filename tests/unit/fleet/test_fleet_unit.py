@@ -44,8 +44,12 @@ class FakeReplica:
         return self._version
 
     def health(self) -> Health:
-        return Health(ok=self.ok and self.fault is None, version=self._version, fault=self.fault,
-                      reason=self.fault or (None if self.ok else "no answer"))  # fmt: skip
+        return Health(
+            ok=self.ok and self.fault is None,
+            version=self._version,
+            fault=self.fault,
+            reason=self.fault or (None if self.ok else "no answer"),
+        )
 
     def refresh(self) -> None:
         pass
@@ -106,8 +110,13 @@ def test_a_faulty_replica_is_quarantined_then_healed_from_the_newest_peer():
     _until(fleet, lambda: fleet.board.state(1) is ReplicaState.SERVING)
     assert a.sent_to == ["r1"] and c.sent_to == []  # the newest, lowest index first
     assert b.version == 4
-    assert fleet.fleet_state()[1] == {"replica": 1, "url": "r1", "state": "serving",
-                                      "version": 4, "load": 0}  # fmt: skip
+    assert fleet.fleet_state()[1] == {
+        "replica": 1,
+        "url": "r1",
+        "state": "serving",
+        "version": 4,
+        "load": 0,
+    }
 
 
 def test_without_heal_a_quarantined_replica_stays_out_until_healed_by_hand():

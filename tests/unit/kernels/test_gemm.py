@@ -160,8 +160,10 @@ def test_choice_is_probed_once_per_dtype_and_regime(monkeypatch):
 
     def probe(dtype, where):
         probed.append((dtype, where))
-        return {k: {"onednn": 2.0, "torch": 1.0, "gemv": 3.0}[k]
-                for k in gemm_choice.candidates(dtype, where)}  # fmt: skip
+        return {
+            k: {"onednn": 2.0, "torch": 1.0, "gemv": 3.0}[k]
+            for k in gemm_choice.candidates(dtype, where)
+        }
 
     monkeypatch.setattr(gemm_choice, "probe", probe)
     assert gemm_choice.kernel(torch.float32, 1) == "torch"

@@ -17,8 +17,11 @@ BS = 4
 def _attention_shapes(model) -> set[tuple]:
     """(dtype, heads, KV heads, head size) of the model's attention layers."""
     dtype = next(model.parameters()).dtype
-    return {(dtype, a.num_heads, a.num_kv_heads, a.head_dim) for a in model.modules()
-            if isinstance(a, attention.Attention)}  # fmt: skip
+    return {
+        (dtype, a.num_heads, a.num_kv_heads, a.head_dim)
+        for a in model.modules()
+        if isinstance(a, attention.Attention)
+    }
 
 
 def _case(dtype, heads, kv_heads, dim, lens, seed=0):
@@ -125,17 +128,20 @@ def test_engine_on_the_kernel_matches_the_torch_path(model_factory, monkeypatch)
     prompts = [[5, 9, 2, 7, 1, 3, 8, 4, 6], [11, 12], [3] * 21]
     params = SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     calls = []
-    monkeypatch.setattr(attention, "paged_decode",
-                        lambda *a: calls.append(1) or paged.paged_decode(*a))  # fmt: skip
+    monkeypatch.setattr(
+        attention, "paged_decode", lambda *a: calls.append(1) or paged.paged_decode(*a)
+    )
     results = []
     for on in (True, False):
         calls.clear()
-        with LLM(str(path), dtype="float32", block_size=4, enable_prefix_caching=True,
-                 paged_kernels=on) as llm:  # fmt: skip
+        with LLM(
+            str(path), dtype="float32", block_size=4, enable_prefix_caching=True, paged_kernels=on
+        ) as llm:
             if on:
                 [shapes] = llm.apply_model(_attention_shapes)
-                assert shapes and all(paged.supports(dtype, torch.device("cpu"), *heads)
-                                      for dtype, *heads in shapes)  # fmt: skip
+                assert shapes and all(
+                    paged.supports(dtype, torch.device("cpu"), *heads) for dtype, *heads in shapes
+                )
             results.append(llm.generate(prompts, params))
         assert bool(calls) == on  # the decode steps ran on the kernel, or none did
     for a, b in zip(*results, strict=True):

@@ -28,8 +28,11 @@ BS = 16
 def _attention_layers(model) -> list[tuple]:
     """(causal, dtype, heads, KV heads, head size) of each of the model's attention layers."""
     dtype = next(model.parameters()).dtype
-    return [(a.causal, dtype, a.num_heads, a.num_kv_heads, a.head_dim) for a in model.modules()
-            if isinstance(a, attention.Attention)]  # fmt: skip
+    return [
+        (a.causal, dtype, a.num_heads, a.num_kv_heads, a.head_dim)
+        for a in model.modules()
+        if isinstance(a, attention.Attention)
+    ]
 
 
 def _case(heads, kv_heads, dim, chunks, seed=0, dtype=torch.bfloat16):
@@ -125,8 +128,9 @@ def test_engine_on_the_kernel_matches_the_torch_path(model_factory, monkeypatch,
     params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     tol = 1e-4 if dtype == torch.float32 else 5e-2
     calls = []
-    monkeypatch.setattr(attention, "paged_prefill",
-                        lambda *a: calls.append(1) or pp.paged_prefill(*a))  # fmt: skip
+    monkeypatch.setattr(
+        attention, "paged_prefill", lambda *a: calls.append(1) or pp.paged_prefill(*a)
+    )
     for on in (True, False):
         calls.clear()
         with LLM(
@@ -143,13 +147,14 @@ def test_engine_on_the_kernel_matches_the_torch_path(model_factory, monkeypatch,
                 kernel = outputs
                 [layers] = llm.apply_model(_attention_layers)
                 assert layers and all(causal for causal, *_ in layers)
-                assert all(pp.supports(d, torch.device("cpu"), *heads)
-                           for _, d, *heads in layers)  # fmt: skip
+                assert all(pp.supports(d, torch.device("cpu"), *heads) for _, d, *heads in layers)
             else:
                 gathered = outputs
                 # the torch path's log-probs along the kernel's sequences (teacher-forced)
-                forced = [llm.score([out.prompt_token_ids + c.token_ids for c in out.outputs])
-                          for out in kernel]  # fmt: skip
+                forced = [
+                    llm.score([out.prompt_token_ids + c.token_ids for c in out.outputs])
+                    for out in kernel
+                ]
         assert bool(calls) == on  # the prompt chunks ran on the kernel, or none did
     for out, scored in zip(kernel, forced, strict=True):
         n = len(out.prompt_token_ids)

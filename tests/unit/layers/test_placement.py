@@ -62,8 +62,10 @@ def test_uneven_vocab_shards_and_tied_head():
     shards = [VocabParallelEmbedding(10, 3, "emb", TPGroup(r, 3)) for r in range(3)]
     assert [tuple(s.weight.shape) for s in shards] == [(4, 3)] * 3
     assert [_layout(s.weight)[0][1] for s in shards] == [
-        ((0, 4), (0, 3)), ((4, 8), (0, 3)), ((8, 10), (0, 3)),
-    ]  # fmt: skip
+        ((0, 4), (0, 3)),
+        ((4, 8), (0, 3)),
+        ((8, 10), (0, 3)),
+    ]
     head = ParallelLMHead(10, 3, "lm_head", TPGroup(2, 3), tied_to=shards[2])
     assert head.weight is shards[2].weight
 

@@ -89,8 +89,9 @@ def test_two_spellings_that_disagree_name_both(model_factory, tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_moe_model_saved_by_transformers_serves_its_generation(family, model_factory, tmp_path):
     """A user who trains with transformers (TRL) and calls ``save_pretrained`` gets this file."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_factory(family),
-                                                              dtype=torch.float32)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_factory(family), dtype=torch.float32
+    )
     saved = tmp_path / "saved"
     model.save_pretrained(saved)
     shutil.copy(Path(model_factory(family)) / "tokenizer.json", saved)
@@ -99,8 +100,9 @@ def test_moe_model_saved_by_transformers_serves_its_generation(family, model_fac
         assert "num_local_experts" in _config(saved) and "num_experts" not in _config(saved)
     prompt = [5, 17, 99, 3, 250, 42, 7]
     with torch.no_grad():
-        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                             eos_token_id=None)[0, len(prompt):].tolist()  # fmt: skip
+        ref = model.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None
+        )[0, len(prompt) :].tolist()
     with LLM(str(saved)) as llm:
         out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == ref

@@ -139,10 +139,16 @@ def test_built_in_families_declare_their_capabilities():
 
 def test_mixture_of_experts_families_route_experts():
     cfg = Qwen3MoeConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
-        num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
         mlp_only_layers=[1],
-    )  # fmt: skip
+    )
     assert Qwen3MoeForCausalLM.moe_layers(cfg) == [0, 2, 3]
     assert MixtralForCausalLM.moe_layers(cfg) == [0, 1, 2, 3]
     assert LlamaForCausalLM.moe_layers(cfg) == []

@@ -10,14 +10,27 @@ CONFIGS = {
     "llama-gqa-untied": ("llama", {}),
     "llama-odd-heads-tied-bias": (
         "llama",
-        dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=1,
-             tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
+        dict(
+            hidden_size=48,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+        ),
     ),
     "llama3-rope-scaling": (
         "llama",
-        dict(rope_theta=500000.0, rope_scaling={
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
     ),
     "mistral": (
         "llama",
@@ -25,25 +38,29 @@ CONFIGS = {
     ),
     "qwen2-qkv-bias-tied": ("qwen2", {}),
     "qwen2-untied-6-heads": (
-        "qwen2", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2,
-                      tie_word_embeddings=False),
+        "qwen2",
+        dict(
+            hidden_size=96, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False
+        ),
     ),
     "qwen3-qk-norm": ("qwen3", {}),
     "qwen3-odd-heads": (
-        "qwen3", dict(num_attention_heads=5, num_key_value_heads=1, head_dim=16),
+        "qwen3",
+        dict(num_attention_heads=5, num_key_value_heads=1, head_dim=16),
     ),
     "qwen3-moe": ("qwen3_moe", {}),
     "qwen3-moe-dense-first-unnormalised": (
-        "qwen3_moe", dict(mlp_only_layers=[0], norm_topk_prob=False, num_experts=7,
-                          num_experts_per_tok=3),
+        "qwen3_moe",
+        dict(mlp_only_layers=[0], norm_topk_prob=False, num_experts=7, num_experts_per_tok=3),
     ),
     "qwen3-moe-sparse-step-2": ("qwen3_moe", dict(decoder_sparse_step=2)),
     "mixtral": ("mixtral", {}),
     "gpt2-tied": ("gpt2", {}),
     "gpt2-untied-3-heads-gelu": (
-        "gpt2", dict(n_embd=48, n_head=3, tie_word_embeddings=False, activation_function="gelu"),
+        "gpt2",
+        dict(n_embd=48, n_head=3, tie_word_embeddings=False, activation_function="gelu"),
     ),
-}  # fmt: skip
+}
 
 PROMPT_LENGTHS = [1, 5, 17, 40]
 

@@ -64,8 +64,19 @@ class Stop:
 
 def shape() -> Shape:
     boxes = [Box(((1, 2),)), Box(())]
-    return Shape(3, 2, Box(((0, 3), (1, 2)), True), boxes, None, Color.BLUE, {"w": (3, 4)},
-                 [[[1, 2]], None], [1, ["x", b"y"]], (5, "y"), [1, 2, 3])  # fmt: skip
+    return Shape(
+        3,
+        2,
+        Box(((0, 3), (1, 2)), True),
+        boxes,
+        None,
+        Color.BLUE,
+        {"w": (3, 4)},
+        [[[1, 2]], None],
+        [1, ["x", b"y"]],
+        (5, "y"),
+        [1, 2, 3],
+    )
 
 
 def test_typed_values_round_trip_as_themselves():
@@ -74,8 +85,16 @@ def test_typed_values_round_trip_as_themselves():
     back = TEST.decode(TEST.encode(shape()))
     assert back.color is Color.BLUE and type(back.box.slices[0]) is tuple
     assert back.sizes["w"] == (3, 4) and back.pair == (5, "y")
-    many = Shape(0, 0.5, Box(()), [Box(((i, i + 1),), i % 2 == 0) for i in range(50)],
-                 Box(((0, 1),)), Color.RED, {}, None)  # fmt: skip
+    many = Shape(
+        0,
+        0.5,
+        Box(()),
+        [Box(((i, i + 1),), i % 2 == 0) for i in range(50)],
+        Box(((0, 1),)),
+        Color.RED,
+        {},
+        None,
+    )
     assert TEST.decode(TEST.encode(many)) == many
 
 
@@ -96,16 +115,38 @@ def changed(index: int, value) -> bytes:
 
 
 MALFORMED = [
-    msgpack.packb(1), msgpack.packb([]), msgpack.packb(["nope", 1]), msgpack.packb([["hello"], 1]),
-    msgpack.packb(["hello", 1]), msgpack.packb(["hello", 1, 2, 3]), msgpack.packb(["stop", 1]),
-    msgpack.packb(["hello", "1", 2]), msgpack.packb(["hello", True, 2]), msgpack.packb({"a": 1}),
-    msgpack.packb(["hello", 1.5, 2]), b"\xc1", b"", "ключ".encode(), b"\x93\xa5hello\x01",
-    changed(1, None), changed(3, [[[0, 3]]]), changed(3, [[[0, 3, 4]], True]), changed(3, "box"),
-    changed(4, [[[0, 1]], True, 5]), changed(4, [1]), changed(5, [1]), changed(6, "green"),
-    changed(6, ["red"]), changed(7, {"w": "34"}), changed(7, {1: [3]}), changed(8, "x"),
-    changed(10, [1, "x", 3]), changed(10, [1, 2]), changed(11, None),
+    msgpack.packb(1),
+    msgpack.packb([]),
+    msgpack.packb(["nope", 1]),
+    msgpack.packb([["hello"], 1]),
+    msgpack.packb(["hello", 1]),
+    msgpack.packb(["hello", 1, 2, 3]),
+    msgpack.packb(["stop", 1]),
+    msgpack.packb(["hello", "1", 2]),
+    msgpack.packb(["hello", True, 2]),
+    msgpack.packb({"a": 1}),
+    msgpack.packb(["hello", 1.5, 2]),
+    b"\xc1",
+    b"",
+    "ключ".encode(),
+    b"\x93\xa5hello\x01",
+    changed(1, None),
+    changed(3, [[[0, 3]]]),
+    changed(3, [[[0, 3, 4]], True]),
+    changed(3, "box"),
+    changed(4, [[[0, 1]], True, 5]),
+    changed(4, [1]),
+    changed(5, [1]),
+    changed(6, "green"),
+    changed(6, ["red"]),
+    changed(7, {"w": "34"}),
+    changed(7, {1: [3]}),
+    changed(8, "x"),
+    changed(10, [1, "x", 3]),
+    changed(10, [1, 2]),
+    changed(11, None),
     msgpack.packb(["hello", msgpack.ExtType(1, b"x"), 2]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("data", MALFORMED)
@@ -179,8 +220,9 @@ def test_gather_hellos_takes_one_hello_per_rank_and_names_the_missing():
     thread = threading.Thread(target=peers)
     thread.start()
     try:
-        got = gather_hellos(listener, "tok", TEST, Hello, 2, time.monotonic() + 30,
-                            lambda: None, 10)  # fmt: skip
+        got = gather_hellos(
+            listener, "tok", TEST, Hello, 2, time.monotonic() + 30, lambda: None, 10
+        )
         assert sorted(got) == [0, 1] and got[1][1].pid == 104 and got[0][1].pid == 106
         for sock, _ in got.values():
             assert sock.gettimeout() is None
