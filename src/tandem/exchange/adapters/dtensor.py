@@ -9,18 +9,36 @@ ones shorter or empty), applied in mesh-dim order, each to what the earlier ones
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, placement_types
 
 from tandem.exchange.adapters.hf import dtype_name, named_tensors
 from tandem.exchange.layout import LayoutMismatch, RankLayout
 from tandem.layers.placement import Piece, whole
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import placement_types
+
 Box = tuple[tuple[int, int], ...]
-_StridedShard = getattr(placement_types, "_StridedShard", None)
+DTENSOR_MODULE = "torch.distributed.tensor"
+
+
+def _dtensor_class() -> type | None:
+    """DTensor, if any tensor can be one: its module is imported (by FSDP2 or whoever made
+    one) before any DTensor exists. Importing it here would cost every engine worker (which
+    never holds one) half a second at start."""
+    module = sys.modules.get(DTENSOR_MODULE)
+    return None if module is None else module.DTensor
+
+
+def _strided_shard_class() -> type | None:
+    from torch.distributed.tensor import placement_types  # imported already: placements exist
+
+    return getattr(placement_types, "_StridedShard", None)
 
 
 def dtensor_layout(
@@ -33,8 +51,9 @@ def dtensor_layout(
     tensors = named_tensors(module_or_state_dict)
     layout = RankLayout(rank, dtype=dtype_name(tensors))
     problems = []
+    dtensor = _dtensor_class()
     for name, tensor in tensors:
-        if not isinstance(tensor, DTensor):
+        if dtensor is None or not isinstance(tensor, dtensor):
             layout.add(name, tuple(tensor.shape), [whole(name, tuple(tensor.shape))])
             continue
         full_shape = tuple(tensor.shape)
@@ -90,12 +109,13 @@ def _split_order(placements: Sequence, mesh_shape: Sequence[int]) -> list[int]:
     """Mesh dims that shard, in the order their splits apply: plain shards left to right,
     then strided ones right to left (each after the later mesh dims it waits for)."""
     plain, strided = [], []
+    strided_shard = _strided_shard_class()
     for mesh_dim, p in enumerate(placements):
-        if _StridedShard is not None and isinstance(p, _StridedShard):
+        if strided_shard is not None and isinstance(p, strided_shard):
             later = 1
             for m in range(mesh_dim + 1, len(placements)):
                 q = placements[m]
-                if (q.is_shard() or isinstance(q, _StridedShard)) and q.dim == p.dim:
+                if (q.is_shard() or isinstance(q, strided_shard)) and q.dim == p.dim:
                     later *= mesh_shape[m]
             if p.split_factor != later:
                 raise ValueError(
