@@ -19,9 +19,19 @@ Measured in one run, on this host:
   process (their gathering and sending not counted), only the ``collective_rpc`` into
   ``reload_weights`` timed; one untimed, then ``REPEATS`` timed, each checked.
 
+- ``backend_tandem`` and ``backend_vllm_nccl``: through vLLM's own trainer API into a ``vllm
+  serve`` (TP=2) each, the same 2 trainer ranks calling ``send_weights()``: tandem as vLLM's
+  ``tandem`` weight-transfer backend against vLLM's dense ``nccl`` engine, which cannot run on
+  this CPU-only host as shipped and runs here with its communicator over gloo
+  (`tandem.bench.sync_vllm_backend`; ``vllm_backends_not_runnable_here`` says why each of
+  vLLM's backends does not run); seconds per checked push (median of ``REPEATS``) and the
+  bytes into each worker.
+
 ``ratios.into_vllm_vs_load_weights`` = load_weights / into_vllm seconds (best of each);
 ``into_vllm_vs_load_weights_in_process`` likewise; ``into_vllm_vs_into_tandem`` = into_tandem /
-into_vllm.
+into_vllm; ``tandem_backend_vs_vllm_nccl`` = backend_vllm_nccl / backend_tandem seconds
+(medians), ``tandem_backend_worker_bytes_vs_vllm_nccl`` their bytes into each worker (target:
+``TARGET`` times vLLM's best runnable backend, each worker only its slices).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.bench import sync_baselines as base
+from tandem.bench import sync_vllm_backend
 from tandem.bench.generate_vllm import vllm_env, vllm_python
 from tandem.bench.sync import KV_CACHE_MEMORY, bench_model, push_figures, weights_of
 from tandem.bench.sync_baselines import REPEATS
@@ -50,6 +61,7 @@ from tandem.bench.sync_pushes import (
 from tandem.wire import free_port
 
 VLLM_MODES = ("shm", "shm-unverified", "dist")
+TARGET = 2.0  # the tandem backend's push against vLLM's best runnable backend's, TP=2
 
 
 class VllmHost:
@@ -180,6 +192,17 @@ def run(quick: bool = False) -> dict[str, Any]:
             "tensor over gloo to vLLM's process, which hands them all to every worker by "
             "collective_rpc into reload_weights and answers; a push ends at the answer"
         )
+    result.update(sync_vllm_backend.run(python, path, weight_bytes, max(timeout, 300.0)))
+    ours, theirs = result["backend_tandem"], result["backend_vllm_nccl"]
+    speedup = round(theirs["seconds"] / ours["seconds"], 3)
+    result["backend_target"] = {
+        "tandem_backend_vs_best_vllm_backend": speedup,
+        "best_vllm_backend": "nccl (over gloo)",
+        "target": TARGET,
+        "met": speedup >= TARGET,
+        "worker_bytes_are_slices": max(ours["bytes_into_each_worker"])
+        < min(theirs["bytes_into_each_worker"]),
+    }
     best = into["seconds"]
     result["ratios"] = {
         "into_vllm_vs_load_weights": round(gathered["seconds"] / best, 3),
@@ -187,6 +210,13 @@ def run(quick: bool = False) -> dict[str, Any]:
             result["load_weights_in_process"]["seconds"] / best, 3
         ),
         "into_vllm_vs_into_tandem": round(result["into_tandem"]["seconds"] / best, 3),
+        "tandem_backend_vs_vllm_nccl": speedup,
+        "tandem_backend_worker_bytes_vs_vllm_nccl": [
+            round(a / b, 4)
+            for a, b in zip(
+                ours["bytes_into_each_worker"], theirs["bytes_into_each_worker"], strict=True
+            )
+        ],
     }
     result["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return result
