@@ -134,13 +134,14 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
-@pytest.mark.slow  # 60 s; pushes into vLLM are tested in tests/integrations/vllm
-@pytest.mark.timeout(600)
+@pytest.mark.slow  # 6 min (two `vllm serve` start); pushes into vLLM: tests/integrations/vllm
+@pytest.mark.timeout(1200)
 @pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
 def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, monkeypatch):
     """`tandem bench sync --into vllm --quick`: every push (tandem's into both engines, the
-    gathered and the in-process reload baselines) is checked against transformers inside the
-    run, which raises on any that did not land."""
+    gathered and the in-process reload baselines, the tandem backend and vLLM's nccl engine
+    through vLLM's trainer API) is checked against transformers inside the run, which raises
+    on any that did not land."""
     from tandem.bench.sync_vllm import run
 
     monkeypatch.setenv("TANDEM_VLLM_PYTHON", str(vllm_python().absolute()))
@@ -161,4 +162,23 @@ def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, mo
         "into_vllm_vs_load_weights",
         "into_vllm_vs_load_weights_in_process",
         "into_vllm_vs_into_tandem",
+        "tandem_backend_vs_vllm_nccl",
+        "tandem_backend_worker_bytes_vs_vllm_nccl",
     }
+    ours, theirs = result["backend_tandem"], result["backend_vllm_nccl"]
+    assert (ours["backend"], theirs["backend"]) == ("tandem", "nccl_gloo")
+    for side in (ours, theirs):
+        assert side["seconds"] > 0 and len(side["seconds_per_push"]) == 3
+        assert side["pushes_checked"] == 4  # 1 untimed + 3 timed, each checked
+        assert side["max_abs_logprob_error"] <= 1e-3
+        assert len(side["bytes_into_each_worker"]) == 2
+    # a broadcast: each worker every byte; tandem: each worker its slices, together every byte
+    model_bytes = result["model"]["bytes"]
+    assert all(b >= 0.99 * model_bytes for b in theirs["bytes_into_each_worker"])
+    assert all(b < 0.6 * model_bytes for b in ours["bytes_into_each_worker"])
+    assert sum(ours["bytes_into_each_worker"]) == ours["bytes_needed"] == ours["bytes_moved"]
+    assert result["ratios"]["tandem_backend_vs_vllm_nccl"] == pytest.approx(
+        theirs["seconds"] / ours["seconds"], rel=1e-2
+    )
+    assert result["backend_target"]["target"] == 2.0
+    assert "PyNcclCommunicator" in result["vllm_backends_not_runnable_here"]

@@ -383,7 +383,8 @@ SCENARIOS = (
         flags={"--into": "vllm"},
         description=(
             "the same trainers into vLLM's CPU build, tandem's push against vLLM's own "
-            "reload_weights (needs `make vllm`)"
+            "reload_weights, and tandem as vLLM's weight-transfer backend against vLLM's nccl "
+            "engine over gloo, both through vLLM's trainer API (needs `make vllm`)"
         ),
         run=Ref("tandem.bench.sync_vllm:run"),
     ),
