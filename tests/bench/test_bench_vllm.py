@@ -134,7 +134,7 @@ def _group_gone(pgid: int, seconds: float) -> bool:
     return False
 
 
-@pytest.mark.slow  # 6 min (two `vllm serve` start); pushes into vLLM: tests/integrations/vllm
+@pytest.mark.slow  # 3 min quiet (two `vllm serve` start); pushes into vLLM: tests/integrations/vllm
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(vllm_python() is None, reason="no .venv-vllm: run `make vllm`")
 def test_bench_sync_into_vllm_runs_every_side_and_checks_every_push(tmp_path, monkeypatch):
