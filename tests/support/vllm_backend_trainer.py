@@ -4,19 +4,19 @@ tests/integrations/vllm/test_vllm_backend_serve.py.
 
     python vllm_backend_trainer.py RANK PORT MODEL_DIR URL VERSION SEED [die|corrupt]
 
-Its weights: the model directory's, each moved by ``seed`` (`moved`; the test computes the
-same on its side). Exits 0 when pushed, 3 when the push failed. With ``die``, rank 0 (which
-drives vLLM's protocol) is killed once its first ``update_weights`` call returned: vLLM's
+Its weights: the model directory's, each moved by ``seed`` (`vllm_models.moved`, as the test
+computes them on its side). Exits 0 when pushed, 3 when the push failed. With ``die``, rank 0
+(which drives vLLM's protocol) is killed once the first phase of its push returned (the
+``update_weights`` call after the workers' version check): vLLM's
 workers hold a verified push that nobody will commit. With ``corrupt``, rank 1 writes every
 box one row off (its CRC32s stay honest: of what it read).
 """
 
+import base64
 import os
 import sys
 
-import torch
 import torch.distributed as dist
-import transformers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
@@ -27,22 +27,16 @@ from faulty_writes import faulty_sender, shifted  # noqa: E402  (this script's d
 from tandem.exchange import WeightSyncError
 from tandem.exchange.transports.base import SenderHalf
 from tandem.integrations.vllm import TandemTrainerInitInfo
-
-
-def moved(model_dir: str, seed: int) -> torch.nn.Module:
-    """The model directory's model, every weight moved by a seeded amount."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model.eval()
+from tandem.integrations.vllm.messages import VLLM, VersionCheck
+from vllm_models import moved  # noqa: E402  (this script's directory)
 
 
 class DiesAfterFirstUpdate(HTTPVLLMWeightSyncClient):
     def update_weights(self, update_info) -> None:
         super().update_weights(update_info)
-        os._exit(9)
+        request = VLLM.decode(base64.b64decode(update_info[0]["phase_request"]))
+        if not isinstance(request, VersionCheck):  # a push's first phase, not its check
+            os._exit(9)
 
 
 def main() -> int:

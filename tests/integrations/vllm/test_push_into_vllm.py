@@ -11,7 +11,6 @@ are placed; with 2, vLLM's workers are its own processes (one core each).
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -28,6 +27,15 @@ import transformers  # noqa: E402
 
 from support.faulty_writes import faulty_sender, shifted  # noqa: E402
 from support.paths import REPO, SUPPORT  # noqa: E402
+from support.vllm_models import (  # noqa: E402
+    MODEL,
+    SHAPE,
+    assert_generates_like,
+    engine_gone,
+    generate,
+    moved,
+    offline_llm,
+)
 from tandem.exchange import WeightSender, WeightSyncError  # noqa: E402
 from tandem.exchange.transports.base import SenderHalf  # noqa: E402
 from tandem.integrations.vllm import WORKER_EXTENSION, vllm_target  # noqa: E402
@@ -36,75 +44,16 @@ from tandem.wire.frames import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-# vLLM's CPU attention takes head sizes 32 and up (not 16)
-MODEL = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
-NEW = 6
-ONE_CORE_PER_RANK = "|".join(map(str, sorted(os.sched_getaffinity(0))[:2]))  # vLLM's TP=2 bind
-
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def engine(request, model_factory):
     tp = request.param
-    if tp == 2:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
-    vllm.envs.disable_envs_cache()  # an earlier engine froze the environment vLLM reads
     model_dir = model_factory("llama", vocab_size=500, **MODEL)
-    llm = vllm.LLM(
-        model_dir,
-        dtype="float32",
-        tensor_parallel_size=tp,
-        max_model_len=128,
-        kv_cache_memory_bytes=8 << 20,
-        enforce_eager=True,
-        seed=0,
-        worker_extension_cls=WORKER_EXTENSION,
-    )
+    llm = offline_llm(model_dir, tp, worker_extension_cls=WORKER_EXTENSION)
     yield llm, model_dir, tp
     vllm_target(llm).close()
     del llm
-    gc.collect()
-    os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-
-
-def trainer(model_dir: str, seed: int) -> torch.nn.Module:
-    """The engine's model with every weight moved by a seeded amount: a new policy."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    return model.eval()
-
-
-def generate(llm) -> list[tuple[list[int], list[float]]]:
-    params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate(
-        [vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
-    )
-    out = [o.outputs[0] for o in outs]
-    return [
-        (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-        for c in out
-    ]
-
-
-def assert_generates_like(llm, model: torch.nn.Module) -> None:
-    """vLLM's greedy tokens are transformers' on ``model``, log-probs within float32 noise."""
-    for ids, (tokens, logprobs) in zip(PROMPTS, generate(llm), strict=True):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
-        assert tokens == logits.argmax(-1).tolist()
-        expected = torch.log_softmax(logits, -1)[torch.arange(NEW), tokens]
-        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-3)
+    engine_gone()
 
 
 @pytest.mark.parametrize("transport", ["shm", "dist"])
@@ -113,7 +62,7 @@ def test_pushes_land_in_vllm_and_it_generates_what_the_trainer_does(engine, tran
     target = vllm_target(llm)
     version = target.weight_version
     for step in (1, 2):  # the second push reuses the plan, the staging and the mappings
-        model = trainer(model_dir, seed=10 * step + tp)
+        model = moved(model_dir, seed=10 * step + tp)
         stats = WeightSender(model, llm, transport=transport).push()
         assert stats.version == version + step == target.weight_version
         assert stats.bytes_moved == stats.bytes_needed
@@ -128,7 +77,7 @@ def test_a_wrong_copy_is_rejected_as_staged_and_the_old_weights_serve(engine, mo
     served, before = target.weight_version, generate(llm)
     monkeypatch.setattr(SenderHalf, "write_box", faulty_sender(shifted))
     with pytest.raises(WeightSyncError, match="checksum mismatch.*as staged") as err:
-        WeightSender(trainer(model_dir, seed=99), llm).push()
+        WeightSender(moved(model_dir, seed=99), llm).push()
     assert f"version {served} keeps serving" in str(err.value)
     assert target.weight_version == served and generate(llm) == before
 
@@ -137,12 +86,12 @@ def test_a_layout_that_disagrees_is_refused_before_any_byte_moves(engine):
     llm, model_dir, _ = engine
     target = vllm_target(llm)
     served, before = target.weight_version, generate(llm)
-    model = trainer(model_dir, seed=98)
+    model = moved(model_dir, seed=98)
     model.lm_head = torch.nn.Linear(128, 499, bias=False)  # one vocabulary row short
     with pytest.raises(WeightSyncError, match="lm_head.weight: senders have shape"):
         WeightSender(model, llm).push()
     with pytest.raises(WeightSyncError, match="in_place.*staged"):
-        WeightSender(trainer(model_dir, seed=97), llm, mode="in_place").push()
+        WeightSender(moved(model_dir, seed=97), llm, mode="in_place").push()
     assert target.weight_version == served and generate(llm) == before
 
 
@@ -166,11 +115,11 @@ def test_a_wrong_copy_into_vllms_layers_is_caught_reading_back_its_kernels(engin
     with pytest.raises(
         WeightSyncError, match="qkv_proj.*in vLLM's live weights after commit"
     ) as err:
-        WeightSender(trainer(model_dir, seed=96), llm).push()
+        WeightSender(moved(model_dir, seed=96), llm).push()
     assert "mixed weights" in str(err.value)
     assert target.unavailable() is not None and target.weight_state()["torn"]
     monkeypatch.undo()
-    model = trainer(model_dir, seed=95)
+    model = moved(model_dir, seed=95)
     WeightSender(model, llm).push()
     assert target.unavailable() is None
     assert_generates_like(llm, model)
@@ -213,30 +162,17 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
     ],  # QK-norm, head_dim set apart from hidden / heads, tied
 )
 def test_qwen_families_at_two_ranks(model_factory, family, overrides):
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ONE_CORE_PER_RANK
-    vllm.envs.disable_envs_cache()
-    shape = {k: v for k, v in MODEL.items() if k != "tie_word_embeddings"}
-    model_dir = model_factory(family, vocab_size=500, **shape, **overrides)
-    llm = vllm.LLM(
-        model_dir,
-        dtype="float32",
-        tensor_parallel_size=2,
-        max_model_len=128,
-        kv_cache_memory_bytes=8 << 20,
-        enforce_eager=True,
-        seed=0,
-        worker_extension_cls=WORKER_EXTENSION,
-    )
+    model_dir = model_factory(family, vocab_size=500, **SHAPE, **overrides)
+    llm = offline_llm(model_dir, 2, worker_extension_cls=WORKER_EXTENSION)
     try:
-        model = trainer(model_dir, seed=7)
+        model = moved(model_dir, seed=7)
         stats = WeightSender(model, llm).push(version=4)
         assert stats.bytes_moved == stats.bytes_needed and vllm_target(llm).weight_version == 4
         assert_generates_like(llm, model)
     finally:
         vllm_target(llm).close()
         del llm
-        gc.collect()
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        engine_gone()
 
 
 TANDEM_PYTHON = REPO / ".venv" / "bin" / "python"  # megatron-core lives there

@@ -4,7 +4,8 @@ point registers the backend), pushed into through vLLM's own trainer API
 (``WeightTransferTrainerFactory.trainer_init(TandemTrainerInitInfo(...), client=llm,
 source=ModuleSource(model)).send_weights()``). vLLM then generates what transformers does on
 the pushed weights; a wrong copy is rejected with the old weights serving; a commit that tears
-vLLM's weights says so, and the next push lands.
+vLLM's weights says so, and the next push lands; a version that does not go forward is refused
+by the workers before any byte moves unless it is a rollback.
 
 Runs in vLLM's venv (``make test`` runs ``tests/integrations/vllm`` there). The engine core and
 its one
@@ -14,7 +15,6 @@ faults can be injected where the worker places its boxes.
 
 from __future__ import annotations
 
-import gc
 import os
 from importlib.metadata import entry_points
 
@@ -34,6 +34,15 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 )
 
 from support.faulty_writes import faulty_sender, shifted  # noqa: E402
+from support.vllm_models import (  # noqa: E402
+    MODEL,
+    assert_generates_like,
+    engine_gone,
+    generate,
+    offline_llm,
+    train_step,
+)
+from tandem.errors import StaleVersionError  # noqa: E402
 from tandem.exchange import WeightSyncError  # noqa: E402
 from tandem.exchange.transports.base import SenderHalf  # noqa: E402
 from tandem.integrations.vllm import TandemTrainerInitInfo  # noqa: E402
@@ -42,33 +51,11 @@ from tandem.integrations.vllm.receiver import VllmReceiver  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-# vLLM's CPU attention takes head sizes 32 and up (not 16)
-MODEL = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
-NEW = 6
-
 
 @pytest.fixture(scope="module")
 def engine(model_factory):
-    vllm.envs.disable_envs_cache()  # an earlier engine froze the environment vLLM reads
     model_dir = model_factory("llama", vocab_size=500, **MODEL)
-    llm = vllm.LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=128,
-        kv_cache_memory_bytes=8 << 20,
-        enforce_eager=True,
-        seed=0,
-        weight_transfer_config={"backend": "tandem"},
-    )
+    llm = offline_llm(model_dir, weight_transfer_config={"backend": "tandem"})
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = WeightTransferTrainerFactory.trainer_init(
         TandemTrainerInitInfo(rank=0), client=llm, source=ModuleSource(model)
@@ -76,37 +63,7 @@ def engine(model_factory):
     yield llm, trainer, model
     trainer.shutdown()
     del llm
-    gc.collect()
-
-
-def train_step(model: torch.nn.Module, seed: int) -> None:
-    """Every weight moved by a seeded amount, in place: a new policy."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-
-
-def generate(llm) -> list[tuple[list[int], list[float]]]:
-    params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
-    outs = llm.generate(
-        [vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
-    )
-    out = [o.outputs[0] for o in outs]
-    return [
-        (list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids, strict=True)])
-        for c in out
-    ]
-
-
-def assert_generates_like(llm, model: torch.nn.Module) -> None:
-    """vLLM's greedy tokens are transformers' on ``model``, log-probs within float32 noise."""
-    for ids, (tokens, logprobs) in zip(PROMPTS, generate(llm), strict=True):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
-        assert tokens == logits.argmax(-1).tolist()
-        expected = torch.log_softmax(logits, -1)[torch.arange(NEW), tokens]
-        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-3)
+    engine_gone()
 
 
 def test_installing_tandem_registers_the_backend_with_vllm():
@@ -167,6 +124,63 @@ def test_a_torn_commit_is_reported_and_the_next_push_lands(engine, monkeypatch):
     monkeypatch.undo()
     stats = trainer.send_weights()
     assert trainer.weight_state() == {"version": stats.version, "torn": None}
+    assert_generates_like(llm, model)
+
+
+def another_trainer_pushes(llm, model: torch.nn.Module, version: int | None = None) -> int:
+    """A second trainer pushes ``model`` into the same workers: the version they then serve."""
+    other = WeightTransferTrainerFactory.trainer_init(
+        TandemTrainerInitInfo(rank=0), client=llm, source=ModuleSource(model)
+    )
+    try:
+        return other.send_weights(version).version
+    finally:
+        other.shutdown()
+
+
+def test_a_stale_version_is_refused_by_the_workers_and_the_next_forward_one_lands(
+    engine, monkeypatch
+):
+    """Another trainer pushed since this one last heard from vLLM's workers: a version not
+    above theirs is refused by the workers themselves before any byte moves
+    (`StaleVersionError` naming both), the served weights untouched; the next forward push
+    lands, a rollback lands when asked for, and a push naming no version goes again as the
+    workers' version + 1."""
+    llm, trainer, model = engine
+    train_step(model, seed=41)
+    ahead = another_trainer_pushes(llm, model, trainer.weight_state()["version"] + 5)
+    stale = trainer.weight_state()["version"] + 1  # this trainer knows no better
+    phases = []
+    run = VllmReceiver.run
+
+    def recorded(self, phase, spec, records):
+        phases.append(phase)
+        return run(self, phase, spec, records)
+
+    monkeypatch.setattr(VllmReceiver, "run", recorded)
+    before = generate(llm)
+    train_step(model, seed=42)
+    with pytest.raises(StaleVersionError, match=f"version {stale} .* version {ahead}") as err:
+        trainer.send_weights(version=stale)
+    assert (err.value.requested, err.value.served) == (stale, ahead)
+    assert phases == []  # no worker received, verified or committed anything
+    assert llm.get_weight_version() == str(ahead) and generate(llm) == before
+    assert trainer.weight_state() == {"version": ahead, "torn": None}  # learned from them
+    with pytest.raises(StaleVersionError):  # now refused by this trainer's own exchange
+        trainer.send_weights(version=ahead)
+    assert phases == []
+    monkeypatch.undo()
+    assert trainer.send_weights().version == ahead + 1 == int(llm.get_weight_version())
+    assert_generates_like(llm, model)
+    train_step(model, seed=43)
+    ahead = another_trainer_pushes(llm, model, ahead + 3)
+    stats = trainer.send_weights(version=stale, rollback=True)  # the workers let it through
+    assert stats.version == stale == int(llm.get_weight_version())
+    assert trainer.weight_state() == {"version": stale, "torn": None}
+    assert_generates_like(llm, model)
+    train_step(model, seed=44)
+    ahead = another_trainer_pushes(llm, model)
+    assert trainer.send_weights().version == ahead + 1 == int(llm.get_weight_version())
     assert_generates_like(llm, model)
 
 

@@ -16,6 +16,12 @@ vLLM's four-call protocol carries tandem's push, driven by the trainer's rank 0
 - ``finish_weight_update(weight_version)``: closes it; a push left open (its trainer died or
   failed) is dropped there, the old weights serving.
 
+Versions only go forward, as in tandem's own engine: before any byte of a push reaches a
+worker, one ``update_weights`` call asks every worker whether the push's version is above the
+one it serves (`VersionCheck`); they refuse one that is not, unless the trainer asked for it
+with ``send_weights(version, rollback=True)``, and the trainer raises
+`tandem.errors.StaleVersionError` naming both, the served weights untouched.
+
 vLLM's protocol answers nothing but errors, so the workers agree on each phase's outcome and
 fail together (a worker that passed drops its part when another failed); vLLM's last worker
 raises their errors (`TandemWeightTransferEngine._answer` says why only it), saying whether
@@ -41,11 +47,13 @@ from vllm.distributed.weight_transfer.base import (
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.integrations.vllm.messages import (
+    STALE_VERSION,
     TORN_COMMIT,
     VLLM,
     BackendHello,
     PhaseReply,
     PhaseRequest,
+    VersionCheck,
     WorkerInfo,
 )
 from tandem.integrations.vllm.receiver import VllmReceiver
@@ -65,10 +73,11 @@ class TandemInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class TandemUpdateInfo(WeightTransferUpdateInfo):
-    phase_request: str  # base64 of a `PhaseRequest` holding this worker's records alone
+    phase_request: str  # base64 of a `PhaseRequest` holding this worker's records alone, or a
+    # `VersionCheck`
 
 
-def encode_update(request: PhaseRequest) -> dict:
+def encode_update(request: PhaseRequest | VersionCheck) -> dict:
     """One worker's entry of an ``update_weights`` list payload (JSON-safe)."""
     return {"phase_request": base64.b64encode(VLLM.encode(request)).decode("ascii")}
 
@@ -129,6 +138,9 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
 
     def receive_weights(self, update_info: TandemUpdateInfo) -> None:
         request = VLLM.decode(base64.b64decode(update_info.phase_request))
+        if isinstance(request, VersionCheck):
+            self._check_version(request)
+            return
         if not isinstance(request, PhaseRequest) or len(request.records) != 1:
             raise ValueError("tandem: update_info holds no PhaseRequest for one worker")
         phase, spec = request.phase, request.spec
@@ -152,11 +164,28 @@ class TandemWeightTransferEngine(WeightTransferEngine[TandemInitInfo, TandemUpda
                 f"lands: {_said(errors)}"
             )
             return
-        serving = f"torn weights ({self.torn})" if self.torn else f"version {self.version}"
         self._answer(
-            f"tandem: version {spec.version} rejected in {phase.value}; {serving} "
+            f"tandem: version {spec.version} rejected in {phase.value}; {self._serving()} "
             f"keeps serving: {_said(errors)}"
         )
+
+    def _check_version(self, check: VersionCheck) -> None:
+        """Refuse, on every worker alike, a version not above the one this worker serves
+        (unless ``check.rollback``): before any byte of the push moves."""
+        error = None
+        if self._receiver is None:
+            error = "call init_weight_transfer_engine first"
+        elif check.version <= self.version and not check.rollback:
+            error = f"{STALE_VERSION} {check.version}: this worker serves version {self.version}"
+        errors, _, _ = _together(PhaseReply(error, 0), self.parallel_config.world_size)
+        if errors:
+            self._answer(
+                f"tandem: version {check.version} refused before any byte moved; "
+                f"{self._serving()} keeps serving: {_said(errors)}"
+            )
+
+    def _serving(self) -> str:
+        return f"torn weights ({self.torn})" if self.torn else f"version {self.version}"
 
     def finish_weight_update(self) -> None:
         self.in_update = False

@@ -13,6 +13,7 @@ plan sent, and a failed phase is known by the client's error (an HTTP 500 whose 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import socket
 import threading
@@ -21,13 +22,21 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from tandem.errors import StaleVersionError
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener
-from tandem.integrations.vllm.messages import TORN_COMMIT, VLLM, BackendHello, PhaseRequest
+from tandem.integrations.vllm.messages import (
+    STALE_VERSION,
+    TORN_COMMIT,
+    VLLM,
+    BackendHello,
+    PhaseRequest,
+    VersionCheck,
+)
 from tandem.wire import MAX_FRAME, accept_hello
 
 log = logging.getLogger(__name__)
@@ -35,6 +44,8 @@ log = logging.getLogger(__name__)
 # how vLLM's worker refuses to finish an update it does not hold
 NO_UPDATE = "finish_weight_update called without a matching start_weight_update"
 REPORTS_AFTER_INIT_S = 10.0  # reports still to be taken once vLLM answered the init
+# what a worker that refused a stale version serves (`TandemWeightTransferEngine`)
+STALE_SERVES = re.compile(re.escape(STALE_VERSION) + r" \d+: this worker serves version (\d+)")
 
 
 class OfflineClient:
@@ -106,6 +117,7 @@ class ClientTarget:
         self.client = client
         self.timeout_s = timeout_s
         self.update_listeners: list[UpdateListener] = []
+        self.rollback = False  # the push under way may go back (its trainer says so)
         self._lock = threading.Lock()  # one push at a time
         hellos = self._init_workers(host)
         self.workers = [h.info for h in hellos]
@@ -213,7 +225,7 @@ class ClientTarget:
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[ClientWindow]:
         """vLLM's ``start_weight_update`` .. ``finish_weight_update(version)`` around one
-        push."""
+        push, which every worker first checks goes forward (`ClientWindow.check_version`)."""
         with self._lock:
             try:
                 self.client.start_weight_update()
@@ -224,6 +236,7 @@ class ClientTarget:
                 raise WeightSyncError(f"vLLM's start_weight_update failed: {said}") from None
             window = ClientWindow(self, spec)
             try:
+                window.check_version(self.rollback)
                 yield window
             except BaseException:
                 if window.failed:
@@ -290,6 +303,27 @@ class ClientWindow:
 
     def failures(self) -> dict[int, str]:
         return {}  # a failure raises
+
+    def check_version(self, rollback: bool) -> None:
+        """Every worker refuses the push's version unless it is above the one the worker
+        serves, or ``rollback`` (one ``update_weights`` call, before any byte moves): then
+        `StaleVersionError`, and the target takes the version the workers serve as its own
+        (another trainer may have pushed since this one asked them)."""
+        from tandem.integrations.vllm.backend import encode_update
+
+        check = encode_update(VersionCheck(self.spec.version, rollback))
+        try:
+            self.target.client.update_weights([check] * len(self.target.workers))
+        except Exception as exc:
+            self.failed = True
+            said = client_error(exc)
+            served = [int(v) for v in STALE_SERVES.findall(said)]
+            if served:
+                self.target._version = max(served)
+                raise StaleVersionError(self.spec.version, max(served)) from None
+            raise WeightSyncError(
+                f"vLLM's workers refused version {self.spec.version}: {said}"
+            ) from None
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         from tandem.integrations.vllm.backend import encode_update

@@ -15,6 +15,8 @@ VLLM = Codec("vllm")
 
 # how the error of a commit that tore vLLM's weights begins (its workers say it; trainers read it)
 TORN_COMMIT = "vLLM's weights are now mixed"
+# how a worker's refusal of a version that does not go forward begins (trainers read it)
+STALE_VERSION = "tandem: stale version"
 
 
 @VLLM.register("worker")
@@ -35,6 +37,16 @@ class PhaseRequest:
     phase: PushPhase
     spec: UpdateSpec
     records: list[list[Record]]
+
+
+@VLLM.register("version-check")
+@dataclass(slots=True)
+class VersionCheck:
+    """Asked of every worker of the ``tandem`` backend before a push's bytes move: refuse
+    ``version`` unless it is above the one the worker serves, or ``rollback``."""
+
+    version: int
+    rollback: bool
 
 
 @VLLM.register("phase-done")

@@ -9,6 +9,7 @@ every trainer rank::
         TandemTrainerInitInfo(rank=rank, world_size=world), client=client,
         source=ModuleSource(model))
     engine.send_weights()          # every step; -> tandem's PushStats
+    engine.send_weights(version=3, rollback=True)   # back to an earlier version, on purpose
 
 ``client``: vLLM's ``HTTPVLLMWeightSyncClient`` (a ``vllm serve`` with
 ``--weight-transfer-config '{"backend": "tandem"}'`` and ``VLLM_SERVER_DEV_MODE=1``), its Ray
@@ -32,6 +33,7 @@ from vllm.distributed.weight_transfer.base import (
     TrainerWeightTransferEngine,
 )
 
+from tandem.errors import StaleVersionError
 from tandem.exchange.sender import PushStats, WeightSender
 from tandem.integrations.vllm import is_vllm_engine
 from tandem.integrations.vllm.client_target import ClientTarget, OfflineClient
@@ -106,14 +108,31 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
             target=target,
         )
 
-    def send_weights(self, version: int | None = None) -> PushStats:
+    def send_weights(self, version: int | None = None, *, rollback: bool = False) -> PushStats:
         """Push this rank's weights and wait until vLLM's workers committed them (or the push
         failed: `tandem.exchange.WeightSyncError` on every rank, saying whether the old
         version serves or vLLM's weights are torn). ``version``: the one vLLM then reports
-        (``finish_weight_update``); None: the one it serves + 1."""
+        (``finish_weight_update``); None: the one it serves + 1. Versions only go forward: one
+        not above the version vLLM's workers serve is refused before any byte moves (by rank
+        0's exchange, or by every worker where another trainer pushed since) with
+        `tandem.errors.StaleVersionError` naming both, on every rank, the served weights
+        untouched; ``rollback=True`` (every rank alike) takes it on purpose. With ``version``
+        None, a push refused so (another trainer pushed since rank 0 last knew) goes again
+        once, as the version the workers serve + 1."""
         if not isinstance(self.source, ModuleSource | nn.Module):
             self.sender.model = _pushed(self.source)  # a fresh pass over the source
-        stats = self.sender.push(version)
+        if self.target is not None:
+            self.target.rollback = rollback  # the workers' check (rank 0 drives them)
+        try:
+            try:
+                stats = self.sender.push(version, rollback=rollback)
+            except StaleVersionError:
+                if version is not None:
+                    raise
+                stats = self.sender.push(None, rollback=rollback)  # rank 0 learned the version
+        finally:
+            if self.target is not None:
+                self.target.rollback = False
         if self.sender.world_size > 1:  # rank 0's exchange answers the others after rank 0
             dist.barrier()
         return stats

@@ -1,0 +1,122 @@
+"""A real ``vllm serve`` as the vLLM tests (tests/integrations/vllm) run it, and what they ask
+of it over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from support.vllm_models import PROMPTS
+from tandem.wire.frames import free_port
+
+
+@contextmanager
+def vllm_serve(model_dir: str, log: Path, *options: str, env: dict | None = None) -> Iterator[str]:
+    """``vllm serve`` of ``model_dir`` (TP=2, a core per worker, float32, 128 tokens, 8 MiB of
+    KV cache, eager) with ``options`` (tandem's flags) and ``env`` added to this process's
+    environment, its output in ``log``: its URL once healthy; stopped (its process group) on
+    exit."""
+    cores = sorted(os.sched_getaffinity(0))[:2]  # one per worker
+    env = {
+        **os.environ,
+        "VLLM_CPU_CI_ENV": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)),
+        **(env or {}),
+    }
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    port = free_port()
+    # vllm-cpu's `vllm` script looks its own version up under the name "vllm" and fails: its
+    # server module, which `vllm serve` runs
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "128",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--enforce-eager",
+        "--tensor-parallel-size",
+        "2",
+        *options,
+    ]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while not healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(1)  # polling the health route, not synchronizing
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
+    """The server's greedy completion of ``prompt`` (6 tokens): its tokens and log-probs."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as r:
+        choice = json.loads(r.read())["choices"][0]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+
+
+def assert_serves(url: str, model: torch.nn.Module) -> None:
+    """The server's greedy completions of `PROMPTS` are transformers' on ``model``, log-probs
+    within float32 noise."""
+    for ids in PROMPTS:
+        tokens, logprobs = complete(url, ids)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
+        assert tokens == logits.argmax(-1).tolist()
+        expected = torch.log_softmax(logits, -1)[torch.arange(len(tokens)), tokens]
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-3)
