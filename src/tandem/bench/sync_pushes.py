@@ -127,54 +127,18 @@ def run_pushes(
     ranks, the checks made; ``checks["scalings"]``: the scalings the trainers' weights went
     through)."""
     port = str(free_port())
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, "-m", "tandem.bench.sync_pushes"]
     args = [port, str(model_dir), address, str(repeats), ",".join(modes)]
     reference = Reference(model_dir)
     errors: list[float] = []
-    logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-    out1 = tempfile.TemporaryFile()
-    procs = [
-        subprocess.Popen(
-            [*argv, "0", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=logs[0],
-            env=env,
-        ),
-        subprocess.Popen([*argv, "1", *args], stdout=out1, stderr=logs[1], env=env),
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        while True:  # rank 0 reports every push and waits for our answer
-            line = _line(procs[0], deadline, timeout)
-            if not line:
-                raise RuntimeError(
-                    f"push trainer rank 0 exited with {procs[0].wait()} before "
-                    f"reporting:\n{tail(logs[0])}"
-                )
-            event = json.loads(line)
-            if "pushed" not in event:
-                rank0 = event
-                break
-            reference.advance_to(event["scalings"])
-            errors.append(check(reference, event["pushed"]))
-            procs[0].stdin.write(b"ok\n")
-            procs[0].stdin.flush()
-        for i, p in enumerate(procs):
-            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(
-                    f"push trainer rank {i} exited with {p.returncode}:\n{tail(logs[i])}"
-                )
-        out1.seek(0)
-        rank1 = json.loads(out1.read().decode().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in (*logs, out1):
-            f.close()
+
+    def pushed(event: dict) -> None:
+        reference.advance_to(event["scalings"])
+        errors.append(check(reference, event["pushed"]))
+
+    rank0, rank1 = drive_trainers(
+        [[*argv, "0", *args], [*argv, "1", *args]], trainer_env(), timeout, pushed, "push trainer"
+    )
     checks = {
         "pushes_checked": len(errors),
         "max_abs_logprob_error": max(errors),
@@ -185,6 +149,62 @@ def run_pushes(
         "scalings": reference.scalings,
     }
     return {mode: [rank0["modes"][mode], rank1["modes"][mode]] for mode in modes}, checks
+
+
+def trainer_env() -> dict[str, str]:
+    """This process's environment for the trainer ranks: gloo on loopback, one thread each."""
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+
+
+def drive_trainers(
+    commands: list[list[str]],
+    env: dict[str, str],
+    timeout: float,
+    pushed: Callable[[dict], None],
+    what: str,
+    context: Callable[[], str] = lambda: "",
+) -> tuple[dict, dict]:
+    """Start the 2 trainer ranks (``commands``, in ``env``): rank 0 prints a
+    JSON line after every push, ``pushed(event)`` checks it, and rank 0 goes on once told;
+    each rank's last line is its figures: (rank 0's, rank 1's). Raises naming ``what`` (and
+    ``context()``) if a rank fails, and TimeoutError past ``timeout`` s."""
+    logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    out1 = tempfile.TemporaryFile()
+    procs = [
+        subprocess.Popen(
+            commands[0], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=logs[0], env=env
+        ),
+        subprocess.Popen(commands[1], stdout=out1, stderr=logs[1], env=env),
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while True:  # rank 0 reports every push and waits for our answer
+            line = _line(procs[0], deadline, timeout)
+            if not line:
+                raise RuntimeError(
+                    f"{what} rank 0 exited with {procs[0].wait()} before reporting:\n"
+                    f"{tail(logs[0])}{context()}"
+                )
+            event = json.loads(line)
+            if "pushed" not in event:
+                rank0 = event
+                break
+            pushed(event)
+            procs[0].stdin.write(b"ok\n")
+            procs[0].stdin.flush()
+        for i, p in enumerate(procs):
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"{what} rank {i} exited with {p.returncode}:\n{tail(logs[i])}")
+        out1.seek(0)
+        rank1 = json.loads(out1.read().decode().splitlines()[-1])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in (*logs, out1):
+            f.close()
+    return rank0, rank1
 
 
 def _line(proc: subprocess.Popen, deadline: float, timeout: float) -> bytes:

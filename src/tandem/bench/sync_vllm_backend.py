@@ -37,7 +37,14 @@ from typing import Any
 
 from tandem.bench.generate_vllm import vllm_env
 from tandem.bench.sync_baselines import REPEATS, gib_per_s, tail
-from tandem.bench.sync_pushes import NEW_TOKENS, PROMPT, Reference, scored
+from tandem.bench.sync_pushes import (
+    NEW_TOKENS,
+    PROMPT,
+    Reference,
+    drive_trainers,
+    scored,
+    trainer_env,
+)
 from tandem.wire import free_port
 
 BACKENDS = {"tandem": "tandem", "nccl": "nccl_gloo"}  # the figures' key -> vLLM's backend
@@ -155,58 +162,25 @@ def push_through(
     """The 2 trainer ranks pushing ``1 + REPEATS`` times into ``server`` through vLLM's trainer
     API with ``backend``, each push checked: both ranks' figures and the checks."""
     port, group_port = str(free_port()), str(free_port())
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    env = trainer_env()
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     args = [port, str(model_dir), server.url, backend, group_port, str(1 + REPEATS)]
-    logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
-    out1 = tempfile.TemporaryFile()
     reference, errors = Reference(model_dir), []
-    procs = [
-        subprocess.Popen(
-            [str(python), "-m", ENGINE, "0", *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=logs[0],
-            env=env,
-        ),
-        subprocess.Popen(
-            [str(python), "-m", ENGINE, "1", *args], stdout=out1, stderr=logs[1], env=env
-        ),
-    ]
-    deadline = time.monotonic() + timeout
-    try:
-        from tandem.bench.sync_pushes import _line
 
-        while True:
-            line = _line(procs[0], deadline, timeout)
-            if not line:
-                raise RuntimeError(
-                    f"{backend} trainer rank 0 exited with {procs[0].wait()}:\n{tail(logs[0])}"
-                    f"\nvllm serve:\n{tail(server.log)}"
-                )
-            event = json.loads(line)
-            if "pushed" not in event:
-                rank0 = event
-                break
-            reference.advance_to(event["scalings"])
-            tokens, logprobs = server.complete()
-            errors.append(scored(reference, tokens, logprobs, None, None))
-            procs[0].stdin.write(b"ok\n")
-            procs[0].stdin.flush()
-        for i, p in enumerate(procs):
-            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
-                raise RuntimeError(
-                    f"{backend} trainer rank {i} exited with {p.returncode}:\n{tail(logs[i])}"
-                )
-        out1.seek(0)
-        rank1 = json.loads(out1.read().decode().splitlines()[-1])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in (*logs, out1):
-            f.close()
+    def pushed(event: dict) -> None:
+        reference.advance_to(event["scalings"])
+        tokens, logprobs = server.complete()
+        errors.append(scored(reference, tokens, logprobs, None, None))
+
+    commands = [[str(python), "-m", ENGINE, str(rank), *args] for rank in (0, 1)]
+    rank0, rank1 = drive_trainers(
+        commands,
+        env,
+        timeout,
+        pushed,
+        f"{backend} trainer",
+        lambda: f"\nvllm serve:\n{tail(server.log)}",
+    )
     return {"ranks": [rank0, rank1], "errors": errors}
 
 
