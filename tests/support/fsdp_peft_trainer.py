@@ -17,9 +17,9 @@ from tandem.exchange import WeightSender
 
 
 def main() -> int:
-    rank, port, model_dir, adapter_dir, address = sys.argv[1:6]
+    rank, rendezvous, model_dir, adapter_dir, address = sys.argv[1:6]
     rank = int(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True)

@@ -22,10 +22,10 @@ from tandem.exchange import StaleVersionError, WeightSender, WeightSyncError
 
 
 def main() -> int:
-    rank, port, model_dir, address, version, transport, mode = sys.argv[1:8]
+    rank, rendezvous, model_dir, address, version, transport, mode = sys.argv[1:8]
     die = len(sys.argv) > 8 and sys.argv[8] == "die"
     rank = int(rank)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for layer in model.model.layers:

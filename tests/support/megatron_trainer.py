@@ -142,13 +142,12 @@ class _Wrapper(torch.nn.Module):
 
 
 def main() -> int:
-    rank, world, port, tp, pp = (int(a) for a in sys.argv[1:6])
+    rank, world, tp, pp = (int(a) for a in (*sys.argv[1:3], *sys.argv[4:6]))
+    rendezvous = sys.argv[3]
     assert world == tp * pp, "one model replica: WORLD = TP x PP"
     model_dir, address, version, out_path, prompt = sys.argv[6:11]
     megatron_shims.install()
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     from megatron.core import parallel_state as ps
 
     from tandem.exchange import WeightSender

@@ -55,9 +55,9 @@ class Server(ServerProcess):
         return code
 
 
-def children(pid: int) -> list[int]:
-    """Live child processes of ``pid`` (from /proc)."""
-    out = []
+def _parents() -> dict[int, int]:
+    """Every live process's parent (from /proc; zombies left out)."""
+    out = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -66,9 +66,43 @@ def children(pid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(entry))
+        if fields[0] != "Z":
+            out[int(entry)] = int(fields[1])
     return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes under ``pid``: its children, theirs, and so on."""
+    parents, out, frontier = _parents(), [], {pid}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier}
+        out += sorted(frontier)
+    return out
+
+
+def workers_of(pid: int) -> list[int]:
+    """The live engine workers under ``pid`` (named ``tandem-w<local rank>``), in local rank
+    order (in a fleet of TP=1 replicas, a replica's index is its worker's local rank)."""
+    ranked = []
+    for p in descendants(pid):
+        try:
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("tandem-w"):
+            ranked.append((int(name.removeprefix("tandem-w")), p))
+    return [p for _, p in sorted(ranked)]
+
+
+def worker_of(pid: int, local_rank: int) -> int:
+    """The pid of the live worker of ``local_rank`` under ``pid``."""
+    for p in descendants(pid):
+        try:
+            if Path(f"/proc/{p}/comm").read_text().strip() == f"tandem-w{local_rank}":
+                return p
+        except OSError:
+            continue
+    raise AssertionError(f"no worker of local rank {local_rank} under {pid}")
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:

@@ -10,8 +10,7 @@ import sys
 import torch
 import transformers
 
-from support.paths import SUPPORT
-from tandem.wire import free_port
+from support.paths import SUPPORT, rendezvous
 
 
 def hf_model(path: str) -> torch.nn.Module:
@@ -38,10 +37,9 @@ def run_trainer(
     """Two FSDP2 trainer processes push ``model_dir``'s weights (moved, see the script) as
     ``version`` into ``address``; their exit codes."""
     script = SUPPORT / "fsdp_trainer.py"
-    port = str(free_port())
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     extra = ["die"] if die else []
-    argv = [port, model_dir, address, str(version), transport, mode, *extra]
+    argv = [rendezvous(), model_dir, address, str(version), transport, mode, *extra]
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), *argv], env=env) for r in range(2)
     ]

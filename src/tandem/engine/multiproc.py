@@ -26,6 +26,7 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, PeerGone
 from tandem.engine.executor import EngineDeadError, ReplicaSlot, kv_blocks
+from tandem.engine.launcher import start_worker
 from tandem.engine.messages import (
     CONTROL,
     ApplyResult,
@@ -45,7 +46,7 @@ from tandem.engine.messages import (
     WeightMemoryMessage,
     WeightsDone,
 )
-from tandem.engine.worker import ENV, WorkerArgs
+from tandem.engine.worker import ENV, WORKER_MODULE, WorkerArgs
 from tandem.exchange.items import Record
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.models.loader import ModelSpec, read_model_spec
@@ -286,6 +287,7 @@ def spawn_workers(
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if config.parallel.nnodes == 1 and sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    fork = config.parallel.worker_start == "fork" and sys.platform == "linux"
     procs = []
     ranks = list(ranks)
     replicas, replica = slot.size, slot.index
@@ -301,11 +303,11 @@ def spawn_workers(
             token=token,
             model_modules=[*config.model_modules, module],
         )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tandem.engine.worker"], env={**env, ENV: args.to_env()}
-            )
-        )
+        worker_env = {**env, ENV: args.to_env()}
+        if fork:
+            procs.append(start_worker(worker_env, (ENV,), config.parallel.worker_start_timeout_s))
+        else:
+            procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=worker_env))
     return procs
 
 

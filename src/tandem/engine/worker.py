@@ -1,6 +1,7 @@
 """A model worker process: one tensor/pipeline-parallel rank.
 
-Started as ``python -m tandem.engine.worker`` with its arguments as JSON in the environment
+Started as ``python -m tandem.engine.worker``, or forked from a template that imported this
+module (`tandem.engine.launcher`), with its arguments as JSON in the environment
 (``TANDEM_WORKER``), never pickled. It joins the torch.distributed group through the engine's
 c10d rendezvous, loads its shard, reports its KV capacity, then runs every step message in order
 until told to stop. When the engine's connection closes, the worker exits.
@@ -8,6 +9,7 @@ until told to stop. When the engine's connection closes, the worker exits.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -45,6 +47,8 @@ from tandem.models.stages import split_layers
 from tandem.parallel import TPGroup
 
 ENV = "TANDEM_WORKER"
+WORKER_MODULE = "tandem.engine.worker"
+PR_SET_NAME = 15  # prctl option, <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,20 @@ class PipeChannel:
             self._pending = None
 
 
+def name_process(name: str) -> None:
+    """Show ``name`` (at most 15 bytes) for this process in ps, top and /proc/PID/comm
+    (Linux; elsewhere nothing)."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main() -> int:
     args = WorkerArgs.from_env()
+    name_process(f"tandem-w{args.local_rank}")
     config = EngineConfig(**args.config)
     hello = Hello(args.rank, os.getpid())
     sock = control.connect(args.control_host, args.control_port, args.token, hello)

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from support.serving import ADMIN_KEY, ID_PROMPTS, Server, alive, children, greedy, push, wait_for
+from support.serving import ADMIN_KEY, ID_PROMPTS, Server, alive, greedy, push, wait_for, workers_of
 from tandem import LLM, SamplingParams
 from tandem.wire import free_port
 
@@ -185,7 +185,7 @@ def test_peers_closing_connections_mid_request(server, models, expected):
 def test_worker_killed_mid_generation(models):
     server = Server(models["engine"], "--tp", "2", "--kv-cache-memory", str(16 << 20))
     port = int(server.url.rsplit(":", 1)[1])
-    workers = children(server.proc.pid)
+    workers = workers_of(server.proc.pid)
     result = {}
 
     def stream():

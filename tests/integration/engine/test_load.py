@@ -11,7 +11,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from support.serving import Server, children
+from support.serving import Server, descendants
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CLIENTS = 100
@@ -20,9 +20,9 @@ PEAK_RSS_LIMIT = 6 << 30  # server and workers together; generous for a tiny mod
 
 
 def peak_rss(pid: int) -> int:
-    """VmHWM (peak resident set) of ``pid`` and its children, in bytes."""
+    """VmHWM (peak resident set) of ``pid`` and the processes under it, in bytes."""
     total = 0
-    for p in [pid, *children(pid)]:
+    for p in [pid, *descendants(pid)]:
         for line in open(f"/proc/{p}/status"):
             if line.startswith("VmHWM:"):
                 total += int(line.split()[1]) * 1024

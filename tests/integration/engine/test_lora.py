@@ -19,11 +19,10 @@ import torch
 
 from support.faulty_writes import faulty_sender, shifted
 from support.lora_refs import greedy, merged, peft_model, save_adapter
-from support.paths import SUPPORT
+from support.paths import SUPPORT, rendezvous
 from tandem import LLM, LoRAError, LoRARequest, LoRASlotsFull, SamplingParams
 from tandem.exchange import WeightSender, WeightSyncError
 from tandem.exchange.transports.base import SenderHalf
-from tandem.wire.frames import free_port
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8, 41, 7, 66, 12, 90, 4]]
@@ -198,7 +197,7 @@ def test_an_adapter_push_from_a_two_rank_fsdp2_peft_trainer_lands_exactly(
     """FSDP2 shards every A and B by rows over two trainer ranks (DTensors); the engine at
     TP=2 takes each box from the rank that holds it and serves the merged model."""
     script = SUPPORT / "fsdp_peft_trainer.py"
-    port = str(free_port())
+    store = rendezvous()
     with LLM(
         llama_dir, enable_lora=True, max_loras=1, max_lora_rank=8, tensor_parallel_size=2
     ) as llm:
@@ -209,7 +208,7 @@ def test_an_adapter_push_from_a_two_rank_fsdp2_peft_trainer_lands_exactly(
                     sys.executable,
                     str(script),
                     str(r),
-                    port,
+                    store,
                     llama_dir,
                     lora["paths"]["a1"],
                     llm.exchange_address,

@@ -28,7 +28,7 @@ import torch
 import transformers
 
 from support.routers import Router, decodes
-from support.serving import ADMIN_KEY, Server, children
+from support.serving import ADMIN_KEY, Server, descendants
 from support.waits import until
 from tandem.exchange import WeightSender, WeightSyncError
 
@@ -175,7 +175,7 @@ class _Fleet:
             if not isinstance(s, Server):
                 raise RuntimeError(f"a server did not start: {s}")
         for s in self.servers:  # one engine process each: the server is the replica
-            assert children(s.pid) == [], children(s.pid)
+            assert descendants(s.pid) == [], descendants(s.pid)
         self.router = Router(*self.servers, extra=("--admin-key", ADMIN_KEY, *self.router_flags))
         _until("the router sees every replica", lambda: self.health()["status"] == "ok")
         self.sender = WeightSender(

@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from support.serving import ADMIN_KEY, Server, children, greedy, push, wait_for
+from support.serving import ADMIN_KEY, Server, greedy, push, wait_for, worker_of, workers_of
 from tandem import LLM, SamplingParams
 from tandem.exchange import WeightSender
 
@@ -102,7 +102,7 @@ def test_a_killed_replica_is_quarantined_and_healed_while_the_front_serves(llama
     server = Server(llama_dir, "--data-parallel-size", "2")
     try:
         want = greedy(server)[0]
-        workers = children(server.proc.pid)
+        workers = workers_of(server.proc.pid)
         assert len(workers) == 2
         os.kill(workers[-1], signal.SIGKILL)
 
@@ -122,7 +122,7 @@ def test_a_killed_replica_is_quarantined_and_healed_while_the_front_serves(llama
             return [s["state"] for s in server.get("/fleet_state").json()] == ["serving"] * 2
 
         assert wait_for(healed, timeout=60)  # restarted, filled from the live replica
-        assert len(children(server.proc.pid)) == 2
+        assert len(workers_of(server.proc.pid)) == 2
         assert all(greedy(server)[0] == want for _ in range(4))
         tokens = [
             server.metric("tandem_replica_generation_tokens_total", replica=str(r))
@@ -183,7 +183,7 @@ def test_requests_lost_with_a_replica_run_again_or_end_naming_it(llama_dir):
             ),
             20,
         )
-        os.kill(sorted(children(server.proc.pid))[lost], signal.SIGKILL)
+        os.kill(worker_of(server.proc.pid, lost), signal.SIGKILL)
 
         def quarantined():
             states = server.get("/fleet_state").json()

@@ -5,21 +5,19 @@ with no 5xx (none is documented while two replicas live), every answer's log-pro
 transformers on the weights its `weight_versions` names, every replica serving the pushed
 version, and each replica equal to transformers on the trainer's weights."""
 
-import json
 import os
 import signal
 import textwrap
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
 from support.kills import KILL_IN_HEAL, KILL_IN_PHASE
-from support.serving import ADMIN_KEY, Server, children, wait_for
+from support.serving import ADMIN_KEY, Server, wait_for, worker_of
 from tandem.exchange import WeightSender, WeightSyncError
 
 pytestmark = pytest.mark.timeout(300)
@@ -133,16 +131,7 @@ def _every_replica_equals(server: Server, reference: torch.nn.Module, version: i
 
 def _worker(server: Server, replica: int) -> int:
     """The pid of ``replica``'s worker (TP=1: its rank's local_rank is the replica)."""
-    for pid in children(server.proc.pid):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        for item in env:
-            if item.startswith(b"TANDEM_WORKER="):
-                if json.loads(item.split(b"=", 1)[1])["local_rank"] == replica:
-                    return pid
-    raise AssertionError(f"no worker of replica {replica} under {server.proc.pid}")
+    return worker_of(server.proc.pid, replica)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import pytest
 from starlette.requests import Request
 
 from support.paths import SRC, SUPPORT
-from support.serving import ADMIN_KEY, Server, children
+from support.serving import ADMIN_KEY, Server, descendants
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, connect
 from tandem.engine.messages import CONTROL, Hello, Start
@@ -207,7 +207,7 @@ def test_pickle_payloads_are_never_unpickled(server, tmp_path):
             r = server.client.post(path, content=payload, headers=admin)
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
     ex = server.admin("GET", "/admin/weights").json()["exchange"]
-    pids = [server.proc.pid, *children(server.proc.pid)]
+    pids = [server.proc.pid, *descendants(server.proc.pid)]
     ports = {port for _, port in listening(pids)} - {int(server.url.rsplit(":", 1)[1])}
     assert ex["port"] in ports  # worker control listeners close once every rank has connected
     for port in ports:
@@ -356,7 +356,7 @@ def test_everything_binds_loopback_by_default(server):
     assert EngineConfig.model_fields["exchange_host"].default == "127.0.0.1"
     assert EngineConfig(model="m").parallel.master_addr == "127.0.0.1"
     server.admin("GET", "/admin/weights")  # the exchange server is listening now
-    bound = listening([server.proc.pid, *children(server.proc.pid)])
+    bound = listening([server.proc.pid, *descendants(server.proc.pid)])
     assert len(bound) == 2 and all(addr == "127.0.0.1" for addr, _ in bound), bound
     addr = non_loopback_ipv4()
     if addr is None:

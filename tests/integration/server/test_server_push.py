@@ -7,7 +7,17 @@ import threading
 import httpx
 import pytest
 
-from support.serving import ADMIN_KEY, ID_PROMPTS, Server, alive, children, greedy, push, wait_for
+from support.serving import (
+    ADMIN_KEY,
+    ID_PROMPTS,
+    Server,
+    alive,
+    descendants,
+    greedy,
+    push,
+    wait_for,
+    workers_of,
+)
 from tandem import LLM, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,7 +36,7 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
     try:
         before, body = greedy(server, 8)
         assert body["weight_version"] == 0 and before != expected
-        workers = children(server.proc.pid)
+        workers = workers_of(server.proc.pid)
         assert len(workers) == 2
 
         refused = push(server, trainer_dir, "shm", key="wrong-key-wrong-key")
@@ -60,7 +70,7 @@ def test_push_into_server_then_worker_death_then_sigterm(model_factory):
     assert "tandem serve: stopped" in server.output
     assert wait_for(
         lambda: (
-            not children(server.proc.pid)
+            not descendants(server.proc.pid)
             and not any(os.path.exists(f"/proc/{w}") and alive(w) for w in workers)
         ),
         timeout=10,
@@ -74,7 +84,7 @@ def test_sigterm_cancels_in_flight_requests_with_a_clear_status(model_factory, t
         "shutdown_timeout_s = 1.0\n[engine]\nkv_cache_memory = 16777216\n"
     )
     server = Server("", config=str(config))
-    workers = children(server.proc.pid)
+    workers = workers_of(server.proc.pid)
     results = {}
 
     def stream():

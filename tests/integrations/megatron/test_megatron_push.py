@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from support.paths import SUPPORT
+from support.paths import SUPPORT, rendezvous
 from tandem import LLM, SamplingParams
 from tandem.exchange.layout import LayoutMismatch
-from tandem.wire import free_port
 
 pytest.importorskip("megatron.core")
 pytestmark = pytest.mark.timeout(300)
@@ -24,10 +23,10 @@ SCRIPT = SUPPORT / "megatron_trainer.py"
 
 
 def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Path) -> dict:
-    world, port = tp * pp, str(free_port())
+    world = tp * pp
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     args = [
-        port,
+        rendezvous(),
         str(tp),
         str(pp),
         model_dir,

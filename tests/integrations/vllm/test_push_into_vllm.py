@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from support.faulty_writes import faulty_sender, shifted  # noqa: E402
-from support.paths import REPO, SUPPORT  # noqa: E402
+from support.paths import REPO, SUPPORT, rendezvous  # noqa: E402
 from support.vllm_models import (  # noqa: E402
     MODEL,
     SHAPE,
@@ -40,7 +40,6 @@ from tandem.exchange import WeightSender, WeightSyncError  # noqa: E402
 from tandem.exchange.transports.base import SenderHalf  # noqa: E402
 from tandem.integrations.vllm import WORKER_EXTENSION, vllm_target  # noqa: E402
 from tandem.integrations.vllm.receiver import VllmReceiver  # noqa: E402
-from tandem.wire.frames import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -147,7 +146,7 @@ def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
     llm, model_dir, _ = engine
     target = vllm_target(llm)
     version = target.weight_version + 5
-    args = [str(free_port()), model_dir, target.exchange_address, str(version), "shm", "staged"]
+    args = [rendezvous(), model_dir, target.exchange_address, str(version), "shm", "staged"]
     run_trainer_ranks(sys.executable, "fsdp_trainer.py", lambda r: [str(r), *args])
     assert target.weight_version == version
     # the FSDP2 trainer pushed the model directory's own weights
@@ -189,7 +188,7 @@ def test_a_megatron_trainer_from_tandems_venv_pushes_into_vllm(engine, tmp_path)
     out = tmp_path / "megatron.json"
     prompt = [5, 9, 33, 2, 17, 100, 3, 8]
     args = [
-        str(free_port()),
+        rendezvous(),
         "2",
         "1",
         model_dir,

@@ -1,0 +1,84 @@
+"""Workers forked from a template (`tandem.engine.launcher`): each runs with its request's
+environment, reports its exit (code or signal) to the host, and a template is shared only by
+workers of one interpreter set-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandem.config import EngineConfig
+from tandem.engine.launcher import start_worker
+from tandem.engine.worker import ENV, WorkerArgs
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork templates are Linux-only")
+
+
+def _env(tmp_path: Path, port: int, extra_path: str | None = None) -> dict[str, str]:
+    """A rank-0 worker of a TP=2 engine whose peer never comes: it connects to ``port``,
+    then waits in the rendezvous until it is killed."""
+    config = EngineConfig(model="m", tensor_parallel_size=2, worker_start_timeout_s=120)
+    args = WorkerArgs(
+        rank=0,
+        local_rank=5,
+        local_world_size=6,
+        config=config.model_dump(),
+        rendezvous=f"file://{tmp_path}/store",
+        control_host="127.0.0.1",
+        control_port=port,
+        token="t" * 32,
+        model_modules=[],
+    )
+    path = [extra_path] if extra_path else []
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([*path, *sys.path]), ENV: args.to_env()}
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_forked_worker_runs_its_request_and_reports_the_signal_that_killed_it(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(60)
+        worker = start_worker(_env(tmp_path, listener.getsockname()[1]), (ENV,), 60)
+        conn, _ = listener.accept()  # it read host, port and token from its request's env
+        conn.close()
+    try:
+        assert Path(f"/proc/{worker.pid}/comm").read_text().strip() == "tandem-w5"
+        template = _parent(worker.pid)
+        assert Path(f"/proc/{template}/comm").read_text().strip() == "tandem-template"
+        assert _parent(template) == os.getpid()
+        assert worker.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):
+            worker.wait(timeout=0.2)
+    finally:
+        worker.kill()
+    assert worker.wait(timeout=30) == -signal.SIGKILL == worker.returncode
+
+
+def test_a_worker_that_fails_reports_its_exit_code(tmp_path):
+    env = {**_env(tmp_path, 1), ENV: "not json"}
+    worker = start_worker(env, (ENV,), 60)
+    assert worker.wait(timeout=60) == 1
+
+
+def test_one_template_per_interpreter_setup(tmp_path):
+    """Workers of one set-up share a template; a different PYTHONPATH (a sitecustomize a
+    fault test plants, say) gets a template of its own, started with it."""
+    (tmp_path / "site").mkdir()
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        same = [start_worker(_env(tmp_path / f"s{i}", port), (ENV,), 60) for i in range(2)]
+        other = start_worker(_env(tmp_path / "s2", port, str(tmp_path / "site")), (ENV,), 60)
+        try:
+            assert _parent(same[0].pid) == _parent(same[1].pid) != _parent(other.pid)
+        finally:
+            for worker in (*same, other):
+                worker.kill()
+    assert [w.wait(timeout=30) for w in (*same, other)] == [-signal.SIGKILL] * 3
