@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
+from tandem.engine.launcher import start_process
 from tandem.server.process import ServerProcess
 
 ADMIN_KEY = "test-admin-key-0123456789"
@@ -115,6 +116,7 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
 
 
 TRAINER = str(Path(__file__).with_name("http_trainer.py"))
+HTTP_TRAINER = ("transformers", "transformers.models.llama.modeling_llama", "tandem.exchange")
 # Token-id prompts: tiny models made with different seeds have different tokenizers.
 ID_PROMPTS = [[5, 17, 99, 3], [40, 41, 42]]
 
@@ -144,13 +146,21 @@ def push(
     key=ADMIN_KEY,
     url: str | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run tests/support/http_trainer.py: a separate trainer process pushing into ``server``."""
-    return subprocess.run(
-        [sys.executable, TRAINER, model_dir, url or server.url, transport, key, *extra],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    """Run tests/support/http_trainer.py: a separate trainer process pushing into ``server``
+    (forked from a template that imported its modules once), its output captured."""
+    argv = [str(TRAINER), model_dir, url or server.url, transport, key, *extra]
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = start_process(
+            argv, dict(os.environ), preload=HTTP_TRAINER, stdout=str(out), stderr=str(err)
+        )
+        try:
+            code = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
 def alive(pid: int) -> bool:

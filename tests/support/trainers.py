@@ -1,5 +1,6 @@
 """Trainers for the push tests: the reference model in transformers, and the 2-rank FSDP2
-trainer (`fsdp_trainer.py`) or rolling trainer (`rolling_trainer.py`) started as processes."""
+trainer (`fsdp_trainer.py`) or rolling trainer (`rolling_trainer.py`) started as processes
+(trainer ranks forked from a template that imported their modules once: `start_rank`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,21 @@ import torch
 import transformers
 
 from support.paths import SUPPORT, rendezvous
+from tandem.engine.launcher import ForkedProcess, start_process
+
+# what an FSDP2 trainer rank imports before it does anything (seconds of CPU per process)
+FSDP_TRAINER = (
+    "torch.distributed.fsdp",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "tandem.exchange",
+)
+
+
+def start_rank(script, args: list[str], env: dict, preload: tuple[str, ...]) -> ForkedProcess:
+    """``python script *args`` as its own process, forked from a template that imported
+    ``preload`` once (tandem's launcher, as engine workers start)."""
+    return start_process([str(script), *args], env, preload=preload, timeout=120)
 
 
 def hf_model(path: str) -> torch.nn.Module:
@@ -40,9 +56,7 @@ def run_trainer(
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo"}
     extra = ["die"] if die else []
     argv = [rendezvous(), model_dir, address, str(version), transport, mode, *extra]
-    procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), *argv], env=env) for r in range(2)
-    ]
+    procs = [start_rank(script, [str(r), *argv], env, FSDP_TRAINER) for r in range(2)]
     try:
         return [p.wait(timeout=120) for p in procs]
     finally:

@@ -1,35 +1,41 @@
-"""Worker processes forked from a template that imported torch and tandem once.
+"""Processes forked from a template that imported their modules once.
 
 A worker must import torch and tandem before it does anything: about 2 s of CPU per process,
 most of an engine's start on a small model and all of it again for every replica a fleet
 adds or heals. With ``worker_start="fork"`` (Linux) the engine's host keeps one *template*
-process per interpreter set-up (the executable and the variables that shape an
-interpreter's start: ``PYTHON*``, ``TANDEM_*``, the loader's, the thread libraries'); the
-template imports the worker's modules once and forks a worker per request. A forked worker
-takes the rest of its request's environment before it runs, then is the same worker
-``python -m tandem.engine.worker`` would be.
+process per interpreter set-up (the executable, the variables that shape an interpreter's
+start: ``PYTHON*``, ``TANDEM_*``, the loader's, the thread libraries', and the modules to
+preload); the template imports those modules once and forks a process per request. A forked
+process takes the rest of its request's environment and working directory, then runs its
+module or script as ``__main__``: the same process ``python -m tandem.engine.worker`` (or
+``python script.py ...``) would be, started in a fraction of the time. `start_process` does
+this for any Python entry point (a trainer's ranks, say), `start_worker` for engine workers.
 
 The template runs nothing but imports (no torch op, no thread pool started, no device
 touched), so forking it is safe. Requests and answers are JSON lines over pipes, never
-pickle: ``{"id", "env"}`` in; ``{"id", "pid"}``, ``{"id", "error"}`` and
-``{"pid", "exit"}`` (a worker's exit status, reaped by the template, its parent) out. A
+pickle: ``{"id", "argv", "env", "cwd"}`` in; ``{"id", "pid"}``, ``{"id", "error"}`` and
+``{"pid", "exit"}`` (a process's exit status, reaped by the template, its parent) out. A
 template lives until its host process closes it or exits; then it ends once its last
-worker has.
+process has.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import random
+import runpy
 import select
 import signal
 import subprocess
 import sys
 import threading
 import time
+import warnings
 
 TEMPLATE_MODULE = "tandem.engine.launcher"
-MAX_TEMPLATES = 2  # set-ups kept warm per process; an older one is closed (its workers live)
+MAX_TEMPLATES = 3  # set-ups kept warm per process; an older one is closed (its workers live)
 # variables read as an interpreter starts or loads its libraries: a template is per set-up
 STARTUP_PREFIXES = (
     "PYTHON",
@@ -48,23 +54,25 @@ STARTUP_PREFIXES = (
 
 
 class WorkerStartError(RuntimeError):
-    """A worker could not be started from its template (the template died or did not answer)."""
+    """A process could not be started from its template (the template died or did not
+    answer)."""
 
 
-def startup_key(env: dict[str, str], exclude: tuple[str, ...] = ()) -> tuple:
-    """What a template shares with every worker it forks: the interpreter and the startup
-    variables of ``env`` (``exclude``: per-worker variables, set at fork)."""
+def startup_key(env: dict[str, str], exclude: tuple[str, ...], preload: tuple[str, ...]) -> tuple:
+    """What a template shares with every process it forks: the interpreter, the startup
+    variables of ``env`` (``exclude``: per-process variables, set at fork) and the modules
+    it imported."""
     startup = sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES))
-    return (sys.executable, tuple((k, v) for k, v in startup if k not in exclude))
+    return (sys.executable, tuple((k, v) for k, v in startup if k not in exclude), preload)
 
 
-class ForkedWorker:
-    """A worker forked by a `Template`: the part of `subprocess.Popen` an executor uses
+class ForkedProcess:
+    """A process forked by a `Template`: the part of `subprocess.Popen` an executor uses
     (``pid``, ``returncode``, ``poll``, ``wait``, ``terminate``, ``kill``)."""
 
     def __init__(self, template: Template, pid: int):
         self._template, self.pid = template, pid
-        self.args = f"worker pid {pid} forked by template pid {template.pid}"
+        self.args = f"pid {pid} forked by template pid {template.pid}"
 
     @property
     def returncode(self) -> int | None:
@@ -100,13 +108,12 @@ class Template:
     a deadline. When the template is gone, a worker whose exit it did not report is looked
     up by pid (it was re-parented; its exit code is then unknown: 255)."""
 
-    def __init__(self, env: dict[str, str], exclude: tuple[str, ...]):
-        self.key = startup_key(env, exclude)
+    def __init__(self, env: dict[str, str], exclude: tuple[str, ...], preload: tuple[str, ...]):
         base = {k: v for k, v in env.items() if k not in exclude}
         reply_r, reply_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", TEMPLATE_MODULE, str(reply_w)],
+                [sys.executable, "-m", TEMPLATE_MODULE, str(reply_w), ",".join(preload)],
                 stdin=subprocess.PIPE,
                 env=base,
                 pass_fds=(reply_w,),
@@ -141,13 +148,16 @@ class Template:
     def usable(self) -> bool:
         return not (self._gone or self._closed)
 
-    def start(self, env: dict[str, str], timeout: float) -> ForkedWorker:
-        """Fork a worker that runs with ``env``; raise `WorkerStartError` if the template
-        has not forked it within ``timeout`` seconds (its first start imports torch)."""
+    def start(
+        self, argv: list[str], env: dict[str, str], timeout: float, output: dict[str, tuple]
+    ) -> ForkedProcess:
+        """Fork a process that runs ``argv`` with ``env`` (``output``: the files its stdout
+        and stderr go to, each ``(path, append)``); raise `WorkerStartError` if the template
+        has not forked it within ``timeout`` seconds (its first start imports)."""
         with self._cond:
             request, self._next_id = self._next_id, self._next_id + 1
             try:
-                line = {"id": request, "env": env, "cwd": os.getcwd()}
+                line = {"id": request, "argv": argv, "env": env, "cwd": os.getcwd(), **output}
                 self._proc.stdin.write(json.dumps(line).encode() + b"\n")
                 self._proc.stdin.flush()
             except (BrokenPipeError, ValueError) as exc:
@@ -159,16 +169,16 @@ class Template:
                     self.close()
                     self._proc.kill()  # hung: no later request may wait on it
                     raise WorkerStartError(
-                        f"template pid {self.pid} forked no worker within {timeout:g} s"
+                        f"template pid {self.pid} forked no process within {timeout:g} s"
                     )
                 self._cond.wait(left)
             answer = self._started.pop(request, None)
             if not isinstance(answer, int):
                 raise WorkerStartError(
-                    f"template pid {self.pid} could not fork a worker: "
+                    f"template pid {self.pid} could not fork a process: "
                     f"{answer or f'it exited with code {self._proc.returncode}'}"
                 )
-            return ForkedWorker(self, answer)
+            return ForkedProcess(self, answer)
 
     def exit_code(self, pid: int) -> int | None:
         with self._cond:
@@ -209,28 +219,62 @@ _lock = threading.Lock()
 os.register_at_fork(after_in_child=_templates.clear)
 
 
-def start_worker(env: dict[str, str], exclude: tuple[str, ...], timeout: float) -> ForkedWorker:
-    """A worker forked, with ``env``, from this process's template for ``env``'s set-up
-    (started on first use; ``exclude``: the per-worker variables, left out of the set-up)."""
-    key = startup_key(env, exclude)
+def start_process(
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    preload: tuple[str, ...],
+    exclude: tuple[str, ...] = (),
+    timeout: float = 300.0,
+    stdout: str | None = None,
+    stderr: str | None = None,
+) -> ForkedProcess | subprocess.Popen:
+    """``python *argv`` (``["-m", module, ...]`` or ``[script, ...]``) with ``env``, forked
+    from this process's template for ``env``'s set-up and ``preload`` (the modules it imports
+    first; started on first use). ``exclude``: per-process variables, left out of the set-up.
+    ``stdout``, ``stderr``: files (paths) to write them to, else where this process's go now
+    (appended to; the template's own, fixed when it started, where that cannot be opened).
+    Raises `WorkerStartError` past ``timeout`` seconds. Elsewhere than Linux: a fresh
+    interpreter (`subprocess.Popen`)."""
+    files = (("stdout", stdout), ("stderr", stderr))
+    if sys.platform != "linux":
+        files = {k: open(v, "wb") for k, v in files if v}  # noqa: SIM115 (the child's)
+        try:
+            return subprocess.Popen([sys.executable, *argv], env=env, **files)
+        finally:
+            for f in files.values():
+                f.close()
+    key = startup_key(env, exclude, preload)
     with _lock:
         template = _templates.get(key)
         if template is None or not template.usable:
-            template = _templates[key] = Template(env, exclude)
+            template = _templates[key] = Template(env, exclude, preload)
             while len(_templates) > MAX_TEMPLATES:  # the oldest set-up first
                 _templates.pop(next(iter(_templates))).close()
         else:  # most recently used last
             _templates[key] = _templates.pop(key)
-    return template.start(env, timeout)
+    here = {"stdout": f"/proc/{os.getpid()}/fd/1", "stderr": f"/proc/{os.getpid()}/fd/2"}
+    output = {k: (os.path.abspath(v), False) if v else (here[k], True) for k, v in files}
+    return template.start(argv, env, timeout, output)
+
+
+def start_worker(
+    env: dict[str, str], exclude: tuple[str, ...], timeout: float
+) -> ForkedProcess | subprocess.Popen:
+    """An engine worker (``python -m tandem.engine.worker``) forked with ``env``."""
+    module = "tandem.engine.worker"
+    return start_process(["-m", module], env, preload=(module,), exclude=exclude, timeout=timeout)
 
 
 # ---- the template process ------------------------------------------------------------------
 
 
-def _serve(reply_fd: int) -> dict[str, str] | None:
-    """Fork a worker per request until stdin closes and every worker has exited. Returns
-    ``None`` in the template; in a forked worker, the environment it must run with."""
-    from tandem.engine.worker import name_process  # the point: imported once, before any fork
+def _serve(reply_fd: int, preload: list[str]) -> dict | None:
+    """Fork a process per request until stdin closes and every process has exited. Returns
+    ``None`` in the template; in a forked process, its request."""
+    for module in preload:  # the point: imported once, before any fork
+        importlib.import_module(module)
+    from tandem.engine.worker import name_process
 
     name_process("tandem-template")
 
@@ -276,7 +320,7 @@ def _serve(reply_fd: int) -> dict[str, str] | None:
         except OSError as exc:
             reply({"id": request["id"], "error": f"fork: {exc}"})
             continue
-        if pid == 0:  # the worker: drop the template's plumbing, take the request's env
+        if pid == 0:  # the new process: drop the template's plumbing
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             os.close(wake_r)
@@ -285,30 +329,45 @@ def _serve(reply_fd: int) -> dict[str, str] | None:
             null = os.open(os.devnull, os.O_RDONLY)
             os.dup2(null, 0)
             os.close(null)
-            try:
-                os.chdir(request["cwd"])  # the host's, now (a template keeps its first)
-            except OSError:
-                pass  # gone: the worker starts where its template did
-            return request["env"]
+            for fd, name in ((1, "stdout"), (2, "stderr")):
+                path, append = request[name]
+                mode = os.O_WRONLY | (os.O_APPEND if append else os.O_CREAT | os.O_TRUNC)
+                try:
+                    out = os.open(path, mode, 0o600)
+                except OSError:
+                    continue  # the host's is a socket, say: the template's then
+                os.dup2(out, fd)
+                os.close(out)
+            return request
         live.add(pid)
         reply({"id": request["id"], "pid": pid})
     return None
 
 
-def main() -> int:
-    env = _serve(int(sys.argv[1]))
-    if env is None:
-        return 0
-    import random
-
-    from tandem.engine import worker
-
+def main() -> None:
+    preload = [m for m in sys.argv[2].split(",") if m]
+    request = _serve(int(sys.argv[1]), preload)
+    if request is None:
+        return
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(request["env"])
+    try:
+        os.chdir(request["cwd"])  # the host's now (a template keeps the one it started in)
+    except OSError:
+        pass  # gone: it starts where its template did
     random.seed()  # not the template's state, shared by every fork
-    sys.argv = [worker.__file__]
-    return worker.main()
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        sys.path[0] = os.getcwd()  # as ``python -m``
+        # preloaded, so runpy finds it imported already; it runs anew as __main__ all the same
+        warnings.filterwarnings("ignore", ".*found in sys.modules", RuntimeWarning)
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as ``python script.py``
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+from tandem.engine.launcher import start_process
 from tandem.rl.messages import (
     TRAINERS,
     Sample,
@@ -26,6 +27,8 @@ from tandem.rl.messages import (
 )
 from tandem.rl.trainer import ENV, TrainerArgs
 from tandem.wire import PeerGone, free_port, gather_hellos, recv_frame, send_frame
+
+TRAINER_MODULE = "tandem.rl.trainer"
 
 HELLO_TIMEOUT_S = 30.0  # a trainer that has not proved the token by then is dropped
 
@@ -64,9 +67,13 @@ class TrainerGroup:
                 transport,
                 seed,
             )
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "tandem.rl.trainer"], env={**env, ENV: args.to_env()}
+            self.procs.append(  # forked from a template that imported the trainer once
+                start_process(
+                    ["-m", TRAINER_MODULE],
+                    {**env, ENV: args.to_env()},
+                    preload=(TRAINER_MODULE,),
+                    exclude=(ENV,),
+                    timeout=start_timeout_s,
                 )
             )
         self.socks: dict[int, socket.socket] = {}

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from support.paths import SUPPORT, rendezvous
+from support.trainers import start_rank
 from tandem import LLM, SamplingParams
 from tandem.exchange.layout import LayoutMismatch
 
@@ -20,6 +19,7 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPT = [5, 9, 33, 2, 17, 100, 3, 8]
 SCRIPT = SUPPORT / "megatron_trainer.py"
+MEGATRON = ("megatron.core.models.gpt", "megatron.core.parallel_state", "tandem.exchange")
 
 
 def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Path) -> dict:
@@ -35,10 +35,7 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
         str(out),
         ",".join(map(str, PROMPT)),
     ]
-    procs = [
-        subprocess.Popen([sys.executable, str(SCRIPT), str(r), str(world), *args], env=env)
-        for r in range(world)
-    ]
+    procs = [start_rank(SCRIPT, [str(r), str(world), *args], env, MEGATRON) for r in range(world)]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:

@@ -4,6 +4,7 @@ workers of one interpreter set-up."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine.launcher import start_worker
+from tandem.engine.launcher import start_process, start_worker
 from tandem.engine.worker import ENV, WorkerArgs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork templates are Linux-only")
@@ -82,3 +83,35 @@ def test_one_template_per_interpreter_setup(tmp_path):
             for worker in (*same, other):
                 worker.kill()
     assert [w.wait(timeout=30) for w in (*same, other)] == [-signal.SIGKILL] * 3
+
+
+def test_a_script_runs_forked_as_python_would_run_it(tmp_path, capfd):
+    """Any entry point (a trainer's ranks, say): its argv, its env, the host's working
+    directory, its own folder first on sys.path, its exit code; its stdout to the file it is
+    given, its stderr where this process's goes now (here: pytest's capture of this test)."""
+    (tmp_path / "neighbour.py").write_text("NAME = 'neighbour'\n")
+    script = tmp_path / "entry.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "import neighbour\n"
+        "if __name__ == '__main__':\n"
+        "    print(json.dumps({'argv': sys.argv, 'env': os.environ['LAUNCH_TEST'],\n"
+        "                      'cwd': os.getcwd(), 'neighbour': neighbour.NAME}))\n"
+        "    if sys.argv[1] != 'warm':\n"
+        "        print('to stderr', file=sys.stderr)\n"
+        "    sys.exit(7)\n"
+    )
+    out = tmp_path / "out.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "LAUNCH_TEST": "yes"}
+    with capfd.disabled():  # its template starts while this process's stderr is elsewhere
+        warm = start_process([str(script), "warm"], env, preload=("json",), stdout=str(out))
+        assert warm.wait(timeout=60) == 7
+    proc = start_process([str(script), "x"], env, preload=("json",), stdout=str(out))
+    assert proc.wait(timeout=60) == 7
+    assert json.loads(out.read_text()) == {
+        "argv": [str(script), "x"],
+        "env": "yes",
+        "cwd": os.getcwd(),
+        "neighbour": "neighbour",
+    }
+    assert capfd.readouterr().err == "to stderr\n"
