@@ -238,11 +238,11 @@ def start_process(
     interpreter (`subprocess.Popen`)."""
     files = (("stdout", stdout), ("stderr", stderr))
     if sys.platform != "linux":
-        files = {k: open(v, "wb") for k, v in files if v}  # noqa: SIM115 (the child's)
+        opened = {k: open(v, "wb") for k, v in files if v}  # noqa: SIM115 (the child's)
         try:
-            return subprocess.Popen([sys.executable, *argv], env=env, **files)
+            return subprocess.Popen([sys.executable, *argv], env=env, **opened)
         finally:
-            for f in files.values():
+            for f in opened.values():
                 f.close()
     key = startup_key(env, exclude, preload)
     with _lock:
