@@ -95,11 +95,12 @@ class ParallelConfig(_Group):
     master_port: int | None = Field(
         None, ge=1, le=65535, description="c10d rendezvous port (multi-node); default: any free"
     )
-    worker_start: Literal["fork", "exec"] = Field(
-        "fork",
+    worker_start: Literal["auto", "fork", "exec"] = Field(
+        "auto",
         description="fork: each worker forked from a template process that imported torch "
         "and tandem once (Linux; about 2 s of CPU less per worker); exec: each worker a "
-        "fresh interpreter",
+        "fresh interpreter; auto: fork on CPU, exec on an accelerator (no CUDA state is "
+        "ever inherited through a fork)",
     )
     worker_start_timeout_s: float = Field(300.0, gt=0)
     collective_timeout_s: float = Field(

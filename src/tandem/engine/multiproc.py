@@ -287,7 +287,10 @@ def spawn_workers(
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     if config.parallel.nnodes == 1 and sys.platform == "linux":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    fork = config.parallel.worker_start == "fork" and sys.platform == "linux"
+    start = config.parallel.worker_start
+    if start == "auto":
+        start = "fork" if config.torch_device.type == "cpu" else "exec"
+    fork = start == "fork" and sys.platform == "linux"
     procs = []
     ranks = list(ranks)
     replicas, replica = slot.size, slot.index
