@@ -9,7 +9,7 @@ preload); the template imports those modules once and forks a process per reques
 process takes the rest of its request's environment and working directory, then runs its
 module or script as ``__main__``: the same process ``python -m tandem.engine.worker`` (or
 ``python script.py ...``) would be, started in a fraction of the time. `start_process` does
-this for any Python entry point (a trainer's ranks, say), `start_worker` for engine workers.
+this for any Python entry point: engine workers, a trainer's ranks.
 
 The template runs nothing but imports (no torch op, no thread pool started, no device
 touched), so forking it is safe. Requests and answers are JSON lines over pipes, never
@@ -21,6 +21,7 @@ process has.
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import json
 import os
@@ -35,6 +36,7 @@ import time
 import warnings
 
 TEMPLATE_MODULE = "tandem.engine.launcher"
+PR_SET_NAME = 15  # prctl option, <linux/prctl.h>
 MAX_TEMPLATES = 3  # set-ups kept warm per process; an older one is closed (its workers live)
 # variables read as an interpreter starts or loads its libraries: a template is per set-up
 STARTUP_PREFIXES = (
@@ -258,12 +260,15 @@ def start_process(
     return template.start(argv, env, timeout, output)
 
 
-def start_worker(
-    env: dict[str, str], exclude: tuple[str, ...], timeout: float
-) -> ForkedProcess | subprocess.Popen:
-    """An engine worker (``python -m tandem.engine.worker``) forked with ``env``."""
-    module = "tandem.engine.worker"
-    return start_process(["-m", module], env, preload=(module,), exclude=exclude, timeout=timeout)
+def name_process(name: str) -> None:
+    """Show ``name`` (at most 15 bytes) for this process in ps, top and /proc/PID/comm
+    (Linux; elsewhere nothing)."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- the template process ------------------------------------------------------------------
@@ -274,8 +279,6 @@ def _serve(reply_fd: int, preload: list[str]) -> dict | None:
     ``None`` in the template; in a forked process, its request."""
     for module in preload:  # the point: imported once, before any fork
         importlib.import_module(module)
-    from tandem.engine.worker import name_process
-
     name_process("tandem-template")
 
     wake_r, wake_w = os.pipe()

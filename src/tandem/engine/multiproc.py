@@ -26,7 +26,7 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.engine.control import ControlServer, PeerGone
 from tandem.engine.executor import EngineDeadError, ReplicaSlot, kv_blocks
-from tandem.engine.launcher import start_worker
+from tandem.engine.launcher import start_process
 from tandem.engine.messages import (
     CONTROL,
     ApplyResult,
@@ -308,7 +308,15 @@ def spawn_workers(
         )
         worker_env = {**env, ENV: args.to_env()}
         if fork:
-            procs.append(start_worker(worker_env, (ENV,), config.parallel.worker_start_timeout_s))
+            procs.append(
+                start_process(
+                    ["-m", WORKER_MODULE],
+                    worker_env,
+                    preload=(WORKER_MODULE,),
+                    exclude=(ENV,),
+                    timeout=config.parallel.worker_start_timeout_s,
+                )
+            )
         else:
             procs.append(subprocess.Popen([sys.executable, "-m", WORKER_MODULE], env=worker_env))
     return procs

@@ -9,7 +9,6 @@ until told to stop. When the engine's connection closes, the worker exits.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.engine import control
+from tandem.engine.launcher import name_process
 from tandem.engine.messages import (
     ApplyResult,
     ApplyWeights,
@@ -48,7 +48,6 @@ from tandem.parallel import TPGroup
 
 ENV = "TANDEM_WORKER"
 WORKER_MODULE = "tandem.engine.worker"
-PR_SET_NAME = 15  # prctl option, <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -93,17 +92,6 @@ class PipeChannel:
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
-
-
-def name_process(name: str) -> None:
-    """Show ``name`` (at most 15 bytes) for this process in ps, top and /proc/PID/comm
-    (Linux; elsewhere nothing)."""
-    if sys.platform != "linux":
-        return
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def main() -> int:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.engine.launcher import start_process, start_worker
-from tandem.engine.worker import ENV, WorkerArgs
+from tandem.engine.launcher import start_process
+from tandem.engine.worker import ENV, WORKER_MODULE, WorkerArgs
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="fork templates are Linux-only")
 
@@ -40,6 +40,13 @@ def _env(tmp_path: Path, port: int, extra_path: str | None = None) -> dict[str, 
     return {**os.environ, "PYTHONPATH": os.pathsep.join([*path, *sys.path]), ENV: args.to_env()}
 
 
+def _worker(env: dict[str, str]):
+    """An engine worker forked with ``env``, as the engine starts its workers."""
+    return start_process(
+        ["-m", WORKER_MODULE], env, preload=(WORKER_MODULE,), exclude=(ENV,), timeout=60
+    )
+
+
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -47,7 +54,7 @@ def _parent(pid: int) -> int:
 def test_a_forked_worker_runs_its_request_and_reports_the_signal_that_killed_it(tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as listener:
         listener.settimeout(60)
-        worker = start_worker(_env(tmp_path, listener.getsockname()[1]), (ENV,), 60)
+        worker = _worker(_env(tmp_path, listener.getsockname()[1]))
         conn, _ = listener.accept()  # it read host, port and token from its request's env
         conn.close()
     try:
@@ -65,7 +72,7 @@ def test_a_forked_worker_runs_its_request_and_reports_the_signal_that_killed_it(
 
 def test_a_worker_that_fails_reports_its_exit_code(tmp_path):
     env = {**_env(tmp_path, 1), ENV: "not json"}
-    worker = start_worker(env, (ENV,), 60)
+    worker = _worker(env)
     assert worker.wait(timeout=60) == 1
 
 
@@ -75,8 +82,8 @@ def test_one_template_per_interpreter_setup(tmp_path):
     (tmp_path / "site").mkdir()
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        same = [start_worker(_env(tmp_path / f"s{i}", port), (ENV,), 60) for i in range(2)]
-        other = start_worker(_env(tmp_path / "s2", port, str(tmp_path / "site")), (ENV,), 60)
+        same = [_worker(_env(tmp_path / f"s{i}", port)) for i in range(2)]
+        other = _worker(_env(tmp_path / "s2", port, str(tmp_path / "site")))
         try:
             assert _parent(same[0].pid) == _parent(same[1].pid) != _parent(other.pid)
         finally:
