@@ -23,10 +23,20 @@ FSDP_TRAINER = (
 )
 
 
-def start_rank(script, args: list[str], env: dict, preload: tuple[str, ...]) -> ForkedProcess:
+def start_rank(
+    script,
+    args: list[str],
+    env: dict,
+    preload: tuple[str, ...],
+    stdout: str | None = None,
+    stderr: str | None = None,
+) -> ForkedProcess:
     """``python script *args`` as its own process, forked from a template that imported
-    ``preload`` once (tandem's launcher, as engine workers start)."""
-    return start_process([str(script), *args], env, preload=preload, timeout=120)
+    ``preload`` once (tandem's launcher, as engine workers start); its output to the files
+    given, else where this process's goes."""
+    return start_process(
+        [str(script), *args], env, preload=preload, timeout=120, stdout=stdout, stderr=stderr
+    )
 
 
 def hf_model(path: str) -> torch.nn.Module:

@@ -40,13 +40,13 @@ class DiesAfterFirstUpdate(HTTPVLLMWeightSyncClient):
 
 
 def main() -> int:
-    rank, port, model_dir, url, version, seed = sys.argv[1:7]
+    rank, rendezvous, model_dir, url, version, seed = sys.argv[1:7]
     fault = sys.argv[7] if len(sys.argv) > 7 else None
     die = fault == "die"
     rank = int(rank)
     if fault == "corrupt" and rank == 1:
         SenderHalf.write_box = faulty_sender(shifted)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     model = moved(model_dir, int(seed))
     for layer in model.model.layers:

@@ -13,22 +13,28 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from support.paths import SUPPORT  # noqa: E402
+from support.paths import SUPPORT, rendezvous  # noqa: E402
+from support.trainers import start_rank  # noqa: E402
 from support.vllm_models import MODEL, PROMPTS, moved  # noqa: E402
 from support.vllm_serving import assert_serves, complete, vllm_serve  # noqa: E402
-from tandem.wire.frames import free_port  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 TRAINER = SUPPORT / "vllm_backend_trainer.py"
+# what a trainer rank imports before it does anything (about 6 s of CPU per process)
+VLLM_TRAINER = (
+    "torch.distributed.fsdp",
+    "vllm.distributed.weight_transfer",
+    "tandem.integrations.vllm",
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,37 +52,24 @@ def _get(url: str) -> dict:
 
 
 def run_trainer(url: str, model_dir: str, version: int, seed: int, fault: str | None = None):
-    """vllm_backend_trainer.py as 2 ranks over gloo on loopback: their exit codes and output."""
+    """vllm_backend_trainer.py as 2 ranks over gloo on loopback (forked from a template that
+    imported vLLM's trainer API once): their exit codes and output."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(TRAINER),
-                str(rank),
-                port,
-                model_dir,
-                url,
-                str(version),
-                str(seed),
-                *([fault] if fault else []),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [p.returncode for p in procs], "\n".join(outs)
+    args = [rendezvous(), model_dir, url, str(version), str(seed), *([fault] if fault else [])]
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(2)]
+        procs = [
+            start_rank(TRAINER, [str(rank), *args], env, VLLM_TRAINER, *map(str, outs[rank]))
+            for rank in range(2)
+        ]
+        try:
+            codes = [p.wait(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(timeout=30)
+        return codes, "\n".join(out.read_text() + err.read_text() for out, err in outs)
 
 
 def test_an_fsdp2_trainer_pushes_through_vllms_api_and_completions_follow(server):
