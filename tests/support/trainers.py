@@ -67,12 +67,19 @@ def run_trainer(
     extra = ["die"] if die else []
     argv = [rendezvous(), model_dir, address, str(version), transport, mode, *extra]
     procs = [start_rank(script, [str(r), *argv], env, FSDP_TRAINER) for r in range(2)]
+    return wait_ranks(procs, 120)
+
+
+def wait_ranks(procs: list[ForkedProcess], timeout: float) -> list[int]:
+    """The ranks' exit codes, each waited on for up to ``timeout`` seconds; any still running
+    then (the wait failed) is killed and reaped."""
     try:
-        return [p.wait(timeout=120) for p in procs]
+        return [p.wait(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait(timeout=30)
 
 
 def rolling_trainer(

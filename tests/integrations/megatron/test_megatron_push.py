@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from support.paths import SUPPORT, rendezvous
-from support.trainers import start_rank
+from support.trainers import start_rank, wait_ranks
 from tandem import LLM, SamplingParams
 from tandem.exchange.layout import LayoutMismatch
 
@@ -36,14 +36,7 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
         ",".join(map(str, PROMPT)),
     ]
     procs = [start_rank(SCRIPT, [str(r), str(world), *args], env, MEGATRON) for r in range(world)]
-    try:
-        codes = [p.wait(timeout=240) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert codes == [0] * world
+    assert wait_ranks(procs, 240) == [0] * world
     return json.loads(out.read_text())
 
 

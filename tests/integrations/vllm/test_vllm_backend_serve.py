@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from support.paths import SUPPORT, rendezvous  # noqa: E402
-from support.trainers import start_rank  # noqa: E402
+from support.trainers import start_rank, wait_ranks  # noqa: E402
 from support.vllm_models import MODEL, PROMPTS, moved  # noqa: E402
 from support.vllm_serving import assert_serves, complete, vllm_serve  # noqa: E402
 
@@ -62,13 +62,7 @@ def run_trainer(url: str, model_dir: str, version: int, seed: int, fault: str | 
             start_rank(TRAINER, [str(rank), *args], env, VLLM_TRAINER, *map(str, outs[rank]))
             for rank in range(2)
         ]
-        try:
-            codes = [p.wait(timeout=240) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait(timeout=30)
+        codes = wait_ranks(procs, 240)
         return codes, "\n".join(out.read_text() + err.read_text() for out, err in outs)
 
 
