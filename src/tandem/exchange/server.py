@@ -344,7 +344,8 @@ class ExchangeServer:
         plans = [
             PushPlan(dtype, sizes[i], items[i], quantize=quantized) for i in range(len(hellos))
         ]
-        spec = UpdateSpec(version, settings, dtype, len(hellos), adapter=adapter)
+        rollback = hellos[0].rollback
+        spec = UpdateSpec(version, settings, dtype, len(hellos), adapter=adapter, rollback=rollback)
         coordinator = self._coordinator(settings.transport)
         spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
         return spec, plans, (records, relayed), needed, per_replica

@@ -146,7 +146,8 @@ class UpdateSpec:
     ``first_rank``: the target-wide number of this engine's rank 0, where the target is a fleet
     of engines whose ranks are numbered one after another; ``broadcast``: the call of vLLM's
     protocol the broadcast transport receives; ``adapter``: the LoRA slot an adapter push
-    lands in)."""
+    lands in; ``rollback``: the trainers push a version not above the served one on purpose,
+    for a target whose receivers check versions themselves)."""
 
     version: int
     settings: PushSettings
@@ -158,6 +159,7 @@ class UpdateSpec:
     first_rank: int = 0
     broadcast: BroadcastCall | None = None
     adapter: AdapterSlot | None = None
+    rollback: bool = False
 
 
 @dataclass(frozen=True, slots=True)

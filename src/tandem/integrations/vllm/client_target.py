@@ -117,7 +117,6 @@ class ClientTarget:
         self.client = client
         self.timeout_s = timeout_s
         self.update_listeners: list[UpdateListener] = []
-        self.rollback = False  # the push under way may go back (its trainer says so)
         self._lock = threading.Lock()  # one push at a time
         hellos = self._init_workers(host)
         self.workers = [h.info for h in hellos]
@@ -236,9 +235,11 @@ class ClientTarget:
                 raise WeightSyncError(f"vLLM's start_weight_update failed: {said}") from None
             window = ClientWindow(self, spec)
             try:
-                window.check_version(self.rollback)
+                window.check_version()
                 yield window
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, StaleVersionError):  # another trainer pushed since
+                    self._version = exc.served
                 if window.failed:
                     self.end_failed_update()
                 else:  # the trainers' side failed: the workers drop what the push staged
@@ -304,14 +305,13 @@ class ClientWindow:
     def failures(self) -> dict[int, str]:
         return {}  # a failure raises
 
-    def check_version(self, rollback: bool) -> None:
+    def check_version(self) -> None:
         """Every worker refuses the push's version unless it is above the one the worker
-        serves, or ``rollback`` (one ``update_weights`` call, before any byte moves): then
-        `StaleVersionError`, and the target takes the version the workers serve as its own
-        (another trainer may have pushed since this one asked them)."""
+        serves, or the push is a rollback (one ``update_weights`` call, before any byte
+        moves): then `StaleVersionError` naming the version the workers serve."""
         from tandem.integrations.vllm.backend import encode_update
 
-        check = encode_update(VersionCheck(self.spec.version, rollback))
+        check = encode_update(VersionCheck(self.spec.version, self.spec.rollback))
         try:
             self.target.client.update_weights([check] * len(self.target.workers))
         except Exception as exc:
@@ -319,7 +319,6 @@ class ClientWindow:
             said = client_error(exc)
             served = [int(v) for v in STALE_SERVES.findall(said)]
             if served:
-                self.target._version = max(served)
                 raise StaleVersionError(self.spec.version, max(served)) from None
             raise WeightSyncError(
                 f"vLLM's workers refused version {self.spec.version}: {said}"

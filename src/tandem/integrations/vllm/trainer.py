@@ -121,18 +121,12 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
         once, as the version the workers serve + 1."""
         if not isinstance(self.source, ModuleSource | nn.Module):
             self.sender.model = _pushed(self.source)  # a fresh pass over the source
-        if self.target is not None:
-            self.target.rollback = rollback  # the workers' check (rank 0 drives them)
         try:
-            try:
-                stats = self.sender.push(version, rollback=rollback)
-            except StaleVersionError:
-                if version is not None:
-                    raise
-                stats = self.sender.push(None, rollback=rollback)  # rank 0 learned the version
-        finally:
-            if self.target is not None:
-                self.target.rollback = False
+            stats = self.sender.push(version, rollback=rollback)
+        except StaleVersionError:
+            if version is not None:
+                raise
+            stats = self.sender.push(None, rollback=rollback)  # rank 0 learned the version
         if self.sender.world_size > 1:  # rank 0's exchange answers the others after rank 0
             dist.barrier()
         return stats
