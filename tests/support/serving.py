@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from support.trainers import wait_ranks
 from tandem.engine.launcher import start_process
 from tandem.server.process import ServerProcess
 
@@ -81,29 +82,31 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def workers_of(pid: int) -> list[int]:
-    """The live engine workers under ``pid`` (named ``tandem-w<local rank>``), in local rank
-    order (in a fleet of TP=1 replicas, a replica's index is its worker's local rank)."""
-    ranked = []
+def _workers(pid: int) -> dict[int, int]:
+    """The live engine workers under ``pid`` (named ``tandem-w<local rank>``): local rank ->
+    pid."""
+    ranked = {}
     for p in descendants(pid):
         try:
             name = Path(f"/proc/{p}/comm").read_text().strip()
         except OSError:
             continue
         if name.startswith("tandem-w"):
-            ranked.append((int(name.removeprefix("tandem-w")), p))
-    return [p for _, p in sorted(ranked)]
+            ranked[int(name.removeprefix("tandem-w"))] = p
+    return ranked
+
+
+def workers_of(pid: int) -> list[int]:
+    """The live engine workers under ``pid``, in local rank order (in a fleet of TP=1
+    replicas, a replica's index is its worker's local rank)."""
+    return [p for _, p in sorted(_workers(pid).items())]
 
 
 def worker_of(pid: int, local_rank: int) -> int:
     """The pid of the live worker of ``local_rank`` under ``pid``."""
-    for p in descendants(pid):
-        try:
-            if Path(f"/proc/{p}/comm").read_text().strip() == f"tandem-w{local_rank}":
-                return p
-        except OSError:
-            continue
-    raise AssertionError(f"no worker of local rank {local_rank} under {pid}")
+    if (worker := _workers(pid).get(local_rank)) is None:
+        raise AssertionError(f"no worker of local rank {local_rank} under {pid}")
+    return worker
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.1) -> bool:
@@ -154,12 +157,7 @@ def push(
         proc = start_process(
             argv, dict(os.environ), preload=HTTP_TRAINER, stdout=str(out), stderr=str(err)
         )
-        try:
-            code = proc.wait(timeout=180)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
+        [code] = wait_ranks([proc], 180)
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
