@@ -37,7 +37,7 @@ import warnings
 
 TEMPLATE_MODULE = "tandem.engine.launcher"
 PR_SET_NAME = 15  # prctl option, <linux/prctl.h>
-MAX_TEMPLATES = 3  # set-ups kept warm per process; an older one is closed (its workers live)
+MAX_TEMPLATES = 4  # set-ups kept warm per process; an older one is closed (its workers live)
 # variables read as an interpreter starts or loads its libraries: a template is per set-up
 STARTUP_PREFIXES = (
     "PYTHON",

@@ -1,8 +1,11 @@
 """A `tandem serve` subprocess (benchmarks, tests, the verl replica): start it, find its URL,
 read its peak RSS, stop it.
 
-The server's output (stdout and stderr together) is drained by a thread so it can never block
-on a full pipe; its last lines go into the error when the server fails to start.
+With this interpreter, the server is forked from a template that imported the server's modules
+once (`tandem.engine.launcher`): the second and later servers of a process start without
+importing torch again. The server's output (stdout and stderr together) is drained by a
+thread so it can never block on a full pipe; its last lines go into the error when the server
+fails to start.
 """
 
 from __future__ import annotations
@@ -14,9 +17,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
+from tandem.engine.launcher import start_process
+
 _LISTENING = re.compile(r"^tandem (?:serve: (\S+)|router:) on (http://\S+) ")
+# what `tandem serve` and `tandem router` import before they listen: one template for both
+PRELOAD = ("tandem.cli", "tandem.server.launch", "tandem.router.launch")
 
 
 class ServerProcess:
@@ -32,21 +40,32 @@ class ServerProcess:
         command: str = "serve",
         python: str | None = None,
     ):
-        cmd = [python or sys.executable, "-m", "tandem.cli", command, "--port", "0", *args]
-        self.proc = subprocess.Popen(
-            cmd,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+        argv = ["-m", "tandem.cli", command, "--port", "0", *args]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        read_fd, write_fd = os.pipe()
+        if python is None or python == sys.executable:
+            # the forked server opens the pipe's write end through /proc, so this process
+            # holds it until the server has printed (or exited)
+            here = f"/proc/{os.getpid()}/fd/{write_fd}"
+            self.proc = start_process(argv, env, preload=PRELOAD, stdout=here, stderr=here)
+        else:
+            self.proc = subprocess.Popen(
+                [python, *argv], stdout=write_fd, stderr=subprocess.STDOUT, env=env
+            )
+        self._output = os.fdopen(read_fd, encoding="utf-8", errors="replace")
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
         self.url = ""
         self.model_name = ""
         threading.Thread(target=self._drain, daemon=True).start()
-        if not self._ready.wait(start_timeout_s) or not self.url:
+        deadline = time.monotonic() + start_timeout_s
+        try:
+            while not self._ready.wait(min(0.5, max(0.0, deadline - time.monotonic()))):
+                if self.proc.poll() is not None or time.monotonic() >= deadline:
+                    break
+        finally:
+            os.close(write_fd)  # the server's copies (and its workers') remain: EOF once gone
+        if not self._ready.wait(5.0 if self.proc.poll() is not None else 0) or not self.url:
             self.stop()
             raise RuntimeError(f"tandem {command} {' '.join(args)} did not start:\n{self.output}")
 
@@ -56,7 +75,7 @@ class ServerProcess:
         return "".join(self._tail).strip()
 
     def _drain(self) -> None:
-        for line in self.proc.stdout:
+        for line in self._output:
             self._tail.append(line)
             if not self._ready.is_set() and (match := _LISTENING.match(line)):
                 self.model_name, self.url = match.group(1) or "", match.group(2)
