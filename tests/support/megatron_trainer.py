@@ -4,13 +4,16 @@ then decodes greedily with Megatron's own forward; run by the tests, one process
     python tests/support/megatron_trainer.py RANK WORLD PORT TP PP MODEL_DIR ADDRESS VERSION \
         OUT PROMPT
 
-MODEL_DIR is the engine's Hugging Face model (llama, qwen2, qwen3 or gpt2): the GPTModel is
-built with its sizes and features (QKV bias, QK-norm, tied output, learned positions with
-LayerNorm and GELU; random init of its own, vocab padded to a multiple of 64 x TP). With
-PP = 1 the trainer first takes one SGD step on a language-modelling loss. After the push,
-the last pipeline stage's TP rank 0 writes OUT: JSON {"tokens": [...], "logprobs": [...]}
-of 6 greedy tokens after PROMPT (comma-separated ids), from log_softmax of Megatron's
-TP-gathered logits.
+ADDRESS is the engine's exchange address (tandem's `WeightSender`), or the URL of a
+``vllm serve`` made with the ``tandem`` weight-transfer backend: the push then goes through
+vLLM's own trainer API and HTTP client (`WeightTransferTrainerFactory`, a `ModuleSource` of
+the GPTModel), in vLLM's venv. MODEL_DIR is the engine's Hugging Face model (llama, qwen2,
+qwen3 or gpt2): the GPTModel is built with its sizes and features (QKV bias, QK-norm, tied
+output, learned positions with LayerNorm and GELU; random init of its own, vocab padded to a
+multiple of 64 x TP). With PP = 1 the trainer first takes one SGD step on a
+language-modelling loss. After the push, the last pipeline stage's TP rank 0 writes OUT:
+JSON {"tokens": [...], "logprobs": [...]} of 6 greedy tokens after PROMPT (comma-separated
+ids), from log_softmax of Megatron's TP-gathered logits.
 """
 
 import json
@@ -141,6 +144,26 @@ class _Wrapper(torch.nn.Module):
         self.module = module
 
 
+def push_through_vllms_api(model, url: str, rank: int, world: int, vocab: int, version: int):
+    """Every rank's push through vLLM's trainer API into the ``vllm serve`` at ``url``."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+    from tandem.integrations.vllm import TandemTrainerInitInfo
+
+    info = TandemTrainerInitInfo(rank=rank, world_size=world, vocab_size=vocab)
+    client = HTTPVLLMWeightSyncClient(url, timeout=120)
+    engine = WeightTransferTrainerFactory.trainer_init(
+        info, client=client, source=ModuleSource(model)
+    )
+    try:
+        stats = engine.send_weights(version=version)
+    finally:
+        engine.shutdown()
+    assert stats.bytes_moved == stats.bytes_needed, stats
+
+
 def main() -> int:
     rank, world, tp, pp = (int(a) for a in (*sys.argv[1:3], *sys.argv[4:6]))
     rendezvous = sys.argv[3]
@@ -167,7 +190,10 @@ def main() -> int:
         assert all(changed), "the optimizer step left a parameter unchanged"
     # with PP, push through a wrapper as Megatron's DDP / Float16Module hold the model
     pushed = _Wrapper(model) if pp > 1 else model
-    WeightSender(pushed, address, vocab_size=vocab).push(version=int(version))
+    if address.startswith("http://"):
+        push_through_vllms_api(pushed, address, rank, world, vocab, int(version))
+    else:
+        WeightSender(pushed, address, vocab_size=vocab).push(version=int(version))
     tokens = [int(t) for t in prompt.split(",")]
     last = (pp - 1) * tp  # the last stage's TP rank 0 (Megatron orders ranks TP fastest, PP last)
     generated, logprobs = [], []

@@ -4,7 +4,8 @@ no other tandem flag (tandem's plugin entry point registers the backend), pushed
 (tests/support/vllm_backend_trainer.py): each trainer rank sends its own shard, each vLLM worker
 receives its slices; completions then equal transformers on the pushed weights. A trainer
 whose driving rank dies mid-update leaves the old weights serving, and the next trainer's
-update lands.
+update lands. A megatron-core GPTModel (TP=2, its vocabulary padded) pushes through the same
+API as a `ModuleSource`, and completions then follow Megatron's own forward.
 
 Runs in vLLM's venv (``make test`` runs ``tests/integrations/vllm`` there).
 """
@@ -29,12 +30,14 @@ from support.vllm_serving import assert_serves, complete, vllm_serve  # noqa: E4
 pytestmark = pytest.mark.timeout(300)
 
 TRAINER = SUPPORT / "vllm_backend_trainer.py"
+MEGATRON_TRAINER = SUPPORT / "megatron_trainer.py"
 # what a trainer rank imports before it does anything (about 6 s of CPU per process)
 VLLM_TRAINER = (
     "torch.distributed.fsdp",
     "vllm.distributed.weight_transfer",
     "tandem.integrations.vllm",
 )
+MEGATRON = ("megatron.core", *VLLM_TRAINER[1:])
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +54,24 @@ def _get(url: str) -> dict:
         return json.loads(r.read())
 
 
-def run_trainer(url: str, model_dir: str, version: int, seed: int, fault: str | None = None):
-    """vllm_backend_trainer.py as 2 ranks over gloo on loopback (forked from a template that
-    imported vLLM's trainer API once): their exit codes and output."""
+def run_ranks(script, args, preload) -> tuple[list[int], str]:
+    """``script RANK *args`` as 2 ranks over gloo on loopback (forked from a template that
+    imported ``preload`` once): their exit codes and output."""
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    args = [rendezvous(), model_dir, url, str(version), str(seed), *([fault] if fault else [])]
     with tempfile.TemporaryDirectory() as tmp:
         outs = [(Path(tmp, f"{rank}.out"), Path(tmp, f"{rank}.err")) for rank in range(2)]
         procs = [
-            start_rank(TRAINER, [str(rank), *args], env, VLLM_TRAINER, *map(str, outs[rank]))
+            start_rank(script, [str(rank), *args], env, preload, *map(str, outs[rank]))
             for rank in range(2)
         ]
         codes = wait_ranks(procs, 240)
         return codes, "\n".join(out.read_text() + err.read_text() for out, err in outs)
+
+
+def run_trainer(url: str, model_dir: str, version: int, seed: int, fault: str | None = None):
+    """vllm_backend_trainer.py (FSDP2) as 2 ranks: their exit codes and output."""
+    args = [rendezvous(), model_dir, url, str(version), str(seed), *([fault] if fault else [])]
+    return run_ranks(TRAINER, args, VLLM_TRAINER)
 
 
 def test_an_fsdp2_trainer_pushes_through_vllms_api_and_completions_follow(server):
@@ -95,6 +103,27 @@ def test_a_wrong_copy_or_a_dying_trainer_leaves_the_old_weights_and_the_next_pus
     assert _get(url + "/weight_info")["weight_version"] == "22"
     assert_serves(url, moved(model_dir, 6))
     assert "dropping the push of version 21" in log.read_text()
+
+
+def test_a_megatron_trainer_pushes_through_vllms_api_and_completions_follow_its_forward(
+    server, tmp_path
+):
+    """megatron_trainer.py: a GPTModel at TP=2 over gloo (random init, its vocabulary padded
+    past the model's), each rank's `ModuleSource` through vLLM's trainer API; vLLM then
+    decodes what Megatron's own forward does."""
+    pytest.importorskip("megatron.core")
+    url, model_dir, _ = server
+    served = _get(url + "/weight_info")["weight_version"]  # "default" before any push
+    version = (int(served) if served.isdigit() else 0) + 1
+    out, prompt = tmp_path / "megatron.json", PROMPTS[0]
+    args = ["2", rendezvous(), "2", "1", model_dir, url, str(version), str(out)]
+    codes, output = run_ranks(MEGATRON_TRAINER, [*args, ",".join(map(str, prompt))], MEGATRON)
+    assert codes == [0, 0], output[-4000:]
+    expected = json.loads(out.read_text())
+    assert _get(url + "/weight_info")["weight_version"] == str(version)
+    tokens, logprobs = complete(url, prompt)
+    assert tokens == expected["tokens"]
+    assert max(abs(a - b) for a, b in zip(logprobs, expected["logprobs"], strict=True)) <= 1e-3
 
 
 def _completions(url: str) -> list:

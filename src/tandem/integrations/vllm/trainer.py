@@ -15,8 +15,9 @@ every trainer rank::
 ``--weight-transfer-config '{"backend": "tandem"}'`` and ``VLLM_SERVER_DEV_MODE=1``), its Ray
 client, or an offline ``vllm.LLM`` made with ``weight_transfer_config={"backend": "tandem"}``.
 Rank 0 drives the client (`ClientTarget`) and serves an exchange that every rank pushes to with
-tandem's `WeightSender`: each rank sends its own shard (an FSDP2 module's local shards; vLLM's
-backends gather to rank 0) and each vLLM worker receives only its slices.
+tandem's `WeightSender`: each rank sends its own shard (an FSDP2 module's local shards, a
+megatron-core GPTModel rank's TP/PP part; vLLM's backends gather to rank 0) and each vLLM
+worker receives only its slices.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class TandemTrainerInitInfo(TrainerInitInfo):
     ranks push (more than one: over torch.distributed's default group, which carries rank 0's
     address to the others); ``transport``: tandem's (`WeightSender`: ``shm`` on one host,
     ``dist`` across hosts; ``auto``: shm); ``host``: where rank 0 listens for vLLM's workers
-    and the other trainer ranks; ``verify``: CRC32 every box where it landed."""
+    and the other trainer ranks; ``verify``: CRC32 every box where it landed; ``vocab_size``:
+    the model's real vocabulary where the trainer pads its own (a megatron-core GPTModel, a
+    `ModuleSource` like any module): the padding rows are not sent."""
 
     backend: ClassVar[str] = "tandem"
 
@@ -57,6 +60,7 @@ class TandemTrainerInitInfo(TrainerInitInfo):
     host: str = "127.0.0.1"
     verify: bool = True
     timeout_s: float = 600.0
+    vocab_size: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -99,6 +103,7 @@ class TandemTrainerEngine(TrainerWeightTransferEngine[TandemTrainerInitInfo]):
             rank=init_info.rank,
             world_size=init_info.world_size,
             timeout_s=init_info.timeout_s,
+            vocab_size=init_info.vocab_size,
         )
         return cls(
             client=client,
