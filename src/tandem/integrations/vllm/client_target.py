@@ -80,12 +80,18 @@ class OfflineClient:
 
 
 def reset_prefix_cache(client) -> None:
-    """Drop vLLM's cached KV, computed with the old weights: through the client where it can
-    (`OfflineClient`; the HTTP client's server, by its dev-mode route, which the weight-update
-    routes need too). A Ray client's caller resets it (vLLM's ``pause(clear_cache=True)``)."""
+    """Drop vLLM's cached KV, computed with the old weights, through the client: `OfflineClient`;
+    the HTTP client's server, by its dev-mode route (which the weight-update routes need too);
+    the Ray client's engine actors, each one (vLLM's ``LLM`` and ``AsyncLLM`` both have it)."""
     reset = getattr(client, "reset_prefix_cache", None)
     if reset is not None:
         reset()
+        return
+    handles = getattr(client, "handles", None)
+    if handles is not None:
+        import ray
+
+        ray.get([handle.reset_prefix_cache.remote() for handle in handles])
         return
     base_url = getattr(client, "base_url", None)
     if base_url is not None:
