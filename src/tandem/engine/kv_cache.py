@@ -50,6 +50,15 @@ class _Block:
     digest: bytes | None = None  # set while registered in the prefix cache
 
 
+class _Blocks(dict):
+    """Block id -> its `_Block`, made on first use: an engine's cache may hold hundreds of
+    thousands of blocks (a small model in a default-sized cache) and a request touches few."""
+
+    def __missing__(self, block_id: int) -> _Block:
+        block = self[block_id] = _Block()
+        return block
+
+
 @dataclass(slots=True)
 class CacheStats:
     """Prompt tokens asked for at admission, and how many came from shared or cached blocks."""
@@ -67,7 +76,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._blocks = _Blocks()
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # digest -> block id
         self.epoch = 0  # bumped by reset_prefix_cache
