@@ -163,4 +163,8 @@ class InProcessExecutor:
         return [func(self.runner.model)]
 
     def shutdown(self) -> None:
+        # the model's attention layers hold views of the KV cache, and the model outlives the
+        # runner here (the receiver, the layouts): free it now, not at a later collection
+        if self.runner is not None:
+            self.runner.release_kv_cache()
         self.runner = None
