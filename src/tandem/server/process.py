@@ -43,15 +43,20 @@ class ServerProcess:
         argv = ["-m", "tandem.cli", command, "--port", "0", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         read_fd, write_fd = os.pipe()
-        if python is None or python == sys.executable:
-            # the forked server opens the pipe's write end through /proc, so this process
-            # holds it until the server has printed (or exited)
-            here = f"/proc/{os.getpid()}/fd/{write_fd}"
-            self.proc = start_process(argv, env, preload=PRELOAD, stdout=here, stderr=here)
-        else:
-            self.proc = subprocess.Popen(
-                [python, *argv], stdout=write_fd, stderr=subprocess.STDOUT, env=env
-            )
+        try:
+            if python is None or python == sys.executable:
+                # the forked server opens the pipe's write end through /proc, so this process
+                # holds it until the server has printed (or exited)
+                here = f"/proc/{os.getpid()}/fd/{write_fd}"
+                self.proc = start_process(argv, env, preload=PRELOAD, stdout=here, stderr=here)
+            else:
+                self.proc = subprocess.Popen(
+                    [python, *argv], stdout=write_fd, stderr=subprocess.STDOUT, env=env
+                )
+        except BaseException:
+            os.close(read_fd)
+            os.close(write_fd)
+            raise
         self._output = os.fdopen(read_fd, encoding="utf-8", errors="replace")
         self._tail: collections.deque[str] = collections.deque(maxlen=200)
         self._ready = threading.Event()
@@ -75,11 +80,12 @@ class ServerProcess:
         return "".join(self._tail).strip()
 
     def _drain(self) -> None:
-        for line in self._output:
-            self._tail.append(line)
-            if not self._ready.is_set() and (match := _LISTENING.match(line)):
-                self.model_name, self.url = match.group(1) or "", match.group(2)
-                self._ready.set()
+        with self._output:
+            for line in self._output:
+                self._tail.append(line)
+                if not self._ready.is_set() and (match := _LISTENING.match(line)):
+                    self.model_name, self.url = match.group(1) or "", match.group(2)
+                    self._ready.set()
         self._ready.set()  # exited before listening: wake the constructor
 
     @property
