@@ -70,9 +70,9 @@ def run_trainer(
     return wait_ranks(procs, 120)
 
 
-def wait_ranks(procs: list[ForkedProcess], timeout: float) -> list[int]:
-    """The ranks' exit codes, each waited on for up to ``timeout`` seconds; any still running
-    then (the wait failed) is killed and reaped."""
+def wait_ranks(procs: list[ForkedProcess | subprocess.Popen], timeout: float) -> list[int]:
+    """The ranks' exit codes (forked or `subprocess.Popen` processes), each waited on for up to
+    ``timeout`` seconds; any still running then (the wait failed) is killed and reaped."""
     try:
         return [p.wait(timeout=timeout) for p in procs]
     finally:

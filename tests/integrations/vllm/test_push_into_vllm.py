@@ -27,6 +27,7 @@ import transformers  # noqa: E402
 
 from support.faulty_writes import faulty_sender, shifted  # noqa: E402
 from support.paths import REPO, SUPPORT, rendezvous  # noqa: E402
+from support.trainers import wait_ranks  # noqa: E402
 from support.vllm_models import (  # noqa: E402
     MODEL,
     SHAPE,
@@ -131,13 +132,7 @@ def run_trainer_ranks(python, script: str, argv) -> None:
     procs = [
         subprocess.Popen([str(python), str(SUPPORT / script), *argv(r)], env=env) for r in range(2)
     ]
-    try:
-        assert [p.wait(timeout=240) for p in procs] == [0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    assert wait_ranks(procs, 240) == [0, 0]
 
 
 def test_an_fsdp2_trainer_in_two_processes_pushes_into_vllm(engine, tmp_path):
