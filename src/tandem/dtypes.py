@@ -10,3 +10,7 @@ DTYPES = {
 }
 
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+# what a box may travel in: the weights' dtypes, and the plain bytes of a delta push's payloads
+# (`tandem.exchange.delta`); transports view what they move through this
+WIRE_DTYPES = {**DTYPES, "uint8": torch.uint8}

@@ -36,6 +36,10 @@ class EngineTarget:
         return self._engine.weight_version
 
     @property
+    def weight_base(self) -> str | None:
+        return self._engine.window.base
+
+    @property
     def update_listeners(self) -> list[Callable[[int, float, str | None], None]]:
         return self._engine.window.update_listeners
 

@@ -34,6 +34,9 @@ class PushWindow:
         self._blocks = blocks
         self._lora = lora
         self.version = 0  # the weights serving (0: the checkpoint's)
+        # the id of the push the weights came from, untouched since (None: loaded from disk,
+        # released, reloaded, torn, or pushed without an id): a delta push needs its base here
+        self.base: str | None = None
         # called after every push attempt with (version, seconds, error or None): the
         # exchange server calls them (metrics, logs)
         self.update_listeners: list[Callable[[int, float, str | None], None]] = []
@@ -72,10 +75,12 @@ class PushWindow:
             yield update
         except BaseException as exc:
             plan.broke(update, exc)
-            try:
-                self.apply_phase(PushPhase.ABORT, spec, {})  # every rank drops what it held
-            except Exception:  # a dead rank: the engine is marked dead by apply_phase
-                pass
+            try:  # every rank drops what it held (a delta: puts back what it applied)
+                errors, _ = self.apply_phase(PushPhase.ABORT, spec, {})
+            except Exception as abort_exc:  # a dead rank: the engine is marked dead by apply_phase
+                errors = [str(abort_exc)]
+            if spec.delta and errors and update.state is UpdateState.OPEN:
+                update.tear(f"a rejected delta of version {spec.version} was not undone: {errors}")
             raise
         finally:
             with self._lock.control():
@@ -101,12 +106,14 @@ class PushWindow:
         errors reported. Every LoRA slot reads as zeros afterwards."""
         if self._lora is not None:
             self._lora.forget_all()
+        self.base = None
         executor = self._stepper.executor
         return self._stepper.guarded(lambda: executor.weight_memory(msg))
 
     def reloaded(self) -> None:
         """The checkpoint was read again: version 0 serves."""
         self.version = 0
+        self.base = None
         self._lifecycle.push_landed()
 
 
@@ -135,6 +142,9 @@ class _BaseWeights:
         self._lifecycle.close_update(update.torn_reason, update.state is UpdateState.LANDED)
         if update.state is UpdateState.LANDED:  # the spec's version (a driver may name it
             self._window.version = update.spec.version  # at commit)
+            self._window.base = update.spec.push_id or None
+        elif update.state is not UpdateState.OPEN:  # bytes went into the live weights
+            self._window.base = None
 
 
 class _AdapterSlot:

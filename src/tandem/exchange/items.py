@@ -8,6 +8,8 @@ from dataclasses import dataclass, replace
 
 from tandem.layers.placement import LocalRegion
 
+ENCODINGS = ("dense", "bitmap", "indices")  # of a delta push's boxes (`tandem.exchange.delta`)
+
 
 @dataclass(frozen=True, slots=True)
 class SendItem:
@@ -32,11 +34,29 @@ class SendItem:
 
 
 @dataclass(frozen=True, slots=True)
+class DeltaBox:
+    """How the payload of one box of a delta push applies (`tandem.exchange.delta`): its
+    ``encoding`` (`ENCODINGS`), the number of elements that ``changed``, the payload's size in
+    bytes, and the CRC32 of the trainer's whole new box in the engine dtype (None:
+    unverified)."""
+
+    encoding: str
+    changed: int
+    nbytes: int
+    crc: int | None
+
+    def __post_init__(self):
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {self.encoding!r}")
+
+
+@dataclass(frozen=True, slots=True)
 class Record:
     """One box for an engine rank, from trainer rank ``source``: ``nbytes`` at ``offset`` of
     what that rank staged (or of its stream, for dist), landing at ``region`` of the local
     parameter ``key``. ``crc``: the sender's CRC32 of the box as it read it from its tensor
-    (`tandem.exchange.checksum.source_crc32`); None when the push is unverified.
+    (`tandem.exchange.checksum.source_crc32`; a delta push: of the payload); None when the
+    push is unverified.
 
     In a fleet a box reaches most replicas by relay: ``via`` is the receiving rank it comes
     from (-1: from trainer rank ``source`` itself), ``forward`` the receiving ranks this rank
@@ -52,6 +72,9 @@ class Record:
     crc: int | None = None
     via: int = -1
     forward: tuple[int, ...] = ()
+    # a delta push: the record carries the box's payload (``dtype`` uint8, ``box_shape``
+    # its bytes), which applies to the box at ``region`` as this says
+    delta: DeltaBox | None = None
 
     @property
     def where(self) -> str:

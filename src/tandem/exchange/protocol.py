@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandem.exchange.items import SendItem
+from tandem.exchange.items import DeltaBox, SendItem
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.quantize import Quantized
 from tandem.exchange.settings import GroupInfo, PushSettings
@@ -34,6 +34,10 @@ class PushHello:
     ignore: list[str]  # sender tensors the engine does not need (e.g. a value head)
     settings: PushSettings
     rollback: bool = False  # a version not above the served one is meant (else refused)
+    # `WeightSender.push`'s ``delta``: "auto" | "on" | "off"; ``base``: the id of the push
+    # this rank's shadow holds (None: none; `tandem.exchange.delta`)
+    delta: str = "off"
+    base: str | None = None
 
 
 @PUSH.register("plan")
@@ -49,6 +53,20 @@ class PushPlan:
     trainers: int = 1  # dist: engine rank e is group rank trainers + e
     bucket_bytes: int = 0
     arenas: list[list] | None = None  # shm in_place: `ParamArena.handle()` per engine rank
+    # a delta push: encode every item against the shadow and answer `PushEncoded` first (the
+    # plan to deliver follows: each item then a payload read from `delta.PAYLOAD_KEY`)
+    encode: bool = False
+    delta: bool = False  # the items carry payloads (the answer to `PushEncoded`)
+
+
+@PUSH.register("encoded")
+@dataclass(slots=True)
+class PushEncoded:
+    """A trainer rank's answer to a plan that asks to encode: per item how its payload applies,
+    or ``dense``: why this rank cannot send a delta (the whole push then goes dense)."""
+
+    boxes: list[DeltaBox] = field(default_factory=list)
+    dense: str | None = None
 
 
 @PUSH.register("ready")
@@ -86,6 +104,9 @@ class PushDone:
     # refused before any byte moved: ``version`` is not above this served one
     # (`tandem.errors.StaleVersionError`)
     stale_served: int | None = None
+    delta: bool = False  # the push sent changed elements only
+    why_dense: str | None = None  # a push that could have gone as a delta: why it did not
+    push_id: str = ""  # the push's id: what a trainer's shadow is the base of once it landed
 
 
 @PUSH.register("rollout_progress")

@@ -8,10 +8,12 @@ from __future__ import annotations
 from collections import defaultdict
 
 from tandem.dtypes import DTYPES
-from tandem.exchange.items import Record, SendItem
+from tandem.exchange.delta import PAYLOAD_KEY
+from tandem.exchange.items import DeltaBox, Record, SendItem
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.plan import numel
 from tandem.exchange.protocol import ReplicaPush
+from tandem.layers.placement import LocalRegion
 
 
 def replica_figures(
@@ -39,11 +41,20 @@ def replica_figures(
     ]
 
 
-def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging: bool):
+def push_items(
+    plan,
+    receivers: list[RankLayout],
+    per_stream: bool,
+    read_staging: bool,
+    payloads: list[DeltaBox] | None = None,
+):
     """Per sender rank: (bytes, `SendItem`s, (engine rank, `Record`)s, (item index, engine
     rank, `Record`)s of the boxes that reach other replicas by relay), and the bytes one copy of
     the fleet's distinct layouts needs (what the senders must send) and each replica needs.
-    Every box travels in the dtype of the engine parameter it lands in.
+    Every box travels in the dtype of the engine parameter it lands in; with ``payloads``
+    (a delta push: per transfer, how its payload applies) as that payload's bytes, read
+    from the sender's payloads (`delta.PAYLOAD_KEY`: each rank's back to back, in its items'
+    order) and carried to the receiving ranks with their `DeltaBox`.
 
     Offsets count per (sender, receiver) stream with ``per_stream``, else per sender; both
     regions are mapped by their `Piece`. A relay (`Plan.relays`) is carried out by the
@@ -60,18 +71,25 @@ def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging
             forwards[(relay.seed, relay.src)].append(relay.dst)
     seeds = []  # per transfer: (its sender, the item's index there)
     layouts = {lay.rank: lay for lay in receivers}
+    payload_at = [0] * plan.num_senders  # where each sender's next payload starts
     for i, t in enumerate(plan.transfers):
         dtype = layouts[t.dst].dtype_of(t.dst_key)
         nbytes = t.numel * DTYPES[dtype].itemsize
         box_shape = tuple(b - a for a, b in t.box)
+        key, src = t.src_key, t.src_piece.region(t.box)
+        delta = None if payloads is None else payloads[i]
+        if delta is not None:  # the payload's bytes travel, not the box
+            nbytes, dtype, box_shape, key = delta.nbytes, "uint8", (delta.nbytes,), PAYLOAD_KEY
+            src = LocalRegion(((payload_at[t.src], payload_at[t.src] + nbytes),))
+            payload_at[t.src] += nbytes
         stream = (t.src, t.dst if per_stream else -1)
         offset = offsets[stream]
         dst_region = t.dst_piece.region(t.box)
         seeds.append((t.src, len(items[t.src])))
         items[t.src].append(
             SendItem(
-                t.src_key,
-                t.src_piece.region(t.box),
+                key,
+                src,
                 box_shape,
                 offset,
                 nbytes,
@@ -95,6 +113,7 @@ def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging
                     box_shape,
                     dtype,
                     forward=tuple(forwards[(i, t.dst)]),
+                    delta=delta,
                 ),
             )
         )
@@ -116,6 +135,7 @@ def push_items(plan, receivers: list[RankLayout], per_stream: bool, read_staging
                 seed.dtype,
                 via=relay.src,
                 forward=tuple(forwards[(relay.seed, relay.dst)]),
+                delta=seed.delta,
             )
             offsets[stream] += seed.nbytes
         relayed[sender].append((index, relay.dst, record))

@@ -12,6 +12,11 @@ Phases (`tandem.engine.weight_update` runs each on every rank before any rank st
   checksummed again (a mismatch there means the live weights are torn);
 - ``abort``: the push failed; the transport drops what it held.
 
+A delta push (`tandem.exchange.delta`) stages its payloads; ``verify`` checks them as staged,
+applies the sparse ones to the live boxes (keeping their undo; the engine is paused) and checks
+each whole box as it then stands against the trainer's CRC32 of its new box; ``commit`` writes
+the dense ones; ``abort`` puts the old values back.
+
 Receivers write into views of the existing parameters (``data_ptr`` never changes), each
 through its record's `LocalRegion`.
 """
@@ -23,6 +28,7 @@ from torch import nn
 
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
+from tandem.exchange.delta import apply_box, dense_values, undo_box
 from tandem.exchange.items import Record
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
@@ -59,6 +65,30 @@ def record_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -
     return problems
 
 
+def delta_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -> list[str]:
+    """`record_problems` for a delta push's records: each must carry a payload (`DeltaBox`)
+    of its stated size for a region of a known parameter."""
+    params = dict(model.named_parameters())
+    problems = []
+    for r in records:
+        param = params.get(r.key)
+        if param is None or r.delta is None:
+            problems.append(f"{r.key}: " + ("unknown parameter" if param is None else "no delta"))
+            continue
+        try:
+            box = r.region.view(param)
+        except (IndexError, RuntimeError) as exc:
+            problems.append(f"{r.where}: not a region of {tuple(param.shape)} ({exc})")
+            continue
+        if r.nbytes != r.delta.nbytes or r.box_shape != (r.nbytes,) or r.dtype != "uint8":
+            problems.append(f"{r.where}: payload of {r.nbytes} bytes, {r.delta.nbytes} announced")
+        elif r.delta.encoding == "dense" and r.nbytes < box.numel() * box.element_size():
+            problems.append(f"{r.where}: dense payload of {r.nbytes} bytes is short")
+        if not 0 <= r.source < spec.trainers:
+            problems.append(f"{r.key}: no trainer rank {r.source}")
+    return problems
+
+
 def crc_problems(records: list[Record], crcs: list[int], where: str) -> list[str]:
     return [
         f"checksum mismatch for {r.where} {where}"
@@ -77,6 +107,8 @@ class RankReceiver:
         self.device = device
         self._halves: dict[str, ReceiverHalf] = {}
         self._held: tuple[int, list[torch.Tensor]] | None = None  # (version, boxes) of `hold`
+        # a delta applied at verify: (live box, its undo) to put back if the push fails
+        self._undo: list[tuple[torch.Tensor, tuple]] = []
 
     def handle(
         self, phase: PushPhase, spec: UpdateSpec, records: list[Record]
@@ -115,11 +147,54 @@ class RankReceiver:
         return [], half.receive(spec, records)
 
     def _verify(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        if spec.delta:
+            return self._verify_delta(half, spec, records)
         problems = record_problems(self.model, spec, records)
         if not problems and spec.settings.verify:
             where = "in the live parameter" if spec.settings.in_place else "as staged"
             problems = crc_problems(records, half.landed_crcs(spec, records), where)
         return problems, 0
+
+    def _verify_delta(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        """A delta push: the payloads as staged against the CRC32s their senders read; then
+        every sparse payload applied to its live box (its undo kept: the window is paused, and
+        an abort puts the old values back) and the box as it then stands against the trainer's
+        CRC32 of its whole new box. Dense payloads are checked as staged and written at the
+        commit."""
+        self._undo = []
+        problems = delta_problems(self.model, spec, records)
+        verify = spec.settings.verify
+        if not problems and verify:
+            problems = crc_problems(records, half.landed_crcs(spec, records), "as staged")
+        if problems:
+            return problems, 0
+        payloads = half.landed(spec, records)
+        with torch.no_grad():
+            for r, payload, live in zip(records, payloads, half.live(records), strict=True):
+                if r.delta.encoding == "dense":
+                    continue
+                self._undo.append((live, apply_box(live, payload, r.delta)))
+                if verify and tensor_crc32(live) != r.delta.crc:
+                    problems.append(f"checksum mismatch for {r.where} with its delta applied")
+        return problems, 0
+
+    def _commit_delta(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
+        """The dense payloads of a delta push into their live boxes, each checked there; the
+        sparse ones were applied at verify: their undo is dropped."""
+        problems, nbytes = [], 0
+        with torch.no_grad():
+            for r, payload, live in zip(
+                records, half.landed(spec, records), half.live(records), strict=True
+            ):
+                if r.delta.encoding != "dense":
+                    continue
+                live.copy_(dense_values(payload, live))
+                nbytes += r.nbytes
+                if spec.settings.verify and tensor_crc32(live) != r.delta.crc:
+                    problems.append(f"checksum mismatch for {r.where} in the live parameter")
+        self._undo = []
+        half.release(spec)
+        return problems, nbytes
 
     def _hold(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
         """Copy every landed box into one buffer of this rank's, then checksum the copies
@@ -145,6 +220,8 @@ class RankReceiver:
     def _commit(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
         if spec.adapter is not None:  # the slot's previous adapter may differ in rank, targets
             prepare_slot(self.model, spec.adapter.slot, spec.adapter.scale)
+        if spec.delta:
+            return self._commit_delta(half, spec, records)
         if self._held is not None and self._held[0] == spec.version:
             nbytes = self._commit_held(half, records)
         else:
@@ -166,5 +243,9 @@ class RankReceiver:
 
     def _abort(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
         self._held = None
+        undo, self._undo = self._undo, []
+        with torch.no_grad():
+            for live, old in reversed(undo):  # a delta applied at verify: the old values back
+                undo_box(live, old)
         half.abort(spec)
         return [], 0

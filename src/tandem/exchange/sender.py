@@ -23,11 +23,13 @@ from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
+from tandem.exchange.delta import AUTO_MAX_FRACTION, PAYLOAD_KEY, Shadow
 from tandem.exchange.discovery import target_address
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import (
     PUSH,
     PushDone,
+    PushEncoded,
     PushHello,
     PushPlan,
     PushReady,
@@ -63,6 +65,8 @@ class PushStats:
     bytes_staged: int | None = None
     # a rolling push answered before its waves committed: their report (see `wait`)
     rollout: Rollout | None = field(default=None, compare=False, repr=False)
+    delta: bool = False  # only the changed elements were sent (`tandem.exchange.delta`)
+    why_dense: str | None = None  # asked for a delta ("auto" or True), sent dense: why
 
     @property
     def failed(self) -> dict[int, str]:
@@ -174,6 +178,15 @@ class WeightSender:
             (local_tensor(t).device for _, t in named_tensors(model)), torch.device("cpu")
         )
         self._half = TRANSPORTS[transport].sender(self.settings, device, self.rank)
+        # a delta push's payloads are staged whatever the mode (`tandem.exchange.delta`)
+        staged = dataclasses.replace(self.settings, mode="staged")
+        self._payload_half = (
+            TRANSPORTS[transport].sender(staged, device, self.rank)
+            if self.settings.in_place
+            else self._half
+        )
+        self.shadow = Shadow()  # what this rank last pushed, for deltas
+        self._payloads = torch.empty(0, dtype=torch.uint8, device=device)
 
     @property
     def transport(self) -> str:
@@ -187,6 +200,7 @@ class WeightSender:
         wave: str = "wait",
         *,
         rollback: bool = False,
+        delta: bool | str = "auto",
     ) -> PushStats:
         """Send this rank's boxes and wait until the engine committed (or rejected) them.
 
@@ -213,9 +227,14 @@ class WeightSender:
         layout, tensors = self._local()
         if not isinstance(rollback, bool):
             raise ValueError(f"rollback must be a bool, got {rollback!r}")
+        if not (delta is True or delta is False or delta == "auto"):
+            raise ValueError(f"delta must be True, False or 'auto', got {delta!r}")
+        mode = {True: "on", False: "off"}.get(delta, "auto")
+        base = self.shadow.base if mode != "off" else None
         hello = PushHello(
-            self.rank, self.world_size, version, layout, self.ignore, settings, rollback
+            self.rank, self.world_size, version, layout, self.ignore, settings, rollback, mode, base
         )
+        sent = None  # (the items and tensors of the push in its dense form, as quantized)
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         rollout = None  # a rolling push: the connection then reports its rollout
@@ -225,9 +244,15 @@ class WeightSender:
                 send_token(sock, self._address.token)
                 send_frame(sock, PUSH.encode(hello))
                 reply = PUSH.decode(recv_frame(sock))
+                if isinstance(reply, PushPlan) and reply.encode:  # a delta's first round
+                    sent = self._quantized(reply, layout, tensors)
+                    send_frame(sock, PUSH.encode(self._encode(*sent, mode)))
+                    reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     try:
-                        delivery = self._deliver(*self._quantized(reply, layout, tensors))
+                        if sent is None:
+                            sent = self._quantized(reply, layout, tensors)
+                        delivery = self._deliver(reply, *sent)
                     except p2p.GroupBroken as exc:  # a peer died or left the push's group
                         raise WeightSyncError(self._why_broken(sock, exc)) from None
                     ready = PushReady(delivery.crcs, delivery.bytes_moved, delivery.staging)
@@ -252,7 +277,10 @@ class WeightSender:
             name = self.adapter.name if self.adapter is not None else None
             raise StaleVersionError(reply.version, reply.stale_served, name)
         if reply.error is not None:
+            self.shadow.failed()
             raise WeightSyncError(reply.error)
+        if mode != "off" and sent is not None and self.adapter is None:
+            self.shadow.committed(reply.push_id, reply.delta, sent[0].items, sent[1])
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()
         return PushStats(
             reply.version,
@@ -265,12 +293,15 @@ class WeightSender:
             tuple(reply.replicas),
             delivery.bytes_staged if delivery is not None else None,
             rollout,
+            reply.delta,
+            reply.why_dense,
         )
 
     def close(self) -> None:
         """Release this sender's staging memory and its mappings of engine memory (also
         released when the sender is garbage-collected)."""
         self._half.close()
+        self._payload_half.close()
 
     def _why_broken(self, sock: socket.socket, exc: Exception) -> str:
         """The engine's account of a push whose transport broke under this rank (it answers
@@ -310,9 +341,39 @@ class WeightSender:
         items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
         return dataclasses.replace(plan, items=items), tensors
 
-    def _deliver(self, plan: PushPlan, tensors: dict) -> Delivery:
-        """This rank's part of the plan, through its transport's sender half."""
-        return self._half.deliver(plan, tensors)
+    def _encode(self, plan: PushPlan, tensors: dict, mode: str) -> PushEncoded:
+        """A delta's first round: every box of ``plan`` against the shadow, kept pending; or
+        why this rank sends dense (no shadow of this plan; "auto": the delta would not pay)."""
+        why = self.shadow.why_not(plan.items)
+        encoded = []
+        if why is None:
+            encoded = self.shadow.encode(plan.items, tensors, self.settings.verify)
+            payload = sum(e.box.nbytes for e in encoded)
+            dense = sum(item.nbytes for item in plan.items)
+            if mode == "auto" and payload > AUTO_MAX_FRACTION * dense:
+                why = f"the delta would carry {payload / max(dense, 1):.0%} of the dense bytes"
+        if why is not None:
+            self.shadow.pending(None)
+            return PushEncoded([], why)
+        total = sum(e.payload.numel() for e in encoded)
+        if self._payloads.numel() < total:  # kept: a transport registers it once (mooncake)
+            self._payloads = torch.empty(
+                total + total // 4, dtype=torch.uint8, device=self._payloads.device
+            )
+        at = 0
+        for e in encoded:
+            self._payloads[at : at + e.payload.numel()].copy_(e.payload)
+            at += e.payload.numel()
+        self.shadow.pending(encoded)
+        return PushEncoded([e.box for e in encoded])
+
+    def _deliver(self, reply: PushPlan, plan: PushPlan, tensors: dict) -> Delivery:
+        """This rank's part of the plan, through its transport's sender half: ``reply`` as
+        the engine sent it, ``plan`` and ``tensors`` the push's dense form as quantized; a
+        delta's payloads (``reply.delta``) are staged."""
+        if reply.delta:
+            return self._payload_half.deliver(reply, {PAYLOAD_KEY: self._payloads})
+        return self._half.deliver(dataclasses.replace(reply, items=plan.items), tensors)
 
 
 def _adapter_push(model, name: str | None, keep_versions: int, lora_config) -> AdapterPush:

@@ -22,13 +22,14 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from dataclasses import dataclass
 
 from tandem.errors import StaleVersionError
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record
 from tandem.exchange.layout import LayoutMismatch
 from tandem.exchange.plan import PlanCache
-from tandem.exchange.protocol import PUSH, PushDone, PushHello, PushPlan, PushReady
+from tandem.exchange.protocol import PUSH, PushDone, PushEncoded, PushHello, PushPlan, PushReady
 from tandem.exchange.push_items import push_items, replica_figures
 from tandem.exchange.quantize import scale_sources
 from tandem.exchange.receiver import WeightSyncError
@@ -163,8 +164,19 @@ class ExchangeServer:
                     sock.close()
 
         try:
-            spec, plans, records, needed, per_replica = self._plan(hellos)
-            version = spec.version
+            planned = self._plan(hellos)
+            version = planned.spec.version
+            if planned.why_dense is None:
+                self._encode(planned, socks)
+            spec = self._coordinator(planned.spec.settings.transport).prepare(
+                planned.spec,
+                planned.plans,
+                planned.receivers,
+                self.target.weight_device_type,
+            )
+            plans, records = planned.plans, planned.records
+            needed, per_replica = planned.needed, planned.per_replica
+            outcome = (None, spec.delta, planned.why_dense or None, spec.push_id)
 
             def held(update, moved: int) -> None:  # rolling: the trainers are free now
                 def so_far():
@@ -173,17 +185,12 @@ class ExchangeServer:
                     )
 
                 report.append(RolloutReport(socks, version, so_far))
-                answer(PushDone(version, None, needed, moved, so_far()))
+                answer(PushDone(version, None, needed, moved, so_far(), *outcome))
                 report[0].start()
 
             moved, update = self._push(spec, socks, plans, records, held)
-            done = PushDone(
-                version,
-                None,
-                needed,
-                moved,
-                replica_figures(per_replica, update.ingress(), update.failures()),
-            )
+            figures = replica_figures(per_replica, update.ingress(), update.failures())
+            done = PushDone(version, None, needed, moved, figures, *outcome)
         except StaleVersionError as exc:  # refused before any plan went out: nothing moved
             done = PushDone(exc.requested, str(exc), stale_served=exc.served)
         except (PeerGone, OSError) as exc:
@@ -301,13 +308,14 @@ class ExchangeServer:
         for coordinator in self._coordinators.values():
             coordinator.retire()
 
-    def _plan(self, hellos: list[PushHello]):
-        """(the spec every engine rank gets, each trainer rank's plan, its (engine rank,
-        Record)s, bytes the engine needs)."""
+    def _plan(self, hellos: list[PushHello]) -> _Planned:
+        """The push the trainer ranks asked for, planned: the spec every engine rank gets,
+        each trainer rank's plan, its (engine rank, Record)s, the bytes the engine needs, and
+        whether it may go as a delta (`_delta_refused`)."""
         world = {h.world for h in hellos}
         if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
             raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
-        for field in ("version", "settings", "rollback"):
+        for field in ("version", "settings", "rollback", "delta"):
             values = {repr(getattr(h, field)) for h in hellos}
             if len(values) != 1:
                 raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
@@ -345,10 +353,98 @@ class ExchangeServer:
             PushPlan(dtype, sizes[i], items[i], quantize=quantized) for i in range(len(hellos))
         ]
         rollback = hellos[0].rollback
-        spec = UpdateSpec(version, settings, dtype, len(hellos), adapter=adapter, rollback=rollback)
-        coordinator = self._coordinator(settings.transport)
-        spec = coordinator.prepare(spec, plans, receivers, self.target.weight_device_type)
-        return spec, plans, (records, relayed), needed, per_replica
+        spec = UpdateSpec(
+            version,
+            settings,
+            dtype,
+            len(hellos),
+            adapter=adapter,
+            rollback=rollback,
+            push_id=secrets.token_hex(8),
+        )
+        planned = _Planned(spec, plans, (records, relayed), needed, per_replica, plan, receivers)
+        planned.why_dense = self._delta_refused(hellos, settings)
+        return planned
+
+    def _delta_refused(self, hellos: list[PushHello], settings) -> str | None:
+        """Why a push the trainers asked to send as a delta goes dense ("" when they did not
+        ask), decided before any byte moves."""
+        if hellos[0].delta == "off":
+            return ""
+        base = hellos[0].base
+        if settings.adapter is not None:
+            return "a LoRA adapter's push is dense"
+        if settings.rolling:
+            return "a rolling push is dense"
+        if any(h.base is None for h in hellos):
+            return "no push of this sender has landed yet"
+        if len({h.base for h in hellos}) != 1:
+            return "the trainer ranks hold shadows of different pushes"
+        held = self.target.weight_base
+        if held != base:
+            where = "weights of another origin" if held is None else f"those of push {held}"
+            return f"the target does not hold the weights of push {base} (it holds {where})"
+        return None
+
+    def _encode(self, planned: _Planned, socks: list) -> None:
+        """A delta push's first round: every trainer rank encodes its boxes against its shadow
+        (`PushPlan.encode`) and says how each payload applies (`PushEncoded`); the plans and
+        records then carry the payloads. Any rank that cannot (or, "auto", should not) sends
+        its reason and the whole push goes dense (``planned.why_dense``)."""
+        for sock, plan in zip(socks, planned.plans, strict=True):
+            sock.settimeout(self.stage_timeout_s)
+            send_frame(sock, PUSH.encode(dataclasses.replace(plan, encode=True)))
+        answers = []
+        for rank, sock in enumerate(socks):
+            answer = PUSH.decode(recv_frame(sock))
+            if not isinstance(answer, PushEncoded):
+                raise WeightSyncError(f"trainer rank {rank} sent {type(answer).__name__}")
+            if answer.dense is None and len(answer.boxes) != len(planned.plans[rank].items):
+                raise WeightSyncError(
+                    f"trainer rank {rank} encoded {len(answer.boxes)} boxes "
+                    f"of {len(planned.plans[rank].items)}"
+                )
+            answers.append(answer)
+        refused = [f"trainer rank {r}: {a.dense}" for r, a in enumerate(answers) if a.dense]
+        if refused:
+            planned.why_dense = "; ".join(refused)
+            return
+        boxes = [iter(a.boxes) for a in answers]
+        payloads = [next(boxes[t.src]) for t in planned.plan.transfers]
+        spec = planned.spec
+        transport = TRANSPORTS[spec.settings.transport]
+        sizes, items, records, relayed, _, _ = push_items(
+            planned.plan,
+            planned.receivers,
+            transport.per_stream_offsets,
+            transport.shared_staging,
+            payloads,
+        )
+        planned.plans = [
+            dataclasses.replace(plan, size=sizes[i], items=items[i], delta=True)
+            for i, plan in enumerate(planned.plans)
+        ]
+        planned.records = (records, relayed)
+        # the payloads are staged by every transport, then applied by the receiving ranks
+        settings = dataclasses.replace(spec.settings, mode="staged")
+        planned.spec = dataclasses.replace(spec, settings=settings, delta=True)
+
+
+@dataclass(slots=True)
+class _Planned:
+    """One push as planned: what `ExchangeServer._push` runs (``spec``, ``plans``,
+    ``records``), what the answer reports (``needed``, ``per_replica``), and for a delta
+    the plan and receiving layouts its payloads are laid out by; ``why_dense``: why the push
+    goes dense though the trainers asked for a delta ("": they did not; None: it may not)."""
+
+    spec: UpdateSpec
+    plans: list[PushPlan]
+    records: tuple
+    needed: int
+    per_replica: dict
+    plan: object
+    receivers: list
+    why_dense: str | None = ""
 
 
 def _interleaved(records: tuple) -> list[list[tuple[int, Record]]]:

@@ -147,7 +147,9 @@ class UpdateSpec:
     of engines whose ranks are numbered one after another; ``broadcast``: the call of vLLM's
     protocol the broadcast transport receives; ``adapter``: the LoRA slot an adapter push
     lands in; ``rollback``: the trainers push a version not above the served one on purpose,
-    for a target whose receivers check versions themselves)."""
+    for a target whose receivers check versions themselves; ``delta``: every record carries a
+    payload of changed elements (`tandem.exchange.delta`); ``push_id``: the push's id, what the
+    target's weights come from once it lands)."""
 
     version: int
     settings: PushSettings
@@ -160,6 +162,8 @@ class UpdateSpec:
     broadcast: BroadcastCall | None = None
     adapter: AdapterSlot | None = None
     rollback: bool = False
+    delta: bool = False  # the records carry payloads to apply (`tandem.exchange.delta`)
+    push_id: str = ""  # what the target's `weight_base` becomes once this push lands
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,13 @@ class WeightTarget(Protocol):
         (`tandem.errors.StaleVersionError`) unless it is a rollback."""
 
     @property
+    def weight_base(self) -> str | None:
+        """The id of the push (`UpdateSpec.push_id`) whose weights every receiving rank holds,
+        untouched since; None where that is not known (weights loaded from disk, reloaded,
+        released by sleep, torn, or pushed by other means). A delta push needs its trainers'
+        base here (`tandem.exchange.delta`); any other goes dense."""
+
+    @property
     def weight_dtype(self) -> str:
         """The dtype its ranks hold weights in (a name in `tandem.dtypes.DTYPES`): senders
         convert to it."""

@@ -105,6 +105,11 @@ class FleetTarget:
         return max(replica.weight_version for replica in self.replicas)
 
     @property
+    def weight_base(self) -> str | None:
+        """None: a fleet takes dense pushes: its replicas' bases are not tracked yet."""
+        return None
+
+    @property
     def weight_dtype(self) -> str:
         return self.replicas[0].weight_dtype
 

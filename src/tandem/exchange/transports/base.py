@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tandem.dtypes import DTYPES
+from tandem.dtypes import WIRE_DTYPES
 from tandem.exchange.checksum import checked_copy, tensor_crc32
 from tandem.exchange.items import Record, SendItem
 from tandem.exchange.layout import RankLayout
@@ -88,7 +88,7 @@ class SenderHalf:
         """Each item's place in a uint8 staging buffer, in its dtype and box shape."""
         return [
             buf[item.offset : item.offset + item.nbytes]
-            .view(DTYPES[item.dtype])
+            .view(WIRE_DTYPES[item.dtype])
             .view(item.box_shape)
             for item in plan.items
         ]

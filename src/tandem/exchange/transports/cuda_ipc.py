@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-from tandem.dtypes import DTYPES
+from tandem.dtypes import WIRE_DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.settings import UpdateSpec
 from tandem.exchange.transports.base import Delivery, ReceiverHalf, SenderHalf, Transport
@@ -39,7 +39,9 @@ class CudaIpcReceiver(ReceiverHalf):
             if i not in self._mapped:
                 self._mapped[i] = CudaStaging(spec.staging[i])
         return [
-            self._mapped[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
+            self._mapped[r.source]
+            .tensor(r.offset, r.nbytes, WIRE_DTYPES[r.dtype])
+            .view(r.box_shape)
             for r in records
         ]
 

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.dtypes import DTYPES
+from tandem.dtypes import WIRE_DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushPlan
@@ -43,7 +43,7 @@ class DistSender(SenderHalf):
         with torch.no_grad():
             for dst in order:
                 boxes = [self.source(tensors, plan.items[i]) for i in by_dst[dst]]
-                dtypes = [DTYPES[plan.items[i].dtype] for i in by_dst[dst]]
+                dtypes = [WIRE_DTYPES[plan.items[i].dtype] for i in by_dst[dst]]
                 try:
                     sent, moved[dst] = p2p.send_boxes(
                         group,
@@ -105,7 +105,7 @@ class DistReceiver(ReceiverHalf):
                     r = records[i]
                     boxes[i] = (
                         self._staging[start : start + r.nbytes]
-                        .view(DTYPES[r.dtype])
+                        .view(WIRE_DTYPES[r.dtype])
                         .view(r.box_shape)
                     )
                     start += r.nbytes

@@ -29,7 +29,7 @@ from collections import defaultdict
 
 import torch
 
-from tandem.dtypes import DTYPES
+from tandem.dtypes import WIRE_DTYPES
 from tandem.exchange.checksum import source_crc32
 from tandem.exchange.items import Record
 from tandem.exchange.settings import UpdateSpec
@@ -116,7 +116,7 @@ class MooncakeSender(SenderHalf):
         weakref.finalize(self, _drop_all, ProcessEngine.get().pins, self._held)
 
     def deliver(self, plan, tensors: dict[str, torch.Tensor]) -> Delivery:
-        dtypes = {item.key: DTYPES[item.dtype] for item in plan.items}
+        dtypes = {item.key: WIRE_DTYPES[item.dtype] for item in plan.items}
         readable = self._register(
             {key: t for key, t in tensors.items() if self._in_place(t, dtypes.get(key))}
         )
@@ -130,7 +130,7 @@ class MooncakeSender(SenderHalf):
                 src = self.source(tensors, item)
                 if item.key in readable and src.is_contiguous():
                     crcs.append(
-                        source_crc32(src, DTYPES[item.dtype]) if self.settings.verify else None
+                        source_crc32(src, WIRE_DTYPES[item.dtype]) if self.settings.verify else None
                     )
                     direct.append([item.offset, src.data_ptr()])
                 else:
@@ -293,7 +293,7 @@ class MooncakeReceiver(ReceiverHalf):
         if data is None or data.numel() < sum(r.nbytes for r in records):
             raise MooncakeError("nothing received for this push")
         for r in records:
-            out.append(data[at : at + r.nbytes].view(DTYPES[r.dtype]).view(r.box_shape))
+            out.append(data[at : at + r.nbytes].view(WIRE_DTYPES[r.dtype]).view(r.box_shape))
             at += r.nbytes
         return out
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tandem.dtypes import DTYPES
+from tandem.dtypes import WIRE_DTYPES
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import PushPlan
@@ -37,7 +37,7 @@ class ShmSender(SenderHalf):
         if self.settings.in_place:
             arenas = self._map_arenas(plan.arenas)
             targets = [
-                item.dst_region.view(arenas[item.dst].param(item.dst_key, DTYPES[item.dtype]))
+                item.dst_region.view(arenas[item.dst].param(item.dst_key, WIRE_DTYPES[item.dtype]))
                 for item in plan.items
             ]
         else:
@@ -74,7 +74,7 @@ class ShmReceiver(ReceiverHalf):
             return self.live(records)
         segments = self._map(spec, {r.source for r in records})
         return [
-            segments[r.source].tensor(r.offset, r.nbytes, DTYPES[r.dtype]).view(r.box_shape)
+            segments[r.source].tensor(r.offset, r.nbytes, WIRE_DTYPES[r.dtype]).view(r.box_shape)
             for r in records
         ]
 

@@ -188,6 +188,11 @@ class ClientTarget:
         return self._version
 
     @property
+    def weight_base(self) -> str | None:
+        """None: vLLM's workers do not track the push their weights came from: pushes are dense."""
+        return None
+
+    @property
     def weight_dtype(self) -> str:
         return self.workers[0].layout.dtype
 
