@@ -2,7 +2,7 @@
 then decodes greedily with Megatron's own forward; run by the tests, one process per rank.
 
     python tests/support/megatron_trainer.py RANK WORLD PORT TP PP MODEL_DIR ADDRESS VERSION \
-        OUT PROMPT
+        OUT PROMPT [delta]
 
 ADDRESS is the engine's exchange address (tandem's `WeightSender`), or the URL of a
 ``vllm serve`` made with the ``tandem`` weight-transfer backend: the push then goes through
@@ -13,7 +13,10 @@ output, learned positions with LayerNorm and GELU; random init of its own, vocab
 multiple of 64 x TP). With PP = 1 the trainer first takes one SGD step on a
 language-modelling loss. After the push, the last pipeline stage's TP rank 0 writes OUT:
 JSON {"tokens": [...], "logprobs": [...]} of 6 greedy tokens after PROMPT (comma-separated
-ids), from log_softmax of Megatron's TP-gathered logits.
+ids), from log_softmax of Megatron's TP-gathered logits. With ``delta`` (PP = 1, tandem's
+`WeightSender`), a second SGD step follows the push (the embedding's rows of tokens not in
+its batch stay as they were) and VERSION + 1 is pushed as a delta (`delta=True`) before
+decoding.
 """
 
 import json
@@ -164,6 +167,13 @@ def push_through_vllms_api(model, url: str, rank: int, world: int, vocab: int, v
     assert stats.bytes_moved == stats.bytes_needed, stats
 
 
+def sgd_step(model, optimizer, ids: torch.Tensor) -> None:
+    loss = forward(model, ids, labels=torch.roll(ids, -1, 1)).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def main() -> int:
     rank, world, tp, pp = (int(a) for a in (*sys.argv[1:3], *sys.argv[4:6]))
     rendezvous = sys.argv[3]
@@ -178,14 +188,12 @@ def main() -> int:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(1234 + ps.get_pipeline_model_parallel_rank())
     model, vocab = build(model_dir, tp, pp)
+    delta = len(sys.argv) > 11 and sys.argv[11] == "delta"
     if pp == 1:  # one optimizer step: the pushed weights are a trained model's
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         g = torch.Generator().manual_seed(7)
-        ids = torch.randint(0, vocab, (1, 16), generator=g)
-        loss = forward(model, ids, labels=torch.roll(ids, -1, 1)).mean()
-        loss.backward()
         before = [p.detach().clone() for p in model.parameters()]
-        optimizer.step()
+        sgd_step(model, optimizer, torch.randint(0, vocab, (1, 16), generator=g))
         changed = [not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)]
         assert all(changed), "the optimizer step left a parameter unchanged"
     # with PP, push through a wrapper as Megatron's DDP / Float16Module hold the model
@@ -193,7 +201,12 @@ def main() -> int:
     if address.startswith("http://"):
         push_through_vllms_api(pushed, address, rank, world, vocab, int(version))
     else:
-        WeightSender(pushed, address, vocab_size=vocab).push(version=int(version))
+        sender = WeightSender(pushed, address, vocab_size=vocab)
+        sender.push(version=int(version))
+        if delta:
+            sgd_step(model, optimizer, torch.randint(0, vocab, (1, 16), generator=g))
+            stats = sender.push(version=int(version) + 1, delta=True)
+            assert stats.delta and stats.bytes_moved < stats.bytes_needed, stats
     tokens = [int(t) for t in prompt.split(",")]
     last = (pp - 1) * tp  # the last stage's TP rank 0 (Megatron orders ranks TP fastest, PP last)
     generated, logprobs = [], []

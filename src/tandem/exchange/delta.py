@@ -241,6 +241,7 @@ class Shadow:
         self.base = push_id
 
     def failed(self) -> None:
-        """The push failed: the shadow stays what the push before it sent (the engine's id
-        says whether it still holds that)."""
+        """The push failed: the next goes dense (and reads the shadow afresh), whatever the
+        failure was (a rejected delta may mean the shadow itself is wrong)."""
         self._pending = None
+        self.base = None

@@ -32,6 +32,7 @@ PROTOCOL = {name for name in vars(WeightTarget) if not name.startswith("_")}
 def test_the_protocol_names_no_engine_internals():
     assert PROTOCOL == {
         "weight_version",
+        "weight_base",
         "weight_dtype",
         "weight_device_type",
         "receivers_in_process",
@@ -108,6 +109,7 @@ class _FakeTarget:
     weight_dtype = "float32"
     weight_device_type = "cpu"
     receivers_in_process = True
+    weight_base = None  # it does not track where its weights came from: pushes go dense
 
     def weight_layouts(self):
         return [dtensor_layout(self._model, 0)]

@@ -22,7 +22,9 @@ SCRIPT = SUPPORT / "megatron_trainer.py"
 MEGATRON = ("megatron.core.models.gpt", "megatron.core.parallel_state", "tandem.exchange")
 
 
-def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Path) -> dict:
+def _train_and_push(
+    model_dir: str, llm, tp: int, pp: int, version: int, out: Path, *extra: str
+) -> dict:
     world = tp * pp
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
     args = [
@@ -34,6 +36,7 @@ def _train_and_push(model_dir: str, llm, tp: int, pp: int, version: int, out: Pa
         str(version),
         str(out),
         ",".join(map(str, PROMPT)),
+        *extra,
     ]
     procs = [start_rank(SCRIPT, [str(r), str(world), *args], env, MEGATRON) for r in range(world)]
     assert wait_ranks(procs, 240) == [0] * world
@@ -58,6 +61,24 @@ def test_megatron_trainer_pushes_and_the_engine_decodes_what_megatron_does(
     with LLM(model_dir, **engine) as llm:
         expected = _train_and_push(model_dir, llm, tp, pp, 3, tmp_path / "megatron.json")
         assert llm.weight_version == 3
+        params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
+        got = llm.generate([PROMPT], params)[0].outputs[0]
+    assert got.token_ids == expected["tokens"]
+    assert max(abs(a - b) for a, b in zip(got.logprobs, expected["logprobs"], strict=True)) <= 1e-4
+
+
+@pytest.mark.parametrize("engine", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_megatron_trainer_pushes_a_delta_and_the_engine_decodes_what_megatron_does(
+    model_factory, tmp_path, engine
+):
+    """Version 3 dense, then an SGD step and version 4 as a delta (Megatron's fused QKV and
+    gate/up boxes, TP-sharded and vocab-padded, encoded per box: the embedding's untouched
+    rows leave it sparse); the engine then decodes what Megatron's forward does."""
+    model_dir = model_factory("llama", vocab_size=500)
+    with LLM(model_dir, **engine) as llm:
+        out = tmp_path / "megatron.json"
+        expected = _train_and_push(model_dir, llm, 2, 1, 3, out, "delta")
+        assert llm.weight_version == 4
         params = SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True)
         got = llm.generate([PROMPT], params)[0].outputs[0]
     assert got.token_ids == expected["tokens"]

@@ -118,6 +118,8 @@ def test_a_hello_with_untyped_settings_is_malformed():
         [],
         ["shm", "staged", True],
         False,
+        "off",
+        None,
     ]
     with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
         PUSH.decode(msgpack.packb(old_wire))

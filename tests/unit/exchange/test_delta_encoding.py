@@ -1,0 +1,83 @@
+"""A delta payload (`tandem.exchange.delta`) against hand-made boxes: each encoding is chosen
+where it is the smallest, decodes to exactly the changed elements and values, and applies to a
+box wherever it lies in its parameter (strided, transposed), with an undo that restores it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.exchange.checksum import tensor_crc32
+from tandem.exchange.delta import apply_box, decode, dense_values, encode_box, undo_box
+
+
+def _changed(old: torch.Tensor, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``old`` (float32) with ``count`` elements moved by more than a bfloat16 step."""
+    g = torch.Generator().manual_seed(seed)
+    new = old.clone(memory_format=torch.contiguous_format)
+    at = torch.randperm(old.numel(), generator=g)[:count]
+    new.view(-1)[at] += 1.0
+    return new, at.sort().values
+
+
+@pytest.mark.parametrize(
+    ("count", "encoding"), [(0, "indices"), (3, "indices"), (300, "bitmap"), (1000, "dense")]
+)
+def test_the_smallest_encoding_is_chosen_and_decodes_to_the_changed_elements(count, encoding):
+    old = torch.randn(40, 25).to(torch.bfloat16)
+    new, at = _changed(old.float(), count)
+    enc = encode_box(new, old, verify=True)
+    assert enc.box.encoding == encoding
+    assert enc.box.changed == count
+    assert enc.box.crc == tensor_crc32(new.to(torch.bfloat16))
+    bytes_by_hand = {  # 1,000 elements of 2 bytes: indices 4 + 2 per change, bitmap 128 bits
+        "indices": max(8, -(-count * 4 // 8) * 8 + -(-count * 2 // 8) * 8),
+        "bitmap": 128 + -(-count * 2 // 8) * 8,
+        "dense": 2000,
+    }
+    assert enc.box.nbytes == enc.payload.numel() == bytes_by_hand[encoding]
+    indices, values = decode(enc.payload, enc.box, old.numel(), torch.bfloat16)
+    if encoding == "dense":
+        assert indices is None and torch.equal(values, new.to(torch.bfloat16).view(-1))
+    else:
+        assert torch.equal(indices, at)
+        assert torch.equal(values, new.to(torch.bfloat16).view(-1)[at])
+
+
+def test_elements_compare_by_their_bits_in_the_engine_dtype():
+    same = torch.ones(100)
+    old = torch.cat([torch.tensor([0.0, float("nan"), 1.0, 1.0 + 2**-12]), same])
+    shadow = old.to(torch.bfloat16)
+    new = torch.cat([torch.tensor([-0.0, float("nan"), 1.0 + 2**-12, 1.0]), same])
+    enc = encode_box(new, shadow, verify=True)
+    # -0.0 differs from 0.0; NaN equals itself; 1 + 2^-12 rounds to 1.0 in bfloat16 both ways
+    assert enc.box.changed == 1
+    assert enc.indices.tolist() == [0]
+
+
+@pytest.mark.parametrize("count", [5, 200])
+@pytest.mark.parametrize("where", ["columns", "transposed"])
+def test_a_payload_applies_to_a_strided_box_and_its_undo_restores_it(count, where):
+    param = torch.randn(30, 64).to(torch.bfloat16)
+    before = param.clone()
+    live = param[:, 16:48] if where == "columns" else param[4:20].t()
+    assert not live.is_contiguous()
+    new, _ = _changed(live.float(), count, seed=1)
+    enc = encode_box(new, live.contiguous(), verify=True)
+    assert enc.box.encoding != "dense"
+    undo = apply_box(live, enc.payload, enc.box)
+    assert torch.equal(live, new.to(torch.bfloat16))
+    assert tensor_crc32(live) == enc.box.crc
+    outside = torch.ones_like(param, dtype=torch.bool)
+    (outside[:, 16:48] if where == "columns" else outside[4:20]).fill_(False)
+    assert torch.equal(param[outside], before[outside])  # nothing written outside the box
+    undo_box(live, undo)
+    assert torch.equal(param, before)
+
+
+def test_a_dense_payload_holds_the_whole_box():
+    old = torch.randn(7, 9)
+    new = old + 1
+    enc = encode_box(new, old, verify=False)
+    assert enc.box.encoding == "dense" and enc.box.crc is None
+    assert torch.equal(dense_values(enc.payload, old), new)
