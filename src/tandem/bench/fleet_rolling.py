@@ -98,7 +98,7 @@ def _pushes(llm, sender, policy: str, window_s: float, version: int):
     start = time.monotonic()
     while time.monotonic() - start < window_s:
         t0 = time.monotonic()
-        sender.push(version=version, policy=policy, max_unavailable=1)
+        sender.push(version=version, policy=policy, max_unavailable=1, delta=False)
         _serving(llm, version)
         rollouts.append(time.monotonic() - t0)
         version += 1
@@ -129,7 +129,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         str(path), data_parallel_size=REPLICAS, dtype="float32", kv_cache_memory=128 << 20
     ) as llm:
         sender = WeightSender(trainer, llm, transport="shm")
-        sender.push(version=1)  # warm-up: the staging memory, the plan
+        sender.push(version=1, delta=False)  # warm-up: the staging memory, the plan
         clients = _Clients(llm, vocab)
         time.sleep(min(2.0, window / 2))  # the load settles
         start = time.monotonic()
@@ -182,7 +182,7 @@ def _fault(llm, sender, version: int, sampling) -> dict[str, Any]:
     t0 = time.monotonic()
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    stats = sender.push(version=version)
+    stats = sender.push(version=version, delta=False)
     pushed = time.monotonic() - t0
     watcher.join(30)
     _serving(llm, version)

@@ -411,6 +411,18 @@ SCENARIOS = (
         summary=Ref("tandem.bench.sync_dtypes:summary"),
     ),
     Scenario(
+        name="sync-delta",
+        command="sync",
+        flags={"--delta": True},
+        description=(
+            "a real RL run (GRPO, AdamW at lr 1e-6 and 1e-5) into a bfloat16 LLM(tp=2): each "
+            "step's delta push against the dense push of the same weights, over shm, gloo and "
+            "Mooncake"
+        ),
+        run=Ref("tandem.bench.sync_delta:run"),
+        summary=Ref("tandem.bench.sync_delta:summary"),
+    ),
+    Scenario(
         name="encode",
         command="encode",
         flags={},

@@ -240,7 +240,7 @@ def trainer_main(rank: int, port: str, model_dir: str, address: str, repeats: in
             version += 1
             dist.barrier()
             start = time.perf_counter()
-            stats = sender.push(version=version)
+            stats = sender.push(version=version, delta=False)  # dense: `--delta` times deltas
             elapsed = time.perf_counter() - start
             if i:
                 seconds.append(elapsed)

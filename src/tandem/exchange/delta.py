@@ -18,14 +18,18 @@ against the trainer's CRC32 of its whole new box: a lost part, a wrong base or a
 cannot pass. A sparse box is applied with an undo (the old values of the changed elements), so
 a rejected delta leaves the old weights serving.
 
-A delta needs the engine to hold exactly what the shadow holds: each push has an id
-(`PushHello.push_id`), the engine remembers the id of the push its weights came from
-(`WeightTarget.weight_base`; anything else that touches them forgets it), and a trainer whose
-shadow's id is not that gets a dense push, decided before any byte moves.
+A delta needs the engine to hold exactly what the shadow holds: the exchange server gives each
+push an id (`UpdateSpec.push_id`, told the trainers in `PushDone`), the engine remembers the
+id of the push its weights came from (`WeightTarget.weight_base`; anything else that touches
+them forgets it), and a trainer whose shadow's id is not that gets a dense push, decided
+before any byte moves. A target that keeps no id (a fleet, vLLM) takes dense pushes only, and
+its trainers keep no shadow.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,12 +38,17 @@ import torch
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import DeltaBox, SendItem
+from tandem.kernels.delta import apply16, changed, encode_f32_bf16, fused_available
 
 DELTA_MODES = (True, False, "auto")
 ALIGN = 8  # every part of a payload starts here (views as int32, bf16, fp32 anywhere)
 # "auto" pushes a delta only when its payload is at most this fraction of the dense push:
 # below it the bytes saved outweigh encoding and applying
 AUTO_MAX_FRACTION = 0.5
+# after a push "auto" found not worth a delta, this many go dense without encoding (the last
+# reads the shadow afresh) before it tries again
+AUTO_RETRY_AFTER = 4
+ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
 PAYLOAD_KEY = "\0delta"  # the tensor a delta push's items read (no model tensor has this name)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -84,44 +93,98 @@ def _unpack(bits: torch.Tensor, numel: int) -> torch.Tensor:
 
 @dataclass(slots=True)
 class Encoded:
-    """One box encoded: its payload (uint8), how it applies, and what the shadow takes once
-    the push committed (``indices`` and ``values`` of the changed elements; a dense box:
-    ``values`` is the whole box)."""
+    """One box encoded: its payload (uint8) and how it applies."""
 
     payload: torch.Tensor
     box: DeltaBox
-    indices: torch.Tensor | None
-    values: torch.Tensor
 
 
 def encode_box(src: torch.Tensor, shadow: torch.Tensor, verify: bool) -> Encoded:
     """``src`` (the trainer's box, any dtype and strides) against ``shadow`` (what it last
-    pushed: contiguous, in the engine dtype), encoded the smallest way. Elements compare by
-    their bits in the engine dtype (a NaN equal to itself, -0.0 unlike 0.0)."""
+    pushed: contiguous, in the engine dtype), encoded the smallest way; the shadow then holds
+    ``src`` (in the engine dtype). Elements compare by their bits in the engine dtype (a NaN
+    equal to itself, -0.0 unlike 0.0)."""
     dtype = shadow.dtype
+    if _fused(src, shadow):
+        return _encode_fused(src, shadow, verify)
     new = src.to(dtype).contiguous().view(-1)  # a copy if it converts or gathers
-    old = shadow.view(-1)
     crc = tensor_crc32(new) if verify else None
     as_int = _INT[dtype.itemsize]
-    changed_at = torch.ne(new.view(as_int), old.view(as_int))
-    indices = changed_at.nonzero().squeeze(1)
-    k, n, itemsize = indices.numel(), new.numel(), dtype.itemsize
+    n, itemsize = new.numel(), dtype.itemsize
+    if new.device.type == "cpu":  # numpy: one pass each, vectorized (torch's nonzero is not)
+        a, b = new.view(as_int).numpy(), shadow.view(-1).view(as_int).numpy()
+        mask = np.not_equal(a, b)
+        k = int(np.count_nonzero(mask))
+    else:
+        a, b = new.view(as_int), shadow.view(-1).view(as_int)
+        mask = torch.ne(a, b)
+        k = int(mask.sum())
     size = sizes(n, k, itemsize)
     encoding = min(("indices", "bitmap", "dense"), key=lambda e: size[e])
-    payload = torch.zeros(size[encoding], dtype=torch.uint8, device=new.device)
+    box = DeltaBox(encoding, k, size[encoding], crc)
     if encoding == "dense":
+        payload = torch.empty(size["dense"], dtype=torch.uint8, device=new.device)
+        payload[n * itemsize :].zero_()
         payload[: n * itemsize].copy_(new.view(torch.uint8))
-        return Encoded(payload, DeltaBox("dense", k, size["dense"], crc), None, new)
-    values = new[indices]
-    if encoding == "bitmap":
-        bits = _pack(changed_at)
-        payload[: bits.numel()].copy_(bits)
-        at = _aligned(bits.numel())
+        shadow.view(-1).copy_(new)
+        return Encoded(payload, box)
+    payload = torch.zeros(size[encoding], dtype=torch.uint8, device=new.device)
+    if new.device.type == "cpu":
+        where = changed(a, b, k)  # int32, ascending
+        values = torch.from_numpy(np.take(a, where).view(np.uint8))
+        if encoding == "bitmap":
+            head = torch.from_numpy(np.packbits(mask, bitorder="little"))
+        else:
+            head = torch.from_numpy(where.view(np.uint8))
+        shadow.view(-1).copy_(new)
     else:
-        payload[: k * 4].view(torch.int32).copy_(indices)
-        at = _aligned(k * 4)
-    payload[at : at + k * itemsize].view(dtype).copy_(values)
-    return Encoded(payload, DeltaBox(encoding, k, size[encoding], crc), indices, values)
+        indices = mask.nonzero().squeeze(1)
+        head = _pack(mask) if encoding == "bitmap" else indices.to(torch.int32).view(torch.uint8)
+        values = a[indices]
+        b[indices] = values
+        values = values.view(torch.uint8)
+    payload[: head.numel()].copy_(head)
+    at = _aligned(head.numel())
+    payload[at : at + k * itemsize].copy_(values)
+    return Encoded(payload, box)
+
+
+def _fused(src: torch.Tensor, shadow: torch.Tensor) -> bool:
+    """Whether the one-pass kernel encodes this box (float32 into bfloat16, on the CPU)."""
+    return (
+        src.dtype == torch.float32
+        and shadow.dtype == torch.bfloat16
+        and src.device.type == "cpu"
+        and src.is_contiguous()
+        and fused_available()
+    )
+
+
+def _encode_fused(src: torch.Tensor, shadow: torch.Tensor, verify: bool) -> Encoded:
+    """`encode_box` in one pass over the box (`tandem.kernels.delta.encode_f32_bf16`)."""
+    n = src.numel()
+    flat = shadow.view(-1)
+    bits = np.zeros(-(-n // 8), dtype=np.uint8)
+    vals = np.empty(n, dtype=np.uint16)
+    idx = np.empty(n // 32 + 8, dtype=np.int32)  # indices are smallest only below n / 32
+    k = encode_f32_bf16(
+        src.reshape(-1).numpy(), flat.view(torch.int16).numpy().view(np.uint16), bits, vals, idx
+    )
+    crc = tensor_crc32(flat) if verify else None
+    size = sizes(n, k, 2)
+    encoding = min(("indices", "bitmap", "dense"), key=lambda e: size[e])
+    if encoding == "indices" and k > idx.size:
+        encoding = "bitmap"  # (not reached: indices are larger than a bitmap there)
+    box = DeltaBox(encoding, k, size[encoding], crc)
+    payload = torch.zeros(size[encoding], dtype=torch.uint8)
+    if encoding == "dense":
+        payload[: 2 * n].copy_(flat.view(torch.uint8))
+        return Encoded(payload, box)
+    head = bits if encoding == "bitmap" else idx[:k].view(np.uint8)
+    payload[: head.size].copy_(torch.from_numpy(head))
+    at = _aligned(head.size)
+    payload[at : at + 2 * k].copy_(torch.from_numpy(vals[:k].view(np.uint8)))
+    return Encoded(payload, box)
 
 
 def decode(payload: torch.Tensor, box: DeltaBox, numel: int, dtype: torch.dtype):
@@ -161,18 +224,36 @@ class FlatView:
 
 def apply_box(live: torch.Tensor, payload: torch.Tensor, box: DeltaBox):
     """Write a sparse payload's changed elements into ``live`` (a box of a live parameter):
-    the undo (indices, old values) that puts them back. A dense payload is not applied here
+    the undo that puts them back (`undo_box`). A dense payload is not applied here
     (`dense_values`: it is committed like a staged box)."""
-    indices, values = decode(payload, box, live.numel(), live.dtype)
+    n = live.numel()
+    if live.is_contiguous() and live.element_size() == 2 and live.device.type == "cpu":
+        if fused_available():  # one pass over the bitmap (or indices), no index tensors
+            flat = live.view(-1).view(torch.int16).numpy().view(np.uint16)
+            raw = payload.numpy()
+            head = -(-n // 8) if box.encoding == "bitmap" else box.changed * 4
+            bits = raw[:head] if box.encoding == "bitmap" else None
+            idx = None if bits is not None else raw[:head].view(np.int32)
+            at = _aligned(head)
+            vals = raw[at : at + 2 * box.changed].view(np.uint16)
+            old = np.empty(box.changed, dtype=np.uint16)
+            apply16(flat, bits, idx, vals, old)
+            return (flat, bits, idx, old)
+    indices, values = decode(payload, box, n, live.dtype)
     view = FlatView(live)
-    if indices is not None and indices.numel() and int(indices.max()) >= live.numel():
-        raise ValueError(f"an index past the box's {live.numel()} elements")
+    if indices is not None and indices.numel() and int(indices.max()) >= n:
+        raise ValueError(f"an index past the box's {n} elements")
     old = view.get(indices)
     view.put(indices, values.to(live.device))
     return indices, old
 
 
-def undo_box(live: torch.Tensor, undo: tuple[torch.Tensor, torch.Tensor]) -> None:
+def undo_box(live: torch.Tensor, undo: tuple) -> None:
+    """Put back what `apply_box` changed."""
+    if len(undo) == 4:  # the kernel's: the old values go where the new ones went
+        flat, bits, idx, old = undo
+        apply16(flat, bits, idx, old, np.empty_like(old))
+        return
     indices, old = undo
     FlatView(live).put(indices, old)
 
@@ -185,13 +266,15 @@ def dense_values(payload: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 class Shadow:
     """What one trainer rank last pushed, for the next push's delta: each box of its plan in
     the engine dtype (``items``: the plan it is laid out by; ``base``: the id of the push that
-    put it into the engine). Costs as much memory as a dense push of this rank sends."""
+    put it into the engine). Costs as much memory as a dense push of this rank sends. Encoding
+    a push writes its new values in (`encode_box`), so a push that fails leaves no base: the
+    next goes dense and reads the shadow afresh."""
 
     def __init__(self):
         self.items: list[SendItem] | None = None
         self.base: str | None = None
         self.boxes: list[torch.Tensor] = []
-        self._pending: list[Encoded] | None = None
+        self._fresh = False  # the boxes hold the push under way (it was encoded)
 
     @property
     def nbytes(self) -> int:
@@ -206,42 +289,40 @@ class Shadow:
         return None
 
     def encode(self, items: list[SendItem], tensors: dict, verify: bool) -> list[Encoded]:
-        """Every item against its shadow box, kept pending until `committed`."""
-        out = []
-        with torch.no_grad():
-            for item, shadow in zip(items, self.boxes, strict=True):
-                out.append(encode_box(item.src.view(tensors[item.key]), shadow, verify))
-        return out
+        """Every item against its shadow box, on ``ENCODE_THREADS`` threads (encoding is bound
+        by memory, and one core does not draw all of it; the kernels and the CRC32 leave the
+        GIL); the boxes then hold this push."""
+        self.base, self._fresh = None, True  # until the push commits
 
-    def pending(self, encoded: list[Encoded] | None) -> None:
-        """What the push under way sends as a delta (None: it goes dense)."""
-        self._pending = encoded
+        def one(pair) -> Encoded:
+            item, shadow = pair
+            with torch.no_grad():
+                return encode_box(item.src.view(tensors[item.key]), shadow, verify)
 
-    def committed(self, push_id: str, delta: bool, items: list[SendItem], tensors: dict) -> None:
-        """The push ``push_id`` landed: the shadow becomes what it sent (a delta's changed
-        elements written in; after a dense push, every box read from ``tensors`` again)."""
-        pending, self._pending = self._pending, None
-        with torch.no_grad():
-            if delta:
-                if pending is None:
-                    raise RuntimeError("a delta landed that this rank did not encode")
-                for shadow, enc in zip(self.boxes, pending, strict=True):
-                    flat = shadow.view(-1)
-                    if enc.indices is None:
-                        flat.copy_(enc.values)
-                    else:
-                        flat[enc.indices] = enc.values
-            else:
-                self.boxes = []
-                for item in items:
+        pairs = list(zip(items, self.boxes, strict=True))
+        with ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="tandem-delta") as pool:
+            return list(pool.map(one, pairs))
+
+    def committed(self, push_id: str, items: list[SendItem], tensors: dict) -> None:
+        """The push ``push_id`` landed: the shadow is what it sent (encoded: already; else
+        every box read from ``tensors``, into the boxes it has where the plan is the same)."""
+        if not self._fresh:
+            reuse = self.boxes if self.items == items else [None] * len(items)
+            self.boxes = []
+            with torch.no_grad():
+                for item, box in zip(items, reuse, strict=True):
                     src = item.src.view(tensors[item.key])
-                    box = torch.empty(src.shape, dtype=DTYPES[item.dtype], device=src.device)
+                    if box is None:
+                        box = torch.empty(src.shape, dtype=DTYPES[item.dtype], device=src.device)
                     self.boxes.append(box.copy_(src))
-                self.items = list(items)
-        self.base = push_id
+            self.items = list(items)
+        self.base, self._fresh = push_id, False
+
+    def clear(self) -> None:
+        """No shadow: its memory is freed, the next push goes dense."""
+        self.items, self.base, self.boxes, self._fresh = None, None, [], False
 
     def failed(self) -> None:
         """The push failed: the next goes dense (and reads the shadow afresh), whatever the
         failure was (a rejected delta may mean the shadow itself is wrong)."""
-        self._pending = None
-        self.base = None
+        self.base, self._fresh = None, False

@@ -106,7 +106,9 @@ class PushDone:
     stale_served: int | None = None
     delta: bool = False  # the push sent changed elements only
     why_dense: str | None = None  # a push that could have gone as a delta: why it did not
-    push_id: str = ""  # the push's id: what a trainer's shadow is the base of once it landed
+    # the push's id, what a trainer's shadow is the base of from now on ("": the target does
+    # not keep it, `WeightTarget.weight_base`: no shadow is kept)
+    push_id: str = ""
 
 
 @PUSH.register("rollout_progress")

@@ -10,6 +10,7 @@ and reject the push on any mismatch.
 from __future__ import annotations
 
 import dataclasses
+import math
 import socket
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
 from tandem.exchange.adapters.megatron import is_megatron_module, megatron_module_layout
-from tandem.exchange.delta import AUTO_MAX_FRACTION, PAYLOAD_KEY, Shadow
+from tandem.exchange.delta import AUTO_MAX_FRACTION, AUTO_RETRY_AFTER, PAYLOAD_KEY, Shadow
 from tandem.exchange.discovery import target_address
 from tandem.exchange.layout import RankLayout
 from tandem.exchange.protocol import (
@@ -67,6 +68,10 @@ class PushStats:
     rollout: Rollout | None = field(default=None, compare=False, repr=False)
     delta: bool = False  # only the changed elements were sent (`tandem.exchange.delta`)
     why_dense: str | None = None  # asked for a delta ("auto" or True), sent dense: why
+    # where this rank encoded its boxes against its shadow: the fraction of their elements
+    # that changed, and the seconds encoding took (inside ``seconds``)
+    density: float | None = None
+    encode_seconds: float = 0.0
 
     @property
     def failed(self) -> dict[int, str]:
@@ -187,6 +192,8 @@ class WeightSender:
         )
         self.shadow = Shadow()  # what this rank last pushed, for deltas
         self._payloads = torch.empty(0, dtype=torch.uint8, device=device)
+        self._encoded: tuple[float | None, float] = (None, 0.0)
+        self._dense_for = 0  # "auto": pushes left before a delta is tried again
 
     @property
     def transport(self) -> str:
@@ -230,11 +237,17 @@ class WeightSender:
         if not (delta is True or delta is False or delta == "auto"):
             raise ValueError(f"delta must be True, False or 'auto', got {delta!r}")
         mode = {True: "on", False: "off"}.get(delta, "auto")
+        if mode == "auto" and not TRANSPORTS[self.transport].delta_pays:
+            mode = "off"  # bytes move at memory speed: a delta costs what it saves
+        elif mode == "auto" and self._dense_for > 0:  # a recent delta did not pay
+            self._dense_for -= 1
+            mode = "off" if self._dense_for > 0 else mode  # the last reads the shadow again
         base = self.shadow.base if mode != "off" else None
         hello = PushHello(
             self.rank, self.world_size, version, layout, self.ignore, settings, rollback, mode, base
         )
         sent = None  # (the items and tensors of the push in its dense form, as quantized)
+        self._encoded = (None, 0.0)  # this push's (density, encode seconds)
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         rollout = None  # a rolling push: the connection then reports its rollout
@@ -279,8 +292,10 @@ class WeightSender:
         if reply.error is not None:
             self.shadow.failed()
             raise WeightSyncError(reply.error)
-        if mode != "off" and sent is not None and self.adapter is None:
-            self.shadow.committed(reply.push_id, reply.delta, sent[0].items, sent[1])
+        if mode != "off" and reply.push_id and sent is not None:
+            self.shadow.committed(reply.push_id, sent[0].items, sent[1])
+        else:  # a target that takes no deltas (or none asked for): no shadow is kept
+            self.shadow.clear()
         sent = tuple(delivery.bytes_moved) if delivery is not None else ()
         return PushStats(
             reply.version,
@@ -295,6 +310,7 @@ class WeightSender:
             rollout,
             reply.delta,
             reply.why_dense,
+            *self._encoded,
         )
 
     def close(self) -> None:
@@ -344,16 +360,20 @@ class WeightSender:
     def _encode(self, plan: PushPlan, tensors: dict, mode: str) -> PushEncoded:
         """A delta's first round: every box of ``plan`` against the shadow, kept pending; or
         why this rank sends dense (no shadow of this plan; "auto": the delta would not pay)."""
+        start = time.perf_counter()
         why = self.shadow.why_not(plan.items)
         encoded = []
         if why is None:
             encoded = self.shadow.encode(plan.items, tensors, self.settings.verify)
+            changed = sum(e.box.changed for e in encoded)
+            density = changed / max(1, sum(math.prod(i.box_shape) for i in plan.items))
+            self._encoded = (density, time.perf_counter() - start)
             payload = sum(e.box.nbytes for e in encoded)
             dense = sum(item.nbytes for item in plan.items)
             if mode == "auto" and payload > AUTO_MAX_FRACTION * dense:
                 why = f"the delta would carry {payload / max(dense, 1):.0%} of the dense bytes"
+                self._dense_for = AUTO_RETRY_AFTER
         if why is not None:
-            self.shadow.pending(None)
             return PushEncoded([], why)
         total = sum(e.payload.numel() for e in encoded)
         if self._payloads.numel() < total:  # kept: a transport registers it once (mooncake)
@@ -364,7 +384,7 @@ class WeightSender:
         for e in encoded:
             self._payloads[at : at + e.payload.numel()].copy_(e.payload)
             at += e.payload.numel()
-        self.shadow.pending(encoded)
+        self._encoded = (self._encoded[0], time.perf_counter() - start)
         return PushEncoded([e.box for e in encoded])
 
     def _deliver(self, reply: PushPlan, plan: PushPlan, tensors: dict) -> Delivery:

@@ -176,7 +176,7 @@ class ExchangeServer:
             )
             plans, records = planned.plans, planned.records
             needed, per_replica = planned.needed, planned.per_replica
-            outcome = (None, spec.delta, planned.why_dense or None, spec.push_id)
+            outcome = (None, spec.delta, planned.why_dense or None)
 
             def held(update, moved: int) -> None:  # rolling: the trainers are free now
                 def so_far():
@@ -185,12 +185,14 @@ class ExchangeServer:
                     )
 
                 report.append(RolloutReport(socks, version, so_far))
-                answer(PushDone(version, None, needed, moved, so_far(), *outcome))
+                answer(PushDone(version, None, needed, moved, so_far(), *outcome, ""))
                 report[0].start()
 
             moved, update = self._push(spec, socks, plans, records, held)
             figures = replica_figures(per_replica, update.ingress(), update.failures())
-            done = PushDone(version, None, needed, moved, figures, *outcome)
+            # the id a trainer's shadow may take as its base: only where the target keeps it
+            kept = spec.push_id if self.target.weight_base == spec.push_id else ""
+            done = PushDone(version, None, needed, moved, figures, *outcome, kept)
         except StaleVersionError as exc:  # refused before any plan went out: nothing moved
             done = PushDone(exc.requested, str(exc), stale_served=exc.served)
         except (PeerGone, OSError) as exc:

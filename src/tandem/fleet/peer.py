@@ -88,7 +88,7 @@ def push_from_peer(
         try:
             # a copy of the peer's version, never news: it may equal the replica's (one just
             # added, or torn by a push at its version) or, after a rollback, lie below it
-            results[i] = senders[i].push(version, rollback=True)
+            results[i] = senders[i].push(version, rollback=True, delta=False)
         except BaseException as exc:
             results[i] = exc
 

@@ -179,6 +179,10 @@ class RemoteTarget:
         return self.info().version
 
     @property
+    def weight_base(self) -> str | None:
+        return self.info().base
+
+    @property
     def weight_dtype(self) -> str:
         return self.info(fresh=False).dtype
 

@@ -106,8 +106,11 @@ class FleetTarget:
 
     @property
     def weight_base(self) -> str | None:
-        """None: a fleet takes dense pushes: its replicas' bases are not tracked yet."""
-        return None
+        """The push every member replica's weights came from, if they all hold the same (a
+        delta then goes to all of them, relayed like any push); else None: a push goes
+        dense to every replica."""
+        bases = {self.replicas[r].weight_base for r in self.board.members()}
+        return bases.pop() if len(bases) == 1 else None
 
     @property
     def weight_dtype(self) -> str:

@@ -27,6 +27,7 @@ class TargetInfo:
     layouts: list[RankLayout]
     replicas: int  # a server with --data-parallel-size R > 1 is a fleet of its own
     unavailable: str | None
+    base: str | None = None  # `WeightTarget.weight_base`: the push its weights came from
 
 
 @WINDOW.register("open")

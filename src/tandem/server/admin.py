@@ -109,6 +109,7 @@ async def target_info(request: Request):
         layouts,
         len(fleet.engines),
         target.unavailable(),
+        target.weight_base,
     )
     return _msgpack(info)
 

@@ -21,7 +21,7 @@ from support.trainers import FSDP_TRAINER, start_rank, wait_ranks
 from tandem import LLM, SamplingParams
 from tandem.engine.engine_target import EngineTarget
 from tandem.exchange import WeightSender, WeightSyncError
-from tandem.exchange.delta import Shadow
+from tandem.exchange.delta import AUTO_RETRY_AFTER, Shadow
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = [[5, 9, 33, 2, 17], [100, 3, 8]]
@@ -100,24 +100,40 @@ def test_delta_pushes_land_the_trainers_weights_moving_a_fraction_of_the_bytes(
 
 
 def test_auto_sends_a_delta_only_where_it_pays(llama_dir, model_factory):
+    """Over dist (a link slower than memory) "auto", the default, sends deltas where they
+    carry at most half the dense bytes, else dense (and then a few pushes dense without
+    encoding before trying again); over shm (memory speed) it stays dense."""
     trainer = Trainer(llama_dir)
     other = transformers.AutoModelForCausalLM.from_pretrained(
         model_factory("llama", seed=1), dtype=torch.float32
     )
     with LLM(llama_dir, dtype="bfloat16") as llm:
-        sender = WeightSender(trainer.model, llm)
+        sender = WeightSender(trainer.model, llm, transport="dist")
         sender.push(version=1)
         trainer.step()
-        assert sender.push(version=2).delta  # delta="auto" is the default
+        assert sender.push(version=2).delta
         with torch.no_grad():  # every weight moves: a delta would carry more than dense
             for p, q in zip(trainer.model.parameters(), other.parameters(), strict=True):
                 p.copy_(q)
         stats = sender.push(version=3)
         assert not stats.delta and "of the dense bytes" in stats.why_dense
-        assert stats.bytes_moved == stats.bytes_needed
+        assert stats.bytes_moved == stats.bytes_needed and stats.density > 0.5
         _assert_holds(llm, trainer.cast())
-        off = sender.push(version=4, delta=False)
+        retried = [sender.push() for _ in range(AUTO_RETRY_AFTER)]
+        assert [s.density for s in retried] == [None] * AUTO_RETRY_AFTER  # nothing encoded
+        trainer.step()
+        assert sender.push().delta  # tried again: small steps pay
+        off = sender.push(delta=False)
         assert not off.delta and off.why_dense is None
+        shm = WeightSender(trainer.model, llm, transport="shm")
+        shm.push()
+        trainer.step()
+        stats = shm.push()
+        assert not stats.delta and stats.why_dense is None and stats.density is None
+        assert not shm.push(delta=True).delta  # asked for: the first keeps a shadow
+        trainer.step()
+        assert shm.push(delta=True).delta  # then sent
+        _assert_holds(llm, trainer.cast())
 
 
 def test_an_engine_not_at_the_senders_base_gets_a_dense_push(llama_dir, model_factory):
@@ -251,3 +267,35 @@ def _decoded(llm) -> list[tuple[list[int], list[float]]]:
     prompts = [[5, 9, 33, 2, 17], [100, 3, 8], [7] * 20, list(range(40, 70))]
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0, ignore_eos=True)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("transport", ["dist", "shm"])
+def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, transport):
+    """A fleet of 3: the trainer sends the delta once (dist: relayed replica to replica; shm:
+    every replica reads the one staging); each replica checks its whole boxes. A replica that
+    joins holds a peer's copy under another push's id: the next push goes dense to all, the
+    one after is a delta again."""
+    trainer = Trainer(llama_dir)
+    with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as llm:
+        sender = WeightSender(trainer.model, llm, transport=transport)
+        dense = sender.push(version=1, delta=True)
+        trainer.step()
+        stats = sender.push(version=2, delta=True)
+        assert stats.delta and stats.bytes_moved < 0.5 * dense.bytes_moved
+        assert [r["version"] for r in llm.fleet_state()] == [2, 2, 2]
+        assert [r.state for r in stats.replicas] == ["committed"] * 3
+        if transport == "dist":  # the trainer's egress: one copy, passed on by the replicas
+            assert sum(r.bytes_relayed for r in stats.replicas) == 2 * stats.bytes_moved
+        got = _decoded(llm)
+        llm.add_replica()
+        trainer.step()
+        stats = sender.push(version=3, delta=True)
+        assert not stats.delta and "does not hold the weights of push" in stats.why_dense
+        trainer.step()
+        assert sender.push(version=4, delta=True).delta
+        assert [r["version"] for r in llm.fleet_state()] == [4, 4, 4, 4]
+    trainer_at_2 = Trainer(llama_dir)
+    trainer_at_2.step()
+    with LLM(llama_dir, dtype="bfloat16") as ref:
+        WeightSender(trainer_at_2.model, ref).push(version=2, delta=False)
+        assert got == _decoded(ref)

@@ -27,6 +27,7 @@ def test_the_smallest_encoding_is_chosen_and_decodes_to_the_changed_elements(cou
     old = torch.randn(40, 25).to(torch.bfloat16)
     new, at = _changed(old.float(), count)
     enc = encode_box(new, old, verify=True)
+    assert torch.equal(old, new.to(torch.bfloat16))  # the shadow now holds the new values
     assert enc.box.encoding == encoding
     assert enc.box.changed == count
     assert enc.box.crc == tensor_crc32(new.to(torch.bfloat16))
@@ -52,7 +53,9 @@ def test_elements_compare_by_their_bits_in_the_engine_dtype():
     enc = encode_box(new, shadow, verify=True)
     # -0.0 differs from 0.0; NaN equals itself; 1 + 2^-12 rounds to 1.0 in bfloat16 both ways
     assert enc.box.changed == 1
-    assert enc.indices.tolist() == [0]
+    indices, _ = decode(enc.payload, enc.box, old.numel(), torch.bfloat16)
+    assert indices.tolist() == [0]
+    assert torch.equal(shadow.view(torch.int16), new.to(torch.bfloat16).view(torch.int16))
 
 
 @pytest.mark.parametrize("count", [5, 200])
@@ -81,3 +84,28 @@ def test_a_dense_payload_holds_the_whole_box():
     enc = encode_box(new, old, verify=False)
     assert enc.box.encoding == "dense" and enc.box.crc is None
     assert torch.equal(dense_values(enc.payload, old), new)
+
+
+@pytest.mark.parametrize("count", [5, 200])
+def test_a_payload_applies_to_a_contiguous_box_and_its_undo_restores_it(count):
+    live = torch.randn(30, 64).to(torch.bfloat16)
+    before = live.clone()
+    new, _ = _changed(live.float(), count, seed=2)
+    enc = encode_box(new, live.clone(), verify=True)
+    undo = apply_box(live, enc.payload, enc.box)
+    assert torch.equal(live, new.to(torch.bfloat16)) and tensor_crc32(live) == enc.box.crc
+    undo_box(live, undo)
+    assert torch.equal(live, before)
+
+
+def test_a_payload_that_does_not_match_its_box_is_refused():
+    live = torch.zeros(100, dtype=torch.bfloat16)
+    enc = encode_box(torch.ones(100), torch.zeros(100, dtype=torch.bfloat16), verify=True)
+    assert enc.box.encoding == "dense"
+    few = encode_box(torch.tensor([1.0] + [0.0] * 99), torch.zeros(100, dtype=torch.bfloat16), True)
+    assert few.box.encoding == "indices" and few.box.changed == 1
+    past = few.payload.clone()
+    past[:4].view(torch.int32)[0] = 100  # an index past the box
+    with pytest.raises(ValueError, match="past|mark"):
+        apply_box(live, past, few.box)
+    assert torch.equal(live, torch.zeros(100, dtype=torch.bfloat16))

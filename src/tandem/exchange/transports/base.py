@@ -194,6 +194,11 @@ class Transport:
     # the receiving ranks pull what the senders staged, once they have (one-sided reads): a
     # RECEIVE phase runs after the senders are ready, before VERIFY
     pulls: bool = False
+    # bytes cross a link slower than memory, so sending fewer pays for encoding them
+    # (`tandem.exchange.delta`): ``delta="auto"`` sends deltas over it; over a transport that
+    # moves bytes at memory speed (shm, CUDA IPC) encoding costs what it saves, and "auto"
+    # stays dense (``delta=True`` still sends them)
+    delta_pays: bool = False
 
     def pauses_to_deliver(self, settings: PushSettings) -> bool:
         """Whether the target must stop stepping before the senders deliver (bytes land in

@@ -260,6 +260,7 @@ class DistCoordinator(Coordinator):
 class DistTransport(Transport):
     name = "dist"
     modes = ("staged", "in_place")
+    delta_pays = True
     sender = DistSender
     receiver = DistReceiver
     coordinator = DistCoordinator

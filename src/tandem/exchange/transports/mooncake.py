@@ -301,6 +301,7 @@ class MooncakeReceiver(ReceiverHalf):
 class MooncakeTransport(Transport):
     name = "mooncake"
     modes = ("staged", "in_place")
+    delta_pays = True
     sender = MooncakeSender
     receiver = MooncakeReceiver
     device_types = ("cpu",)

@@ -1,0 +1,34 @@
+"""`tandem bench sync --delta --quick`: a short RL run whose every step's delta push lands the
+same weights as the dense push of that step (the engine's greedy output bit for bit), with the
+documented figures and ratios."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tandem.bench import sync_delta
+
+
+@pytest.mark.timeout(300)
+def test_quick_delta_run_records_each_steps_pushes(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = sync_delta.run(quick=True)
+    json.dumps(result)
+    assert result["identical"]
+    steps, _, _ = sync_delta.SIZES[True]
+    assert len(result["steps"]) == steps * len(sync_delta.LRS)
+    for record in result["steps"]:
+        for t in sync_delta.TRANSPORTS:
+            f = record[t]
+            assert f["dense_bytes"] == f["bytes_needed"]
+            assert 0 < f["delta_bytes"] < f["dense_bytes"]
+            assert 0 <= f["density"] < 0.5 and f["encode_seconds"] > 0
+    assert set(result["ratios"]) == {
+        "delta_bytes_vs_dense",
+        "delta_shm_seconds_vs_dense",
+        "delta_dist_seconds_vs_dense",
+        "delta_mooncake_seconds_vs_dense",
+    }
+    assert all(v > 0 for v in result["ratios"].values())
