@@ -101,6 +101,7 @@ def _demo(args) -> int:
         engine_dtype=args.engine_dtype,
         is_correction=args.is_correction,
         is_cap=args.is_cap,
+        delta=args.delta,
     )
     mode = config.placement + (
         "" if args.async_staleness is None else f", async (staleness <= {args.async_staleness})"
@@ -228,6 +229,7 @@ def _plan(args) -> int:
         args.engine_dtype,
         Cluster.parse(args.cluster),
         int(args.bucket_mb * (1 << 20)),
+        args.delta_density,
     )
     print(json.dumps(prediction.to_json(), indent=2) if args.json else summary(prediction))
     return 0
@@ -342,6 +344,12 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     d.add_argument(
+        "--delta",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="the trainers' pushes: only the changed weights (on), every byte (off), or auto",
+    )
+    d.add_argument(
         "--is-correction",
         choices=["tis", "mis", "none"],
         default="none",
@@ -433,6 +441,12 @@ def parser() -> argparse.ArgumentParser:
         ),
     )
     pl.add_argument("--bucket-mb", type=float, default=16.0, help="bucket size (MiB)")
+    pl.add_argument(
+        "--delta-density",
+        type=float,
+        default=None,
+        help="a delta push: the fraction of weights whose engine-dtype value changed (0..1)",
+    )
     pl.add_argument("--json", action="store_true", help="print the full JSON result")
     pl.set_defaults(func=_plan)
 

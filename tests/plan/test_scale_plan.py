@@ -229,6 +229,28 @@ def test_fp8_wire_is_a_byte_per_weight_plus_block_scales():
     assert WireFormat("bf16").box_bytes(proj, (256, 384), ((0, 256), (0, 384))) == 2 * 256 * 384
 
 
+def test_a_delta_wire_carries_each_boxs_smallest_payload(tmp_path):
+    """At density d a box of n elements carries min(dense, bitmap + values, indices + values)
+    bytes, each part 8-byte aligned (by hand: 256 x 384 = 98,304 elements)."""
+    proj = "model.layers.3.mlp.experts.7.up_proj.weight"
+    box = ((0, 256), (0, 384))
+    bf16 = {d: WireFormat("bf16", d).box_bytes(proj, (256, 384), box) for d in (0.01, 0.2, 1)}
+    assert bf16[0.01] == 3_936 + 1_968  # indices: 983 x 4 = 3,932 and 983 x 2 = 1,966, aligned
+    assert bf16[0.2] == 98_304 // 8 + 2 * 19_661 + 6  # bitmap: 12,288 + 39,322 -> 39,328
+    assert bf16[1] == 2 * 98_304  # dense
+    fp8 = WireFormat("fp8", 0.01).box_bytes(proj, (256, 384), box)
+    assert fp8 == (3_936 + 984) + 4 * 2 * 3  # indices + one-byte values, and the block scales
+    with pytest.raises(ValueError, match="delta_density"):
+        WireFormat("bf16", 1.5)
+    model = _config_dir(tmp_path, "llama", vocab_size=512)
+    fleet, trainer = FleetSpec(2, 2), TrainerSpec("fsdp", 4)
+    dense = predict_sync(model, trainer, fleet, "bf16", Cluster(gpus_per_node=4))
+    delta = predict_sync(model, trainer, fleet, "bf16", Cluster(gpus_per_node=4), 16 << 20, 0.01)
+    assert delta.delta_density == 0.01 and delta.notes
+    assert 0.02 < delta.trainer_egress_bytes / dense.trainer_egress_bytes < 0.1
+    assert delta.bound_seconds < dense.bound_seconds
+
+
 def test_tandem_plan_prints_the_promised_json(tmp_path, capsys):
     model = _config_dir(tmp_path, "qwen3_moe", vocab_size=512)
     argv = [

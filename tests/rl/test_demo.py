@@ -238,3 +238,36 @@ def test_short_demo_with_an_fp8_engine_and_tis_learns(llama_dir, tmp_path):
     _check_mismatch(result, summary, "tis", gap_mean_max=0.1)
     # FP8 weights: a mean gap above bfloat16's (measured over 20 steps: 0.031 against 0.0067)
     assert summary["mean_logprob_gap"] > 0.01
+
+
+@needs_native_bf16
+@pytest.mark.timeout(300)
+def test_a_demo_pushing_deltas_learns_exactly_as_one_pushing_every_byte(llama_dir, tmp_path):
+    """The same seeds, a bfloat16 engine, pushes over dist: once with `delta="on"` (every push
+    after the first sends changed elements only), once with "off". Every step's rewards, loss
+    and gradient norm and every eval figure are the same: the engine held the same weights."""
+    runs = {}
+    for delta in ("on", "off"):
+        config = DemoConfig(
+            model_dir=llama_dir,
+            out_dir=str(tmp_path / delta),
+            engine_dtype="bfloat16",
+            placement="disaggregated",
+            steps=6,
+            prompts_per_step=16,
+            eval_every=3,
+            lr=2e-4,
+            lr_end=2e-4,
+            delta=delta,
+        )
+        runs[delta] = run(config)
+    learned = ("reward_mean", "reward_min", "reward_max", "loss", "grad_norm", "eval_reward")
+    for key in ("steps", "evals"):
+        on, off = runs["on"][key], runs["off"][key]
+        assert len(on) == len(off) > 0
+        for a, b in zip(on, off, strict=True):
+            shared = [k for k in (*learned, "reward", "exact", "kl_max", "version") if k in a]
+            assert {k: a[k] for k in shared} == {k: b[k] for k in shared}
+    assert runs["on"]["final_check"] == runs["off"]["final_check"]
+    on, off = ([s["sync_bytes"] for s in runs[d]["steps"]] for d in ("on", "off"))
+    assert all(0 < a < 0.75 * b for a, b in zip(on, off, strict=True)), (on, off)

@@ -8,6 +8,7 @@ from typing import Literal
 from tandem.rl.grpo import CORRECTIONS
 
 ENGINE_DTYPES = ("float32", "bfloat16", "fp8")
+DELTAS = {"auto": "auto", "on": True, "off": False}  # how the trainers push: `delta=` of push
 
 
 @dataclass
@@ -32,6 +33,7 @@ class DemoConfig:
     engine_dtype: str = "float32"  # "float32" | "bfloat16" | "fp8" (bfloat16 + FP8 weights)
     is_correction: str = "none"  # "none" | "tis" | "mis": see `tandem.rl.grpo.correct_mismatch`
     is_cap: float = 2.0  # the importance weight's cap C (TIS truncates at it, MIS masks above)
+    delta: str = "auto"  # "auto" | "on" | "off": the trainers' pushes (tandem.exchange.delta)
 
     def __post_init__(self) -> None:
         minimums = {
@@ -68,6 +70,8 @@ class DemoConfig:
             raise ValueError(
                 f"is_correction must be one of {CORRECTIONS}, got {self.is_correction!r}"
             )
+        if self.delta not in DELTAS:
+            raise ValueError(f"delta must be one of {sorted(DELTAS)}, got {self.delta!r}")
         if not (isinstance(self.is_cap, int | float) and self.is_cap >= 1):
             raise ValueError(f"is_cap must be a number >= 1, got {self.is_cap!r}")
 

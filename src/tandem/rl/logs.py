@@ -31,6 +31,7 @@ class StepLog:
     staleness_max: int
     sample_versions: list[list[int]] = field(default_factory=list)  # per group
     eval_reward: float | None = None  # held-out greedy accuracy, at eval points
+    sync_bytes: int = 0  # what the step's push moved (a delta push: its changed elements)
 
 
 @dataclass

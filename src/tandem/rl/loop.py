@@ -92,6 +92,7 @@ def run(config: DemoConfig, on_step=None, on_event=None) -> dict:
             llm.exchange_address,
             config.transport,
             config.seed,
+            delta=config.delta,
         ) as trainers:
             evaluator = Evaluator(llm, trainers, task)
 
@@ -233,6 +234,7 @@ def _step(
         rollout_tokens_per_s=round(tokens / rollout.seconds, 1),
         train_seconds=round(max(r.train_seconds for r in reports), 4),
         sync_ms=round(1000 * max(r.push_seconds for r in reports), 2),
+        sync_bytes=max(r.push_bytes for r in reports),
         loss=sum(r.loss for r in reports) / len(reports),
         grad_norm=reports[0].grad_norm,
         logprob_mismatch=max(mismatches) if mismatches else None,

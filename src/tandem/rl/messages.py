@@ -93,6 +93,7 @@ class TrainReport:
     is_weight_sum: float = 0.0  # sum of the per-token weights the loss applied (see below)
     is_over_cap: int = 0  # tokens whose exp(trainer - engine) exceeds the cap
     error: str | None = None
+    push_bytes: int = 0  # what the push after the step moved (all trainer ranks: bytes_moved)
 
 
 @TRAINERS.register("stop")

@@ -9,6 +9,7 @@ This is what an RL user's own training loop looks like with tandem: a plain tran
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tandem.rl.config import DELTAS
 from tandem.rl.grpo import correct_mismatch, policy_loss
 from tandem.rl.messages import (
     TRAINERS,
@@ -49,6 +51,7 @@ class TrainerArgs:
     transport: str
     seed: int
     threads: int = 1
+    delta: str = "auto"  # `tandem.rl.config.DELTAS`
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))
@@ -94,11 +97,11 @@ def _padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, attention
 
 
-def _push(sender, version: int) -> float:
-    """Push the updated weights into the engine; the seconds it took."""
+def _push(sender, version: int, delta: str) -> tuple[float, int]:
+    """Push the updated weights into the engine: the seconds it took, the bytes it moved."""
     start = time.perf_counter()
-    sender.push(version=version)
-    return time.perf_counter() - start
+    stats = sender.push(version=version, delta=DELTAS[delta])
+    return time.perf_counter() - start, stats.bytes_moved
 
 
 def _update(model, optimizer, loss: torch.Tensor, lr: float) -> float:
@@ -111,16 +114,25 @@ def _update(model, optimizer, loss: torch.Tensor, lr: float) -> float:
     return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
 
-def warmup_step(model, optimizer, sender, batch: WarmupBatch, rank: int) -> TrainReport:
+def warmup_step(model, optimizer, push, batch: WarmupBatch, rank: int) -> TrainReport:
     """Supervised: mean cross-entropy of the target tokens given the prompt."""
     start = time.perf_counter()
     logp, mask = continuation_logprobs(model, [(p, t) for p, t in batch.examples])
     loss = -(logp * mask).sum() / mask.sum()
     grad_norm = _update(model, optimizer, loss, batch.lr)
-    push_seconds = _push(sender, batch.version) if batch.push else 0.0
+    push_seconds, push_bytes = push(batch.version) if batch.push else (0.0, 0)
     train_seconds = time.perf_counter() - start - push_seconds
     return TrainReport(
-        rank, batch.step, loss.item(), None, push_seconds, train_seconds, grad_norm, 0.0, 0.0
+        rank,
+        batch.step,
+        loss.item(),
+        None,
+        push_seconds,
+        train_seconds,
+        grad_norm,
+        0.0,
+        0.0,
+        push_bytes=push_bytes,
     )
 
 
@@ -134,7 +146,7 @@ def score(model, batch: ScoreBatch, rank: int) -> ScoreReport:
     return ScoreReport(rank, batch.step, rows)
 
 
-def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainReport:
+def train_step(model, optimizer, push, batch: TrainBatch, rank: int) -> TrainReport:
     """One policy-gradient update on the share (scoring only with ``update=False``), with the
     batch's mismatch correction (`correct_mismatch`); reports how far the trainer's log-probs
     are from the engine's and what the correction did."""
@@ -149,10 +161,10 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
     weight = corr.ratio if corr.weight is None else corr.weight  # what each token's term gets
     advantages = torch.tensor([s.advantage for s in batch.samples], dtype=torch.float32)
     loss, stats = policy_loss(logp, corr.old_logp, advantages, corr.mask, is_weight=corr.weight)
-    grad_norm, push_seconds = 0.0, 0.0
+    grad_norm, push_seconds, push_bytes = 0.0, 0.0, 0
     if batch.update:
         grad_norm = _update(model, optimizer, loss, batch.lr)
-        push_seconds = _push(sender, batch.version)
+        push_seconds, push_bytes = push(batch.version)
     return TrainReport(
         rank,
         batch.step,
@@ -168,6 +180,7 @@ def train_step(model, optimizer, sender, batch: TrainBatch, rank: int) -> TrainR
         logprob_gap_sum=float(gap[fresh].sum()),
         is_weight_sum=float((weight * mask).sum()),
         is_over_cap=int(corr.over_cap.sum()),
+        push_bytes=push_bytes,
     )
 
 
@@ -195,6 +208,7 @@ def main() -> int:
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.0)  # lr: each batch's
     sender = WeightSender(model, args.exchange_address, transport=args.transport)
+    push = functools.partial(_push, sender, delta=args.delta)  # version -> (seconds, bytes)
     sock = socket.create_connection(tuple(args.controller), timeout=60)
     sock.settimeout(None)
     send_token(sock, args.token)
@@ -205,11 +219,11 @@ def main() -> int:
             break
         try:
             if isinstance(msg, WarmupBatch):
-                report = warmup_step(model, optimizer, sender, msg, args.rank)
+                report = warmup_step(model, optimizer, push, msg, args.rank)
             elif isinstance(msg, ScoreBatch):
                 report = score(model, msg, args.rank)
             else:
-                report = train_step(model, optimizer, sender, msg, args.rank)
+                report = train_step(model, optimizer, push, msg, args.rank)
         except Exception as exc:
             traceback.print_exc()
             report = TrainReport(args.rank, msg.step, 0, None, 0, 0, 0, 0, 0, error=f"{exc}")

@@ -46,6 +46,7 @@ class TrainerGroup:
         transport: str,
         seed: int,
         start_timeout_s: float = 300.0,
+        delta: str = "auto",
     ):
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -66,6 +67,7 @@ class TrainerGroup:
                 exchange_address,
                 transport,
                 seed,
+                delta=delta,
             )
             self.procs.append(  # forked from a template that imported the trainer once
                 start_process(

@@ -49,6 +49,7 @@ class SyncPrediction:
     ingress_bound_seconds: float
     predicted_seconds: float
     predicted_over_bound: float
+    delta_density: float | None = None  # a delta push: the fraction of elements that changed
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -62,9 +63,10 @@ def predict_sync(
     engine_dtype: str = "bf16",
     cluster: Cluster | None = None,
     bucket_bytes: int = 16 << 20,
+    delta_density: float | None = None,
 ) -> SyncPrediction:
     cluster = cluster or Cluster()
-    wire = WireFormat(engine_dtype)
+    wire = WireFormat(engine_dtype, delta_density)
     spec = model_spec(model)
     t0 = time.perf_counter()
     receivers = fleet_layouts(spec, fleet, wire.engine_dtype)
@@ -116,7 +118,17 @@ def predict_sync(
         ingress_bound_seconds=_side_bound(sim, net, set(receiver_gpu), "in"),
         predicted_seconds=sim.seconds,
         predicted_over_bound=sim.seconds / bound if bound else 1.0,
+        delta_density=delta_density,
+        notes=[] if delta_density is None else [DELTA_NOTE],
     )
+
+
+DELTA_NOTE = (
+    "delta: each box carries its smallest payload (dense, bitmap + values, or int32 indices + "
+    "values) for the given fraction of changed elements; the bound and the simulation move "
+    "those bytes. Encoding (a pass over each trainer rank's shard and its shadow) and the "
+    "engine's apply and whole-box checks are not modeled"
+)
 
 
 def plan_flows(plan: Plan, wire: WireFormat, src_width: int) -> list[Flow]:
@@ -176,7 +188,8 @@ def summary(p: SyncPrediction) -> str:
     lines = [
         f"{p.model}: {p.params / 1e9:.1f}B parameters, {p.trainer['kind']} trainer of "
         f"{p.trainer['ranks']} ranks ({p.trainer['dtype']}) -> {p.fleet['replicas']} replicas x "
-        f"tp {p.fleet['tp']} pp {p.fleet['pp']} ({p.engine_dtype})",
+        f"tp {p.fleet['tp']} pp {p.fleet['pp']} ({p.engine_dtype})"
+        + ("" if p.delta_density is None else f", delta at density {p.delta_density:g}"),
         f"plan: {p.transfers} transfers, {p.relays} relays; planner {p.planner_seconds:.2f} s "
         f"(layouts {p.layout_seconds:.2f} s), peak RSS {p.peak_rss_mb:.0f} MB",
         f"trainer egress {p.trainer_egress_bytes / gb:.1f} GB; replica ingress "
