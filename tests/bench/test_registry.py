@@ -133,7 +133,7 @@ def test_register_refuses_a_clash():
     first = registry.Scenario("train-rolling", "train", {"--rolling": True}, "no default", sync.run)
     with pytest.raises(ValueError, match="default"):
         registry.register(first)
-    assert registry.scenarios("sync")[-1].name == "sync-dtypes"  # nothing half-registered
+    assert registry.scenarios("sync")[-1].name == "sync-delta"  # nothing half-registered
     assert "train" not in registry.commands()
 
 

@@ -202,7 +202,7 @@ def main() -> int:
         push_through_vllms_api(pushed, address, rank, world, vocab, int(version))
     else:
         sender = WeightSender(pushed, address, vocab_size=vocab)
-        sender.push(version=int(version))
+        sender.push(version=int(version), delta=True if delta else "auto")  # True: keep a shadow
         if delta:
             sgd_step(model, optimizer, torch.randint(0, vocab, (1, 16), generator=g))
             stats = sender.push(version=int(version) + 1, delta=True)

@@ -200,6 +200,8 @@ def decode(payload: torch.Tensor, box: DeltaBox, numel: int, dtype: torch.dtype)
         indices = payload[: box.changed * 4].view(torch.int32).long()
     if indices.numel() != box.changed:
         raise ValueError(f"{indices.numel()} elements marked changed, {box.changed} announced")
+    if indices.numel() > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError("the payload's indices do not ascend")
     return indices, payload[at : at + box.changed * itemsize].view(dtype)
 
 

@@ -29,42 +29,27 @@
             k++;                    \
         }
 
-int64_t changed16(const uint16_t *a, const uint16_t *b, int64_t n, int32_t *idx, int64_t cap) {
-    int64_t k = 0, i = 0;
+/* One function per width: 64, 32 or 16 values compared per AVX-512 vector, then the tail. */
 #if defined(__AVX512BW__)
-    for (; i + 32 <= n; i += 32) {
-        uint64_t m = _mm512_cmpneq_epi16_mask(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i));
-        WALK(m, i)
+#define VECTOR(STEP, CMP)                                                           \
+    for (; i + (STEP) <= n; i += (STEP)) {                                          \
+        uint64_t m = CMP(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i)); \
+        WALK(m, i)                                                                  \
     }
+#else
+#define VECTOR(STEP, CMP)
 #endif
-    TAIL
-    return k;
-}
-
-int64_t changed8(const uint8_t *a, const uint8_t *b, int64_t n, int32_t *idx, int64_t cap) {
-    int64_t k = 0, i = 0;
-#if defined(__AVX512BW__)
-    for (; i + 64 <= n; i += 64) {
-        uint64_t m = _mm512_cmpneq_epi8_mask(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i));
-        WALK(m, i)
+#define CHANGED(NAME, T, STEP, CMP)                                                      \
+    int64_t NAME(const T *a, const T *b, int64_t n, int32_t *idx, int64_t cap) {         \
+        int64_t k = 0, i = 0;                                                            \
+        VECTOR(STEP, CMP)                                                                \
+        TAIL                                                                             \
+        return k;                                                                        \
     }
-#endif
-    TAIL
-    return k;
-}
 
-int64_t changed32(const uint32_t *a, const uint32_t *b, int64_t n, int32_t *idx, int64_t cap) {
-    int64_t k = 0, i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        uint64_t m = _mm512_cmpneq_epi32_mask(_mm512_loadu_si512(a + i), _mm512_loadu_si512(b + i));
-        WALK(m, i)
-    }
-#endif
-    TAIL
-    return k;
-}
-
+CHANGED(changed8, uint8_t, 64, _mm512_cmpneq_epi8_mask)
+CHANGED(changed16, uint16_t, 32, _mm512_cmpneq_epi16_mask)
+CHANGED(changed32, uint32_t, 16, _mm512_cmpneq_epi32_mask)
 
 /* torch's float32 -> bfloat16 on the CPU (its vectorized conversion, which `Tensor.to` runs):
  * to nearest even, any NaN to 0xffff. */
@@ -137,28 +122,31 @@ int64_t encode_f32_bf16(const float *src, uint16_t *shadow, int64_t n, uint8_t *
 
 /* A sparse payload applied to a contiguous 16-bit box: element i of the box takes the next
  * value of ``vals`` where bit i of ``bitmap`` is set (``idx`` == NULL), or at each of the
- * ``k`` indices of ``idx``; the values it had go to ``old`` in the same order (the undo).
- * Returns how many were written, or -1 if the payload names an element past ``n`` or
- * announces ``k`` but marks another number (nothing past ``k`` is written). */
+ * ``k`` indices of ``idx``; the values it had go to ``old`` in the same order (the undo: the
+ * same call with ``old`` as ``vals`` puts them back). The payload is checked before anything
+ * is written: -1 if an index is out of the box or not above the one before, or the bitmap
+ * marks another number than ``k`` (or a bit past ``n``); else ``k``. */
 int64_t apply16(uint16_t *live, int64_t n, const uint8_t *bitmap, const int32_t *idx,
                 const uint16_t *vals, int64_t k, uint16_t *old) {
-    int64_t j = 0;
     if (idx != NULL) {
-        for (; j < k; j++) {
-            int64_t i = idx[j];
-            if (i < 0 || i >= n) return -1;
-            old[j] = live[i];
-            live[i] = vals[j];
+        for (int64_t j = 0; j < k; j++)
+            if (idx[j] < 0 || idx[j] >= n || (j > 0 && idx[j] <= idx[j - 1])) return -1;
+        for (int64_t j = 0; j < k; j++) {
+            old[j] = live[idx[j]];
+            live[idx[j]] = vals[j];
         }
-        return j;
+        return k;
     }
-    int64_t words = n / 64;
+    int64_t bytes = (n + 7) / 8, marked = 0;
+    for (int64_t b = 0; b < bytes; b++) marked += __builtin_popcount(bitmap[b]);
+    if (n % 8 && (bitmap[bytes - 1] >> (n % 8))) return -1;
+    if (marked != k) return -1;
+    int64_t j = 0, words = n / 64;
     for (int64_t w = 0; w < words; w++) {
         uint64_t m;
         memcpy(&m, bitmap + 8 * w, 8);
         while (m) {
             int64_t i = 64 * w + __builtin_ctzll(m);
-            if (j >= k) return -1;
             old[j] = live[i];
             live[i] = vals[j++];
             m &= m - 1;
@@ -166,10 +154,9 @@ int64_t apply16(uint16_t *live, int64_t n, const uint8_t *bitmap, const int32_t 
     }
     for (int64_t i = 64 * words; i < n; i++) {
         if (bitmap[i >> 3] & (1u << (i & 7))) {
-            if (j >= k) return -1;
             old[j] = live[i];
             live[i] = vals[j++];
         }
     }
-    return j == k ? j : -1;
+    return k;
 }

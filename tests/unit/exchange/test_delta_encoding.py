@@ -4,11 +4,13 @@ box wherever it lies in its parameter (strided, transposed), with an undo that r
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.delta import apply_box, decode, dense_values, encode_box, undo_box
+from tandem.kernels.delta import changed
 
 
 def _changed(old: torch.Tensor, count: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,3 +111,34 @@ def test_a_payload_that_does_not_match_its_box_is_refused():
     with pytest.raises(ValueError, match="past|mark"):
         apply_box(live, past, few.box)
     assert torch.equal(live, torch.zeros(100, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32])
+def test_the_kernel_finds_the_elements_numpy_finds(width):
+    g = np.random.default_rng(0)
+    a, b = (g.integers(0, 3, 1001).astype(width) for _ in range(2))
+    want = np.flatnonzero(a != b)
+    assert np.array_equal(changed(a, b, want.size), want)
+
+
+@pytest.mark.parametrize("where", ["contiguous", "strided"])
+@pytest.mark.parametrize("fault", ["repeated index", "bitmap short of its count"])
+def test_a_malformed_payload_is_refused_before_anything_is_written(where, fault):
+    param = torch.randn(16, 64).to(torch.bfloat16)
+    live = param[:, :32] if where == "strided" else param[:8]
+    before = param.clone()
+    n = live.numel()
+    new = live.float().clone(memory_format=torch.contiguous_format)
+    if fault == "repeated index":
+        new.view(-1)[[3, 9]] += 1.0
+        enc = encode_box(new, live.clone(memory_format=torch.contiguous_format), verify=True)
+        assert enc.box.encoding == "indices"
+        enc.payload[:8].view(torch.int32)[1] = 3  # [3, 3]: the second write would hide the first
+    else:
+        new.view(-1)[: n // 4] += 1.0
+        enc = encode_box(new, live.clone(memory_format=torch.contiguous_format), verify=True)
+        assert enc.box.encoding == "bitmap"
+        enc.payload[0] = 0  # 8 marked elements fewer than announced
+    with pytest.raises(ValueError):
+        apply_box(live, enc.payload, enc.box)
+    assert torch.equal(param, before)
