@@ -241,8 +241,9 @@ def apply_box(live: torch.Tensor, payload: torch.Tensor, box: DeltaBox):
             old = np.empty(box.changed, dtype=np.uint16)
             apply16(flat, bits, idx, vals, old)
             return (flat, bits, idx, old)
-    indices, values = decode(payload, box, n, live.dtype)
-    view = FlatView(live)
+    as_int = _INT[live.element_size()]  # bits as bits (index_put has no float8 kernels)
+    indices, values = decode(payload, box, n, as_int)
+    view = FlatView(live.view(as_int))
     if indices is not None and indices.numel() and int(indices.max()) >= n:
         raise ValueError(f"an index past the box's {n} elements")
     old = view.get(indices)
@@ -257,7 +258,7 @@ def undo_box(live: torch.Tensor, undo: tuple) -> None:
         apply16(flat, bits, idx, old, np.empty_like(old))
         return
     indices, old = undo
-    FlatView(live).put(indices, old)
+    FlatView(live.view(_INT[live.element_size()])).put(indices, old)
 
 
 def dense_values(payload: torch.Tensor, live: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,9 @@ Phases (`tandem.engine.weight_update` runs each on every rank before any rank st
 A delta push (`tandem.exchange.delta`) stages its payloads; ``verify`` checks them as staged,
 applies the sparse ones to the live boxes (keeping their undo; the engine is paused) and checks
 each whole box as it then stands against the trainer's CRC32 of its new box; ``commit`` writes
-the dense ones; ``abort`` puts the old values back.
+the dense ones; ``abort`` puts the old values back. A rolling push's verify undoes at once (the
+old version serves on), ``hold`` keeps the payloads, and its wave's ``commit`` applies them
+all and checks every box again.
 
 Receivers write into views of the existing parameters (``data_ptr`` never changes), each
 through its record's `LocalRegion`.
@@ -176,19 +178,28 @@ class RankReceiver:
                 self._undo.append((live, apply_box(live, payload, r.delta)))
                 if verify and tensor_crc32(live) != r.delta.crc:
                     problems.append(f"checksum mismatch for {r.where} with its delta applied")
+            if spec.settings.rolling:  # the old version serves until this replica's wave
+                for live, old in reversed(self._undo):
+                    undo_box(live, old)
+                self._undo = []
         return problems, 0
 
     def _commit_delta(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
         """The dense payloads of a delta push into their live boxes, each checked there; the
-        sparse ones were applied at verify: their undo is dropped."""
+        sparse ones were applied at verify (their undo is dropped), or, a rolling push's, are
+        applied now from what the rank held (checked at verify, checked again here)."""
+        held = self._held is not None and self._held[0] == spec.version
+        payloads = self._held[1] if held else half.landed(spec, records)
+        self._held = None
         problems, nbytes = [], 0
         with torch.no_grad():
-            for r, payload, live in zip(
-                records, half.landed(spec, records), half.live(records), strict=True
-            ):
-                if r.delta.encoding != "dense":
+            for r, payload, live in zip(records, payloads, half.live(records), strict=True):
+                if r.delta.encoding == "dense":
+                    live.copy_(dense_values(payload, live))
+                elif held:
+                    apply_box(live, payload, r.delta)
+                else:
                     continue
-                live.copy_(dense_values(payload, live))
                 nbytes += r.nbytes
                 if spec.settings.verify and tensor_crc32(live) != r.delta.crc:
                     problems.append(f"checksum mismatch for {r.where} in the live parameter")

@@ -185,7 +185,9 @@ class ExchangeServer:
                     )
 
                 report.append(RolloutReport(socks, version, so_far))
-                answer(PushDone(version, None, needed, moved, so_far(), *outcome, ""))
+                # the replicas commit it in their waves (or leave and heal, which takes their
+                # base): the next push finds out which
+                answer(PushDone(version, None, needed, moved, so_far(), *outcome, spec.push_id))
                 report[0].start()
 
             moved, update = self._push(spec, socks, plans, records, held)
@@ -376,8 +378,8 @@ class ExchangeServer:
         base = hellos[0].base
         if settings.adapter is not None:
             return "a LoRA adapter's push is dense"
-        if settings.rolling:
-            return "a rolling push is dense"
+        if settings.rolling and settings.in_place:
+            return "a rolling push written in place is dense (its later waves copy a peer)"
         if any(h.base is None for h in hellos):
             return "no push of this sender has landed yet"
         if len({h.base for h in hellos}) != 1:

@@ -273,3 +273,32 @@ def test_an_fp8_config_tandem_cannot_serve_is_refused_naming_the_field(config, f
 
     with pytest.raises(UnsupportedModelError, match=f"quantization_config.{field}"):
         Fp8Config.from_hf(config, "config.json")
+
+
+def test_a_delta_into_a_block_fp8_engine_lands_the_reference_quantization(
+    fp8_dirs, model_factory
+):
+    """After an AdamW step at lr 1e-5 a delta push carries the FP8 values and scales that
+    changed (and the float32 weights, which all moved); the engine then holds exactly the
+    reference quantization of the trainer's new weights."""
+    _, fp8 = fp8_dirs("llama")
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(
+        model_factory("llama", seed=1), dtype=torch.float32
+    )
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    with LLM(fp8, dtype="float32") as llm:
+        sender = WeightSender(trainer, llm, transport="dist")
+        sender.push(version=1, delta=True)
+        ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+        trainer(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        stats = sender.push(version=2, delta=True)
+        [held] = llm.apply_model(canonical)
+    assert stats.delta and stats.bytes_moved < stats.bytes_needed
+    for name, w in trainer.state_dict().items():
+        if name + "_scale_inv" in held:
+            values, scales = reference_quantize(w)
+            assert torch.equal(held[name].view(torch.uint8), values.view(torch.uint8)), name
+            assert torch.equal(held[name + "_scale_inv"], scales), name
+        elif name in held:
+            assert torch.equal(held[name], w), name

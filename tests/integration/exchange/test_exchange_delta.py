@@ -279,7 +279,8 @@ def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, t
     """A fleet of 3: the trainer sends the delta once (dist: relayed replica to replica; shm:
     every replica reads the one staging); each replica checks its whole boxes. A replica that
     joins holds a peer's copy under another push's id: the next push goes dense to all, the
-    one after is a delta again."""
+    one after is a delta again. Rolling deltas (shm) commit wave by wave, and the next is a
+    delta too."""
     trainer = Trainer(llama_dir)
     with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as llm:
         sender = WeightSender(trainer.model, llm, transport=transport)
@@ -300,6 +301,12 @@ def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, t
             trainer.step()
             assert sender.push(version=4, delta=True).delta
             assert [r["version"] for r in llm.fleet_state()] == [4, 4, 4, 4]
+        else:  # rolling: each replica checks the delta, holds it, commits it in its wave
+            for version in (3, 4):
+                trainer.step()
+                stats = sender.push(version=version, delta=True, policy="rolling")
+                assert stats.delta and stats.wait(timeout=120).committed == [0, 1, 2]
+                assert [r["version"] for r in llm.fleet_state()] == [version] * 3
     trainer_at_2 = Trainer(llama_dir)
     trainer_at_2.step()
     with LLM(llama_dir, dtype="bfloat16") as ref:
