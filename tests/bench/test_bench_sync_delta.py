@@ -25,10 +25,13 @@ def test_quick_delta_run_records_each_steps_pushes(tmp_path, monkeypatch):
             assert f["dense_bytes"] == f["bytes_needed"]
             assert 0 < f["delta_bytes"] < f["dense_bytes"]
             assert 0 <= f["density"] < 0.5 and f["encode_seconds"] > 0
-    assert set(result["ratios"]) == {
-        "delta_bytes_vs_dense",
-        "delta_shm_seconds_vs_dense",
-        "delta_dist_seconds_vs_dense",
-        "delta_mooncake_seconds_vs_dense",
+    ratios = {"delta_bytes_vs_dense"} | {
+        f"delta_{t}_seconds_vs_dense" for t in sync_delta.TRANSPORTS
     }
+    assert set(result["ratios"]) == ratios | {f"fleet_{r}" for r in ratios}
+    fleet = result["fleet"]
+    assert fleet["replicas"] == 3 and len(fleet["steps"]) == sync_delta.FLEET_STEPS[True]
+    for record in fleet["steps"]:
+        for t in sync_delta.TRANSPORTS:
+            assert 0 < record[t]["delta_bytes"] < record[t]["dense_bytes"]
     assert all(v > 0 for v in result["ratios"].values())

@@ -26,8 +26,12 @@ greedy output (tokens and log-probs) is the same, bit for bit (``identical``).
 
 ``ratios``: at lr 1e-6, the median over steps of delta over dense bytes
 (``delta_bytes_vs_dense``) and seconds per transport (``delta_<t>_seconds_vs_dense``); the
-per-lr medians are in ``by_lr``. ``delta="auto"`` (the default) sends a delta over dist and
-Mooncake where it carries at most half the dense bytes, and stays dense over shm.
+per-lr medians are in ``by_lr``. Then the same at lr 1e-6 into a fleet,
+``LLM(data_parallel_size=3)`` of TP=1 replicas (``fleet``; ``fleet_delta_*`` ratios), the
+trainer sending each push once (dist: relayed replica to replica; shm: one staging every
+replica reads; Mooncake: every replica reads the trainer's memory). ``delta="auto"`` (the
+default) sends a delta over dist and Mooncake where it carries at most half the dense bytes,
+and stays dense over shm.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ KV_CACHE_MEMORY = 64 << 20
 # quick -> (RL steps per learning rate, problems per step, samples per problem)
 SIZES = {False: (5, 16, 4), True: (2, 4, 2)}
 WARMUP = {False: 6, True: 2}  # supervised steps of 32 problems
+FLEET = 3  # replicas (TP=1 each) of the fleet run
+FLEET_STEPS = {False: 3, True: 1}
 WARMUP_LR = 3e-4
 
 
@@ -54,7 +60,6 @@ def run(quick: bool = False) -> dict[str, Any]:
     import transformers
 
     from tandem import LLM, SamplingParams
-    from tandem.exchange import WeightSender
     from tandem.rl.task import ReverseTask
 
     phases = Phases()
@@ -79,7 +84,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         },
         "threads": torch.get_num_threads(),
     }
-    version = 0
     runs: list[dict[str, Any]] = []
     with LLM(
         str(path), tensor_parallel_size=2, dtype="bfloat16", kv_cache_memory=KV_CACHE_MEMORY
@@ -89,50 +93,82 @@ def run(quick: bool = False) -> dict[str, Any]:
         result["warmup_loss"] = _warmup(llm, trainer, task, WARMUP[quick])
         start = [p.detach().clone() for p in trainer.parameters()]
         phases.lap("warmup")
+        run_lr = _RlRun(trainer, start, task, prompts, sampling, phases)
         for lr in LRS:
-            _holding(trainer, start).__enter__()  # every lr from the warmed-up weights
-            opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
-            dense = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
-            delta = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
-            version += 1
-            dense["shm"].push(version, delta=False)  # the run starts from the trainer's weights
-            for step in range(steps):
-                before = [p.detach().clone() for p in trainer.parameters()]
-                reward = _rl_step(llm, trainer, opt, task, step, prompts, sampling)
-                record: dict[str, Any] = {"lr": lr, "step": step, "mean_reward": reward}
-                for t in TRANSPORTS:
-                    version += 1
-                    d = dense[t].push(version, delta=False)
-                    reference = _greedy(llm)
-                    with _holding(trainer, before):  # the engine at the shadow's weights
-                        version += 1
-                        delta[t].push(version, delta=True)
-                    version += 1
-                    x = delta[t].push(version, delta=True)
-                    if not x.delta:
-                        raise RuntimeError(f"{t}: the delta push went dense: {x.why_dense}")
-                    record[t] = _figures(d, x, _greedy(llm) == reference)
-                runs.append(record)
-                phases.lap(f"lr {lr:g} step {step}")
-            for sender in (*dense.values(), *delta.values()):
-                sender.close()
+            runs += run_lr(llm, lr, steps, "engine")
+    with LLM(
+        str(path), data_parallel_size=FLEET, dtype="bfloat16", kv_cache_memory=KV_CACHE_MEMORY
+    ) as fleet:
+        phases.lap("fleet_start")
+        fleet_runs = run_lr(fleet, HEADLINE_LR, FLEET_STEPS[quick], "fleet")
     result["steps"] = runs
     result["by_lr"] = {f"{lr:g}": _medians([r for r in runs if r["lr"] == lr]) for lr in LRS}
-    head = result["by_lr"][f"{HEADLINE_LR:g}"]
+    result["fleet"] = {"replicas": FLEET, "steps": fleet_runs, "medians": _medians(fleet_runs)}
+    head, fleet_head = result["by_lr"][f"{HEADLINE_LR:g}"], result["fleet"]["medians"]
     result["ratios"] = {
         "delta_bytes_vs_dense": head["bytes_vs_dense"],
         **{f"delta_{t}_seconds_vs_dense": head[f"{t}_seconds_vs_dense"] for t in TRANSPORTS},
+        "fleet_delta_bytes_vs_dense": fleet_head["bytes_vs_dense"],
+        **{
+            f"fleet_delta_{t}_seconds_vs_dense": fleet_head[f"{t}_seconds_vs_dense"]
+            for t in TRANSPORTS
+        },
     }
-    result["identical"] = all(r[t]["identical"] for r in runs for t in TRANSPORTS)
+    result["identical"] = all(r[t]["identical"] for r in runs + fleet_runs for t in TRANSPORTS)
     result["phase_seconds"] = phases.seconds
     result["notes"] = [
         "ratios: medians over the RL steps at lr 1e-6 of (delta push) / (dense push) of the "
-        "same weights into the same engine, each push staged and verified; by_lr: every lr",
+        "same weights into the same engine, each push staged and verified; by_lr: every lr; "
+        f"fleet_*: the same into LLM(data_parallel_size={FLEET}) (TP=1 replicas), the run "
+        "continuing from the engine's last weights",
         "density: elements whose bfloat16 value changed in the step, of all; the trainer's "
         "shadow (what it last pushed, in bfloat16) costs the memory of one dense push: "
         "bytes_needed",
     ]
     return result
+
+
+class _RlRun:
+    """RL steps at one learning rate from the warmed-up weights, each step's weights pushed
+    dense and as a delta over every transport into the engine (or fleet) given."""
+
+    def __init__(self, trainer, start, task, prompts: int, sampling, phases: Phases):
+        self.trainer, self.start, self.task = trainer, start, task
+        self.prompts, self.sampling, self.phases = prompts, sampling, phases
+        self.version = 0
+
+    def __call__(self, llm, lr: float, steps: int, label: str) -> list[dict[str, Any]]:
+        from tandem.exchange import WeightSender
+
+        trainer = self.trainer
+        _holding(trainer, self.start).__enter__()  # every run from the warmed-up weights
+        opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
+        dense = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
+        delta = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
+        self.version += 1
+        dense["shm"].push(self.version, delta=False)  # the run starts from the trainer's weights
+        records = []
+        for step in range(steps):
+            before = [p.detach().clone() for p in trainer.parameters()]
+            reward = _rl_step(llm, trainer, opt, self.task, step, self.prompts, self.sampling)
+            record: dict[str, Any] = {"lr": lr, "step": step, "mean_reward": reward}
+            for t in TRANSPORTS:
+                self.version += 1
+                d = dense[t].push(self.version, delta=False)
+                reference = _greedy(llm)
+                with _holding(trainer, before):  # the engine at the shadow's weights
+                    self.version += 1
+                    delta[t].push(self.version, delta=True)
+                self.version += 1
+                x = delta[t].push(self.version, delta=True)
+                if not x.delta:
+                    raise RuntimeError(f"{t}: the delta push went dense: {x.why_dense}")
+                record[t] = _figures(d, x, _greedy(llm) == reference)
+            records.append(record)
+            self.phases.lap(f"{label} lr {lr:g} step {step}")
+        for sender in (*dense.values(), *delta.values()):
+            sender.close()
+        return records
 
 
 def _warmup(llm, trainer, task, steps: int) -> list[float]:
@@ -255,5 +291,10 @@ def summary(result: dict[str, Any]) -> str:
             + ", ".join(f"{t} {m[f'{t}_seconds_vs_dense']:.2f}x" for t in TRANSPORTS)
             + f", mean reward {m['mean_reward']:.3f}"
         )
+    m = result["fleet"]["medians"]
+    lines.append(
+        f"fleet of {result['fleet']['replicas']}: bytes {m['bytes_vs_dense']:.3f}x, "
+        + ", ".join(f"{t} {m[f'{t}_seconds_vs_dense']:.2f}x" for t in TRANSPORTS)
+    )
     lines.append(f"engine output identical after delta and dense: {result['identical']}")
     return "\n".join(lines)

@@ -275,9 +275,7 @@ def test_an_fp8_config_tandem_cannot_serve_is_refused_naming_the_field(config, f
         Fp8Config.from_hf(config, "config.json")
 
 
-def test_a_delta_into_a_block_fp8_engine_lands_the_reference_quantization(
-    fp8_dirs, model_factory
-):
+def test_a_delta_into_a_block_fp8_engine_lands_the_reference_quantization(fp8_dirs, model_factory):
     """After an AdamW step at lr 1e-5 a delta push carries the FP8 values and scales that
     changed (and the float32 weights, which all moved); the engine then holds exactly the
     reference quantization of the trainer's new weights."""
