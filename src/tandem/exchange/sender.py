@@ -358,8 +358,9 @@ class WeightSender:
         return dataclasses.replace(plan, items=items), tensors
 
     def _encode(self, plan: PushPlan, tensors: dict, mode: str) -> PushEncoded:
-        """A delta's first round: every box of ``plan`` against the shadow, kept pending; or
-        why this rank sends dense (no shadow of this plan; "auto": the delta would not pay)."""
+        """A delta's first round: every box of ``plan`` encoded against the shadow (which then
+        holds this push), the payloads laid back to back for delivery; or why this rank sends
+        dense (no shadow of this plan; "auto": the delta would not pay)."""
         start = time.perf_counter()
         why = self.shadow.why_not(plan.items)
         encoded = []
