@@ -11,6 +11,10 @@ import pytest
 from tandem.bench import sync_delta
 
 
+# slow: a TP=2 engine, a fleet of 3 and a trainer at once (the delta pushes themselves are
+# tested in test_exchange_delta / test_fp8 / test_demo); beside the router's fault tests in
+# `make test` it starved one of its deadlines (2 of 4 runs paired with it)
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_delta_run_records_each_steps_pushes(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -34,4 +38,6 @@ def test_quick_delta_run_records_each_steps_pushes(tmp_path, monkeypatch):
     for record in fleet["steps"]:
         for t in sync_delta.TRANSPORTS:
             assert 0 < record[t]["delta_bytes"] < record[t]["dense_bytes"]
-    assert all(v > 0 for v in result["ratios"].values())
+    # a quick run barely moves the weights: its byte ratios may round to 0
+    assert all(v >= 0 for v in result["ratios"].values())
+    assert result["ratios"]["delta_bytes_vs_dense"] < 0.5
