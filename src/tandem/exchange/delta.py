@@ -22,8 +22,9 @@ A delta needs the engine to hold exactly what the shadow holds: the exchange ser
 push an id (`UpdateSpec.push_id`, told the trainers in `PushDone`), the engine remembers the
 id of the push its weights came from (`WeightTarget.weight_base`; anything else that touches
 them forgets it), and a trainer whose shadow's id is not that gets a dense push, decided
-before any byte moves. A target that keeps no id (a fleet, vLLM) takes dense pushes only, and
-its trainers keep no shadow.
+before any byte moves. A fleet takes a delta when every replica holds that id. A target that
+keeps no id (vLLM, a LoRA adapter's slot) takes dense pushes only, and its trainers keep no
+shadow.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import DeltaBox, SendItem
 from tandem.kernels.delta import apply16, changed, encode_f32_bf16, fused_available
 
-DELTA_MODES = (True, False, "auto")
 ALIGN = 8  # every part of a payload starts here (views as int32, bf16, fp32 anywhere)
 # "auto" pushes a delta only when its payload is at most this fraction of the dense push:
 # below it the bytes saved outweigh encoding and applying
