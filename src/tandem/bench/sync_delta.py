@@ -141,7 +141,7 @@ class _RlRun:
         from tandem.exchange import WeightSender
 
         trainer = self.trainer
-        _holding(trainer, self.start).__enter__()  # every run from the warmed-up weights
+        _load(trainer, self.start)  # every run from the warmed-up weights
         opt = torch.optim.AdamW(trainer.parameters(), lr=lr)
         dense = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
         delta = {t: WeightSender(trainer, llm, transport=t) for t in TRANSPORTS}
@@ -219,24 +219,25 @@ def _rl_step(llm, trainer, opt, task, step: int, prompts: int, sampling) -> floa
     return sum(rewards) / len(rewards)
 
 
+def _load(model, values: list[torch.Tensor]) -> None:
+    """``values`` into the model's parameters, in order."""
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), values, strict=True):
+            p.copy_(v)
+
+
 class _holding:
     """The trainer's parameters set to ``values`` inside the block, put back after."""
 
     def __init__(self, model, values: list[torch.Tensor]):
-        self.params = list(model.parameters())
-        self.values = values
+        self.model, self.values = model, values
 
     def __enter__(self):
-        self.now = [p.detach().clone() for p in self.params]
-        self._set(self.values)
+        self.now = [p.detach().clone() for p in self.model.parameters()]
+        _load(self.model, self.values)
 
     def __exit__(self, *exc):
-        self._set(self.now)
-
-    def _set(self, values):
-        with torch.no_grad():
-            for p, v in zip(self.params, values, strict=True):
-                p.copy_(v)
+        _load(self.model, self.now)
 
 
 def _greedy(llm):
@@ -252,7 +253,6 @@ def _engine_seconds(stats) -> float:
 
 
 def _figures(dense, delta, identical: bool) -> dict[str, Any]:
-    engine = _engine_seconds
     return {
         "density": round(delta.density, 6),
         "dense_bytes": dense.bytes_moved,
@@ -261,8 +261,8 @@ def _figures(dense, delta, identical: bool) -> dict[str, Any]:
         "dense_seconds": round(dense.seconds, 6),
         "delta_seconds": round(delta.seconds, 6),
         "encode_seconds": round(delta.encode_seconds, 6),
-        "dense_engine_seconds": round(engine(dense), 6),
-        "delta_engine_seconds": round(engine(delta), 6),
+        "dense_engine_seconds": round(_engine_seconds(dense), 6),
+        "delta_engine_seconds": round(_engine_seconds(delta), 6),
         "identical": identical,
     }
 

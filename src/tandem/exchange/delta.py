@@ -39,7 +39,7 @@ import torch
 from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import DeltaBox, SendItem
-from tandem.kernels.delta import apply16, changed, encode_f32_bf16, fused_available
+from tandem.kernels.delta import apply16, available, changed, encode_f32_bf16
 
 ALIGN = 8  # every part of a payload starts here (views as int32, bf16, fp32 anywhere)
 # "auto" pushes a delta only when its payload is at most this fraction of the dense push:
@@ -156,7 +156,7 @@ def _fused(src: torch.Tensor, shadow: torch.Tensor) -> bool:
         and shadow.dtype == torch.bfloat16
         and src.device.type == "cpu"
         and src.is_contiguous()
-        and fused_available()
+        and available()
     )
 
 
@@ -166,15 +166,14 @@ def _encode_fused(src: torch.Tensor, shadow: torch.Tensor, verify: bool) -> Enco
     flat = shadow.view(-1)
     bits = np.zeros(-(-n // 8), dtype=np.uint8)
     vals = np.empty(n, dtype=np.uint16)
-    idx = np.empty(n // 32 + 8, dtype=np.int32)  # indices are smallest only below n / 32
+    # indices are the smallest encoding only where 4k < n / 8 + 8: k < n / 32 + 2
+    idx = np.empty(n // 32 + 8, dtype=np.int32)
     k = encode_f32_bf16(
         src.reshape(-1).numpy(), flat.view(torch.int16).numpy().view(np.uint16), bits, vals, idx
     )
     crc = tensor_crc32(flat) if verify else None
     size = sizes(n, k, 2)
     encoding = min(("indices", "bitmap", "dense"), key=lambda e: size[e])
-    if encoding == "indices" and k > idx.size:
-        encoding = "bitmap"  # (not reached: indices are larger than a bitmap there)
     box = DeltaBox(encoding, k, size[encoding], crc)
     payload = torch.zeros(size[encoding], dtype=torch.uint8)
     if encoding == "dense":
@@ -230,7 +229,7 @@ def apply_box(live: torch.Tensor, payload: torch.Tensor, box: DeltaBox):
     (`dense_values`: it is committed like a staged box)."""
     n = live.numel()
     if live.is_contiguous() and live.element_size() == 2 and live.device.type == "cpu":
-        if fused_available():  # one pass over the bitmap (or indices), no index tensors
+        if available():  # one pass over the bitmap (or indices), no index tensors
             flat = live.view(-1).view(torch.int16).numpy().view(np.uint16)
             raw = payload.numpy()
             head = -(-n // 8) if box.encoding == "bitmap" else box.changed * 4

@@ -45,7 +45,8 @@ class WeightSyncError(RuntimeError):
 
 def record_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -> list[str]:
     """Every problem with this rank's records that needs no bytes: unknown parameters, a dtype
-    other than the parameter's, boxes that do not fit their region, unknown sources."""
+    other than the parameter's, boxes that do not fit their region, unknown sources; a delta
+    push's records must each carry a payload (`DeltaBox`) of its stated size."""
     params = dict(model.named_parameters())
     problems = []
     for r in records:
@@ -53,39 +54,25 @@ def record_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -
         if param is None:
             problems.append(f"unknown parameter {r.key}")
             continue
-        if param.dtype != DTYPES.get(r.dtype):
+        if spec.delta and r.delta is None:
+            problems.append(f"{r.key}: no delta")
+            continue
+        if not spec.delta and param.dtype != DTYPES.get(r.dtype):
             problems.append(f"{r.key}: sent as {r.dtype}, engine holds {param.dtype}")
-        try:
-            shape = tuple(r.region.view(param).shape)
-        except (IndexError, RuntimeError) as exc:
-            problems.append(f"{r.where}: not a region of {tuple(param.shape)} ({exc})")
-            continue
-        if shape != tuple(r.box_shape):
-            problems.append(f"{r.where}: box {r.box_shape} does not fit")
-        if not 0 <= r.source < spec.trainers:
-            problems.append(f"{r.key}: no trainer rank {r.source}")
-    return problems
-
-
-def delta_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -> list[str]:
-    """`record_problems` for a delta push's records: each must carry a payload (`DeltaBox`)
-    of its stated size for a region of a known parameter."""
-    params = dict(model.named_parameters())
-    problems = []
-    for r in records:
-        param = params.get(r.key)
-        if param is None or r.delta is None:
-            problems.append(f"{r.key}: " + ("unknown parameter" if param is None else "no delta"))
-            continue
         try:
             box = r.region.view(param)
         except (IndexError, RuntimeError) as exc:
             problems.append(f"{r.where}: not a region of {tuple(param.shape)} ({exc})")
             continue
-        if r.nbytes != r.delta.nbytes or r.box_shape != (r.nbytes,) or r.dtype != "uint8":
-            problems.append(f"{r.where}: payload of {r.nbytes} bytes, {r.delta.nbytes} announced")
-        elif r.delta.encoding == "dense" and r.nbytes < box.numel() * box.element_size():
-            problems.append(f"{r.where}: dense payload of {r.nbytes} bytes is short")
+        if spec.delta:
+            if r.nbytes != r.delta.nbytes or r.box_shape != (r.nbytes,) or r.dtype != "uint8":
+                problems.append(
+                    f"{r.where}: payload of {r.nbytes} bytes, {r.delta.nbytes} announced"
+                )
+            elif r.delta.encoding == "dense" and r.nbytes < box.numel() * box.element_size():
+                problems.append(f"{r.where}: dense payload of {r.nbytes} bytes is short")
+        elif tuple(box.shape) != tuple(r.box_shape):
+            problems.append(f"{r.where}: box {r.box_shape} does not fit")
         if not 0 <= r.source < spec.trainers:
             problems.append(f"{r.key}: no trainer rank {r.source}")
     return problems
@@ -164,7 +151,7 @@ class RankReceiver:
         CRC32 of its whole new box. Dense payloads are checked as staged and written at the
         commit."""
         self._undo = []
-        problems = delta_problems(self.model, spec, records)
+        problems = record_problems(self.model, spec, records)
         verify = spec.settings.verify
         if not problems and verify:
             problems = crc_problems(records, half.landed_crcs(spec, records), "as staged")

@@ -192,7 +192,6 @@ class WeightSender:
         )
         self.shadow = Shadow()  # what this rank last pushed, for deltas
         self._payloads = torch.empty(0, dtype=torch.uint8, device=device)
-        self._encoded: tuple[float | None, float] = (None, 0.0)
         self._dense_for = 0  # "auto": pushes left before a delta is tried again
 
     @property
@@ -247,7 +246,7 @@ class WeightSender:
             self.rank, self.world_size, version, layout, self.ignore, settings, rollback, mode, base
         )
         sent = None  # (the items and tensors of the push in its dense form, as quantized)
-        self._encoded = (None, 0.0)  # this push's (density, encode seconds)
+        density, encode_seconds = None, 0.0  # where this rank encoded its boxes
         delivery = None  # what it holds stays alive until the engine has answered
         endpoint = (self._address.host, self._address.port)
         rollout = None  # a rolling push: the connection then reports its rollout
@@ -259,7 +258,10 @@ class WeightSender:
                 reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan) and reply.encode:  # a delta's first round
                     sent = self._quantized(reply, layout, tensors)
-                    send_frame(sock, PUSH.encode(self._encode(*sent, mode)))
+                    start_encode = time.perf_counter()
+                    encoded, density = self._encode(*sent, mode)
+                    encode_seconds = time.perf_counter() - start_encode
+                    send_frame(sock, PUSH.encode(encoded))
                     reply = PUSH.decode(recv_frame(sock))
                 if isinstance(reply, PushPlan):
                     try:
@@ -310,7 +312,8 @@ class WeightSender:
             rollout,
             reply.delta,
             reply.why_dense,
-            *self._encoded,
+            density,
+            encode_seconds,
         )
 
     def close(self) -> None:
@@ -357,25 +360,24 @@ class WeightSender:
         items, tensors = quantized_items(plan.items, plan.quantize, tensors, scales)
         return dataclasses.replace(plan, items=items), tensors
 
-    def _encode(self, plan: PushPlan, tensors: dict, mode: str) -> PushEncoded:
+    def _encode(self, plan: PushPlan, tensors: dict, mode: str) -> tuple[PushEncoded, float | None]:
         """A delta's first round: every box of ``plan`` encoded against the shadow (which then
         holds this push), the payloads laid back to back for delivery; or why this rank sends
-        dense (no shadow of this plan; "auto": the delta would not pay)."""
-        start = time.perf_counter()
+        dense (no shadow of this plan; "auto": the delta would not pay); and the fraction of
+        its elements that changed (None: nothing was encoded)."""
         why = self.shadow.why_not(plan.items)
-        encoded = []
+        encoded, density = [], None
         if why is None:
             encoded = self.shadow.encode(plan.items, tensors, self.settings.verify)
             changed = sum(e.box.changed for e in encoded)
             density = changed / max(1, sum(math.prod(i.box_shape) for i in plan.items))
-            self._encoded = (density, time.perf_counter() - start)
             payload = sum(e.box.nbytes for e in encoded)
             dense = sum(item.nbytes for item in plan.items)
             if mode == "auto" and payload > AUTO_MAX_FRACTION * dense:
                 why = f"the delta would carry {payload / max(dense, 1):.0%} of the dense bytes"
                 self._dense_for = AUTO_RETRY_AFTER
         if why is not None:
-            return PushEncoded([], why)
+            return PushEncoded([], why), density
         total = sum(e.payload.numel() for e in encoded)
         if self._payloads.numel() < total:  # kept: a transport registers it once (mooncake)
             self._payloads = torch.empty(
@@ -385,8 +387,7 @@ class WeightSender:
         for e in encoded:
             self._payloads[at : at + e.payload.numel()].copy_(e.payload)
             at += e.payload.numel()
-        self._encoded = (self._encoded[0], time.perf_counter() - start)
-        return PushEncoded([e.box for e in encoded])
+        return PushEncoded([e.box for e in encoded]), density
 
     def _deliver(self, reply: PushPlan, plan: PushPlan, tensors: dict) -> Delivery:
         """This rank's part of the plan, through its transport's sender half: ``reply`` as

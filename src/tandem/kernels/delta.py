@@ -30,6 +30,7 @@ def _declare(dll: ctypes.CDLL) -> None:
 
 
 _library = Library(SOURCE, _declare, "TANDEM_DELTA", "delta kernels", instead="numpy")
+available = _library.available
 
 
 def changed(a: np.ndarray, b: np.ndarray, count: int) -> np.ndarray:
@@ -37,7 +38,7 @@ def changed(a: np.ndarray, b: np.ndarray, count: int) -> np.ndarray:
     differ, known to number ``count``."""
     if a.shape != b.shape or a.dtype != b.dtype or a.itemsize not in _BY_WIDTH:
         raise ValueError(f"cannot compare {a.dtype}{a.shape} with {b.dtype}{b.shape}")
-    if not _library.available():
+    if not available():
         return np.flatnonzero(np.not_equal(a, b)).astype(np.int32)
     out = np.empty(count, dtype=np.int32)
     fn = getattr(_library.dll, _BY_WIDTH[a.itemsize])
@@ -47,17 +48,13 @@ def changed(a: np.ndarray, b: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def fused_available() -> bool:
-    return _library.available()
-
-
 def encode_f32_bf16(
     src: np.ndarray, shadow: np.ndarray, bitmap: np.ndarray, vals: np.ndarray, idx: np.ndarray
 ) -> int:
     """Round ``src`` (float32, contiguous) to bfloat16 as torch does, against ``shadow``
     (uint16, the same length), writing each value into it: the number changed, their bits set
     in ``bitmap`` (zeroed, ceil(n / 8) bytes), their values in ``vals`` (room for n), their
-    indices in ``idx`` (as many as it has room for). Only where `fused_available`."""
+    indices in ``idx`` (as many as it has room for). Only where `available`."""
     n = src.size
     if shadow.size != n or vals.size < n or bitmap.size * 8 < n:
         raise ValueError(f"buffers too small for {n} elements")
@@ -83,7 +80,7 @@ def apply16(
     """Write ``vals`` into ``live`` (uint16, contiguous) at the set bits of ``bitmap`` or at
     ``idx``, in order, the values there before into ``old``; ValueError if the payload marks
     an element past the box or another number than ``vals`` holds. Only where
-    `fused_available`."""
+    `available`."""
     k = vals.size
     if old.size < k:
         raise ValueError(f"room for {old.size} old values, {k} to write")
