@@ -38,6 +38,10 @@ class PushHello:
     # this rank's shadow holds (None: none; `tandem.exchange.delta`)
     delta: str = "off"
     base: str | None = None
+    # a copy, untouched, of the weights push ``copy_of`` landed (a live replica in the
+    # trainer's role, `tandem.fleet.peer`): once it lands the target holds that push's
+    # weights, its base for deltas (the whole-box checks of a delta catch a false claim)
+    copy_of: str | None = None
 
 
 @PUSH.register("plan")

@@ -243,7 +243,16 @@ class WeightSender:
             mode = "off" if self._dense_for > 0 else mode  # the last reads the shadow again
         base = self.shadow.base if mode != "off" else None
         hello = PushHello(
-            self.rank, self.world_size, version, layout, self.ignore, settings, rollback, mode, base
+            self.rank,
+            self.world_size,
+            version,
+            layout,
+            self.ignore,
+            settings,
+            rollback,
+            mode,
+            base,
+            self._copy_of(),
         )
         sent = None  # (the items and tensors of the push in its dense form, as quantized)
         density, encode_seconds = None, 0.0  # where this rank encoded its boxes
@@ -332,6 +341,11 @@ class WeightSender:
         if isinstance(reply, PushDone) and reply.error is not None:
             return reply.error
         return f"the transport broke mid-push ({type(exc).__name__}: {exc})"
+
+    def _copy_of(self) -> str | None:
+        """The push whose landed weights this rank sends untouched (`PushHello.copy_of`);
+        None: they are its own (a trainer's)."""
+        return None
 
     def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
         """This rank's layout and its local tensors by layout key."""

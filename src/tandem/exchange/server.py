@@ -35,7 +35,7 @@ from tandem.exchange.quantize import scale_sources
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.rollout import RolloutReport
 from tandem.exchange.settings import PushPhase, UpdateSpec
-from tandem.exchange.target import AdapterTarget, UpdateWindow, WeightTarget
+from tandem.exchange.target import AdapterTarget, ReplicatedTarget, UpdateWindow, WeightTarget
 from tandem.exchange.transports import TRANSPORTS, check
 from tandem.exchange.transports.base import Coordinator
 from tandem.wire import MAX_FRAME, PeerGone, read_hello, recv_frame, send_frame
@@ -319,7 +319,7 @@ class ExchangeServer:
         world = {h.world for h in hellos}
         if world != {len(hellos)} or [h.rank for h in hellos] != list(range(len(hellos))):
             raise ValueError(f"trainer ranks {[h.rank for h in hellos]} of world {world}")
-        for field in ("version", "settings", "rollback", "delta"):
+        for field in ("version", "settings", "rollback", "delta", "copy_of"):
             values = {repr(getattr(h, field)) for h in hellos}
             if len(values) != 1:
                 raise ValueError(f"trainer ranks disagree on {field}: {sorted(values)}")
@@ -327,6 +327,7 @@ class ExchangeServer:
         refused = self.target.refuses(settings)
         if refused is not None:
             raise ValueError(refused)
+        why_dense = self._delta_refused(hellos, settings)  # may narrow a fleet's replicas
         version = hellos[0].version
         adapter = None
         if settings.adapter is not None:  # a LoRA adapter into its slot (`AdapterTarget`)
@@ -364,15 +365,16 @@ class ExchangeServer:
             len(hellos),
             adapter=adapter,
             rollback=rollback,
-            push_id=secrets.token_hex(8),
+            push_id=hellos[0].copy_of or secrets.token_hex(8),
         )
         planned = _Planned(spec, plans, (records, relayed), needed, per_replica, plan, receivers)
-        planned.why_dense = self._delta_refused(hellos, settings)
+        planned.why_dense = why_dense
         return planned
 
     def _delta_refused(self, hellos: list[PushHello], settings) -> str | None:
         """Why a push the trainers asked to send as a delta goes dense ("" when they did not
-        ask), decided before any byte moves."""
+        ask), decided before any byte moves. A fleet whose replicas do not all hold the
+        trainers' base takes the delta on those that do (`ReplicatedTarget`)."""
         if hellos[0].delta == "off":
             return ""
         base = hellos[0].base
@@ -385,6 +387,9 @@ class ExchangeServer:
         if len({h.base for h in hellos}) != 1:
             return "the trainer ranks hold shadows of different pushes"
         held = self.target.weight_base
+        if held != base and isinstance(self.target, ReplicatedTarget):
+            if self.target.plan_over_base(base):  # the replicas off it catch up from a peer
+                return None
         if held != base:
             where = "weights of another origin" if held is None else f"those of push {held}"
             return f"the target does not hold the weights of push {base} (it holds {where})"

@@ -109,3 +109,17 @@ class AdapterTarget(Protocol):
         adapter's latest version (None: none is loaded; a push naming no version gets the
         latest + 1, else 1; one naming a version not above the latest is refused unless it is
         a rollback). Only asked where `refuses` let the push through."""
+
+
+@runtime_checkable
+class ReplicatedTarget(Protocol):
+    """What a target of several replicas (a fleet) has beside the `WeightTarget` members: a
+    delta push goes to the replicas holding its base while the others catch up from a peer."""
+
+    def plan_over_base(self, base: str) -> bool:
+        """The push about to be planned is a delta from push ``base`` (`WeightTarget.
+        weight_base`), which some member replicas do not hold: plan it over those that do
+        (its layouts, its window, `weight_base`); the others are left out and, once it
+        lands, take a dense copy from a replica that took it. False (nothing changes: the
+        push goes dense to all) where no member holds ``base`` or the target cannot fill a
+        replica from a peer. Asked after `refuses`, before `weight_layouts`."""

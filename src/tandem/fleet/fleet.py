@@ -104,6 +104,7 @@ class Fleet:
                 phase_timeout_s=settings.phase_timeout_s,
                 stage_timeout_s=settings.stage_timeout_s,
                 lock=self.push_lock,
+                heal=self.heal_later if settings.heal else None,
             )
         )
         self.target.update_listeners.append(self._pushed)

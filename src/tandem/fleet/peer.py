@@ -1,6 +1,7 @@
 """A live replica in the trainer's role: its ranks' parameters pushed into another replica of
 the same fleet (one healing from a fault, or one just added), planned, moved and verified like
-any push, never read from the checkpoint on disk.
+any push, never read from the checkpoint on disk. The replica then holds the weights of the
+push the peer's came from (`PushHello.copy_of`): a trainer's next delta reaches it too.
 
 The peer's ranks keep their parameters in shared memory (`ParamArena`, engines on CPU): this
 process maps them and runs one `WeightSender` per peer rank, whose layout is the rank's own
@@ -36,6 +37,7 @@ class PeerRankSender(WeightSender):
         timeout_s: float,
         transport: str,
         admin_key: str | None,
+        copy_of: str | None,
     ):
         arena = MappedArena(layout.arena)
         # each parameter in its own dtype (block-FP8 values and scales beside the rest)
@@ -46,6 +48,7 @@ class PeerRankSender(WeightSender):
             rank, layout.regions, layout.local_shapes, layout.dtype, dtypes=layout.dtypes
         )
         self._arena = arena  # the mapping lives as long as the views
+        self._copied = copy_of
         super().__init__(
             self._tensors,
             target,
@@ -56,6 +59,9 @@ class PeerRankSender(WeightSender):
             timeout_s=timeout_s,
             admin_key=admin_key,
         )
+
+    def _copy_of(self) -> str | None:
+        return self._copied
 
     def _local(self) -> tuple[RankLayout, dict[str, torch.Tensor]]:
         return self._layout, self._tensors
@@ -78,8 +84,11 @@ def push_from_peer(
             "(engines on CPU do): it cannot push to a replica"
         )
     version = peer.weight_version
+    # the push the peer's weights came from, untouched: the replica's base from then on, so
+    # the trainer's next delta reaches it too (None: they came from elsewhere)
+    base = peer.target.weight_base
     senders = [
-        PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key)
+        PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key, base)
         for i, lay in enumerate(layouts)
     ]
     results: list = [None] * len(senders)

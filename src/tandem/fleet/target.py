@@ -20,6 +20,10 @@ wave's live weights (the push is planned over those replicas alone), which then 
 version; each later wave is written from a replica of the first (``pull``: a live replica in
 the trainer's role, `tandem.fleet.peer`), one wave at a time, out of the router's choice
 while written. A replica torn by its wave is quarantined and heals from a peer.
+
+A delta push (`tandem.exchange.delta`) goes to the member replicas that hold the trainers'
+base; one that does not (its weights came from elsewhere) is left out of it and, once it
+lands, quarantined and healed: a dense copy from a replica that took it (``heal``).
 """
 
 from __future__ import annotations
@@ -54,7 +58,9 @@ class FleetTarget:
     ``pull``: how a replica takes a peer's weights (None: in-place rolling pushes are
     refused). ``stage_timeout_s``: the exchange server's (trainers staging, the dist group).
     ``lock``: the fleet's, held through each push (a replica healing from a peer holds it too,
-    so no push writes the peer's weights while they are read).
+    so no push writes the peer's weights while they are read). ``heal(replica)``: bring a
+    quarantined replica back from a peer, later (None: a delta push goes dense to every
+    replica unless all hold its base).
 
     The exchange server asks `refuses` first for every push, then `weight_layouts`, then
     opens `weight_update`: the settings `refuses` saw choose the replicas planned over."""
@@ -69,6 +75,7 @@ class FleetTarget:
         pull: Pull | None = None,
         stage_timeout_s: float = 600.0,
         lock: threading.Lock | None = None,
+        heal: Callable[[int], None] | None = None,
     ):
         self.replicas = replicas  # the fleet's own list: a restarted replica's target replaces
         self.host = host
@@ -79,7 +86,11 @@ class FleetTarget:
         self.pull = pull
         self.stage_timeout_s = stage_timeout_s
         self.phase_timeout_s = phase_timeout_s
+        self.heal = heal
         self._settings: PushSettings | None = None  # of the push being planned
+        # of the push being planned: member replicas left out of it (off a delta's base), and
+        # why (they heal once it lands)
+        self._aside: dict[int, str] = {}
         self._lock = lock or threading.Lock()  # one push (or one replica healing) at a time
         self.update_listeners: list[UpdateListener] = []
         self._exchange = None
@@ -107,10 +118,30 @@ class FleetTarget:
     @property
     def weight_base(self) -> str | None:
         """The push every member replica's weights came from, if they all hold the same (a
-        delta then goes to all of them, relayed like any push); else None: a push goes
-        dense to every replica."""
+        delta then goes to all of them, relayed like any push); else None: a delta goes to
+        those holding its base (`plan_over_base`), or dense to all."""
         bases = {self.replicas[r].weight_base for r in self.board.members()}
         return bases.pop() if len(bases) == 1 else None
+
+    def plan_over_base(self, base: str) -> bool:
+        """`tandem.exchange.target.ReplicatedTarget`: the push being planned goes to the
+        member replicas holding push ``base``'s weights; the others heal once it lands."""
+        if self.heal is None:
+            return False
+        members = self.board.members()
+        bases = {r: self.replicas[r].weight_base for r in members}
+        if base not in bases.values():
+            return False
+        self._aside = {
+            r: "weights of another origin" if held is None else f"the weights of push {held}"
+            for r, held in bases.items()
+            if held != base
+        }
+        return True
+
+    def _members(self) -> list[int]:
+        """The member replicas the push being planned goes to."""
+        return [r for r in self.board.members() if r not in self._aside]
 
     @property
     def weight_dtype(self) -> str:
@@ -125,7 +156,7 @@ class FleetTarget:
         return any(replica.receivers_in_process for replica in self.replicas)
 
     def refuses(self, settings: PushSettings) -> str | None:
-        self._settings = settings
+        self._settings, self._aside = settings, {}
         if settings.adapter is not None:
             return "a fleet takes no LoRA adapter pushes yet (data_parallel_size > 1)"
         if settings.in_place and not settings.rolling:
@@ -150,7 +181,7 @@ class FleetTarget:
     def weight_layouts(self) -> list[RankLayout]:
         """Every member replica's ranks, numbered one after another (the numbering the push's
         records then use: kept until the next call)."""
-        members = self.board.members()
+        members = self._members()
         settings = self._settings
         if settings is not None and settings.in_place:  # the first wave only
             members = members[: settings.max_unavailable]
@@ -176,6 +207,7 @@ class FleetTarget:
         replica still in it (each drops what the push left on it)."""
         with self._lock:
             update = FleetUpdate(self, spec, list(self._first_ranks))
+            aside, self._aside = self._aside, {}
             try:
                 yield update
             except BaseException as exc:
@@ -183,6 +215,14 @@ class FleetTarget:
                 raise
             else:
                 update.close_all(None)
+                for r, held in sorted(aside.items()):  # off the delta's base: a peer's copy
+                    if self.board.state(r) is ReplicaState.SERVING:
+                        self.board.quarantine(
+                            r,
+                            f"left out of the delta push of version {spec.version}: it "
+                            f"held {held}, not the delta's base; heals from a peer",
+                        )
+                        self.heal(r)
 
     def replica_spec(self, spec: UpdateSpec, replica: int) -> UpdateSpec:
         return dataclasses.replace(spec, first_rank=self._first_ranks[replica])

@@ -19,6 +19,7 @@ import transformers
 
 from support.paths import SUPPORT, rendezvous
 from support.trainers import FSDP_TRAINER, start_rank, wait_ranks
+from support.waits import until
 from tandem import LLM, SamplingParams
 from tandem.engine.engine_target import EngineTarget
 from tandem.exchange import WeightSender, WeightSyncError
@@ -278,9 +279,10 @@ def _decoded(llm) -> list[tuple[list[int], list[float]]]:
 def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, transport):
     """A fleet of 3: the trainer sends the delta once (dist: relayed replica to replica; shm:
     every replica reads the one staging); each replica checks its whole boxes. A replica that
-    joins holds a peer's copy under another push's id: the next push goes dense to all, the
-    one after is a delta again. Rolling deltas (shm) commit wave by wave, and the next is a
-    delta too."""
+    joins holds a peer's copy of the trainer's push: the next delta reaches it too. A replica
+    whose weights came from another push is left out of the delta (the others take it) and
+    heals from a peer, after which deltas reach it again. Rolling deltas (shm) commit wave by
+    wave, and the next is a delta too."""
     trainer = Trainer(llama_dir)
     with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as llm:
         sender = WeightSender(trainer.model, llm, transport=transport)
@@ -297,10 +299,28 @@ def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, t
             llm.add_replica()
             trainer.step()
             stats = sender.push(version=3, delta=True)
-            assert not stats.delta and "does not hold the weights of push" in stats.why_dense
+            assert stats.delta and [r.state for r in stats.replicas] == ["committed"] * 4
+            # the same weights, pushed into replica 3 alone by another sender: another base
+            other = llm.fleet.engines[3].target.exchange_server().address
+            WeightSender(trainer.model, other).push(version=3, rollback=True, delta=False)
             trainer.step()
-            assert sender.push(version=4, delta=True).delta
-            assert [r["version"] for r in llm.fleet_state()] == [4, 4, 4, 4]
+            stats = sender.push(version=4, delta=True)
+            assert stats.delta and stats.bytes_moved < 0.5 * dense.bytes_moved
+            assert [(r.replica, r.state) for r in stats.replicas] == [
+                (0, "committed"),
+                (1, "committed"),
+                (2, "committed"),
+            ]
+            until(
+                "replica 3 healed from a peer",
+                lambda: (
+                    [(r["state"], r["version"]) for r in llm.fleet_state()] == [("serving", 4)] * 4
+                ),
+                120,
+            )
+            trainer.step()
+            stats = sender.push(version=5, delta=True)
+            assert stats.delta and [r.state for r in stats.replicas] == ["committed"] * 4
         else:  # rolling: each replica checks the delta, holds it, commits it in its wave
             for version in (3, 4):
                 trainer.step()

@@ -112,6 +112,53 @@ def test_one_push_through_the_router_updates_every_replica(
         decodes(server, trainer)
 
 
+def test_deltas_through_the_router_reach_every_replica_holding_their_base(
+    router, replicas, model_factory
+):
+    """A delta through the router reaches both replicas (dist: sent once, relayed). A replica
+    whose weights came from another push is left out of the next delta and heals from its
+    peer (taking that push's weights, and so its base): the delta after reaches it again."""
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(
+        model_factory("llama", seed=2), dtype=torch.float32
+    )
+    embed = trainer.get_input_embeddings().weight
+
+    def step() -> None:  # an update that moves a few rows
+        with torch.no_grad():
+            embed[:4].add_(0.5)
+
+    sender = WeightSender(trainer, router.url, admin_key=ADMIN_KEY, transport="dist")
+    try:
+        first = sender.push(delta=True)
+        assert not first.delta  # no base yet
+        step()
+        stats = sender.push(delta=True)
+        assert stats.delta and stats.bytes_moved < 0.1 * first.bytes_moved
+        assert [r.state for r in stats.replicas] == ["committed"] * 2
+        assert stats.replicas[0].bytes_relayed == stats.bytes_moved
+        for server in replicas:
+            decodes(server, trainer)
+        other = WeightSender(trainer, replicas[1].url, admin_key=ADMIN_KEY)
+        other.push(version=stats.version, rollback=True, delta=False)  # the same weights
+        other.close()
+        step()
+        stats = sender.push(delta=True)
+        assert stats.delta and [(r.replica, r.state) for r in stats.replicas] == [(0, "committed")]
+
+        def healed():
+            state = router.client.get("/fleet_state").json()
+            return [(s["state"], s["version"]) for s in state] == [("serving", stats.version)] * 2
+
+        assert wait_for(healed, timeout=60)
+        for server in replicas:
+            decodes(server, trainer)
+        step()
+        stats = sender.push(delta=True)
+        assert stats.delta and [r.state for r in stats.replicas] == ["committed"] * 2
+    finally:
+        sender.close()
+
+
 def test_fleet_state_is_current_once_a_push_returned(llama_dir, model_factory):
     """The router's board reads the versions a push left as soon as the push returns, not at
     the next health poll (30 s away here); a push at a version not above the fleet's is
