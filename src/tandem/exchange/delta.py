@@ -29,6 +29,7 @@ shadow.
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from tandem.dtypes import DTYPES
-from tandem.exchange.checksum import tensor_crc32
+from tandem.exchange.checksum import crc32, tensor_crc32
 from tandem.exchange.items import DeltaBox, SendItem
 from tandem.kernels.delta import apply16, available, changed, encode_f32_bf16
 
@@ -49,6 +50,9 @@ AUTO_MAX_FRACTION = 0.5
 # reads the shadow afresh) before it tries again
 AUTO_RETRY_AFTER = 4
 ENCODE_THREADS = max(1, min(4, os.cpu_count() or 1))
+# the fused encode's part of a box (elements): its shadow (1 MiB) is still in cache when its
+# CRC32 reads it back
+FUSED_CHUNK = 1 << 19
 PAYLOAD_KEY = "\0delta"  # the tensor a delta push's items read (no model tensor has this name)
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -150,12 +154,13 @@ def encode_box(src: torch.Tensor, shadow: torch.Tensor, verify: bool) -> Encoded
 
 
 def _fused(src: torch.Tensor, shadow: torch.Tensor) -> bool:
-    """Whether the one-pass kernel encodes this box (float32 into bfloat16, on the CPU)."""
+    """Whether the one-pass kernel encodes this box (float32 into bfloat16, on the CPU, in
+    rows that are contiguous: a whole tensor, or a tensor-parallel shard's column slice)."""
     return (
         src.dtype == torch.float32
         and shadow.dtype == torch.bfloat16
         and src.device.type == "cpu"
-        and src.is_contiguous()
+        and (src.is_contiguous() or (src.dim() == 2 and src.stride(1) == 1))
         and available()
     )
 
@@ -168,10 +173,20 @@ def _encode_fused(src: torch.Tensor, shadow: torch.Tensor, verify: bool) -> Enco
     vals = np.empty(n, dtype=np.uint16)
     # indices are the smallest encoding only where 4k < n / 8 + 8: k < n / 32 + 2
     idx = np.empty(n // 32 + 8, dtype=np.int32)
-    k = encode_f32_bf16(
-        src.reshape(-1).numpy(), flat.view(torch.int16).numpy().view(np.uint16), bits, vals, idx
-    )
-    crc = tensor_crc32(flat) if verify else None
+    rows = (src.reshape(-1) if src.is_contiguous() else src).numpy()
+    rows = rows.reshape(1, -1) if rows.ndim == 1 else rows
+    cols = rows.shape[1]
+    b = flat.view(torch.int16).numpy().view(np.uint16)
+    unit = 8 // math.gcd(8, cols)  # parts of whole rows, each starting on a bitmap byte
+    step = max(unit, FUSED_CHUNK // cols // unit * unit)
+    k, crc = 0, 0
+    for r in range(0, rows.shape[0], step):  # each part's CRC32 while it is in cache
+        start, end = r * cols, min(n, (r + step) * cols)
+        part = rows[r : r + step]
+        k += encode_f32_bf16(part, b[start:end], bits[start // 8 :], vals[k:], idx[k:], start)
+        if verify:
+            crc = crc32(b[start:end].view(np.uint8), crc)
+    crc = crc if verify else None
     size = sizes(n, k, 2)
     encoding = min(("indices", "bitmap", "dense"), key=lambda e: size[e])
     box = DeltaBox(encoding, k, size[encoding], crc)
@@ -302,8 +317,13 @@ class Shadow:
                 return encode_box(item.src.view(tensors[item.key]), shadow, verify)
 
         pairs = list(zip(items, self.boxes, strict=True))
+        # the largest first, so no thread is left with a large box at the end
+        order = sorted(range(len(pairs)), key=lambda i: -self.boxes[i].numel())
+        out: list[Encoded | None] = [None] * len(pairs)
         with ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="tandem-delta") as pool:
-            return list(pool.map(one, pairs))
+            for i, encoded in zip(order, pool.map(one, [pairs[i] for i in order]), strict=True):
+                out[i] = encoded
+        return out
 
     def committed(self, push_id: str, items: list[SendItem], tensors: dict) -> None:
         """The push ``push_id`` landed: the shadow is what it sent (encoded: already; else

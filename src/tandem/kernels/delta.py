@@ -24,7 +24,7 @@ def _declare(dll: ctypes.CDLL) -> None:
         fn.restype = _I64
         fn.argtypes = [_P, _P, _I64, _P, _I64]
     dll.encode_f32_bf16.restype = _I64
-    dll.encode_f32_bf16.argtypes = [_P, _P, _I64, _P, _P, _P, _I64]
+    dll.encode_f32_bf16.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
     dll.apply16.restype = _I64
     dll.apply16.argtypes = [_P, _I64, _P, _P, _P, _I64, _P]
 
@@ -49,24 +49,38 @@ def changed(a: np.ndarray, b: np.ndarray, count: int) -> np.ndarray:
 
 
 def encode_f32_bf16(
-    src: np.ndarray, shadow: np.ndarray, bitmap: np.ndarray, vals: np.ndarray, idx: np.ndarray
+    src: np.ndarray,
+    shadow: np.ndarray,
+    bitmap: np.ndarray,
+    vals: np.ndarray,
+    idx: np.ndarray,
+    base: int = 0,
 ) -> int:
-    """Round ``src`` (float32, contiguous) to bfloat16 as torch does, against ``shadow``
-    (uint16, the same length), writing each value into it: the number changed, their bits set
-    in ``bitmap`` (zeroed, ceil(n / 8) bytes), their values in ``vals`` (room for n), their
-    indices in ``idx`` (as many as it has room for). Only where `available`."""
-    n = src.size
+    """Round ``src`` (float32: 1-D contiguous, or 2-D with contiguous rows: a column slice of
+    a larger array) to bfloat16 as torch does, against ``shadow`` (uint16, one per element, in
+    C order), writing each value into it: the number changed, their bits set in ``bitmap``
+    (zeroed, ceil(n / 8) bytes), their values in ``vals`` (room for n), their flat indices plus
+    ``base`` (where ``src`` starts in its box) in ``idx`` (as many as it has room for). Only
+    where `available`."""
+    rows, cols = (1, src.size) if src.ndim == 1 else src.shape
+    n = rows * cols
+    if src.ndim not in (1, 2) or src.dtype != np.float32 or src.strides[-1] != 4:
+        raise ValueError(f"cannot encode a {src.dtype}{src.shape} of strides {src.strides}")
     if shadow.size != n or vals.size < n or bitmap.size * 8 < n:
         raise ValueError(f"buffers too small for {n} elements")
+    stride = cols if src.ndim == 1 else src.strides[0] // 4
     dll = _library.dll
     return dll.encode_f32_bf16(
         src.ctypes.data,
+        rows,
+        cols,
+        stride,
         shadow.ctypes.data,
-        n,
         bitmap.ctypes.data,
         vals.ctypes.data,
         idx.ctypes.data,
         idx.size,
+        base,
     )
 
 

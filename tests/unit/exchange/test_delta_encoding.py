@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from tandem.exchange import delta
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.delta import apply_box, decode, dense_values, encode_box, undo_box
 from tandem.kernels.delta import changed
@@ -111,6 +112,27 @@ def test_a_payload_that_does_not_match_its_box_is_refused():
     with pytest.raises(ValueError, match="past|mark"):
         apply_box(live, past, few.box)
     assert torch.equal(live, torch.zeros(100, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("chunk", [16, 1 << 19])
+@pytest.mark.parametrize("cols", [slice(0, 48), slice(0, 24), slice(7, 32), slice(None)])
+@pytest.mark.parametrize("count", [5, 400])
+def test_a_column_slice_encodes_in_parts_as_a_copy_of_it_would(monkeypatch, chunk, cols, count):
+    """A tensor-parallel shard's box (a column slice: rows contiguous, strided between them)
+    is encoded in parts of whole rows, each with its CRC32 taken as it goes: the same
+    payload, indices, values, shadow and CRC32 as the box copied out and compared whole."""
+    monkeypatch.setattr(delta, "FUSED_CHUNK", chunk)
+    full = torch.randn(300, 50) * 0.02
+    box = full[:, cols]
+    shadow = box.to(torch.bfloat16).contiguous()
+    new, at = _changed(box, count, seed=count)
+    full[:, cols] = new  # the trainer's parameter, updated in place
+    enc = encode_box(full[:, cols], shadow, verify=True)
+    want = new.to(torch.bfloat16)
+    assert torch.equal(shadow.view(torch.int16), want.view(torch.int16))
+    assert enc.box.changed == count and enc.box.crc == tensor_crc32(want)
+    indices, values = decode(enc.payload, enc.box, want.numel(), torch.bfloat16)
+    assert torch.equal(indices, at) and torch.equal(values, want.view(-1)[at])
 
 
 @pytest.mark.parametrize("width", [np.uint8, np.uint16, np.uint32])
