@@ -10,8 +10,9 @@ from tandem.server.process import ServerProcess
 
 
 class Router(ServerProcess):
-    def __init__(self, *replicas: Server, extra: tuple[str, ...] = ()):
-        flags = [f for s in replicas for f in ("--replica", s.url)]
+    def __init__(self, *replicas: Server | str, extra: tuple[str, ...] = ()):
+        urls = [s if isinstance(s, str) else s.url for s in replicas]
+        flags = [f for url in urls for f in ("--replica", url)]
         super().__init__([*flags, "--health-interval", "0.2", *extra], 60.0, command="router")
         self.client = httpx.Client(base_url=self.url, timeout=60)
 

@@ -28,57 +28,83 @@ def vllm_serve(model_dir: str, log: Path, *options: str, env: dict | None = None
     KV cache, eager) with ``options`` (tandem's flags) and ``env`` added to this process's
     environment, its output in ``log``: its URL once healthy; stopped (its process group) on
     exit."""
-    cores = sorted(os.sched_getaffinity(0))[:2]  # one per worker
-    env = {
-        **os.environ,
-        "VLLM_CPU_CI_ENV": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, cores)),
-        **(env or {}),
-    }
+    with vllm_serves(model_dir, [log], *options, env=env, tensor_parallel_size=2) as urls:
+        yield urls[0]
+
+
+@contextmanager
+def vllm_serves(
+    model_dir: str,
+    logs: list[Path],
+    *options: str,
+    env: dict | None = None,
+    tensor_parallel_size: int = 1,
+) -> Iterator[list[str]]:
+    """One ``vllm serve`` per log in ``logs``, started side by side (each as `vllm_serve`
+    describes, at ``tensor_parallel_size``): their URLs once every one is healthy; all stopped
+    on exit."""
+    cores = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "VLLM_CPU_CI_ENV": "1", **(env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    port = free_port()
-    # vllm-cpu's `vllm` script looks its own version up under the name "vllm" and fails: its
-    # server module, which `vllm serve` runs
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "128",
-        "--kv-cache-memory-bytes",
-        str(8 << 20),
-        "--enforce-eager",
-        "--tensor-parallel-size",
-        "2",
-        *options,
-    ]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
+    started: list[tuple[subprocess.Popen, str, Path]] = []
     try:
-        deadline = time.monotonic() + 240
-        while not healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
-            time.sleep(1)  # polling the health route, not synchronizing
-        yield url
+        for i, log in enumerate(logs):
+            # a core per worker, servers taking the cores in turn
+            bound = [
+                cores[(i * tensor_parallel_size + w) % len(cores)]
+                for w in range(tensor_parallel_size)
+            ]
+            own = {**env, "VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, bound))}
+            port = free_port()
+            # vllm-cpu's `vllm` script looks its own version up under the name "vllm" and
+            # fails: its server module, which `vllm serve` runs
+            cmd = [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                model_dir,
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "128",
+                "--kv-cache-memory-bytes",
+                str(8 << 20),
+                "--enforce-eager",
+                "--tensor-parallel-size",
+                str(tensor_parallel_size),
+                *options,
+            ]
+            with log.open("w") as out:
+                proc = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT, env=own, start_new_session=True
+                )
+            started.append((proc, f"http://127.0.0.1:{port}", log))
+        deadline = time.monotonic() + 240 * len(logs)
+        for proc, url, log in started:
+            while not healthy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
+                time.sleep(1)  # polling the health route, not synchronizing
+        yield [url for _, url, _ in started]
     finally:
+        for proc, _, _ in started:
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a ``vllm serve`` (its process group): SIGTERM, then SIGKILL past a minute."""
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def healthy(url: str) -> bool:

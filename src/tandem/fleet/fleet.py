@@ -1,10 +1,10 @@
 """A fleet: replicas behind one front (`tandem.llm.LLM`, `tandem serve`, `tandem router`),
-each driven through the `Replica` protocol: an engine of this process (`LocalReplica`) or a
-`tandem serve` over HTTP (`RemoteReplica`). The fleet routes each request to one replica
-(`RoutingPolicy`, one ledger of what each replica owes) among those the `ReplicaBoard` allows
-(serving, within ``max_staleness`` of the newest version), and is one `WeightTarget` for
-pushes (`tandem.fleet.target`): one push updates every replica, all at once or in rolling
-waves.
+each driven through the `Replica` protocol: an engine of this process (`LocalReplica`), or a
+`tandem serve` or a ``vllm serve`` over HTTP (`tandem.fleet.remote`), all of one kind. The
+fleet routes each request to one replica (`RoutingPolicy`, one ledger of what each replica
+owes) among those the `ReplicaBoard` allows (serving, within ``max_staleness`` of the
+newest version), and is one `WeightTarget` for pushes (`tandem.fleet.target`): one push
+updates every replica, all at once or in rolling waves.
 
 A replica that dies, hangs or fails a push is quarantined: requests go elsewhere (the front
 runs again those it held and had not begun to answer), and with ``heal`` it comes back by
@@ -29,12 +29,17 @@ from tandem.engine.engine import LLMEngine
 from tandem.fleet.board import NoReplicaError, ReplicaBoard, ReplicaState
 from tandem.fleet.local import LocalReplica
 from tandem.fleet.policy import Routed, RoutingPolicy
-from tandem.fleet.remote import RemoteReplica
+from tandem.fleet.remote import probe
 from tandem.fleet.replica import Health, Replica
 from tandem.fleet.target import FleetTarget
 
 log = logging.getLogger(__name__)
 
+# why a fleet is of one kind of replica
+MIXED = (
+    "a fleet's replicas are all of one kind (a replica heals, joins or takes a rolling wave "
+    "from a peer's weights, and vLLM's and tandem's engines do not copy each other's)"
+)
 VERSION_POLL_S = 0.05  # `wait_for_version` looks again at least this often (a commit by a
 # push with policy "all" changes versions without a board change)
 DRAIN_POLL_S = 0.005
@@ -149,11 +154,16 @@ class Fleet:
         """The `tandem serve` instances at ``urls`` (sharing ``admin_key``)."""
         if not urls:
             raise ValueError("a router needs at least one --replica URL")
+        kinds = [probe(url, check_timeout_s) for url in urls]
         replicas = [
-            RemoteReplica(url, admin_key, settings.phase_timeout_s, check_timeout_s) for url in urls
+            kind(url, admin_key, settings.phase_timeout_s, check_timeout_s)
+            for kind, url in zip(kinds, urls, strict=True)
         ]
         if len({r.name for r in replicas}) != len(replicas):
             raise ValueError(f"a replica is listed twice: {urls}")
+        if len({r.kind for r in replicas}) > 1:
+            named = ", ".join(f"{r.name}: {r.kind}" for r in replicas)
+            raise ValueError(f"the replicas are of different kinds ({named}): {MIXED}")
         return cls(replicas, settings)
 
     # ----- the engines of a fleet of this process (the fronts that step them) -----
@@ -399,11 +409,11 @@ class Fleet:
             if replica.name in [r.name for r in self.replicas]:
                 replica.close()
                 raise ValueError(f"{replica.name} is already a replica")
-            if replica.in_process != self.replicas[0].in_process:
+            if replica.kind != self.replicas[0].kind:
                 replica.close()
                 raise ValueError(
-                    f"{replica.name} is not of the fleet's kind (engines of one "
-                    "process, or servers behind one router)"
+                    f"{replica.name} is a {replica.kind}, the fleet's replicas are each a "
+                    f"{self.replicas[0].kind}: {MIXED}"
                 )
             index = self.board.add(ReplicaState.JOINING)
             if index != len(self.replicas):

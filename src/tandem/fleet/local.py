@@ -19,6 +19,7 @@ class LocalReplica:
     replica's slot among the fleet's, grown past its size by an added one, puts its workers
     on their own cores and devices)."""
 
+    kind = "engine"
     in_process = True
 
     def __init__(self, config: EngineConfig, index: int, load_format: str = "auto"):

@@ -1,7 +1,9 @@
-"""A `tandem serve` as a replica of a fleet (`tandem router`'s): its health, checked over
-``GET /health`` (`RemoteReplica`), and its weights as a `WeightTarget` (`RemoteTarget`): its
-ranks' layouts and a push window held open on it, over its admin routes
-(`/admin/weights/target`, `/admin/weights/window...`, messages in
+"""A server as a replica of a fleet (`tandem router`'s): a `tandem serve` (`RemoteReplica`,
+its health checked over ``GET /health``) or a ``vllm serve`` made with tandem's worker
+extension and middleware (`VllmReplica`, `tandem.integrations.vllm.serve`); `probe` tells
+which answers at a URL. Either's weights are a `WeightTarget` (`RemoteTarget`): its ranks'
+layouts and a push window held open on it, over the same admin routes
+(`/admin/weights/target`, `/admin/weights/refuses`, `/admin/weights/window...`, messages in
 `tandem.fleet.window_messages`). The fleet makes a `FleetTarget` of these, so one push through
 the router plans trainer ranks -> every replica's ranks at once, sends each byte once and
 relays it, and commits on every replica or none.
@@ -28,6 +30,8 @@ from tandem.fleet.window_messages import (
     CloseWindow,
     Expose,
     OpenWindow,
+    Refusal,
+    Refuses,
     RunPhase,
     TargetInfo,
     WindowReply,
@@ -41,6 +45,7 @@ class RemoteReplica:
     last ``GET /health`` answer (`refresh`; a check sent before the one recorded last is
     dropped: its answer may predate a push that the later one saw)."""
 
+    kind = "tandem serve"
     in_process = False
     block = TEXT_BLOCK
 
@@ -148,6 +153,73 @@ class RemoteReplica:
         self.target.close()
 
 
+class VllmReplica(RemoteReplica):
+    """The ``vllm serve`` at ``url``, made with tandem's worker extension and middleware and
+    started with the router's admin key as ``$TANDEM_ADMIN_KEY``. Requests go to it as to any
+    OpenAI server. Its health: vLLM's ``GET /health`` (its engine alive), then what its
+    weights say (``GET /admin/weights``: the version served, and mixed weights left by a
+    commit that failed part-way, which vLLM keeps serving: not ok until a push lands). It
+    cannot send its weights to a peer: a quarantined vLLM replica is not healed from one."""
+
+    kind = "vllm serve"
+
+    def refresh(self) -> None:
+        asked = time.monotonic()
+        try:
+            alive = httpx.get(f"{self.url}/health", timeout=self.check_timeout_s)
+            if alive.status_code != 200:
+                self.record(asked, alive.status_code, {"reason": "vLLM's engine is down"}, None)
+                return
+            weights = httpx.get(
+                f"{self.url}/admin/weights",
+                timeout=self.check_timeout_s,
+                headers={"authorization": f"Bearer {self.admin_key}"},
+            )
+        except httpx.HTTPError as exc:
+            self.record(asked, None, {}, f"no answer from {self.url} ({type(exc).__name__})")
+            return
+        body = _json(weights)
+        if weights.status_code != 200:
+            reason = f"/admin/weights answered {weights.status_code}: {weights.text[:200]}"
+            self.record(asked, weights.status_code, {"reason": reason}, None)
+            return
+        torn = body.get("torn")
+        self.record(
+            asked,
+            200,
+            {
+                "status": "ok" if torn is None else "unavailable",
+                "reason": None if torn is None else f"vLLM holds mixed weights: {torn}",
+                "weight_version": body.get("version"),
+            },
+            None,
+        )
+
+    def send_to(self, other: Replica, timeout_s: float) -> int:
+        raise WeightSyncError(
+            f"{self.url} is a vllm serve: it cannot send its weights to a peer "
+            "(push into the fleet to bring a replica back)"
+        )
+
+    def report(self) -> dict:
+        return {"url": self.url, "engine": "vllm"}
+
+
+def probe(url: str, timeout_s: float = 2.0) -> type[RemoteReplica]:
+    """Which kind of server answers at ``url``: a `tandem serve` (its ``/health`` says
+    ``status``) or a ``vllm serve`` (``/version`` names vLLM's); a server that does not
+    answer is taken for a `tandem serve` (the router's default)."""
+    url = url.rstrip("/")
+    try:
+        if "status" in _json(httpx.get(f"{url}/health", timeout=timeout_s)):
+            return RemoteReplica
+        if "version" in _json(httpx.get(f"{url}/version", timeout=timeout_s)):
+            return VllmReplica
+    except httpx.HTTPError:
+        pass
+    return RemoteReplica
+
+
 def _json(r: httpx.Response) -> dict:
     try:
         body = r.json()
@@ -196,7 +268,7 @@ class RemoteTarget:
                 f"{self.url} serves a fleet of its own (--data-parallel-size > 1): push "
                 "to it directly, or route over single-replica servers"
             )
-        return None
+        return self._call("POST", "/admin/weights/refuses", Refuses(settings), Refusal).reason
 
     def weight_layouts(self) -> list[RankLayout]:
         return self.info().layouts

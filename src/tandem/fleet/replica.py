@@ -1,6 +1,7 @@
 """What a `Fleet` needs of a replica (`Replica`), and what a replica says of itself
-(`Health`). Two kinds today: an engine in this process (`tandem.fleet.local`) and a
-`tandem serve` reached over HTTP (`tandem.fleet.remote`); the fleet knows no other."""
+(`Health`). Three kinds: an engine in this process (`tandem.fleet.local`), and a `tandem
+serve` or a ``vllm serve`` reached over HTTP (`tandem.fleet.remote`); the fleet knows no
+other."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Replica(Protocol):
     """One replica of a fleet."""
 
     name: str  # how messages and reports name it ("replica 2", its URL)
+    kind: str  # what serves it ("engine", "tandem serve", "vllm serve"): a fleet is of one kind
     block: int  # the prefix block routing hashes, in the replica's units
     cache_blocks: int  # how many prompt blocks its prefix index remembers
     # a rolling wave may refill it in place from a peer (`Fleet`'s in-place waves): both ends

@@ -1,7 +1,8 @@
 """Messages of a push window held open on a `tandem serve` for a front that runs the push
-(`tandem router`): what the server's target holds (`TargetInfo`), open a window
-(`OpenWindow`), run a phase in it (`RunPhase`), expose it (`Expose`), close it
-(`CloseWindow`), and every answer (`WindowReply`). Typed, msgpack over HTTP bodies
+(`tandem router`): what the server's target holds (`TargetInfo`), whether it takes a push
+travelling so (`Refuses`, answered by `Refusal`), open a window (`OpenWindow`), run a phase in
+it (`RunPhase`), expose it (`Expose`), close it (`CloseWindow`), and every other answer
+(`WindowReply`). Typed, msgpack over HTTP bodies
 (``application/msgpack``) on the admin routes; tensor bytes never travel here.
 """
 
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.settings import PushPhase, UpdateSpec
+from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.wire import Codec
 
 WINDOW = Codec("push-window")
@@ -28,6 +29,18 @@ class TargetInfo:
     replicas: int  # a server with --data-parallel-size R > 1 is a fleet of its own
     unavailable: str | None
     base: str | None = None  # `WeightTarget.weight_base`: the push its weights came from
+
+
+@WINDOW.register("refuses")
+@dataclass(slots=True)
+class Refuses:
+    settings: PushSettings
+
+
+@WINDOW.register("refusal")
+@dataclass(slots=True)
+class Refusal:
+    reason: str | None  # `WeightTarget.refuses`: None where the target takes the push
 
 
 @WINDOW.register("open")

@@ -1,6 +1,7 @@
 """`tandem router`'s HTTP front: `tandem serve`'s routes over replicas started separately.
 
-The replicas are one `Fleet` of `RemoteReplica`s (`tandem.fleet`), health-checked every
+The replicas (`tandem serve`s, or ``vllm serve``s made with tandem's worker extension and
+middleware: `tandem.fleet.remote`) are one `Fleet`, health-checked every
 ``health_interval_s`` (``GET /health``: a replica answering anything but 200 with ``status:
 ok`` takes no requests until it answers again). Completions, chat, embeddings and classify
 calls go whole to the replica the fleet routes them to (its one decision: a replica serving
@@ -29,7 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tandem.exchange.receiver import WeightSyncError
 from tandem.fleet.board import NoReplicaError
 from tandem.fleet.fleet import Fleet, FleetSettings
-from tandem.fleet.remote import RemoteReplica
+from tandem.fleet.remote import RemoteReplica, probe
 from tandem.server import errors
 from tandem.server.errors import APIError
 from tandem.server.state import check_key, read_body
@@ -72,9 +73,8 @@ class RouterSettings:
         )
 
     def replica(self, url: str, fleet: Fleet) -> RemoteReplica:
-        return RemoteReplica(
-            url, self.admin_key, fleet.settings.phase_timeout_s, self.health_timeout_s
-        )
+        kind = probe(url, self.health_timeout_s)  # a tandem serve or a vllm serve
+        return kind(url, self.admin_key, fleet.settings.phase_timeout_s, self.health_timeout_s)
 
 
 def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:

@@ -26,12 +26,11 @@ from tandem.fleet.window_messages import (
     CloseWindow,
     Expose,
     OpenWindow,
+    Refuses,
     RunPhase,
-    TargetInfo,
-    WindowReply,
 )
+from tandem.server import remote_window
 from tandem.server.errors import APIError
-from tandem.server.remote_window import WindowHost
 from tandem.server.state import read_body, read_json, require_admin, state
 from tandem.wire import MAX_FRAME
 
@@ -100,68 +99,39 @@ async def push_to(request: Request):
 @router.get("/weights/target")
 async def target_info(request: Request):
     fleet = state(request).engine.fleet
-    target = fleet.target
-    layouts = await asyncio.to_thread(target.weight_layouts)
-    info = TargetInfo(
-        target.weight_version,
-        target.weight_dtype,
-        target.weight_device_type,
-        layouts,
-        len(fleet.engines),
-        target.unavailable(),
-        target.weight_base,
-    )
+    info = await asyncio.to_thread(remote_window.target_info, fleet.target, len(fleet.engines))
     return _msgpack(info)
+
+
+@router.post("/weights/refuses")
+async def refuses(request: Request):
+    return await _answer(request, Refuses)
 
 
 @router.post("/weights/window")
 async def open_window(request: Request):
-    message = await _read(request, OpenWindow)
-    try:
-        token = await asyncio.to_thread(_windows(request).open, message.spec)
-    except Exception as exc:  # a busy or dead engine: say why
-        return _msgpack(WindowReply(f"{type(exc).__name__}: {exc}"), 409)
-    return _msgpack(WindowReply(token=token))
+    return await _answer(request, OpenWindow)
 
 
 @router.post("/weights/window/phase")
 async def run_phase(request: Request):
-    message = await _read(request, RunPhase)
-
-    def phase(update):
-        update.spec = message.spec
-        nbytes = update.run(message.phase, dict(enumerate(message.records)))
-        return nbytes, [(r, n, s) for r, (n, s) in update.ingress().items()]
-
-    try:
-        nbytes, ingress = await asyncio.to_thread(_windows(request).run, message.token, phase)
-    except Exception as exc:
-        return _msgpack(WindowReply(str(exc)), 409)
-    return _msgpack(WindowReply(nbytes=nbytes, ingress=ingress))
+    return await _answer(request, RunPhase)
 
 
 @router.post("/weights/window/expose")
 async def expose(request: Request):
-    message = await _read(request, Expose)
-    try:
-        await asyncio.to_thread(_windows(request).run, message.token, lambda u: u.expose())
-    except Exception as exc:
-        return _msgpack(WindowReply(str(exc)), 409)
-    return _msgpack(WindowReply())
+    return await _answer(request, Expose)
 
 
 @router.post("/weights/window/close")
 async def close_window(request: Request):
-    message = await _read(request, CloseWindow)
-    try:
-        await asyncio.to_thread(_windows(request).close, message.token, message.ok)
-    except Exception as exc:
-        return _msgpack(WindowReply(str(exc)), 409)
-    return _msgpack(WindowReply())
+    return await _answer(request, CloseWindow)
 
 
-def _windows(request: Request) -> WindowHost:
-    return state(request).windows
+async def _answer(request: Request, kind: type) -> Response:
+    message = await _read(request, kind)
+    reply = await asyncio.to_thread(remote_window.answer, state(request).windows, message)
+    return _msgpack(reply, remote_window.status(reply))
 
 
 async def _read(request: Request, kind: type):

@@ -6,6 +6,10 @@ of its own (`_Held`), which runs the front's commands in order. At most one wind
 time. A front that goes quiet for ``idle_timeout_s`` (dead, partitioned) has its window closed
 as failed: every rank drops what the push held, and the engine goes on serving what it served
 (or refuses requests, if bytes already went into its live weights).
+
+`target_info` and `answer` are the routes' work (`tandem serve`'s admin routes, and ``vllm
+serve``'s through tandem's middleware): what the target holds, and a front's message carried
+out on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +21,16 @@ from collections.abc import Callable
 
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import UpdateSpec
+from tandem.fleet.window_messages import (
+    CloseWindow,
+    Expose,
+    OpenWindow,
+    Refusal,
+    Refuses,
+    RunPhase,
+    TargetInfo,
+    WindowReply,
+)
 
 _CLOSE_OK, _CLOSE_FAILED = "close-ok", "close-failed"
 
@@ -123,3 +137,51 @@ class _Held(threading.Thread):
                 command = self.commands.get_nowait()
                 if isinstance(command, tuple):
                     command[1].put((None, WindowError("the push window closed")))
+
+
+def target_info(target, replicas: int = 1) -> TargetInfo:
+    """What a front asks first of a server's target (``GET /admin/weights/target``):
+    ``replicas``: how many the server runs (a fleet of its own when > 1)."""
+    return TargetInfo(
+        target.weight_version,
+        target.weight_dtype,
+        target.weight_device_type,
+        target.weight_layouts(),
+        replicas,
+        target.unavailable(),
+        target.weight_base,
+    )
+
+
+def answer(
+    host: WindowHost, message: Refuses | OpenWindow | RunPhase | Expose | CloseWindow
+) -> WindowReply | Refusal:
+    """A front's message carried out on ``host`` (blocking: run it off the event loop); what
+    failed is named in the reply's ``error``."""
+    if isinstance(message, Refuses):
+        return Refusal(host.target.refuses(message.settings))
+    try:
+        if isinstance(message, OpenWindow):
+            return WindowReply(token=host.open(message.spec))
+        if isinstance(message, RunPhase):
+
+            def phase(update):
+                update.spec = message.spec
+                nbytes = update.run(message.phase, dict(enumerate(message.records)))
+                return nbytes, [(r, n, s) for r, (n, s) in update.ingress().items()]
+
+            nbytes, ingress = host.run(message.token, phase)
+            return WindowReply(nbytes=nbytes, ingress=ingress)
+        if isinstance(message, Expose):
+            host.run(message.token, lambda update: update.expose())
+        else:
+            host.close(message.token, message.ok)
+        return WindowReply()
+    except Exception as exc:  # a busy or dead engine, a failed phase: say why
+        opening = isinstance(message, OpenWindow)  # a phase's error names itself
+        return WindowReply(f"{type(exc).__name__}: {exc}" if opening else str(exc))
+
+
+def status(reply: WindowReply | Refusal) -> int:
+    """The HTTP status a reply goes with: 409 where it names an error."""
+    return 409 if isinstance(reply, WindowReply) and reply.error is not None else 200

@@ -25,6 +25,7 @@ class FakeTarget:
 class FakeReplica:
     """A replica whose health the test sets; a peer push copies the version."""
 
+    kind = "tandem serve"
     in_process = False
     block = 4
     cache_blocks = 64
@@ -178,6 +179,11 @@ def test_a_replica_joins_from_a_live_peer_and_is_refused_twice_or_unhealthy():
     with pytest.raises(ValueError, match="r3 is not healthy: no answer"):
         fleet.add(down)
     assert fleet.fleet_state()[3]["state"] == "quarantined"
+    other = FakeReplica("r4")
+    other.kind = "vllm serve"  # a server of another engine cannot copy its peers' weights
+    with pytest.raises(ValueError, match="r4 is a vllm serve, the fleet's replicas are each"):
+        fleet.add(other)
+    assert other.closed and len(fleet.fleet_state()) == 4
 
 
 def test_a_heal_with_no_live_peer_fails_and_stays_quarantined_saying_why():

@@ -12,6 +12,13 @@ Then ``WeightSender(model, "http://host:port", admin_key=...)`` pushes into it a
 answers the exchange endpoint (made on the first ask), the version served and whether a
 failed commit left the weights mixed; no tensor byte travels over HTTP. Without
 ``$TANDEM_ADMIN_KEY`` in the server's environment the route answers 403.
+
+The same key opens the routes of a push window held open for a front that runs the push
+(`tandem router --replica URL`, `tandem.fleet.remote.VllmReplica`): ``GET
+/admin/weights/target``, ``POST /admin/weights/refuses`` and ``POST
+/admin/weights/window[/phase|/expose|/close]``, as on a `tandem serve`
+(`tandem.server.remote_window`), so one push through a router updates every vLLM server
+behind it.
 """
 
 from __future__ import annotations
@@ -24,14 +31,25 @@ import os
 from tandem.exchange.discovery import ADMIN_KEY_ENV
 
 ROUTE = "/admin/weights"
+WINDOW_ROUTES = {  # path -> (method, the message it takes: None for the target's info)
+    f"{ROUTE}/target": ("GET", None),
+    f"{ROUTE}/refuses": ("POST", "Refuses"),
+    f"{ROUTE}/window": ("POST", "OpenWindow"),
+    f"{ROUTE}/window/phase": ("POST", "RunPhase"),
+    f"{ROUTE}/window/expose": ("POST", "Expose"),
+    f"{ROUTE}/window/close": ("POST", "CloseWindow"),
+}
 
 _targets: dict[int, object] = {}  # by id of the engine client: one exchange per engine
+_hosts: dict[int, object] = {}  # its push windows held open for a front (`WindowHost`)
 _making = asyncio.Lock()
 
 
 async def exchange(request, call_next):
-    """The ``--middleware``: answers `ROUTE`, passes everything else to vLLM."""
-    if request.url.path != ROUTE:
+    """The ``--middleware``: answers `ROUTE` and `WINDOW_ROUTES`, passes everything else to
+    vLLM."""
+    path = request.url.path
+    if path != ROUTE and path not in WINDOW_ROUTES:
         return await call_next(request)
     from fastapi.responses import JSONResponse
 
@@ -46,9 +64,12 @@ async def exchange(request, call_next):
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
         return _error(JSONResponse, 401, "missing or wrong admin key", "invalid_api_key")
-    if request.method != "GET":
-        return _error(JSONResponse, 405, f"{ROUTE} takes GET", "method_not_allowed")
+    method = WINDOW_ROUTES.get(path, ("GET", None))[0]
+    if request.method != method:
+        return _error(JSONResponse, 405, f"{path} takes {method}", "method_not_allowed")
     target = await _target(request.app.state.engine_client)
+    if path in WINDOW_ROUTES:
+        return await _window(request, target, WINDOW_ROUTES[path][1])
     state = target.weight_state()
     server = target.exchange_server
     return JSONResponse(
@@ -71,6 +92,37 @@ async def _target(client):
             engine = ServedEngine(client, asyncio.get_running_loop())
             _targets[id(client)] = await asyncio.to_thread(VllmTarget, engine)
         return _targets[id(client)]
+
+
+async def _window(request, target, expected: str | None):
+    """A front's push-window call: the target's info, or a message carried out on its
+    `WindowHost` (off the event loop: a phase runs on vLLM's workers through it)."""
+    from fastapi.responses import JSONResponse, Response
+
+    from tandem.fleet.window_messages import MEDIA_TYPE, WINDOW
+    from tandem.server import remote_window
+    from tandem.wire import MAX_FRAME
+
+    if expected is None:
+        info = await asyncio.to_thread(remote_window.target_info, target)
+        return Response(WINDOW.encode(info), media_type=MEDIA_TYPE)
+    body = await request.body()
+    if len(body) > MAX_FRAME:
+        return _error(JSONResponse, 413, f"a window message over {MAX_FRAME} bytes", "too_large")
+    try:
+        message = WINDOW.decode(body)
+    except ValueError as exc:
+        return _error(JSONResponse, 400, f"not a push-window message: {exc}", "invalid_value")
+    if type(message).__name__ != expected:
+        got = type(message).__name__
+        return _error(JSONResponse, 400, f"expected {expected}, got {got}", "invalid_value")
+    key = id(request.app.state.engine_client)
+    if key not in _hosts:
+        _hosts[key] = remote_window.WindowHost(target)
+    reply = await asyncio.to_thread(remote_window.answer, _hosts[key], message)
+    return Response(
+        WINDOW.encode(reply), status_code=remote_window.status(reply), media_type=MEDIA_TYPE
+    )
 
 
 def _error(response, status: int, message: str, code: str):
