@@ -283,10 +283,16 @@ class Fleet:
                 newest = max((healths[r].version for r in live), default=None)
                 for r in live:
                     if healths[r].version < newest:
-                        self.board.quarantine(
-                            r,
-                            f"serves version {healths[r].version}, the fleet {newest} (restarted?)",
-                        )
+                        # looked at again first: a record taken before a push's commit reached
+                        # the replica (a rolling wave's) may lag what it serves now
+                        replicas[r].refresh()
+                        healths[r] = replicas[r].health()
+                        if healths[r].ok and healths[r].version < newest:
+                            self.board.quarantine(
+                                r,
+                                f"serves version {healths[r].version}, the fleet {newest} "
+                                "(restarted?)",
+                            )
             finally:
                 self.push_lock.release()
         for r, health in enumerate(healths):

@@ -257,3 +257,35 @@ def test_a_remote_replicas_health_is_its_latest_check_and_one_replica_each():
     assert not health.ok and "--data-parallel-size" in health.reason
     assert health.fault is None  # held out, never quarantined for it
     replica.close()
+
+
+class LaggingReplica(FakeReplica):
+    """A replica over HTTP as the fleet sees it: the version its last health check read,
+    until it is looked at again (`refresh`)."""
+
+    def __init__(self, name: str, version: int = 0):
+        super().__init__(name, version)
+        self.seen = version
+
+    def health(self) -> Health:
+        health = super().health()
+        return Health(health.ok, self.seen, health.fault, health.reason, health.updating)
+
+    def refresh(self) -> None:
+        self.seen = self._version
+
+
+def test_a_replica_whose_record_lags_is_looked_at_again_before_it_is_held_out():
+    """A health check read before a rolling wave reached the replica (its record says the
+    old version) does not quarantine it: the fleet asks again first. One that is behind
+    indeed is quarantined, saying so."""
+    lagging = LaggingReplica("r1", 1)
+    fleet = Fleet([FakeReplica("r0", 2), lagging], FleetSettings(stage_timeout_s=5.0, heal=False))
+    lagging._version = 2  # its wave committed after the record was taken
+    fleet.check()
+    assert _states(fleet) == [("serving", 2), ("serving", 2)]
+    behind = LaggingReplica("r1", 1)
+    fleet = Fleet([FakeReplica("r0", 2), behind], FleetSettings(stage_timeout_s=5.0, heal=False))
+    fleet.check()
+    assert fleet.fleet_state()[1]["state"] == "quarantined"
+    assert "serves version 1, the fleet 2" in fleet.fleet_state()[1]["reason"]

@@ -75,6 +75,8 @@ class VllmReceiver:
         self.expert_keys = {
             key for key, users in self.users.items() if _prepacked_experts(users[0][1]) is not None
         }
+        # a rolling push's boxes, held by this worker until its wave commits: (version, boxes)
+        self._held: tuple[int, list[torch.Tensor]] | None = None
 
     def run(self, phase: PushPhase, spec: UpdateSpec, records: list[Record]) -> PhaseReply:
         half = self._half(spec.settings.transport)
@@ -88,17 +90,38 @@ class VllmReceiver:
                     crcs = half.landed_crcs(spec, records)
                     problems = crc_problems(records, crcs, "as staged")
                 return self._reply(half, spec, problems, 0)
+            if phase is PushPhase.HOLD:
+                return self._reply(half, spec, self._hold(half, spec, records), 0)
             if phase is PushPhase.COMMIT:
-                boxes = half.landed(spec, records)
+                held, self._held = self._held, None
+                from_held = held is not None and held[0] == spec.version
+                boxes = held[1] if from_held else half.landed(spec, records)
                 torn = True  # from here vLLM's live weights change
                 nbytes = self._load(records, boxes)
                 problems = self.check_live(records, boxes) if spec.settings.verify else []
-                half.release(spec)
+                if not from_held:  # the held copy's staging was released at hold
+                    half.release(spec)
                 return self._reply(half, spec, problems, nbytes, torn=bool(problems))
+            self._held = None
             half.abort(spec)
             return PhaseReply(None, 0)
         except Exception as exc:
             return self._reply(half, spec, [f"{type(exc).__name__}: {exc}"], 0, torn=torn)
+
+    def _hold(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]) -> list[str]:
+        """A rolling push, verified: every landed box copied into this worker's memory (the
+        senders' staging is not read again: they are answered before this replica's wave) and
+        checksummed there against what the senders read; vLLM serves the old weights until the
+        wave's commit loads the copies."""
+        self._held = None
+        held = [box.clone() for box in half.landed(spec, records)]
+        half.release(spec)
+        problems = []
+        if spec.settings.verify:
+            problems = crc_problems(records, [tensor_crc32(b) for b in held], "as held")
+        if not problems:
+            self._held = (spec.version, held)
+        return problems
 
     def _reply(
         self,

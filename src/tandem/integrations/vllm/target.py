@@ -13,7 +13,10 @@ build keeps only repacked linear weights: see `tandem.integrations.vllm.receiver
 rejected before its commit leaves the old weights serving; a commit that fails part-way leaves
 vLLM with mixed weights, which vLLM cannot be told to refuse requests for, so the target says
 so (`unavailable`, `weight_state`, the error of that push and of every push until one lands).
-After a push lands, vLLM's prefix cache is reset.
+After a push lands, vLLM's prefix cache is reset. A rolling push (a fleet of vLLM servers
+behind `tandem router`) holds each worker's verified copy while the old weights serve
+(`PushPhase.HOLD`), and its wave commits it under vLLM's own pause (``wait`` or ``keep``, the
+push's ``wave``), resumed after.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class OfflineEngine:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def pause(self, mode: str) -> None:
+        pass  # an offline engine runs no request while a phase runs (the caller's thread)
+
+    def resume(self) -> None:
+        pass
+
     def on_collected(self, callback) -> None:
         weakref.finalize(self.llm, callback)
 
@@ -70,6 +79,14 @@ class ServedEngine:
 
     def reset_prefix_cache(self) -> None:
         self._run(self.client.reset_prefix_cache())
+
+    def pause(self, mode: str) -> None:
+        """vLLM's own pause (what ``POST /pause?mode=...`` does): ``wait`` lets the requests
+        running finish, ``keep`` freezes them where they are; new ones wait."""
+        self._run(self.client.pause_generation(mode=mode))
+
+    def resume(self) -> None:
+        self._run(self.client.resume_generation())
 
     def on_collected(self, callback) -> None:
         pass  # the server's engine lives as long as the server
@@ -156,11 +173,6 @@ class VllmTarget:
                 "repacked for its kernels, so every push into vLLM is staged, then written "
                 "into its layers and repacked by vLLM (use mode='staged')"
             )
-        if settings.rolling:
-            return (
-                "policy='rolling' needs a fleet of tandem replicas; a vLLM engine commits "
-                "each push at once (use policy='all')"
-            )
         return None
 
     @contextmanager
@@ -206,6 +218,17 @@ class VllmUpdate:
         return {}  # a failure raises
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
+        if phase is PushPhase.COMMIT and self.spec.settings.rolling:
+            # a rolling wave's commit, under vLLM's own pause: "wait" lets the requests running
+            # finish first (those sent past the router too), "keep" freezes them across it
+            self.target.engine.pause(self.spec.settings.wave)
+            try:
+                return self._run(phase, records_by_rank)
+            finally:
+                self.target.engine.resume()
+        return self._run(phase, records_by_rank)
+
+    def _run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         replies = self.call(phase, records_by_rank)
         errors = [f"worker {i}: {r.error}" for i, r in enumerate(replies) if r.error]
         if errors:
