@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,19 @@ def vllm_serve(model_dir: str, log: Path, *options: str, env: dict | None = None
     KV cache, eager) with ``options`` (tandem's flags) and ``env`` added to this process's
     environment, its output in ``log``: its URL once healthy; stopped (its process group) on
     exit."""
-    with vllm_serves(model_dir, [log], *options, env=env, tensor_parallel_size=2) as urls:
-        yield urls[0]
+    with vllm_serves(model_dir, [log], *options, env=env, tensor_parallel_size=2) as servers:
+        yield servers[0].url
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    url: str
+    process: subprocess.Popen  # the leader of its process group (the server and its workers)
+
+    def kill(self) -> None:
+        """SIGKILL the server and its workers at once, as a crash would."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(60)
 
 
 @contextmanager
@@ -39,9 +51,9 @@ def vllm_serves(
     *options: str,
     env: dict | None = None,
     tensor_parallel_size: int = 1,
-) -> Iterator[list[str]]:
+) -> Iterator[list[VllmServer]]:
     """One ``vllm serve`` per log in ``logs``, started side by side (each as `vllm_serve`
-    describes, at ``tensor_parallel_size``): their URLs once every one is healthy; all stopped
+    describes, at ``tensor_parallel_size``): the servers once every one is healthy; all stopped
     on exit."""
     cores = sorted(os.sched_getaffinity(0))
     env = {**os.environ, "VLLM_CPU_CI_ENV": "1", **(env or {})}
@@ -90,7 +102,7 @@ def vllm_serves(
                 if proc.poll() is not None or time.monotonic() > deadline:
                     pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
                 time.sleep(1)  # polling the health route, not synchronizing
-        yield [url for _, url, _ in started]
+        yield [VllmServer(url, proc) for proc, url, _ in started]
     finally:
         for proc, _, _ in started:
             stop(proc)

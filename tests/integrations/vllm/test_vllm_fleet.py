@@ -6,7 +6,7 @@ URL updates every vLLM server (the trainer sending each byte once, relayed serve
 over dist), after which each generates what transformers does on the pushed weights; a push
 vLLM cannot take (in place) is refused before any byte moves, naming why; a rolling push under
 load commits wave by wave under vLLM's own pause, every call answered (``wait``: each with one
-version's tokens). Last, one
+version's tokens); a server killed mid-rollout is held out while the others commit. Last, one
 server alone: a trainer finds its exchange through ``GET /admin/weights`` (admin key) and
 pushes into it directly; its completions then equal transformers on the trainer's weights.
 
@@ -52,11 +52,12 @@ def fleet(model_factory, tmp_path_factory):
         "--middleware",
         "tandem.integrations.vllm.serve.exchange",
     )
-    with vllm_serves(model_dir, logs, *extension, env={"TANDEM_ADMIN_KEY": KEY}) as urls:
+    with vllm_serves(model_dir, logs, *extension, env={"TANDEM_ADMIN_KEY": KEY}) as servers:
+        urls = [s.url for s in servers]
         router = Router(*urls, extra=("--admin-key", KEY))
         try:
             until("the router sees every replica", lambda: _health(router)["status"] == "ok", 60)
-            yield router, urls, model_dir
+            yield router, urls, model_dir, servers
         finally:
             router.stop()
 
@@ -74,7 +75,7 @@ def _weights_version(url: str) -> int:
 
 
 def test_requests_spread_over_the_vllm_replicas_and_equal_transformers(fleet):
-    router, urls, model_dir = fleet
+    router, urls, model_dir, _ = fleet
     state = router.client.get("/fleet_state").json()
     assert [(s["url"], s["engine"], s["state"]) for s in state] == [
         (url, "vllm", "serving") for url in urls
@@ -95,7 +96,7 @@ def test_requests_spread_over_the_vllm_replicas_and_equal_transformers(fleet):
 
 @pytest.mark.parametrize(("transport", "seed"), [("dist", 3), ("shm", 4)])
 def test_one_push_through_the_router_updates_every_vllm_replica(fleet, transport, seed):
-    router, urls, model_dir = fleet
+    router, urls, model_dir, _ = fleet
     model = moved(model_dir, seed)
     sender = WeightSender(model, router.url, admin_key=KEY, transport=transport)
     try:
@@ -117,7 +118,7 @@ def test_one_push_through_the_router_updates_every_vllm_replica(fleet, transport
 
 
 def test_a_push_in_place_is_refused_before_any_byte_moves(fleet):
-    router, urls, model_dir = fleet
+    router, urls, model_dir, _ = fleet
     versions = [_weights_version(url) for url in urls]
     sender = WeightSender(moved(model_dir, 5), router.url, admin_key=KEY, mode="in_place")
     try:
@@ -138,51 +139,101 @@ def test_a_rolling_push_under_load_updates_the_vllm_replicas_wave_by_wave(fleet,
     ones, never a mix. ``keep``: vLLM's pause freezes a wave's running requests across its
     commit (vLLM reports no per-token version, so a completion that crossed it is not told
     apart: it is only required to be answered)."""
-    router, urls, model_dir = fleet
+    router, urls, model_dir, _ = fleet
     old, new = moved(model_dir, 7), moved(model_dir, 8)
     trainer = moved(model_dir, 7)
     sender = WeightSender(trainer, router.url, admin_key=KEY, transport="shm")
-    prompts = [[7, 40, 11, 90, 2], [3, 33, 8], [100, 5, 60, 21]]
-    answers, errors, stop = [], [], threading.Event()
-
-    def client() -> None:
-        while not stop.is_set():
-            prompt = prompts[len(answers) % len(prompts)]
-            try:
-                answers.append((prompt, complete(router.url, prompt)[0]))
-            except Exception as exc:  # every call must be answered
-                errors.append(repr(exc))
-
-    clients = [threading.Thread(target=client, daemon=True) for _ in range(2)]
+    load = Load(router.url)
     try:
         before = sender.push()  # the weights the replicas serve when the rollout begins
         trainer.load_state_dict(new.state_dict())  # the trainer's step
-        for t in clients:
-            t.start()
-        until("calls under way", lambda: len(answers) >= 2, 60)
-        start = len(answers)
+        load.start()
+        start = len(load.answers)
         stats = sender.push(policy="rolling", max_unavailable=1, wave=wave)
         done = stats.wait(timeout=300)
-        during = len(answers)
-        until("calls after the rollout", lambda: len(answers) >= during + 3, 60)
+        during = len(load.answers)
+        load.stop()
     finally:
-        stop.set()
-        for t in clients:
-            t.join(60)
+        load.stop()
         sender.close()
-    assert not errors, errors[:3]
+    answers = load.answers
+    assert not load.errors, load.errors[:3]
     assert during > start  # calls were answered while the replicas rolled
     state = router.client.get("/fleet_state").json()
     assert done.committed == list(range(REPLICAS)), [(s["state"], s.get("reason")) for s in state]
     assert stats.version == before.version + 1
     assert [_weights_version(url) for url in urls] == [stats.version] * REPLICAS
-    want = {tuple(p): [_greedy(m, p) for m in (old, new)] for p in prompts}
+    want = {tuple(p): [_greedy(m, p) for m in (old, new)] for p in Load.PROMPTS}
     if wave == "wait":
         for prompt, tokens in answers:
             assert tokens in want[tuple(prompt)], (prompt, tokens)
     assert any(t == want[tuple(p)][1] for p, t in answers[during:])  # the new weights serve
     for url in urls:
         assert_serves(url, new)
+
+
+class Load:
+    """Two clients calling greedy completions through the router until stopped: each call's
+    (prompt, tokens), and what any call raised (every call must be answered)."""
+
+    PROMPTS = ([7, 40, 11, 90, 2], [3, 33, 8], [100, 5, 60, 21])
+
+    def __init__(self, url: str):
+        self.url = url
+        self.answers: list[tuple[list[int], list[int]]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._clients = [threading.Thread(target=self._client, daemon=True) for _ in range(2)]
+
+    def start(self) -> None:
+        for t in self._clients:
+            t.start()
+        until("calls under way", lambda: len(self.answers) >= 2, 60)
+
+    def stop(self) -> None:
+        """Once a few more calls were answered (those under way when asked end normally)."""
+        if not self._stop.is_set() and self._clients[0].is_alive():
+            asked = len(self.answers)
+            until("calls after the rollout", lambda: len(self.answers) >= asked + 3, 60)
+        self._stop.set()
+        for t in self._clients:
+            if t.is_alive():
+                t.join(60)
+
+    def _client(self) -> None:
+        while not self._stop.is_set():
+            prompt = list(self.PROMPTS[len(self.answers) % len(self.PROMPTS)])
+            try:
+                self.answers.append((prompt, complete(self.url, prompt)[0]))
+            except Exception as exc:  # every call must be answered
+                self.errors.append(repr(exc))
+
+
+def test_a_vllm_server_killed_mid_rollout_is_held_out_and_the_others_commit(fleet):
+    """SIGKILL of one server once a rolling push is held everywhere, before its wave: it is
+    quarantined (the calls it held run again on the others: every call is answered), the
+    other two commit, and the rollout names it failed. A vLLM server is not healed from a
+    peer: it stays out, saying why. (Next to last: it leaves the fleet two servers.)"""
+    router, urls, model_dir, servers = fleet
+    trainer = moved(model_dir, 9)
+    sender = WeightSender(trainer, router.url, admin_key=KEY, transport="shm")
+    load = Load(router.url)
+    try:
+        load.start()
+        stats = sender.push(policy="rolling", max_unavailable=1, wave="wait")
+        servers[2].kill()
+        done = stats.wait(timeout=300)
+        load.stop()
+    finally:
+        load.stop()
+        sender.close()
+    assert not load.errors, load.errors[:3]
+    assert done.committed == [0, 1] and list(done.failed) == [2], done
+    state = router.client.get("/fleet_state").json()
+    assert [s["state"] for s in state] == ["serving", "serving", "quarantined"]
+    assert [s["version"] for s in state[:2]] == [stats.version] * 2
+    for url in urls[:2]:
+        assert_serves(url, trainer)
 
 
 def _greedy(model, prompt: list[int], n: int = 6) -> list[int]:
@@ -196,7 +247,7 @@ def _greedy(model, prompt: list[int], n: int = 6) -> list[int]:
 
 
 def test_the_window_routes_need_the_admin_key_and_take_only_their_typed_messages(fleet):
-    _, urls, _ = fleet
+    _, urls, _, _ = fleet
     route = urls[0] + "/admin/weights/window/close"
     close = WINDOW.encode(CloseWindow("no-such-token", False))
     assert _post(route, close, None)[0] == 401
@@ -242,7 +293,7 @@ def test_the_admin_route_needs_the_key(fleet):
 
 
 def test_a_push_into_one_server_lands_and_its_completions_follow(fleet):
-    _, urls, model_dir = fleet
+    _, urls, model_dir, _ = fleet
     url = urls[0]
     status, before = _get(url + "/admin/weights", KEY)
     assert status == 200 and before["modes"] == ["staged"] and before["torn"] is None
