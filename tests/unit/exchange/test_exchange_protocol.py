@@ -120,6 +120,7 @@ def test_a_hello_with_untyped_settings_is_malformed():
         False,
         "off",
         None,
+        None,
     ]
     with pytest.raises(ValueError, match="RankLayout"):  # a layout as positional lists
         PUSH.decode(msgpack.packb(old_wire))

@@ -101,14 +101,17 @@ async def _window(request, target, expected: str | None):
 
     from tandem.fleet.window_messages import MEDIA_TYPE, WINDOW
     from tandem.server import remote_window
+    from tandem.server.errors import APIError
+    from tandem.server.state import read_body
     from tandem.wire import MAX_FRAME
 
     if expected is None:
         info = await asyncio.to_thread(remote_window.target_info, target)
         return Response(WINDOW.encode(info), media_type=MEDIA_TYPE)
-    body = await request.body()
-    if len(body) > MAX_FRAME:
-        return _error(JSONResponse, 413, f"a window message over {MAX_FRAME} bytes", "too_large")
+    try:
+        body = await read_body(request, MAX_FRAME)  # refused past one frame, as it arrives
+    except APIError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
     try:
         message = WINDOW.decode(body)
     except ValueError as exc:
