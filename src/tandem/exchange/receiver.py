@@ -78,6 +78,29 @@ def record_problems(model: nn.Module, spec: UpdateSpec, records: list[Record]) -
     return problems
 
 
+def hold_landed(
+    half: ReceiverHalf, spec: UpdateSpec, records: list[Record], device: torch.device
+) -> tuple[list[str], list[torch.Tensor]]:
+    """A rolling push, verified, held until its wave: every landed box copied into one buffer
+    of this rank's (the senders' staging is not read again: they are answered before the
+    wave), then the copies checksummed against what the senders read (the copy is what the
+    commit writes). (problems, the copies)."""
+    boxes = half.landed(spec, records)
+    buf = torch.empty(sum(r.nbytes for r in records), dtype=torch.uint8, device=device)
+    held, at = [], 0
+    with torch.no_grad():
+        for r, box in zip(records, boxes, strict=True):
+            mine = buf[at : at + r.nbytes].view(box.dtype).view(box.shape)
+            mine.copy_(box)
+            held.append(mine)
+            at += r.nbytes
+    half.release(spec)  # what the transport staged is not read again
+    problems = []
+    if spec.settings.verify:
+        problems = crc_problems(records, [tensor_crc32(b) for b in held], "as held")
+    return problems, held
+
+
 def crc_problems(records: list[Record], crcs: list[int], where: str) -> list[str]:
     return [
         f"checksum mismatch for {r.where} {where}"
@@ -195,25 +218,11 @@ class RankReceiver:
         return problems, nbytes
 
     def _hold(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
-        """Copy every landed box into one buffer of this rank's, then checksum the copies
-        against what the senders read (the copy is what the commit will write)."""
         self._held = None
-        boxes = half.landed(spec, records)
-        buf = torch.empty(sum(r.nbytes for r in records), dtype=torch.uint8, device=self.device)
-        held, at = [], 0
-        with torch.no_grad():
-            for r, box in zip(records, boxes, strict=True):
-                mine = buf[at : at + r.nbytes].view(box.dtype).view(box.shape)
-                mine.copy_(box)
-                held.append(mine)
-                at += r.nbytes
-        half.release(spec)  # what the transport staged is not read again
-        problems = []
-        if spec.settings.verify:
-            problems = crc_problems(records, [tensor_crc32(b) for b in held], "as held")
+        problems, held = hold_landed(half, spec, records, self.device)
         if not problems:
             self._held = (spec.version, held)
-        return problems, at
+        return problems, sum(r.nbytes for r in records)
 
     def _commit(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]):
         if spec.adapter is not None:  # the slot's previous adapter may differ in rank, targets

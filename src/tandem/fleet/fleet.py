@@ -29,7 +29,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.fleet.board import NoReplicaError, ReplicaBoard, ReplicaState
 from tandem.fleet.local import LocalReplica
 from tandem.fleet.policy import Routed, RoutingPolicy
-from tandem.fleet.remote import probe
+from tandem.fleet.remote import server_replica
 from tandem.fleet.replica import Health, Replica
 from tandem.fleet.target import FleetTarget
 
@@ -154,10 +154,9 @@ class Fleet:
         """The `tandem serve` instances at ``urls`` (sharing ``admin_key``)."""
         if not urls:
             raise ValueError("a router needs at least one --replica URL")
-        kinds = [probe(url, check_timeout_s) for url in urls]
         replicas = [
-            kind(url, admin_key, settings.phase_timeout_s, check_timeout_s)
-            for kind, url in zip(kinds, urls, strict=True)
+            server_replica(url, admin_key, settings.phase_timeout_s, check_timeout_s)
+            for url in urls
         ]
         if len({r.name for r in replicas}) != len(replicas):
             raise ValueError(f"a replica is listed twice: {urls}")

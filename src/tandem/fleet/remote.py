@@ -205,6 +205,13 @@ class VllmReplica(RemoteReplica):
         return {"url": self.url, "engine": "vllm"}
 
 
+def server_replica(
+    url: str, admin_key: str | None, timeout_s: float, check_timeout_s: float = 2.0
+) -> RemoteReplica:
+    """The server at ``url`` as a replica of its kind (`probe`)."""
+    return probe(url, check_timeout_s)(url, admin_key, timeout_s, check_timeout_s)
+
+
 def probe(url: str, timeout_s: float = 2.0) -> type[RemoteReplica]:
     """Which kind of server answers at ``url``: a `tandem serve` (its ``/health`` says
     ``status``) or a ``vllm serve`` (``/version`` names vLLM's); a server that does not

@@ -30,7 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tandem.exchange.receiver import WeightSyncError
 from tandem.fleet.board import NoReplicaError
 from tandem.fleet.fleet import Fleet, FleetSettings
-from tandem.fleet.remote import RemoteReplica, probe
+from tandem.fleet.remote import RemoteReplica, server_replica
 from tandem.server import errors
 from tandem.server.errors import APIError
 from tandem.server.state import check_key, read_body
@@ -73,8 +73,9 @@ class RouterSettings:
         )
 
     def replica(self, url: str, fleet: Fleet) -> RemoteReplica:
-        kind = probe(url, self.health_timeout_s)  # a tandem serve or a vllm serve
-        return kind(url, self.admin_key, fleet.settings.phase_timeout_s, self.health_timeout_s)
+        return server_replica(
+            url, self.admin_key, fleet.settings.phase_timeout_s, self.health_timeout_s
+        )
 
 
 def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:

@@ -129,12 +129,14 @@ async def close_window(request: Request):
 
 
 async def _answer(request: Request, kind: type) -> Response:
-    message = await _read(request, kind)
+    message = await read_message(request, kind)
     reply = await asyncio.to_thread(remote_window.answer, state(request).windows, message)
     return _msgpack(reply, remote_window.status(reply))
 
 
-async def _read(request: Request, kind: type):
+async def read_message(request: Request, kind: type):
+    """A front's push-window message of type ``kind``, at most one frame (`APIError`: 413
+    past it, as it arrives; 400 when it is not one, or of another type)."""
     body = await read_body(request, MAX_FRAME)
     try:
         message = WINDOW.decode(body)

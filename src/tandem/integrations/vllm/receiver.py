@@ -36,7 +36,7 @@ from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.receiver import crc_problems, record_problems
+from tandem.exchange.receiver import crc_problems, hold_landed, record_problems
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
@@ -109,16 +109,10 @@ class VllmReceiver:
             return self._reply(half, spec, [f"{type(exc).__name__}: {exc}"], 0, torn=torn)
 
     def _hold(self, half: ReceiverHalf, spec: UpdateSpec, records: list[Record]) -> list[str]:
-        """A rolling push, verified: every landed box copied into this worker's memory (the
-        senders' staging is not read again: they are answered before this replica's wave) and
-        checksummed there against what the senders read; vLLM serves the old weights until the
-        wave's commit loads the copies."""
+        """A rolling push, verified: held in this worker's memory (`hold_landed`); vLLM serves
+        the old weights until the wave's commit loads the copies."""
         self._held = None
-        held = [box.clone() for box in half.landed(spec, records)]
-        half.release(spec)
-        problems = []
-        if spec.settings.verify:
-            problems = crc_problems(records, [tensor_crc32(b) for b in held], "as held")
+        problems, held = hold_landed(half, spec, records, self.device)
         if not problems:
             self._held = (spec.version, held)
         return problems

@@ -99,26 +99,19 @@ async def _window(request, target, expected: str | None):
     `WindowHost` (off the event loop: a phase runs on vLLM's workers through it)."""
     from fastapi.responses import JSONResponse, Response
 
+    from tandem.fleet import window_messages
     from tandem.fleet.window_messages import MEDIA_TYPE, WINDOW
     from tandem.server import remote_window
+    from tandem.server.admin import read_message
     from tandem.server.errors import APIError
-    from tandem.server.state import read_body
-    from tandem.wire import MAX_FRAME
 
     if expected is None:
         info = await asyncio.to_thread(remote_window.target_info, target)
         return Response(WINDOW.encode(info), media_type=MEDIA_TYPE)
-    try:
-        body = await read_body(request, MAX_FRAME)  # refused past one frame, as it arrives
+    try:  # as `tandem serve` reads it
+        message = await read_message(request, getattr(window_messages, expected))
     except APIError as exc:
         return JSONResponse(exc.body(), status_code=exc.status)
-    try:
-        message = WINDOW.decode(body)
-    except ValueError as exc:
-        return _error(JSONResponse, 400, f"not a push-window message: {exc}", "invalid_value")
-    if type(message).__name__ != expected:
-        got = type(message).__name__
-        return _error(JSONResponse, 400, f"expected {expected}, got {got}", "invalid_value")
     key = id(request.app.state.engine_client)
     if key not in _hosts:
         _hosts[key] = remote_window.WindowHost(target)
