@@ -33,15 +33,38 @@ def vllm_serve(model_dir: str, log: Path, *options: str, env: dict | None = None
         yield servers[0].url
 
 
-@dataclass(frozen=True)
+@dataclass
 class VllmServer:
     url: str
     process: subprocess.Popen  # the leader of its process group (the server and its workers)
+    command: list[str]
+    env: dict
+    log: Path
 
     def kill(self) -> None:
         """SIGKILL the server and its workers at once, as a crash would."""
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait(60)
+
+    def restart(self) -> None:
+        """Start it again, as it was started (its port, its checkpoint): once healthy."""
+        self.process = _start(self.command, self.env, self.log)
+        _wait_healthy([self], time.monotonic() + 240)
+
+
+def _start(command: list[str], env: dict, log: Path) -> subprocess.Popen:
+    with log.open("a") as out:
+        return subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def _wait_healthy(servers: list[VllmServer], deadline: float) -> None:
+    for server in servers:
+        while not healthy(server.url):
+            if server.process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"vllm serve did not come up:\n{server.log.read_text()[-3000:]}")
+            time.sleep(1)  # polling the health route, not synchronizing
 
 
 @contextmanager
@@ -58,7 +81,7 @@ def vllm_serves(
     cores = sorted(os.sched_getaffinity(0))
     env = {**os.environ, "VLLM_CPU_CI_ENV": "1", **(env or {})}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
-    started: list[tuple[subprocess.Popen, str, Path]] = []
+    started: list[VllmServer] = []
     try:
         for i, log in enumerate(logs):
             # a core per worker, servers taking the cores in turn
@@ -91,21 +114,14 @@ def vllm_serves(
                 str(tensor_parallel_size),
                 *options,
             ]
-            with log.open("w") as out:
-                proc = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT, env=own, start_new_session=True
-                )
-            started.append((proc, f"http://127.0.0.1:{port}", log))
-        deadline = time.monotonic() + 240 * len(logs)
-        for proc, url, log in started:
-            while not healthy(url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-3000:]}")
-                time.sleep(1)  # polling the health route, not synchronizing
-        yield [VllmServer(url, proc) for proc, url, _ in started]
+            log.write_text("")
+            server = VllmServer(f"http://127.0.0.1:{port}", _start(cmd, own, log), cmd, own, log)
+            started.append(server)
+        _wait_healthy(started, time.monotonic() + 240 * len(logs))
+        yield started
     finally:
-        for proc, _, _ in started:
-            stop(proc)
+        for server in started:
+            stop(server.process)
 
 
 def stop(proc: subprocess.Popen) -> None:

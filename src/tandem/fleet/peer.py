@@ -14,6 +14,7 @@ writes its weights while the fleet's push lock is held.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import torch
@@ -25,36 +26,34 @@ from tandem.exchange.sender import PushStats, WeightSender
 from tandem.exchange.transports.memory import MappedArena
 
 
-class PeerRankSender(WeightSender):
-    """One peer rank as a trainer rank: its layout as is, its tensors mapped from its arena."""
+class RankSender(WeightSender):
+    """One serving rank as a trainer rank: ``layout`` (the canonical boxes in its local
+    tensors) as is, ``tensors`` by layout key; its push carries ``copy_of`` (the push those
+    weights came from, untouched; None: unknown)."""
 
     def __init__(
         self,
         layout: RankLayout,
-        rank: int,
+        tensors: dict[str, torch.Tensor],
         world: int,
         target,
         timeout_s: float,
         transport: str,
         admin_key: str | None,
         copy_of: str | None,
+        mode: str = "in_place",
     ):
-        arena = MappedArena(layout.arena)
-        # each parameter in its own dtype (block-FP8 values and scales beside the rest)
-        self._tensors = {
-            key: arena.param(key, DTYPES[layout.dtype_of(key)]) for key in layout.local_shapes
-        }
+        self._tensors = tensors
         self._layout = RankLayout(
-            rank, layout.regions, layout.local_shapes, layout.dtype, dtypes=layout.dtypes
+            layout.rank, layout.regions, layout.local_shapes, layout.dtype, dtypes=layout.dtypes
         )
-        self._arena = arena  # the mapping lives as long as the views
         self._copied = copy_of
         super().__init__(
-            self._tensors,
+            tensors,
             target,
             transport=transport,
-            mode="in_place",
-            rank=rank,
+            mode=mode,
+            rank=layout.rank,
             world_size=world,
             timeout_s=timeout_s,
             admin_key=admin_key,
@@ -87,9 +86,21 @@ def push_from_peer(
     # the push the peer's weights came from, untouched: the replica's base from then on, so
     # the trainer's next delta reaches it too (None: they came from elsewhere)
     base = peer.target.weight_base
+    # each parameter in its own dtype (block-FP8 values and scales beside the rest); the
+    # mappings live as long as the views
+    arenas = [MappedArena(lay.arena) for lay in layouts]
     senders = [
-        PeerRankSender(lay, i, len(layouts), target, timeout_s, transport, admin_key, base)
-        for i, lay in enumerate(layouts)
+        RankSender(
+            dataclasses.replace(lay, rank=i),
+            {k: arena.param(k, DTYPES[lay.dtype_of(k)]) for k in lay.local_shapes},
+            len(layouts),
+            target,
+            timeout_s,
+            transport,
+            admin_key,
+            base,
+        )
+        for i, (lay, arena) in enumerate(zip(layouts, arenas, strict=True))
     ]
     results: list = [None] * len(senders)
 

@@ -105,7 +105,10 @@ class RemoteReplica:
             self._asked_at = asked
             version = body.get("weight_version")
             self._health = Health(
-                ok=ok, version=version if isinstance(version, int) else 0, reason=reason
+                ok=ok,
+                version=version if isinstance(version, int) else 0,
+                fault=body.get("fault"),
+                reason=reason,
             )
 
     def lost(self, reason: str) -> bool:
@@ -158,8 +161,11 @@ class VllmReplica(RemoteReplica):
     started with the router's admin key as ``$TANDEM_ADMIN_KEY``. Requests go to it as to any
     OpenAI server. Its health: vLLM's ``GET /health`` (its engine alive), then what its
     weights say (``GET /admin/weights``: the version served, and mixed weights left by a
-    commit that failed part-way, which vLLM keeps serving: not ok until a push lands). It
-    cannot send its weights to a peer: a quarantined vLLM replica is not healed from one."""
+    commit that failed part-way, which vLLM keeps serving: a fault, quarantined and healed).
+    It sends its weights to a peer as a `tandem serve` does (``POST
+    /admin/weights/push_to``: its workers read them back from vLLM's layers and push them
+    as trainer ranks), so a quarantined vLLM replica, answering again (restarted on its
+    checkpoint, or torn), heals from a live one."""
 
     kind = "vllm serve"
 
@@ -190,15 +196,10 @@ class VllmReplica(RemoteReplica):
             {
                 "status": "ok" if torn is None else "unavailable",
                 "reason": None if torn is None else f"vLLM holds mixed weights: {torn}",
+                "fault": None if torn is None else f"vLLM holds mixed weights: {torn}",
                 "weight_version": body.get("version"),
             },
             None,
-        )
-
-    def send_to(self, other: Replica, timeout_s: float) -> int:
-        raise WeightSyncError(
-            f"{self.url} is a vllm serve: it cannot send its weights to a peer "
-            "(push into the fleet to bring a replica back)"
         )
 
     def report(self) -> dict:

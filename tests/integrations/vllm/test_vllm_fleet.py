@@ -6,7 +6,8 @@ URL updates every vLLM server (the trainer sending each byte once, relayed serve
 over dist), after which each generates what transformers does on the pushed weights; a push
 vLLM cannot take (in place) is refused before any byte moves, naming why; a rolling push under
 load commits wave by wave under vLLM's own pause, every call answered (``wait``: each with one
-version's tokens); a server killed mid-rollout is held out while the others commit. Last, one
+version's tokens); a server killed mid-rollout is held out while the others commit, and once
+restarted on its checkpoint heals from a vLLM peer. Last, one
 server alone: a trainer finds its exchange through ``GET /admin/weights`` (admin key) and
 pushes into it directly; its completions then equal transformers on the trainer's weights.
 
@@ -212,8 +213,8 @@ class Load:
 def test_a_vllm_server_killed_mid_rollout_is_held_out_and_the_others_commit(fleet):
     """SIGKILL of one server once a rolling push is held everywhere, before its wave: it is
     quarantined (the calls it held run again on the others: every call is answered), the
-    other two commit, and the rollout names it failed. A vLLM server is not healed from a
-    peer: it stays out, saying why. (Next to last: it leaves the fleet two servers.)"""
+    other two commit, and the rollout names it failed; it stays out, saying why, until it
+    answers again (the next test)."""
     router, urls, model_dir, servers = fleet
     trainer = moved(model_dir, 9)
     sender = WeightSender(trainer, router.url, admin_key=KEY, transport="shm")
@@ -234,6 +235,24 @@ def test_a_vllm_server_killed_mid_rollout_is_held_out_and_the_others_commit(flee
     assert [s["version"] for s in state[:2]] == [stats.version] * 2
     for url in urls[:2]:
         assert_serves(url, trainer)
+
+
+def test_the_killed_server_restarted_on_its_checkpoint_heals_from_a_vllm_peer(fleet):
+    """The server killed above, started again on its checkpoint: the router finds it behind
+    (version 0), holds it out and heals it from a live vLLM replica, whose worker reads its
+    weights back from vLLM's layers and pushes them as a trainer rank, planned and checked
+    where they land. Only then is it routed to: it serves the fleet's version and generates
+    what transformers does on the trainer's weights."""
+    router, urls, model_dir, servers = fleet
+    version = _weights_version(urls[0])
+    servers[2].restart()
+
+    def states() -> list:
+        return [(s["state"], s["version"]) for s in router.client.get("/fleet_state").json()]
+
+    until("the restarted server healed", lambda: states() == [("serving", version)] * 3, 180)
+    assert _weights_version(urls[2]) == version
+    assert_serves(urls[2], moved(model_dir, 9))
 
 
 def _greedy(model, prompt: list[int], n: int = 6) -> list[int]:
@@ -271,7 +290,7 @@ def _post(url: str, body: bytes, key: str | None) -> tuple[int, bytes]:
 
 
 # one server on its own, last: a push into it alone leaves the others behind (the router would
-# hold them out, and a vLLM replica does not heal from a peer)
+# hold them out and heal them from it)
 
 
 def _get(url: str, key: str | None) -> tuple[int, dict]:

@@ -70,3 +70,26 @@ class BackendHello:
     version: int  # the last version it committed (0: the weights vLLM loaded)
     torn: str | None  # why its weights are mixed, or None
     in_update: bool  # vLLM holds an update open on it (its trainer left before finishing)
+
+
+@VLLM.register("push-to")
+@dataclass(slots=True)
+class SendWeights:
+    """Push this worker's weights, at ``version``, into the server at ``url`` (another replica
+    of the fleet, started with ``admin_key``), as rank ``rank`` of ``workers`` trainer ranks."""
+
+    url: str
+    transport: str
+    version: int
+    admin_key: str
+    timeout_s: float
+    workers: int
+
+
+@VLLM.register("pushed-to")
+@dataclass(slots=True)
+class WeightsSent:
+    error: str | None  # None: the push landed
+    version: int
+    bytes_moved: int
+    seconds: float

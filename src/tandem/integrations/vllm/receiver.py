@@ -36,13 +36,19 @@ from tandem.dtypes import DTYPES
 from tandem.exchange.checksum import tensor_crc32
 from tandem.exchange.items import Record
 from tandem.exchange.layout import RankLayout
-from tandem.exchange.receiver import crc_problems, hold_landed, record_problems
+from tandem.exchange.receiver import (
+    WeightSyncError,
+    crc_problems,
+    hold_landed,
+    record_problems,
+)
 from tandem.exchange.settings import PushPhase, UpdateSpec
 from tandem.exchange.transports import TRANSPORTS
 from tandem.exchange.transports.base import ReceiverHalf
 from tandem.integrations.vllm.messages import PhaseReply
 
 SAMPLED_COLUMNS = 16  # of each repacked weight, read back through vLLM's matmul per push
+READ_COLUMNS = 256  # of a repacked weight per matmul, when a worker reads its weights whole
 EXPERT_WEIGHTS = ("w13_weight", "w2_weight")  # of a vLLM fused-MoE layer
 
 
@@ -214,6 +220,34 @@ class VllmReceiver:
                     )
         return problems
 
+    @torch.no_grad()
+    def read_weights(self) -> dict[str, torch.Tensor]:
+        """This worker's parameters as the layout's local tensors (checkpoint format), for a
+        push of its weights into another replica: a plain parameter as vLLM keeps it, a
+        repacked linear weight read back whole through the layer's own matmul (exact: one
+        product per element; it costs a forward of as many tokens as the weight has
+        columns). A fused-MoE layer's prepacked experts cannot be read back: refused."""
+        if self.expert_keys:
+            raise WeightSyncError(
+                f"this vLLM worker keeps {sorted(self.expert_keys)[0]} (and every fused-MoE "
+                "expert weight) prepacked for its CPU kernel: it cannot send its weights to "
+                "a peer; push into it from the trainer"
+            )
+        tensors = {}
+        for key, shape in self.layout.local_shapes.items():
+            name, module, attr = self.users[key][0]
+            param = getattr(module, attr)
+            if tuple(param.shape) == tuple(shape):
+                tensors[key] = param.detach()
+            elif _is_linear(module) and attr == "weight" and len(shape) == 2:
+                tensors[key] = _read_whole(module, tuple(shape), self.dtype, self.device)
+            else:
+                raise WeightSyncError(
+                    f"{key}: vLLM holds shape {tuple(param.shape)}, the layout table says "
+                    f"{tuple(shape)}, and {name} is no linear layer to read it back through"
+                )
+        return tensors
+
     def _packed_experts(self, module_name: str, attrs: dict[str, list]) -> dict:
         """A fused-MoE layer's expert weights (``w13_weight``, ``w2_weight``) as vLLM's CPU
         kernel holds them, made from ``attrs``' boxes: written into their checkpoint format
@@ -324,6 +358,21 @@ def _read_back(
         one_hot[torch.arange(len(columns)), columns] = 1
         views.append((f"matmul in {name}", apply(module, one_hot, None).t()[: shape[0]], columns))
     return views
+
+
+def _read_whole(
+    module: nn.Module, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A linear layer's weight in checkpoint format, ``shape`` (out, in), read back through its
+    matmul on one-hot rows, `READ_COLUMNS` columns at a time (no bias: ``apply``'s None)."""
+    out, columns = shape
+    weight = torch.empty(shape, dtype=dtype, device=device)
+    for c0 in range(0, columns, READ_COLUMNS):
+        n = min(READ_COLUMNS, columns - c0)
+        one_hot = torch.zeros(n, columns, dtype=dtype, device=device)
+        one_hot[torch.arange(n), torch.arange(c0, c0 + n)] = 1
+        weight[:, c0 : c0 + n] = module.quant_method.apply(module, one_hot, None).t()[:out]
+    return weight
 
 
 def _sampled(n: int) -> torch.Tensor:

@@ -40,6 +40,9 @@ WINDOW_ROUTES = {  # path -> (method, the message it takes: None for the target'
     f"{ROUTE}/window/close": ("POST", "CloseWindow"),
 }
 
+PUSH_TIMEOUT_S = 600.0  # a push_to's phases each (a fleet's heal)
+PUSH_TO = f"{ROUTE}/push_to"  # this server's weights into another replica (a fleet's heal)
+
 _targets: dict[int, object] = {}  # by id of the engine client: one exchange per engine
 _hosts: dict[int, object] = {}  # its push windows held open for a front (`WindowHost`)
 _making = asyncio.Lock()
@@ -49,7 +52,7 @@ async def exchange(request, call_next):
     """The ``--middleware``: answers `ROUTE` and `WINDOW_ROUTES`, passes everything else to
     vLLM."""
     path = request.url.path
-    if path != ROUTE and path not in WINDOW_ROUTES:
+    if path not in (ROUTE, PUSH_TO) and path not in WINDOW_ROUTES:
         return await call_next(request)
     from fastapi.responses import JSONResponse
 
@@ -64,12 +67,14 @@ async def exchange(request, call_next):
     given = request.headers.get("authorization", "")
     if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
         return _error(JSONResponse, 401, "missing or wrong admin key", "invalid_api_key")
-    method = WINDOW_ROUTES.get(path, ("GET", None))[0]
+    method = "POST" if path == PUSH_TO else WINDOW_ROUTES.get(path, ("GET", None))[0]
     if request.method != method:
         return _error(JSONResponse, 405, f"{path} takes {method}", "method_not_allowed")
     target = await _target(request.app.state.engine_client)
     if path in WINDOW_ROUTES:
         return await _window(request, target, WINDOW_ROUTES[path][1])
+    if path == PUSH_TO:
+        return await _push_to(request, target, key)
     state = target.weight_state()
     server = target.exchange_server
     return JSONResponse(
@@ -119,6 +124,31 @@ async def _window(request, target, expected: str | None):
     return Response(
         WINDOW.encode(reply), status_code=remote_window.status(reply), media_type=MEDIA_TYPE
     )
+
+
+async def _push_to(request, target, key: str):
+    """``POST /admin/weights/push_to`` (``{"url", "transport"}``, as on a `tandem serve`): a
+    peer's part in healing or growing a fleet behind `tandem router`, this server's weights
+    pushed into the server at ``url`` (`VllmTarget.send_to`), which holds the same admin
+    key."""
+    from fastapi.responses import JSONResponse
+
+    from tandem.exchange.receiver import WeightSyncError
+    from tandem.server.admin import PushTo
+    from tandem.server.errors import APIError
+    from tandem.server.state import read_json
+
+    try:
+        body = await read_json(request, PushTo, 1 << 16)
+    except APIError as exc:
+        return JSONResponse(exc.body(), status_code=exc.status)
+    try:
+        sent = await asyncio.to_thread(
+            target.send_to, body.url, body.transport, key, PUSH_TIMEOUT_S
+        )
+    except (WeightSyncError, ValueError, OSError) as exc:
+        return _error(JSONResponse, 502, f"the push into {body.url} failed: {exc}", "push_failed")
+    return JSONResponse(sent)
 
 
 def _error(response, status: int, message: str, code: str):

@@ -34,7 +34,14 @@ from tandem.exchange.layout import RankLayout
 from tandem.exchange.receiver import WeightSyncError
 from tandem.exchange.settings import PushPhase, PushSettings, UpdateSpec
 from tandem.exchange.target import UpdateListener
-from tandem.integrations.vllm.messages import VLLM, PhaseReply, PhaseRequest, WorkerInfo
+from tandem.integrations.vllm.messages import (
+    VLLM,
+    PhaseReply,
+    PhaseRequest,
+    SendWeights,
+    WeightsSent,
+    WorkerInfo,
+)
 
 
 class OfflineEngine:
@@ -174,6 +181,30 @@ class VllmTarget:
                 "into its layers and repacked by vLLM (use mode='staged')"
             )
         return None
+
+    def send_to(self, url: str, transport: str, admin_key: str, timeout_s: float) -> dict:
+        """Push the weights this engine serves, at its version, into the server at ``url``
+        (another replica of a fleet healing or joining; started with ``admin_key``): each
+        worker reads its weights back from vLLM's layers and pushes them as one trainer rank
+        (`TandemWorkerExtension.tandem_send_weights`), the engine serving nothing meanwhile
+        (vLLM runs the call between two steps); ``{version, bytes_moved, seconds}``. No push
+        lands here meanwhile. Raises `WeightSyncError` naming each worker that failed."""
+        with self._lock:
+            if self._torn is not None:
+                raise WeightSyncError(f"this engine holds mixed weights: {self._torn}")
+            request = SendWeights(
+                url, transport, self._version, admin_key, timeout_s, len(self.workers)
+            )
+            answers = self.engine.rpc("tandem_send_weights", VLLM.encode(request))
+        replies = [_decode(b, WeightsSent) for b in answers]
+        errors = [f"worker {i}: {r.error}" for i, r in enumerate(replies) if r.error]
+        if errors:
+            raise WeightSyncError(f"the push into {url} failed: {'; '.join(errors)}")
+        return {
+            "version": replies[0].version,
+            "bytes_moved": sum(r.bytes_moved for r in replies),
+            "seconds": round(max(r.seconds for r in replies), 4),
+        }
 
     @contextmanager
     def weight_update(self, spec: UpdateSpec) -> Iterator[VllmUpdate]:

@@ -9,7 +9,13 @@ import os
 
 from tandem.dtypes import DTYPES
 from tandem.integrations.vllm.layouts import Shapes, Split, worker_layout
-from tandem.integrations.vllm.messages import VLLM, PhaseRequest, WorkerInfo
+from tandem.integrations.vllm.messages import (
+    VLLM,
+    PhaseRequest,
+    SendWeights,
+    WeightsSent,
+    WorkerInfo,
+)
 from tandem.integrations.vllm.receiver import VllmReceiver
 
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
@@ -33,6 +39,36 @@ class TandemWorkerExtension:
         receiver = self._tandem_receiver()
         records = req.records[self.rank] if self.rank < len(req.records) else []
         return VLLM.encode(receiver.run(req.phase, req.spec, records))
+
+    def tandem_send_weights(self, request: bytes) -> bytes:
+        """This worker as a trainer rank: its weights into another replica (`SendWeights` ->
+        `WeightsSent`), read back from vLLM's layers and pushed like any trainer's
+        (`tandem.fleet.peer.RankSender`): planned, moved and CRC-checked where they land."""
+        from tandem.fleet.peer import RankSender
+
+        req = VLLM.decode(request)
+        if not isinstance(req, SendWeights):
+            raise ValueError(f"expected SendWeights, got {type(req).__name__}")
+        receiver = self._tandem_receiver()
+        try:
+            sender = RankSender(
+                receiver.layout,
+                receiver.read_weights(),
+                req.workers,
+                req.url,
+                req.timeout_s,
+                req.transport,
+                req.admin_key,
+                None,  # vLLM's weights carry no push id (`VllmTarget.weight_base`)
+                mode="staged",  # what a vLLM server takes; a tandem serve takes it too
+            )
+            try:
+                stats = sender.push(req.version, rollback=True, delta=False)
+            finally:
+                sender.close()
+        except Exception as exc:
+            return VLLM.encode(WeightsSent(f"{type(exc).__name__}: {exc}", req.version, 0, 0.0))
+        return VLLM.encode(WeightsSent(None, stats.version, stats.bytes_moved, stats.seconds))
 
     def _tandem_receiver(self) -> VllmReceiver:
         receiver = getattr(self, "_tandem_state", None)
