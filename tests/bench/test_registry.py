@@ -55,6 +55,7 @@ DOCUMENTED = [
     ("encode --json", "encode", {"tp": 1}),
     ("fleet --json", "fleet", {}),
     ("fleet --rolling --quick", "fleet-rolling", {}),
+    ("fleet --into vllm --json", "fleet-vllm", {}),
 ]
 
 

@@ -436,7 +436,7 @@ SCENARIOS = (
     Scenario(
         name="fleet",
         command="fleet",
-        flags={},
+        flags={"--into": "tandem"},
         description=(
             "pushes into 1-3 replicas against the naive fleet push; routing over "
             "replicas against one engine"
@@ -454,6 +454,18 @@ SCENARIOS = (
         ),
         run=Ref("tandem.bench.fleet_rolling:run"),
         summary=Ref("tandem.bench.fleet_rolling:summary"),
+    ),
+    Scenario(
+        name="fleet-vllm",
+        command="fleet",
+        flags={"--into": "vllm"},
+        description=(
+            "3 vllm serve behind tandem router under load while pushes run through it: "
+            "steady, stop-the-world (vLLM's /pause), all and rolling; a server killed, "
+            "restarted and healed from a peer (needs `make vllm`)"
+        ),
+        run=Ref("tandem.bench.fleet_vllm:run"),
+        summary=Ref("tandem.bench.fleet_vllm:summary"),
     ),
 )
 for _scenario in SCENARIOS:
