@@ -192,7 +192,11 @@ def _router(args) -> int:
         admin_key=admin_key,
         exchange_host=args.exchange_host,
         push_phase_timeout_s=args.push_phase_timeout_s,
+        max_staleness=args.max_staleness,
     )
+    if args.max_staleness is not None and args.max_staleness < 0:
+        print("tandem router: --max-staleness must be >= 0", file=sys.stderr)
+        return 2
     try:
         return route(
             args.replica, args.host, args.port, settings, args.health_interval, args.log_level
@@ -406,6 +410,16 @@ def parser() -> argparse.ArgumentParser:
         help=(
             "seconds a weight push's transport waits before failing the push (default 300); "
             "a replica silent past it is quarantined"
+        ),
+    )
+    r.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "replicas more than N weight versions behind the newest (one being rolled out "
+            "counts) take no requests; those wait for one that may (default: any version)"
         ),
     )
     r.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])

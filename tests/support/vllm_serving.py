@@ -145,6 +145,13 @@ def healthy(url: str) -> bool:
 
 def complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     """The server's greedy completion of ``prompt`` (6 tokens): its tokens and log-probs."""
+    tokens, logprobs, _ = completion(url, prompt)
+    return tokens, logprobs
+
+
+def completion(url: str, prompt: list[int]) -> tuple[list[int], list[float], list[int] | None]:
+    """`complete`, and the weight versions the answer names (tandem's vLLM middleware's
+    ``x-tandem-weight-versions``; None without it)."""
     with urllib.request.urlopen(url + "/v1/models", timeout=60) as r:
         model = json.loads(r.read())["data"][0]["id"]
     body = {
@@ -161,7 +168,9 @@ def complete(url: str, prompt: list[int]) -> tuple[list[int], list[float]]:
     )
     with urllib.request.urlopen(request, timeout=60) as r:
         choice = json.loads(r.read())["choices"][0]
-    return choice["token_ids"], choice["logprobs"]["token_logprobs"]
+        named = r.headers.get("x-tandem-weight-versions")
+    versions = None if named is None else [int(v) for v in named.split(",")]
+    return choice["token_ids"], choice["logprobs"]["token_logprobs"], versions
 
 
 def assert_serves(url: str, model: torch.nn.Module) -> None:

@@ -19,6 +19,7 @@ import dataclasses
 import json
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -60,13 +61,20 @@ class RouterSettings:
     push_phase_timeout_s: float = 300.0
     health_interval_s: float = 1.0  # how often every replica's /health is asked
     health_timeout_s: float = 2.0  # a replica silent this long is down until it answers
+    # how many versions behind the newest a replica may take requests (None: any); a request
+    # none may take waits while one will (a rolling wave, a replica joining), up to
+    # ``route_wait_s``
+    max_staleness: int | None = None
+    route_wait_s: float = 300.0
 
     def fleet(self, urls: list[str]) -> Fleet:
         """The replicas at ``urls`` as one fleet (not yet checked)."""
         return Fleet.remote(
             urls,
             FleetSettings(
-                stage_timeout_s=self.push_phase_timeout_s, exchange_host=self.exchange_host
+                stage_timeout_s=self.push_phase_timeout_s,
+                exchange_host=self.exchange_host,
+                max_staleness=self.max_staleness,
             ),
             self.admin_key,
             self.health_timeout_s,
@@ -210,6 +218,17 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
     for path, method in CONTROLS.items():
         app.add_api_route(path, _control(fleet, client, settings, path, method), methods=[method])
 
+    async def _waiting(route, units, samples: int, max_tokens: int):
+        """``route`` (`Fleet.route`) now, or, where no replica may take the
+        request but one will (a rolling wave committing, ``max_staleness``, a replica
+        joining), once one may: waited for off the event loop, up to ``route_wait_s``."""
+        try:
+            return route(units, samples, max_tokens, wait_s=0)
+        except NoReplicaError:
+            return await asyncio.to_thread(
+                partial(route, wait_s=settings.route_wait_s), units, samples, max_tokens
+            )
+
     async def _generate(request: Request, path: str, units_of) -> Response:
         check_key(request, settings.api_key, "API key")
         raw = await read_body(request, settings.max_request_bytes)
@@ -225,7 +244,7 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
         max_tokens = max_tokens if isinstance(max_tokens, int) else 16
         tried: set[int] = set()
         try:
-            routed = fleet.route(units, samples, max_tokens, wait_s=0)
+            routed = await _waiting(fleet.route, units, samples, max_tokens)
             while True:
                 replica = fleet.replicas[routed.replica]
                 upstream = client.build_request(
@@ -237,15 +256,17 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
                 try:
                     answer = await client.send(upstream, stream=True)
                 except httpx.HTTPError as exc:  # nothing was generated: another may take it
-                    tried.add(routed.replica)
-                    routed = fleet.rerun(
-                        routed,
-                        f"unreachable ({type(exc).__name__})",
-                        units,
-                        samples,
-                        max_tokens,
-                        wait_s=0,
-                    )
+                    lost = routed.replica
+                    tried.add(lost)
+                    reason = f"unreachable ({type(exc).__name__})"
+                    try:
+                        routed = fleet.rerun(routed, reason, units, samples, max_tokens, wait_s=0)
+                    except NoReplicaError:  # held out; the others may take it once allowed
+                        if len(fleet.replicas) == 1:
+                            raise
+                        routed = await _waiting(
+                            partial(fleet.route, avoid=lost), units, samples, max_tokens
+                        )
                     if routed.replica in tried:
                         fleet.finished(routed)
                         raise _none_healthy(fleet) from None
@@ -258,8 +279,10 @@ def build_app(fleet: Fleet, settings: RouterSettings) -> FastAPI:
 
 
 def _relay(answer: httpx.Response, done) -> Response:
-    """The replica's answer as it comes (a stream stays a stream); ``done`` once it ended."""
+    """The replica's answer as it comes (a stream stays a stream), with its ``x-tandem-*``
+    headers (a vLLM replica's weight versions); ``done`` once it ended."""
     media = answer.headers.get("content-type", "application/json")
+    own = {k: v for k, v in answer.headers.items() if k.lower().startswith("x-tandem-")}
 
     async def chunks():
         try:
@@ -269,7 +292,9 @@ def _relay(answer: httpx.Response, done) -> Response:
             await answer.aclose()
             done()
 
-    return StreamingResponse(chunks(), status_code=answer.status_code, media_type=media)
+    return StreamingResponse(
+        chunks(), status_code=answer.status_code, media_type=media, headers=own
+    )
 
 
 def _control(

@@ -5,11 +5,13 @@ router's ``/fleet_state`` names each replica's weight version; one push through 
 URL updates every vLLM server (the trainer sending each byte once, relayed server to server
 over dist), after which each generates what transformers does on the pushed weights; a push
 vLLM cannot take (in place) is refused before any byte moves, naming why; a rolling push under
-load commits wave by wave under vLLM's own pause, every call answered (``wait``: each with one
-version's tokens); a server killed mid-rollout is held out while the others commit, and once
-restarted on its checkpoint heals from a vLLM peer. Last, one
-server alone: a trainer finds its exchange through ``GET /admin/weights`` (admin key) and
-pushes into it directly; its completions then equal transformers on the trainer's weights.
+load commits wave by wave under vLLM's own pause, every call answered and naming the weight
+versions it ran on (one version's tokens, or, under ``keep``, both named), none sent to a
+server behind the version rolled out (the router's ``--max-staleness 0``); a server killed
+mid-rollout is held out while the others commit, and once restarted on its checkpoint heals
+from a vLLM peer. Last, one server alone: a trainer finds its exchange through ``GET
+/admin/weights`` (admin key) and pushes into it directly; its completions then equal
+transformers on the trainer's weights.
 
 Runs in vLLM's venv (``make test`` runs ``tests/integrations/vllm`` there). The servers and the
 router are started once for the module.
@@ -19,8 +21,10 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 
 import pytest
 
@@ -31,7 +35,7 @@ import transformers  # noqa: E402
 
 from support.routers import Router  # noqa: E402
 from support.vllm_models import MODEL, moved  # noqa: E402
-from support.vllm_serving import assert_serves, complete, vllm_serves  # noqa: E402
+from support.vllm_serving import assert_serves, completion, vllm_serves  # noqa: E402
 from support.waits import until  # noqa: E402
 from tandem.exchange import WeightSender, WeightSyncError  # noqa: E402
 from tandem.exchange.discovery import DiscoveryError  # noqa: E402
@@ -55,7 +59,8 @@ def fleet(model_factory, tmp_path_factory):
     )
     with vllm_serves(model_dir, logs, *extension, env={"TANDEM_ADMIN_KEY": KEY}) as servers:
         urls = [s.url for s in servers]
-        router = Router(*urls, extra=("--admin-key", KEY))
+        # no request goes to a replica behind the version being rolled out
+        router = Router(*urls, extra=("--admin-key", KEY, "--max-staleness", "0"))
         try:
             until("the router sees every replica", lambda: _health(router)["status"] == "ok", 60)
             yield router, urls, model_dir, servers
@@ -86,7 +91,7 @@ def test_requests_spread_over_the_vllm_replicas_and_equal_transformers(fleet):
     start = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for k in range(6):  # different prompts: the router spreads what no replica has cached
         prompt = [7 + k, 40 + 3 * k, 11, 90 + k, 2]
-        tokens, _ = complete(router.url, prompt)
+        tokens, _, _ = completion(router.url, prompt)
         with torch.no_grad():
             logits = start(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
         assert tokens == logits.argmax(-1).tolist()
@@ -137,9 +142,10 @@ def test_a_rolling_push_under_load_updates_the_vllm_replicas_wave_by_wave(fleet,
     replicas commit one wave at a time and each then serves the new weights. ``wait``: a
     wave's requests finish first (the router sends it none, and vLLM's pause waits for any
     running), so each greedy completion is transformers' on the old weights or on the new
-    ones, never a mix. ``keep``: vLLM's pause freezes a wave's running requests across its
-    commit (vLLM reports no per-token version, so a completion that crossed it is not told
-    apart: it is only required to be answered)."""
+    ones, never a mix, and names that version. ``keep``: vLLM's pause freezes a wave's
+    running requests across its commit; vLLM reports no per-token version, so a completion
+    that crossed it names both. Once the push is held everywhere, no call goes to a server
+    behind it (``--max-staleness 0``): each names the new version."""
     router, urls, model_dir, _ = fleet
     old, new = moved(model_dir, 7), moved(model_dir, 8)
     trainer = moved(model_dir, 7)
@@ -151,6 +157,7 @@ def test_a_rolling_push_under_load_updates_the_vllm_replicas_wave_by_wave(fleet,
         load.start()
         start = len(load.answers)
         stats = sender.push(policy="rolling", max_unavailable=1, wave=wave)
+        held = time.monotonic()  # every replica holds the new version: none older is routed to
         done = stats.wait(timeout=300)
         during = len(load.answers)
         load.stop()
@@ -165,12 +172,25 @@ def test_a_rolling_push_under_load_updates_the_vllm_replicas_wave_by_wave(fleet,
     assert stats.version == before.version + 1
     assert [_weights_version(url) for url in urls] == [stats.version] * REPLICAS
     want = {tuple(p): [_greedy(m, p) for m in (old, new)] for p in Load.PROMPTS}
-    if wave == "wait":
-        for prompt, tokens in answers:
-            assert tokens in want[tuple(prompt)], (prompt, tokens)
+    by_version = {before.version: 0, stats.version: 1}
+    for (prompt, tokens), call in zip(answers, load.calls, strict=True):
+        # every answer names the weights it ran on: one version's tokens, or both named
+        assert set(call.versions) <= set(by_version), call
+        if len(call.versions) == 1:
+            assert tokens == want[tuple(prompt)][by_version[call.versions[0]]], (prompt, call)
+        else:
+            assert wave == "keep", call  # "wait": a wave's requests end before its commit
+        if call.began > held:  # max_staleness 0: only replicas on the new version
+            assert call.versions == [stats.version], call
     assert any(t == want[tuple(p)][1] for p, t in answers[during:])  # the new weights serve
     for url in urls:
         assert_serves(url, new)
+
+
+@dataclass(frozen=True)
+class Call:
+    began: float  # time.monotonic()
+    versions: list[int] | None  # the weight versions the answer names
 
 
 class Load:
@@ -182,6 +202,7 @@ class Load:
     def __init__(self, url: str):
         self.url = url
         self.answers: list[tuple[list[int], list[int]]] = []
+        self.calls: list[Call] = []  # beside each answer: when it was asked, what it names
         self.errors: list[str] = []
         self._stop = threading.Event()
         self._clients = [threading.Thread(target=self._client, daemon=True) for _ in range(2)]
@@ -204,10 +225,14 @@ class Load:
     def _client(self) -> None:
         while not self._stop.is_set():
             prompt = list(self.PROMPTS[len(self.answers) % len(self.PROMPTS)])
+            began = time.monotonic()
             try:
-                self.answers.append((prompt, complete(self.url, prompt)[0]))
+                tokens, _, versions = completion(self.url, prompt)
             except Exception as exc:  # every call must be answered
                 self.errors.append(repr(exc))
+                continue
+            self.answers.append((prompt, tokens))
+            self.calls.append(Call(began, versions))
 
 
 def test_a_vllm_server_killed_mid_rollout_is_held_out_and_the_others_commit(fleet):

@@ -43,6 +43,9 @@ WINDOW_ROUTES = {  # path -> (method, the message it takes: None for the target'
 PUSH_TIMEOUT_S = 600.0  # a push_to's phases each (a fleet's heal)
 PUSH_TO = f"{ROUTE}/push_to"  # this server's weights into another replica (a fleet's heal)
 
+GENERATE = ("/v1/completions", "/v1/chat/completions")  # answered with `VERSIONS_HEADER`
+VERSIONS_HEADER = "x-tandem-weight-versions"
+
 _targets: dict[int, object] = {}  # by id of the engine client: one exchange per engine
 _hosts: dict[int, object] = {}  # its push windows held open for a front (`WindowHost`)
 _making = asyncio.Lock()
@@ -52,6 +55,8 @@ async def exchange(request, call_next):
     """The ``--middleware``: answers `ROUTE` and `WINDOW_ROUTES`, passes everything else to
     vLLM."""
     path = request.url.path
+    if path in GENERATE:
+        return await _versioned(request, call_next)
     if path not in (ROUTE, PUSH_TO) and path not in WINDOW_ROUTES:
         return await call_next(request)
     from fastapi.responses import JSONResponse
@@ -87,6 +92,21 @@ async def exchange(request, call_next):
             "dtype": target.weight_dtype,
         }
     )
+
+
+async def _versioned(request, call_next):
+    """vLLM's answer to a completion, with `VERSIONS_HEADER`: the weight versions it may have
+    run on, comma-separated (`VllmTarget.served_since`; one unless a push committed while it
+    ran), on a whole answer (JSON); a stream's headers leave before its tokens, so it has
+    none."""
+    target = _targets.get(id(request.app.state.engine_client))
+    start = target.served_from() if target is not None else (0, 0)
+    response = await call_next(request)
+    if response.headers.get("content-type", "").startswith("application/json"):
+        target = _targets.get(id(request.app.state.engine_client))  # made meanwhile
+        versions = target.served_since(start) if target is not None else [0]
+        response.headers[VERSIONS_HEADER] = ",".join(map(str, versions))
+    return response
 
 
 async def _target(client):

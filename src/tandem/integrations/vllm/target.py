@@ -125,6 +125,11 @@ class VllmTarget:
         self._lock = threading.Lock()  # one push at a time
         self._version = 0
         self._torn: str | None = None
+        # the version of every commit begun, in order, and how many had ended: which weights
+        # a request may have met (`served`)
+        self._commits: list[int] = []
+        self._ended = 0
+        self._served = threading.Lock()
         self.update_listeners: list[UpdateListener] = []
         self._server = ExchangeServer(self, host=host)
         engine.on_collected(self._server.close)
@@ -163,6 +168,32 @@ class VllmTarget:
 
     def unavailable(self) -> str | None:
         return self._torn
+
+    def commit_begins(self, version: int) -> None:
+        """From here a request may meet the weights of ``version``."""
+        with self._served:
+            self._commits.append(version)
+
+    def commit_ended(self, landed: int | None) -> None:
+        """The commit begun last ended: ``landed`` serves now (None: it did not land)."""
+        with self._served:
+            if landed is not None:
+                self._version = landed
+            self._ended = len(self._commits)
+
+    def served_from(self) -> tuple[int, int]:
+        """A request's start, to tell later which weights it met (`served_since`)."""
+        with self._served:
+            return self._version, self._ended
+
+    def served_since(self, start: tuple[int, int]) -> list[int]:
+        """The versions whose weights a request begun at ``start`` (`served_from`) may have
+        run on: the one serving then, and that of every commit in flight then or begun
+        since (vLLM reports no version per token: a commit that crossed the request is named,
+        not ruled out)."""
+        version, ended = start
+        with self._served:
+            return sorted({version, *self._commits[ended:]})
 
     def weight_state(self) -> dict:
         """``{"version": v, "torn": reason or None}``: what the engine serves."""
@@ -224,7 +255,6 @@ class VllmTarget:
                     self._torn = update.torn
                 elif update.landed:
                     self._torn = None
-                    self._version = spec.version
                     self.engine.reset_prefix_cache()  # cached KV came from the old weights
 
 
@@ -249,15 +279,20 @@ class VllmUpdate:
         return {}  # a failure raises
 
     def run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
-        if phase is PushPhase.COMMIT and self.spec.settings.rolling:
+        if phase is not PushPhase.COMMIT:
+            return self._run(phase, records_by_rank)
+        rolling = self.spec.settings.rolling
+        if rolling:
             # a rolling wave's commit, under vLLM's own pause: "wait" lets the requests running
             # finish first (those sent past the router too), "keep" freezes them across it
             self.target.engine.pause(self.spec.settings.wave)
-            try:
-                return self._run(phase, records_by_rank)
-            finally:
+        self.target.commit_begins(self.spec.version)
+        try:
+            return self._run(phase, records_by_rank)
+        finally:
+            self.target.commit_ended(self.spec.version if self.landed else None)
+            if rolling:
                 self.target.engine.resume()
-        return self._run(phase, records_by_rank)
 
     def _run(self, phase: PushPhase, records_by_rank: dict[int, list[Record]]) -> int:
         replies = self.call(phase, records_by_rank)
