@@ -135,3 +135,32 @@ def test_quick_moe_generate_bench_through_the_cli(tmp_path, monkeypatch, capsys)
             assert result[name][f"{side}_tokens_counted"] == result[name]["tokens"]
     assert set(result["ratios"]) == {"moe_batch1_vs_transformers", "moe_mixed_vs_transformers"}
     assert all(_positive(v) for v in result["ratios"].values())
+
+
+@pytest.mark.timeout(300)
+def test_quick_profile_splits_each_run_into_parts_that_add_up(tmp_path, monkeypatch):
+    """`tandem bench generate --profile --quick`: every run's time split into non-negative
+    parts (a part matched twice or not at all would push another below zero), the LM head a
+    larger share on the 49k-vocabulary shape than on the bench model's 1k vocabulary."""
+    from tandem.bench.generate_profile import PARTS
+    from tandem.bench.generate_profile import run as profile
+
+    monkeypatch.chdir(tmp_path)
+    result = profile(quick=True)
+    json.dumps(result)
+    assert result["benchmark"] == "generate-profile" and set(result["shapes"]) == {"bench", "smol"}
+    setup = SETUPS[True]
+    prompts, n, _, _, new = setup.grpo
+    parts = {*PARTS, "rest_of_step", "outside_step"}
+    for name, entry in result["shapes"].items():
+        for dtype in result["dtypes"]:
+            mixed, grpo = entry[f"mixed_{dtype}"], entry[f"grpo_{dtype}"]
+            assert grpo["tokens"] == prompts * n * new
+            for figures in (mixed, grpo):
+                assert set(figures["fraction"]) == parts, name
+                assert all(v >= 0 for v in figures["fraction"].values()), (name, figures)
+                assert abs(sum(figures["fraction"].values()) - 1) < 0.01
+                assert figures["fraction"]["matmul"] > 0 and figures["steps"] > 0
+    for dtype in result["dtypes"]:
+        smol = result["shapes"]["smol"][f"mixed_{dtype}"]["fraction"]["lm_head"]
+        assert smol > result["shapes"]["bench"][f"mixed_{dtype}"]["fraction"]["lm_head"]

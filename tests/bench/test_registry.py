@@ -46,6 +46,7 @@ DOCUMENTED = [
     ("generate --model-family qwen3_moe --tp 2 --json", "generate-moe", {"tp": 2, "pp": 1}),
     ("generate --engine-dtypes --json", "generate-dtypes", {}),
     ("generate --lora --quick --json", "generate-lora", {}),
+    ("generate --profile --json", "generate-profile", {}),
     ("serve --quick --json", "serve", {"tp": 1, "pp": 1}),
     ("sync --quick --json", "sync", {}),
     ("sync --into tandem", "sync", {}),

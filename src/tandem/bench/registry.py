@@ -358,6 +358,17 @@ SCENARIOS = (
         summary=Ref("tandem.bench.generate_lora:summary"),
     ),
     Scenario(
+        name="generate-profile",
+        command="generate",
+        flags={"--profile": True},
+        description=(
+            "where tandem's engine spends a step (matmuls, LM head, attention, pointwise, "
+            "sampling, Python), on the bench model and a 30-layer, 49k-vocabulary shape"
+        ),
+        run=Ref("tandem.bench.generate_profile:run"),
+        summary=Ref("tandem.bench.generate_profile:summary"),
+    ),
+    Scenario(
         name="serve",
         command="serve",
         flags={},
