@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tandem.bench.generate import SETUPS, run
+from tandem.bench.generate import SETUPS, SMOL_VOCAB, run
 from tandem.bench.generate_peers import STATIC_BATCH_SIZES
 from tandem.bench.generate_vllm import vllm_python
 
@@ -81,6 +81,13 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
             assert bf16[name]["tandem_tokens_counted"] == result[name]["tokens"]
             assert bf16[name]["compute"]["dtype"] == "bfloat16"
             assert "vllm_tokens_per_s" not in bf16[name]
+    smol = result["smol"]  # the second shape: 49k vocabulary, tied
+    assert smol["model"]["vocab"] == SMOL_VOCAB and smol["model"]["tied"] is True
+    for dtype in ("float32",) + (() if "skipped" in bf16 else ("bfloat16",)):
+        for name in sides:
+            entry = smol[dtype][name]
+            assert entry["tandem_tokens_counted"] == entry["tokens"] > 0
+            assert entry["compute"]["dtype"] == dtype
 
 
 @pytest.mark.slow
@@ -97,14 +104,17 @@ def test_quick_generate_bench_with_vllm(tmp_path, monkeypatch):
     if "skipped" not in result["bf16"]:
         scenarios.append(result["bf16"])
         assert result["bf16"]["vllm"]["dtype"] == "bfloat16"
+    dtypes = ("float32", "bfloat16")
     for scenario, suffix in zip(scenarios, ("", "_bf16"), strict=False):
+        smol = result["smol"][dtypes[suffix == "_bf16"]]  # the second shape's, same dtype
         for name in ("batch1", "mixed", "grpo"):
-            entry = scenario[name]
-            assert entry["vllm_tokens_counted"] == entry["tokens"]
-            assert 0 < entry["vllm_seconds"] <= entry["vllm_round_trip_seconds"]
-            assert _positive(entry["compute"]["vllm_fraction_of_peak"])
-            ratio = entry["tandem_tokens_per_s"] / entry["vllm_tokens_per_s"]
-            assert result["ratios"][f"{name}_vs_vllm{suffix}"] == pytest.approx(ratio, rel=1e-2)
+            for entry, prefix in ((scenario[name], ""), (smol[name], "smol_")):
+                assert entry["vllm_tokens_counted"] == entry["tokens"]
+                assert 0 < entry["vllm_seconds"] <= entry["vllm_round_trip_seconds"]
+                assert _positive(entry["compute"]["vllm_fraction_of_peak"])
+                ratio = entry["tandem_tokens_per_s"] / entry["vllm_tokens_per_s"]
+                key = f"{prefix}{name}_vs_vllm{suffix}"
+                assert result["ratios"][key] == pytest.approx(ratio, rel=1e-2)
 
 
 def test_transformers_cb_checks_token_counts():

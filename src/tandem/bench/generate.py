@@ -96,8 +96,8 @@ import torch
 
 from tandem import LLM
 from tandem.bench.compute import ModelShape, compute_figures
-from tandem.bench.generate_bf16 import bf16_scenarios, native_bf16_missing
-from tandem.bench.generate_peers import ContinuousBatching, StaticBatches, load
+from tandem.bench.generate_bf16 import native_bf16_missing, vllm_scenarios
+from tandem.bench.generate_peers import ContinuousBatching, Request, StaticBatches, load
 from tandem.bench.generate_tandem import (
     BATCH_CAPACITY,
     GRPO_SEED,
@@ -154,6 +154,30 @@ SETUPS: dict[bool, Setup] = {
     True: Setup(".tandem/bench-llama-quick", QUICK_MODEL, 1024, (16, 16), (24, 8, 64, 4, 32),
                 (4, 4, 16, 48, 16)),
 }  # fmt: skip
+# the second shape (a common small one: SmolLM-135M's sizes, random weights), timed against
+# vLLM alone; --quick: 2 of its 30 layers
+SMOL_MODEL: dict[str, Any] = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+}
+SMOL_VOCAB = 49152
+SMOL_SETUPS: dict[bool, Setup] = {
+    quick: Setup(
+        ".tandem/bench-smol-quick" if quick else ".tandem/bench-smol",
+        SMOL_MODEL | ({"num_hidden_layers": 2} if quick else {}),
+        SMOL_VOCAB,
+        SETUPS[quick].batch1,
+        SETUPS[quick].mixed,
+        SETUPS[quick].grpo,
+    )
+    for quick in (False, True)
+}
 WARMUP_REQUESTS = 16
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -165,6 +189,85 @@ def bench_model_dir(setup) -> Path:
     if not (path / "config.json").is_file():
         make_tiny_model(path, "llama", seed=0, vocab_size=setup.vocab, overrides=setup.overrides)
     return path
+
+
+def kv_elements(shape: ModelShape) -> int:
+    """KV cache elements per token (every layer's keys and values)."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One shape's model directory and config, its workloads, the timed runs' fresh prompts and
+    the engine options every tandem side takes (float32)."""
+
+    path: Path
+    config: dict[str, Any]
+    eos_ids: set[int]
+    shape: ModelShape
+    workloads: Workloads
+    runs: dict[str, list[list[Request]]]
+    engine_options: dict[str, Any]
+
+    @classmethod
+    def of(cls, setup: Setup, tp: int, pp: int) -> Inputs:
+        path = bench_model_dir(setup)
+        config, eos_ids = read_bench_model(path)
+        vocab = config["vocab_size"]
+        shape = ModelShape.from_config(config)
+        rng = random.Random(0)
+        batch1, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
+        _, n, _, _, new = setup.grpo
+        grpo = grpo_workload(rng, vocab, eos_ids, setup.grpo)
+        runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed, grpo=grpo)
+        kv_tokens = max(  # every sequence resident, unshared: no preemption
+            sum(len(p) + k + 16 for p, k in mixed), n * sum(len(p) + new + 16 for p, _ in grpo)
+        )
+        engine_options = dict(
+            dtype="float32",
+            kv_cache_memory=kv_elements(shape) * 4 * kv_tokens,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+        )
+        workloads = Workloads(batch1, mixed, grpo, n, new)
+        return cls(path, config, eos_ids, shape, workloads, runs, engine_options)
+
+    def peer(self, python: Path | None, dtype: str):
+        """vLLM on this shape in ``dtype`` (None without its venv)."""
+        if python is None:
+            return nullcontext(None)
+        bytes_per_token = kv_elements(self.shape) * DTYPE_BYTES[dtype]
+        threads = torch.get_num_threads()
+        return start_peer(python, self.path, dtype, self.workloads, bytes_per_token, threads)
+
+
+def second_shape(quick: bool, tp: int, pp: int, python: Path | None) -> dict[str, Any]:
+    """batch1, mixed and grpo on `SMOL_SETUPS`' model, tandem against vLLM alone, in float32
+    and (where the CPU has native bf16) bfloat16."""
+    inputs = Inputs.of(SMOL_SETUPS[quick], tp, pp)
+    config = inputs.config
+    out: dict[str, Any] = {
+        "model": {
+            "hidden": config["hidden_size"],
+            "layers": config["num_hidden_layers"],
+            "heads": config["num_attention_heads"],
+            "kv_heads": config["num_key_value_heads"],
+            "vocab": config["vocab_size"],
+            "tied": config.get("tie_word_embeddings", False),
+        }
+    }
+    dtypes = ["float32"] if native_bf16_missing() else ["float32", "bfloat16"]
+    for dtype in dtypes:
+        out[dtype] = vllm_scenarios(
+            inputs.path,
+            inputs.engine_options,
+            dtype,
+            lambda dtype=dtype: inputs.peer(python, dtype),
+            inputs.workloads,
+            inputs.runs,
+            WARMUP_REQUESTS,
+        )
+    return out
 
 
 def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dict[str, Any]:
@@ -179,27 +282,12 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
         ) from None
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    setup = SETUPS[quick]
-    path = bench_model_dir(setup)
-    config, eos_ids = read_bench_model(path)
+    inputs = Inputs.of(SETUPS[quick], tp, pp)
+    path, config, eos_ids, shape = inputs.path, inputs.config, inputs.eos_ids, inputs.shape
+    workloads, runs, engine_options = inputs.workloads, inputs.runs, inputs.engine_options
     vocab = config["vocab_size"]
-    shape = ModelShape.from_config(config)
-    rng = random.Random(0)
-    batch1, mixed = greedy_workloads(rng, vocab, eos_ids, setup.batch1, setup.mixed)
-    _, n, _, _, new = setup.grpo
-    grpo = grpo_workload(rng, vocab, eos_ids, setup.grpo)
-    workloads = Workloads(batch1, mixed, grpo, n, new)
-    runs = fresh_runs(rng, vocab, eos_ids, batch1=batch1, mixed=mixed, grpo=grpo)
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim  # elements
-    kv_tokens = max(  # every sequence resident, unshared: no preemption
-        sum(len(p) + k + 16 for p, k in mixed), n * sum(len(p) + new + 16 for p, _ in grpo)
-    )
-    engine_options = dict(
-        dtype="float32",
-        kv_cache_memory=kv_per_token * 4 * kv_tokens,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-    )
+    batch1, mixed, grpo = workloads.batch1, workloads.mixed, workloads.grpo
+    n, new = workloads.n, workloads.new
     python = vllm_python() if vllm else None
     vllm_missing = None
     if not vllm:
@@ -210,11 +298,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
         print(f"tandem bench generate: vLLM skipped: {vllm_missing}", file=sys.stderr)
 
     def peer(dtype: str):
-        if python is None:
-            return nullcontext(None)
-        bytes_per_token = kv_per_token * DTYPE_BYTES[dtype]
-        threads = torch.get_num_threads()
-        return start_peer(python, path, dtype, workloads, bytes_per_token, threads)
+        return inputs.peer(python, dtype)
 
     hf = load(path)
     static = StaticBatches(hf, pad=min(eos_ids))
@@ -329,12 +413,26 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
     if bf16_missing := native_bf16_missing():
         result["bf16"] = {"skipped": bf16_missing}
     else:
-        result["bf16"] = bf16_scenarios(
-            path, engine_options, lambda: peer("bfloat16"), workloads, runs, WARMUP_REQUESTS
+        result["bf16"] = vllm_scenarios(
+            path,
+            engine_options,
+            "bfloat16",
+            lambda: peer("bfloat16"),
+            workloads,
+            runs,
+            WARMUP_REQUESTS,
         )
         if python is not None:
             for name in ("batch1", "mixed", "grpo"):
                 result["ratios"][f"{name}_vs_vllm_bf16"] = ratio(
                     result["bf16"][name], "tandem", "vllm"
                 )
+    result["smol"] = second_shape(quick, tp, pp, python)
+    if python is not None:
+        for dtype, suffix in (("float32", ""), ("bfloat16", "_bf16")):
+            for name in ("batch1", "mixed", "grpo"):
+                if dtype in result["smol"]:
+                    result["ratios"][f"smol_{name}_vs_vllm{suffix}"] = ratio(
+                        result["smol"][dtype][name], "tandem", "vllm"
+                    )
     return result

@@ -1,8 +1,9 @@
-"""The bfloat16 scenarios of `tandem bench generate`, where the CPU has native bf16.
+"""The scenarios of `tandem bench generate` that pit tandem against vLLM alone, in one dtype:
+the bfloat16 ones (where the CPU has native bf16) and those of the second model shape.
 
-batch1, mixed and grpo again, on tandem's engine built with ``dtype="bfloat16"`` and on vLLM
-started with ``dtype="bfloat16"`` (no transformers side), timed as in float32: an untimed
-warm-up per scenario, then the sides alternating over the same fresh-prompt runs, best of them.
+batch1, mixed and grpo again, on tandem's engine built with that ``dtype`` and on vLLM started
+with it (no transformers side), timed as in the first shape's float32 runs: an untimed warm-up
+per scenario, then the sides alternating over the same fresh-prompt runs, best of them.
 """
 
 from __future__ import annotations
@@ -36,26 +37,27 @@ def native_bf16_missing() -> str | None:
     return None
 
 
-def bf16_scenarios(
+def vllm_scenarios(
     path: Path,
     engine_options: dict[str, Any],
+    dtype: str,
     peer: Callable[[], AbstractContextManager[VllmPeer | None]],
     workloads: Workloads,
     runs: dict[str, list[list[Request]]],
     warm_requests: int,
 ) -> dict[str, Any]:
-    """Every scenario on tandem in bf16 and, when ``peer()`` gives one, vLLM in bf16."""
+    """Every scenario on tandem in ``dtype`` and, when ``peer()`` gives one, vLLM in it."""
     out: dict[str, Any] = {}
     w, n, new = workloads, workloads.n, workloads.new
     shape = ModelShape.from_config(read_bench_model(path)[0])
-    options = {**engine_options, "dtype": "bfloat16"}
+    options = {**engine_options, "dtype": dtype}
     with LLM(str(path), enable_prefix_caching=True, **options) as llm, peer() as vllm:
 
         def timed(name: str, sides: dict[str, Side], runs: list[Any]) -> dict[str, Any]:
             e = time_sides(scenario_entry(getattr(w, name)), sides, runs)
             seconds = {side: e[f"{side}_seconds"] for side in sides}
             e["compute"] = compute_figures(
-                shape, w.sequences(name), w.rows(name), torch.bfloat16, seconds
+                shape, w.sequences(name), w.rows(name), getattr(torch, dtype), seconds
             )
             return e
 

@@ -1,8 +1,9 @@
 """`tandem bench generate --profile`: where tandem's engine spends its time, per step, on the
-generate bench's model and on a second shape with real sizes (`SMOL`: a Llama of 30 layers of
-hidden 576, 9 heads over 3 kv heads of size 64, intermediate 1536 and a tied 49,152-token
-vocabulary, random weights from `tandem make-tiny-model`'s builder), for the mixed and grpo
-workloads of the generate bench, in float32 and, where the CPU has native bf16, bfloat16.
+generate bench's model and on its second shape with real sizes (`SMOL_SETUPS`: a Llama of 30
+layers of hidden 576, 9 heads over 3 kv heads of size 64, intermediate 1536 and a tied
+49,152-token vocabulary, random weights from `tandem make-tiny-model`'s builder), for the
+mixed and grpo workloads of the generate bench, in float32 and, where the CPU has native bf16,
+bfloat16.
 
 Each (shape, dtype, workload): one engine (one process: the model runs in this one; prefix
 caching on, as in the generate bench), an untimed warm-up, one timed run, then one run under
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.generate import SETUPS, Setup, bench_model_dir
+from tandem.bench.generate import SETUPS, SMOL_SETUPS, Setup, bench_model_dir
 from tandem.bench.generate_bf16 import native_bf16_missing
 from tandem.bench.generate_workloads import (
     fresh_runs,
@@ -35,28 +36,10 @@ from tandem.bench.generate_workloads import (
     read_bench_model,
 )
 
-SMOL: dict[str, Any] = {  # a common small shape (SmolLM-135M's sizes)
-    "hidden_size": 576,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "intermediate_size": 1536,
-    "max_position_embeddings": 2048,
-    "tie_word_embeddings": True,
-}
-SMOL_VOCAB = 49152
-
 
 def shapes(quick: bool) -> dict[str, Setup]:
-    """The bench model's setup and the second shape's (quick: 2 of its 30 layers)."""
-    base = SETUPS[quick]
-    smol = SMOL | ({"num_hidden_layers": 2} if quick else {})
-    name = ".tandem/bench-smol-quick" if quick else ".tandem/bench-smol"
-    return {
-        "bench": base,
-        "smol": Setup(name, smol, SMOL_VOCAB, base.batch1, base.mixed, base.grpo),
-    }
+    """The generate bench's two shapes: its model's setup and the second shape's."""
+    return {"bench": SETUPS[quick], "smol": SMOL_SETUPS[quick]}
 
 
 # category -> (how: "tt" own time or "ct" with callees, a pattern over "file:function")
