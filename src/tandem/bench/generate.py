@@ -65,6 +65,12 @@ Baselines (`tandem.bench.generate_peers`):
 - ``bf16`` (where /proc/cpuinfo lists ``avx512_bf16`` or ``amx_bf16``, else skipped with the
   reason): batch1, mixed and grpo again, tandem's engine with ``dtype="bfloat16"`` against
   vLLM with ``dtype="bfloat16"`` (`tandem.bench.generate_bf16`); ratios ``*_vs_vllm_bf16``.
+- ``smol``: the second model shape (`SMOL_SETUPS`: SmolLM-135M's sizes, 30 layers of hidden
+  576, 9 heads over 3 kv heads, intermediate 1536, a tied 49,152-token vocabulary; random
+  weights), where many thin layers and a large vocabulary weigh more than on the bench model:
+  batch1, mixed and grpo on the same lengths, tandem against vLLM alone, in float32 and (native
+  bf16) bfloat16 (`tandem.bench.generate_bf16.vllm_scenarios`); ratios ``smol_*_vs_vllm`` and
+  ``smol_*_vs_vllm_bf16``.
 - ``compute`` in every scenario entry (`tandem.bench.compute`): the machine's matmul peak at
   the model's projection shapes for that many decoding rows (1; the requests; the samples),
   in the run's dtype and threads, measured after the scenario's peers are closed; the
