@@ -9,7 +9,9 @@ process maps them and runs one `WeightSender` per peer rank, whose layout is the
 box once from the peer rank holding it. Each box's CRC32 is taken as it is read from the peer's
 memory and checked where it lands. The receiving replica serves no request meanwhile, so the
 push goes straight into its live parameters (``in_place``). The peer goes on serving: nothing
-writes its weights while the fleet's push lock is held.
+writes its weights while the fleet's push lock is held. A vLLM worker sends the same way
+(`RankSender`, ``staged``), over its weights read back from vLLM's layers
+(`tandem.integrations.vllm.worker`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ The same key opens the routes of a push window held open for a front that runs t
 /admin/weights/target``, ``POST /admin/weights/refuses`` and ``POST
 /admin/weights/window[/phase|/expose|/close]``, as on a `tandem serve`
 (`tandem.server.remote_window`), so one push through a router updates every vLLM server
-behind it.
+behind it, and ``POST /admin/weights/push_to`` sends this server's weights into another (a
+fleet's heal, `VllmTarget.send_to`). Every whole completion and chat answer names the weight
+versions it may have run on (`VERSIONS_HEADER`).
 """
 
 from __future__ import annotations
