@@ -24,7 +24,6 @@ trainer pushes, stop-the-world against rolling. Measured in one run, on this hos
 from __future__ import annotations
 
 import os
-import random
 import signal
 import statistics
 import threading
@@ -35,6 +34,7 @@ import torch
 
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
 from tandem.bench.generate import bench_model_dir
+from tandem.bench.load import ClientLoad, wait_serving
 
 REPLICAS = 3
 CLIENTS = 6
@@ -42,53 +42,22 @@ NEW_TOKENS = 32
 WINDOW_S = {False: 8.0, True: 3.0}
 
 
-class _Clients:
-    """``CLIENTS`` threads looping one sampled request each; finished requests' token counts
-    with their finish time."""
+def _clients(llm, vocab: int) -> ClientLoad:
+    """``CLIENTS`` threads looping one sampled request each (16 random prompt ids)."""
+    from tandem import SamplingParams
 
-    def __init__(self, llm, vocab: int):
-        from tandem import SamplingParams
+    def call(client: int, rng) -> int:
+        params = SamplingParams(
+            max_tokens=NEW_TOKENS, temperature=0.8, ignore_eos=True, seed=client
+        )
+        prompt = [rng.randrange(3, vocab) for _ in range(16)]
+        return len(llm.generate([prompt], params)[0].outputs[0].token_ids)
 
-        self.done: list[tuple[float, int]] = []
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._threads = []
-        for c in range(CLIENTS):
-            rng = random.Random(c)
-            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.8, ignore_eos=True, seed=c)
-
-            def loop(rng=rng, params=params):
-                while not self._stop.is_set():
-                    prompt = [rng.randrange(3, vocab) for _ in range(16)]
-                    try:
-                        out = llm.generate([prompt], params)[0]
-                    except Exception as exc:  # counted; the load goes on
-                        self.failed.append(f"{type(exc).__name__}: {exc}")
-                        continue
-                    self.done.append((time.monotonic(), len(out.outputs[0].token_ids)))
-
-            t = threading.Thread(target=loop, daemon=True, name=f"bench-client-{c}")
-            t.start()
-            self._threads.append(t)
-
-    def tokens_per_s(self, start: float, end: float) -> float:
-        tokens = sum(n for t, n in list(self.done) if start <= t < end)
-        return tokens / (end - start)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(120)
+    return ClientLoad(CLIENTS, call)
 
 
 def _serving(llm, version: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = llm.fleet_state()
-        if all(s["state"] == "serving" and s["version"] >= version for s in state):
-            return
-        time.sleep(0.002)
-    raise RuntimeError(f"the fleet did not reach version {version}: {llm.fleet_state()}")
+    wait_serving(llm.fleet_state, version, timeout_s, poll_s=0.002)
 
 
 def _pushes(llm, sender, policy: str, window_s: float, version: int):
@@ -130,14 +99,14 @@ def run(quick: bool = False) -> dict[str, Any]:
     ) as llm:
         sender = WeightSender(trainer, llm, transport="shm")
         sender.push(version=1, delta=False)  # warm-up: the staging memory, the plan
-        clients = _Clients(llm, vocab)
+        clients = _clients(llm, vocab)
         time.sleep(min(2.0, window / 2))  # the load settles
         start = time.monotonic()
         time.sleep(window)
         steady = clients.tokens_per_s(start, time.monotonic())
         a0, a1, version, all_rollouts = _pushes(llm, sender, "all", window, 2)
         r0, r1, version, rolling_rollouts = _pushes(llm, sender, "rolling", window, version)
-        clients.stop()
+        clients.stop(120)
         during_all = clients.tokens_per_s(a0, a1)
         during_rolling = clients.tokens_per_s(r0, r1)
         result["tokens_per_s"] = {

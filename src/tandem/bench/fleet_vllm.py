@@ -33,12 +33,10 @@ this host:
 from __future__ import annotations
 
 import os
-import random
 import signal
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +46,8 @@ import torch
 
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
 from tandem.bench.generate import bench_model_dir
-from tandem.bench.generate_vllm import vllm_env, vllm_python
+from tandem.bench.generate_vllm import stop_group, vllm_env, vllm_python
+from tandem.bench.load import ClientLoad, wait_serving
 from tandem.server.process import ServerProcess
 from tandem.wire.frames import free_port
 
@@ -129,73 +128,33 @@ class VllmServer:
         self.process = self._start()
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(60)
+        stop_group(self.process)
 
 
-class Clients:
-    """``CLIENTS`` threads looping one sampled completion each through ``url``; finished
-    requests' completion tokens with their finish time."""
+def _clients(url: str, model: str, vocab: int) -> ClientLoad:
+    """``CLIENTS`` threads looping one sampled completion each through ``url``: the tokens
+    vLLM's ``usage`` counts."""
 
-    def __init__(self, url: str, model: str, vocab: int):
-        self.done: list[tuple[float, int]] = []
-        self.failed: list[str] = []
-        self._stop = threading.Event()
-        self._threads = [
-            threading.Thread(
-                target=self._loop, args=(url, model, vocab, c), daemon=True, name=f"client-{c}"
-            )
-            for c in range(CLIENTS)
-        ]
-        for t in self._threads:
-            t.start()
+    def call(client: int, rng) -> int:
+        body = {
+            "model": model,
+            "prompt": [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)],
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0.8,
+            "ignore_eos": True,
+        }
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        return r.json()["usage"]["completion_tokens"]
 
-    def _loop(self, url: str, model: str, vocab: int, seed: int) -> None:
-        rng = random.Random(seed)
-        with httpx.Client(base_url=url, timeout=300) as client:
-            while not self._stop.is_set():
-                body = {
-                    "model": model,
-                    "prompt": [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)],
-                    "max_tokens": NEW_TOKENS,
-                    "temperature": 0.8,
-                    "ignore_eos": True,
-                }
-                try:
-                    r = client.post("/v1/completions", json=body)
-                    r.raise_for_status()
-                    tokens = r.json()["usage"]["completion_tokens"]
-                except Exception as exc:  # counted; the load goes on
-                    self.failed.append(f"{type(exc).__name__}: {exc}")
-                    continue
-                self.done.append((time.monotonic(), tokens))
-
-    def tokens_per_s(self, start: float, end: float) -> float:
-        tokens = sum(n for t, n in list(self.done) if start <= t < end)
-        return tokens / (end - start)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(300)
+    return ClientLoad(CLIENTS, call)
 
 
 def _serving(router: httpx.Client, version: int, timeout_s: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = router.get("/fleet_state").json()
-        if all(s["state"] == "serving" and s["version"] >= version for s in state):
-            return
-        time.sleep(0.01)
-    raise RuntimeError(f"the fleet did not reach version {version}: {state}")
+    wait_serving(lambda: router.get("/fleet_state").json(), version, timeout_s, poll_s=0.01)
 
 
-def _steady(clients: Clients, window_s: float) -> float:
+def _steady(clients: ClientLoad, window_s: float) -> float:
     start = time.monotonic()
     time.sleep(window_s)
     return clients.tokens_per_s(start, time.monotonic())
@@ -280,7 +239,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 "bytes_one_server_needs": first.bytes_needed,
                 "sent_per_fleet": round(first.bytes_moved / first.bytes_needed, 3),
             }
-            clients = Clients(router.url, model, trainer.config.vocab_size)
+            clients = _clients(router.url, model, trainer.config.vocab_size)
             try:
                 time.sleep(window / 2)  # the load settles
                 steady = [_steady(clients, window)]
@@ -292,7 +251,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                     pushes[how] = len(seconds)
                 steady.append(_steady(clients, window))  # again: the load may drift
             finally:
-                clients.stop()
+                clients.stop(300)
             result["heal"] = _heal(front, servers[-1], version - 1)
         finally:
             sender.close()

@@ -72,6 +72,18 @@ def vllm_env(python: Path, bind: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def stop_group(process: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """Stop a vLLM server started in a session of its own (its API server, engine core and
+    workers): SIGTERM to the group, SIGKILL past ``grace_s``."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(grace_s)
+
+
 def kv_cache_bytes(kv_bytes_per_token: int, seqs: list[tuple[int, int]]) -> int:
     """Room for every (prompt, new tokens) sequence at once, each in whole vLLM blocks."""
     blocks = sum(ceil((prompt + new) / BLOCK_SIZE) for prompt, new in seqs)

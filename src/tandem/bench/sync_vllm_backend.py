@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -35,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.generate_vllm import vllm_env
+from tandem.bench.generate_vllm import stop_group, vllm_env
 from tandem.bench.sync_baselines import REPEATS, gib_per_s, tail
 from tandem.bench.sync_pushes import (
     NEW_TOKENS,
@@ -128,13 +127,7 @@ class Server:
         return choice["token_ids"], choice["logprobs"]["token_logprobs"]
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_group(self.process)
 
     def __enter__(self) -> Server:
         return self
