@@ -34,7 +34,7 @@ import torch
 
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
 from tandem.bench.generate import bench_model_dir
-from tandem.bench.load import ClientLoad, wait_serving
+from tandem.bench.load import ClientLoad, back_to_back, wait_serving
 
 REPLICAS = 3
 CLIENTS = 6
@@ -63,15 +63,12 @@ def _serving(llm, version: int, timeout_s: float = 120.0) -> None:
 def _pushes(llm, sender, policy: str, window_s: float, version: int):
     """Push back to back for ``window_s``: (window start, end, next version, rollout seconds
     per push)."""
-    rollouts = []
-    start = time.monotonic()
-    while time.monotonic() - start < window_s:
-        t0 = time.monotonic()
-        sender.push(version=version, policy=policy, max_unavailable=1, delta=False)
-        _serving(llm, version)
-        rollouts.append(time.monotonic() - t0)
-        version += 1
-    return start, time.monotonic(), version, rollouts
+
+    def push(v: int) -> None:
+        sender.push(version=v, policy=policy, max_unavailable=1, delta=False)
+        _serving(llm, v)
+
+    return back_to_back(push, window_s, version)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

@@ -47,7 +47,7 @@ import torch
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
 from tandem.bench.generate import bench_model_dir
 from tandem.bench.generate_vllm import stop_group, vllm_env, vllm_python
-from tandem.bench.load import ClientLoad, wait_serving
+from tandem.bench.load import ClientLoad, back_to_back, wait_serving
 from tandem.server.process import ServerProcess
 from tandem.wire.frames import free_port
 
@@ -163,23 +163,20 @@ def _steady(clients: ClientLoad, window_s: float) -> float:
 def _pushes(router, sender, how: str, window_s: float, version: int):
     """Push back to back for ``window_s`` (``how``: all, stop_the_world, rolling): (window
     start, end, next version, seconds per push until every server serves it)."""
-    rollouts = []
-    start = time.monotonic()
-    while time.monotonic() - start < window_s:
-        t0 = time.monotonic()
+
+    def push(v: int) -> None:
         if how == "stop_the_world":
             router.post("/pause", params={"mode": "wait"}).raise_for_status()
             try:
-                sender.push(version=version, policy="all", delta=False)
+                sender.push(version=v, policy="all", delta=False)
             finally:
                 router.post("/resume").raise_for_status()
         else:
             policy = "rolling" if how == "rolling" else "all"
-            sender.push(version=version, policy=policy, max_unavailable=1, delta=False)
-        _serving(router, version)
-        rollouts.append(time.monotonic() - t0)
-        version += 1
-    return start, time.monotonic(), version, rollouts
+            sender.push(version=v, policy=policy, max_unavailable=1, delta=False)
+        _serving(router, v)
+
+    return back_to_back(push, window_s, version)
 
 
 def run(quick: bool = False) -> dict[str, Any]:

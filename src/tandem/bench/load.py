@@ -1,6 +1,6 @@
 """A steady request load for the fleet benches (`tandem bench fleet --rolling`, `--into
-vllm`): client threads each looping one call, and a wait for every replica to serve a
-version."""
+vllm`): client threads each looping one call, a wait for every replica to serve a version,
+and pushes back to back over a window."""
 
 from __future__ import annotations
 
@@ -61,3 +61,19 @@ def wait_serving(
         if time.monotonic() > deadline:
             raise RuntimeError(f"the fleet did not reach version {version}: {rows}")
         time.sleep(poll_s)
+
+
+def back_to_back(
+    push: Callable[[int], None], window_s: float, version: int
+) -> tuple[float, float, int, list[float]]:
+    """``push(v)`` (returning once every replica serves v) for versions ``version``, +1, ...
+    back to back until ``window_s`` has passed: (start, end, the next version, seconds per
+    push)."""
+    seconds = []
+    start = time.monotonic()
+    while time.monotonic() - start < window_s:
+        t0 = time.monotonic()
+        push(version)
+        seconds.append(time.monotonic() - t0)
+        version += 1
+    return start, time.monotonic(), version, seconds
