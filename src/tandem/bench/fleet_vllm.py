@@ -37,6 +37,7 @@ import signal
 import statistics
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,7 +136,11 @@ def _clients(url: str, model: str, vocab: int) -> ClientLoad:
     """``CLIENTS`` threads looping one sampled completion each through ``url``: the tokens
     vLLM's ``usage`` counts."""
 
+    local = threading.local()  # each client thread's own connection, kept across its calls
+
     def call(client: int, rng) -> int:
+        if not hasattr(local, "http"):
+            local.http = httpx.Client(base_url=url, timeout=300)
         body = {
             "model": model,
             "prompt": [rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)],
@@ -143,7 +148,7 @@ def _clients(url: str, model: str, vocab: int) -> ClientLoad:
             "temperature": 0.8,
             "ignore_eos": True,
         }
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        r = local.http.post("/v1/completions", json=body)
         r.raise_for_status()
         return r.json()["usage"]["completion_tokens"]
 
