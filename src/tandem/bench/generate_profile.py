@@ -21,20 +21,15 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import random
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.generate import SETUPS, SMOL_SETUPS, Setup, bench_model_dir
+from tandem.bench.generate import SETUPS, SMOL_SETUPS, Inputs, Setup
 from tandem.bench.generate_bf16 import native_bf16_missing
-from tandem.bench.generate_workloads import (
-    fresh_runs,
-    greedy_workloads,
-    grpo_workload,
-    read_bench_model,
-)
+from tandem.bench.generate_tandem import sample, tandem
 
 
 def shapes(quick: bool) -> dict[str, Setup]:
@@ -76,34 +71,27 @@ def split(stats: pstats.Stats, wall: float, steps: int) -> dict[str, Any]:
     }
 
 
-def one(path: Path, dtype: str, workload: str, runs: list[list], grpo: tuple) -> dict[str, Any]:
-    """``runs``: the warm-up's, the timed run's and the profiled run's requests (the same
-    lengths, fresh prompt ids each: no run reuses a prefix another cached)."""
-    from tandem import LLM, SamplingParams
+def one(path: Path, dtype: str, work: Callable[[Any, list], int], runs: list[list]) -> dict:
+    """``work(llm, requests)`` (the generate bench's own call for the workload: it returns
+    the tokens, checked per request) on ``runs``: the warm-up's, the timed run's and the
+    profiled run's requests (the same lengths, fresh prompt ids each: no run reuses a prefix
+    another cached)."""
+    from tandem import LLM
 
-    requests = runs[0]
-    if workload == "mixed":
-        params = [SamplingParams(max_tokens=k, temperature=0, ignore_eos=True) for _, k in requests]
-    else:
-        _, n, _, _, new = grpo  # as the generate bench samples: n at temperature 1
-        params = SamplingParams(n=n, temperature=1.0, max_tokens=new, ignore_eos=True, seed=0)
-    warm, timed_run, profiled_run = ([p for p, _ in reqs] for reqs in runs)
+    warm, timed_run, profiled_run = runs
     with LLM(str(path), dtype=dtype) as llm:  # prefix caching on, as the generate bench's
-        llm.generate(warm, params)
+        work(llm, warm)
         t0 = time.perf_counter()
-        llm.generate(timed_run, params)
+        work(llm, timed_run)
         timed = time.perf_counter() - t0
         before = llm.engine.stats().steps
         profile = cProfile.Profile()
         t0 = time.perf_counter()
         profile.enable()
-        outs = llm.generate(profiled_run, params)
+        tokens = work(llm, profiled_run)
         profile.disable()
         wall = time.perf_counter() - t0
         steps = llm.engine.stats().steps - before
-    tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    if tokens != sum(k for _, k in requests):  # EOS ignored: every request its tokens
-        raise RuntimeError(f"{workload}: {tokens} tokens, asked {sum(k for _, k in requests)}")
     return {
         "seconds": round(timed, 3),
         "tokens": tokens,
@@ -123,12 +111,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         "shapes": {},
     }
     for name, setup in shapes(quick).items():
-        path = bench_model_dir(setup)
-        config, eos = read_bench_model(path)
-        rng = random.Random(0)
-        _, mixed = greedy_workloads(rng, setup.vocab, eos, setup.batch1, setup.mixed)
-        grpo = grpo_workload(rng, setup.vocab, eos, setup.grpo)
-        fresh = fresh_runs(rng, setup.vocab, eos, mixed=mixed, grpo=grpo)
+        inputs = Inputs.of(setup, tp=1, pp=1)  # the generate bench's workloads and runs
+        w, config = inputs.workloads, inputs.config
+        work = {
+            "mixed": (tandem, [w.mixed, *inputs.runs["mixed"][:2]]),
+            "grpo": (
+                lambda llm, reqs, w=w: sample(llm, [p for p, _ in reqs], w.n, w.new),
+                [w.grpo, *inputs.runs["grpo"][:2]],
+            ),
+        }
         entry: dict[str, Any] = {
             "layers": config["num_hidden_layers"],
             "hidden": config["hidden_size"],
@@ -136,9 +127,8 @@ def run(quick: bool = False) -> dict[str, Any]:
             "tied": config.get("tie_word_embeddings", False),
         }
         for dtype in dtypes:
-            for workload, requests in (("mixed", mixed), ("grpo", grpo)):
-                runs = [requests, *fresh[workload][:2]]
-                entry[f"{workload}_{dtype}"] = one(path, dtype, workload, runs, setup.grpo)
+            for workload, (call, runs) in work.items():
+                entry[f"{workload}_{dtype}"] = one(inputs.path, dtype, call, runs)
         result["shapes"][name] = entry
     result["ratios"] = {
         f"{name}_{key}_matmul_fraction": figures["fraction"]["matmul"]
