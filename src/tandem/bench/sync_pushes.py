@@ -283,7 +283,11 @@ class _Gathered:
             store = dist.TCPStore(host, int(port), 2, is_master=True)
             self.group = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=600))
 
-    def push(self, version: int):
+    def push(self, version: int, delta: bool = False):
+        """Every tensor whole (``delta``: taken as `WeightSender.push` takes it; the gathered
+        baseline has no delta to send)."""
+        if delta:
+            raise ValueError("the gathered baseline sends every tensor whole: no delta")
         start = time.perf_counter()
         nbytes = 0
         for param in self.params.values():
