@@ -16,6 +16,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -149,5 +150,88 @@ void greedy_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, int
         for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
         token[r] = best;
         logprob[r] = -logf(sum);
+    }
+}
+
+/* Sampled picks over float32 logits (rows `stride` apart), by inverting each row's CDF at one
+ * uniform, as torch's cumsum and searchsorted did (the same token for the same uniform, up to
+ * float32 rounding at a boundary), in two passes over the row and no [rows, vocab] output:
+ * where torch ran log_softmax, exp, cumsum, searchsorted and a gather (five [rows, vocab]
+ * passes, most of a sampled decode step's sampling time over a 49k vocabulary).
+ * Row r: temperature t[r] (0: greedy, as greedy_f32), uniform u[r] in [0, 1); p = softmax(x /
+ * t); token[r] = the first index whose cumulative mass exceeds u * total; logprob[r] =
+ * log p[token] where processed[r], else log_softmax(x)[token] (raw). The exponentials go to
+ * `scratch` (rows of `vocab` floats, one per thread) and their sums to blocks of SAMPLE_BLOCK,
+ * so the walk reads the cached exponentials and scans one block only; the total is the sum of
+ * the same block sums the walk adds, so the walk crosses the target in some block (one whose
+ * element-by-element sum falls short by rounding gives its last token with mass). */
+#define SAMPLE_BLOCK 256
+
+static inline float block_sum(const float *e, int64_t n) {
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += e[i];
+    return s;
+}
+
+void sample_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, const float *temp,
+                const float *uniform, const uint8_t *processed, int64_t *token, float *logprob,
+                float *scratch, int threads) {
+#pragma omp parallel num_threads(threads) if (rows * vocab >= PARALLEL_MIN)
+    {
+        float *e = scratch + (int64_t)omp_get_thread_num() * vocab;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * stride;
+            float mx = -FLT_MAX;
+            for (int64_t i = 0; i < vocab; i++) mx = xr[i] > mx ? xr[i] : mx;
+            const float t = temp[r];
+            if (t == 0.0f) { /* greedy */
+                int64_t best = 0;
+                while (best < vocab - 1 && xr[best] != mx) best++;
+                float sum = 0.0f;
+                for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
+                token[r] = best;
+                logprob[r] = -logf(sum);
+                continue;
+            }
+            const float inv = 1.0f / t;
+            for (int64_t i = 0; i < vocab; i++) e[i] = expf((xr[i] - mx) * inv);
+            float total = 0.0f;
+            for (int64_t b = 0; b < vocab; b += SAMPLE_BLOCK)
+                total += block_sum(e + b, vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK);
+            float target = uniform[r] * total;
+            if (target >= total) target = nextafterf(total, 0.0f);
+            int64_t pick = -1;
+            float c = 0.0f;
+            for (int64_t b = 0; b < vocab && pick < 0; b += SAMPLE_BLOCK) {
+                const int64_t n = vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK;
+                const float s = block_sum(e + b, n);
+                if (c + s <= target) {
+                    c += s;
+                    continue;
+                }
+                int64_t last = b; /* the block's last token with mass, should rounding fall short */
+                for (int64_t i = 0; i < n && pick < 0; i++) {
+                    if (e[b + i] > 0.0f) last = b + i;
+                    c += e[b + i];
+                    if (c > target) pick = b + i;
+                }
+                if (pick < 0) pick = last;
+            }
+            if (pick < 0) /* not reached: the walk adds the block sums that made the total */
+                for (pick = vocab - 1; pick > 0 && e[pick] == 0.0f; pick--) {
+                }
+            token[r] = pick;
+            if (processed[r]) {
+                logprob[r] = (xr[pick] - mx) * inv - logf(total);
+            } else {
+                float sum = total; /* t == 1: the raw distribution is the sampled one */
+                if (t != 1.0f) {
+                    sum = 0.0f;
+                    for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
+                }
+                logprob[r] = xr[pick] - mx - logf(sum);
+            }
+        }
     }
 }

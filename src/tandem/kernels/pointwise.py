@@ -11,6 +11,11 @@ first use (`tandem.kernels.build`); no compiler, a failed build, or
 and bfloat16 CPU tensors outside autograd take the kernels (`serves`); the layers check that
 and call torch otherwise (training keeps torch's own ops). bfloat16 rounds each step where
 torch's bfloat16 ops round (the kernel source says where), so it gives torch's values.
+
+The sampler's picks over float32 logits also run here: greedy (argmax and its log-softmax) and
+sampled (inverting each row's CDF at one uniform, temperature applied), two passes a row and
+no [rows, vocab] output, where torch ran five or more ops over the whole logits (36.9 ms
+against 1.6 ms for 96 rows of a 49,152-token vocabulary on 2 cores).
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def _declare(dll: ctypes.CDLL) -> None:
 
     dll.greedy_f32.restype = None
     dll.greedy_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _INT]
+    dll.sample_f32.restype = None
+    dll.sample_f32.argtypes = [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _INT]
     dll.scatter_rows.restype = _INT
     dll.scatter_rows.argtypes = [_P, _I64, _P, _P, _I64, _I64, _I64, _I64, _INT]
 
@@ -210,5 +217,39 @@ def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens.data_ptr(),
         logprobs.data_ptr(),
         torch.get_num_threads(),
+    )
+    return tokens, logprobs
+
+
+def sample(
+    logits: torch.Tensor, temperatures: torch.Tensor, uniform: torch.Tensor, processed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of float32 logits [B, V] (see `serves`) from softmax(row /
+    temperature), the first whose cumulative mass exceeds ``uniform`` [B] (in [0, 1)) times
+    the row's total; greedy (`greedy`'s pick) where the temperature is 0. Its log-prob under
+    the sampled distribution where ``processed`` [B] (bool), else its log_softmax value:
+    (tokens int64 [B], logprobs float32 [B])."""
+    rows, vocab = logits.shape
+    assert logits.dtype == torch.float32 and vocab > 0, (logits.dtype, vocab)
+    assert len(temperatures) == len(uniform) == len(processed) == rows
+    temps = temperatures.to(torch.float32).contiguous()
+    draws = uniform.to(torch.float32).contiguous()
+    flags = processed.to(torch.uint8).contiguous()
+    threads = torch.get_num_threads()
+    scratch = torch.empty(threads, vocab, dtype=torch.float32)  # one row of exponentials each
+    tokens = torch.empty(rows, dtype=torch.int64)
+    logprobs = torch.empty(rows, dtype=torch.float32)
+    _library.dll.sample_f32(
+        logits.data_ptr(),
+        logits.stride(0),
+        rows,
+        vocab,
+        temps.data_ptr(),
+        draws.data_ptr(),
+        flags.data_ptr(),
+        tokens.data_ptr(),
+        logprobs.data_ptr(),
+        scratch.data_ptr(),
+        threads,
     )
     return tokens, logprobs

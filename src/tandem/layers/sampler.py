@@ -49,13 +49,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         logits = logits.float()
-        if (
-            batch.num_top_logprobs == 0
-            and logits.dim() == 2
-            and pointwise.serves(logits)
-            and batch.all_greedy
-        ):
+        fused = batch.num_top_logprobs == 0 and logits.dim() == 2 and pointwise.serves(logits)
+        if fused and batch.all_greedy:
             tokens, logprobs = pointwise.greedy(logits)  # one kernel call, no [B, V] output
+            return SamplerOutput(tokens, logprobs, None, None)
+        if fused and not batch.needs_filter:  # two passes a row, no [B, V] output
+            greedy = batch.temperatures == 0
+            uniform = self._uniforms(batch.generators, greedy.tolist(), logits.device)
+            tokens, logprobs = pointwise.sample(
+                logits, batch.temperatures, uniform, batch.processed_logprobs & ~greedy
+            )
             return SamplerOutput(tokens, logprobs, None, None)
         raw = torch.log_softmax(logits, dim=-1)
         greedy_tokens = logits.argmax(dim=-1)
@@ -82,14 +85,11 @@ class Sampler:
             top_lp, top_ids = chosen.topk(batch.num_top_logprobs, dim=-1)
         return SamplerOutput(tokens, logprobs, top_ids, top_lp)
 
-    def _draw(self, probs, generators, greedy: list[bool]) -> torch.Tensor:
-        """One token per row from ``probs`` [B, V] by inverting the row's CDF at one uniform:
-        the first token whose cumulative mass exceeds U times the row's total. One random
-        number per row instead of one per token (Gumbel-max's noise was a [B, V] draw, two
-        passes over it and most of a sampled decode step's sampling time). A seeded row draws
-        from its own stream, the unseeded rows from the shared one in one draw; greedy rows
-        draw nothing (their result is unused)."""
-        uniform = torch.zeros(len(probs), 1, dtype=probs.dtype, device=probs.device)
+    def _uniforms(self, generators, greedy: list[bool], device: torch.device) -> torch.Tensor:
+        """One float32 uniform in [0, 1) per row [B] on ``device`` (the generators'): a seeded
+        row's from its own stream, the unseeded rows' from the shared one in one draw; greedy
+        rows draw nothing (0, unused)."""
+        uniform = torch.zeros(len(generators), device=device)
         shared = []
         for row, gen in enumerate(generators):
             if greedy[row]:
@@ -97,13 +97,18 @@ class Sampler:
             if gen is None:
                 shared.append(row)
             else:
-                uniform[row].uniform_(generator=gen)
+                uniform[row : row + 1].uniform_(generator=gen)
         if shared:
-            rows = torch.tensor(shared, device=probs.device)
-            draw = torch.rand(
-                len(shared), 1, generator=self.shared, device=probs.device, dtype=probs.dtype
-            )
-            uniform.index_copy_(0, rows, draw)
+            draw = torch.rand(len(shared), generator=self.shared, device=device)
+            uniform.index_copy_(0, torch.tensor(shared, device=device), draw)
+        return uniform
+
+    def _draw(self, probs, generators, greedy: list[bool]) -> torch.Tensor:
+        """One token per row from ``probs`` [B, V] by inverting the row's CDF at one uniform
+        (`_uniforms`): the first token whose cumulative mass exceeds U times the row's total.
+        One random number per row instead of one per token (Gumbel-max's noise was a [B, V]
+        draw, two passes over it and most of a sampled decode step's sampling time)."""
+        uniform = self._uniforms(generators, greedy, probs.device).to(probs.dtype)[:, None]
         cdf = probs.cumsum(dim=-1)
         # kept strictly below the total (U * total can round up to it), so the first
         # cumulative value above the target is a token's with mass: a filtered-out token

@@ -154,16 +154,20 @@ def _batch(rows, temperature=1.0, top_k=None, generators=None):
     )
 
 
+@pytest.mark.parametrize("inference", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
-def test_sampler_draws_from_the_softmax_of_the_scaled_logits(temperature):
+def test_sampler_draws_from_the_softmax_of_the_scaled_logits(temperature, inference):
     """20,000 draws of one row over 6 tokens: each token's frequency within 4 standard
-    errors of softmax(logits / T); top_k=3 never draws the three least likely tokens."""
+    errors of softmax(logits / T); top_k=3 never draws the three least likely tokens. In
+    inference mode an unfiltered batch takes the one-pass kernel (pointwise.sample), outside
+    it torch's ops."""
     from tandem.layers.sampler import Sampler
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     rows = 20_000
     sampler = Sampler(torch.Generator().manual_seed(0))
-    out = sampler(logits.expand(rows, -1), _batch(rows, temperature))
+    with torch.inference_mode(inference):
+        out = sampler(logits.expand(rows, -1), _batch(rows, temperature))
     freq = torch.bincount(out.token_ids, minlength=6).double() / rows
     p = torch.softmax(logits[0].double() / temperature, -1)
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / rows).sqrt() + 1e-4).all(), (freq, p)
@@ -213,3 +217,30 @@ def test_greedy_rows_take_the_first_maximum_and_its_log_softmax():
         top = sampler(logits, batch)
     assert torch.equal(top.token_ids, expected_tokens)
     torch.testing.assert_close(top.logprobs, out.logprobs, rtol=0, atol=1e-5)
+
+
+def test_the_sampling_kernel_picks_what_the_cdf_inversion_picks():
+    """The kernel path (inference mode, no top-k/top-p) and torch's ops draw the same uniform
+    per row and invert the same CDF: the same tokens, and log-probs within float32 rounding,
+    raw or processed, on a batch mixing greedy, temperature 1 and 0.7 rows and seeded rows,
+    over a 49k vocabulary."""
+    from tandem.layers.sampler import Sampler
+
+    rows, vocab = 48, 49152
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(4)) * 3
+    batch = _batch(rows)
+    batch.temperatures = torch.tensor([0.0, 1.0, 0.7] * (rows // 3))
+    batch.processed_logprobs = torch.arange(rows) % 2 == 0
+    picks = {}
+    for inference in (True, False):
+        batch.generators = [
+            torch.Generator().manual_seed(r) if r % 4 == 1 else None for r in range(rows)
+        ]
+        with torch.inference_mode(inference):
+            picks[inference] = Sampler(torch.Generator().manual_seed(9))(logits, batch)
+    kernel, ops = picks[True], picks[False]
+    assert torch.equal(kernel.token_ids, ops.token_ids)
+    torch.testing.assert_close(kernel.logprobs, ops.logprobs, rtol=0, atol=2e-5)
+    greedy = batch.temperatures == 0
+    assert torch.equal(kernel.token_ids[greedy], logits[greedy].argmax(-1))
+    assert not torch.equal(kernel.token_ids[~greedy], logits[~greedy].argmax(-1))
