@@ -35,7 +35,12 @@ class SchedulerConfig(_Group):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="tokens per step (decodes first, then prompt chunks); default 2048"
     )
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    scheduling_policy: Literal["fcfs", "priority", "lof"] = Field(
+        "fcfs",
+        description="admission order after the preempted and the starving: arrival (fcfs), "
+        "priority then arrival, or the longest output still to come first (lof: throughput "
+        "under a backlog)",
+    )
     max_wait_s: float = Field(
         30.0, gt=0, description="a request waiting longer is admitted before younger ones"
     )

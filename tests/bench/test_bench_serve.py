@@ -59,14 +59,15 @@ def test_quick_serve_bench(tmp_path):
             assert all(_positive(m[k]) for k in FIGURES), m
             assert m["ttft_p50_s"] <= m["ttft_p99_s"] and m["latency_p50_s"] <= m["latency_p99_s"]
             assert m["ttft_p99_s"] <= m["latency_p99_s"]
-        assert _positive(entry["continuous_vs_fifo"])
-    assert set(result["ratios"]) == {"continuous_vs_fifo"}
-    assert result["ratios"]["continuous_vs_fifo"] == result["sweep"][-1]["continuous_vs_fifo"]
+        assert _positive(entry["continuous_vs_fifo"]) and _positive(entry["continuous_lof_vs_fifo"])
+    assert set(result["ratios"]) == {"continuous_vs_fifo", "continuous_lof_vs_fifo"}
+    for name, ratio in result["ratios"].items():
+        assert ratio == result["sweep"][-1][name]
     assert set(result["peak_rss_bytes"]) == set(MODES)
     rss = result["peak_rss_bytes"].values()
     assert all(v is None or _positive(v) for v in rss)
     assert result["exit_codes"] == {mode: 0 for mode in MODES}  # clean SIGTERM shutdowns
-    assert _processes_in(tmp_path) == []  # both servers are gone
+    assert _processes_in(tmp_path) == []  # every server is gone
 
 
 def _processes_in(cwd) -> list[int]:

@@ -1,19 +1,21 @@
 """`tandem bench serve`: a real `tandem serve` under Poisson load, continuous vs static batching.
 
-Two servers run the same random-init Llama (the generate benchmark's model, float32, CPU) with
-the same ``max_num_seqs``: one with continuous (iteration-level) batching, one with
-``--batching static``, run as a static system would: length-sorted batches that run until all
-their requests finish before the next is admitted, and an idle server lets a burst gather for
-``static_batch_window_s`` (50 ms) or until a batch is full before starting one (without it the
-first request of a burst ran alone). Both are started once and warmed up; then for each arrival
-rate the same requests go to one server, then the other (so a noisy moment on the machine hits
-both alike). Requests are streamed completions with random token-id prompts (never EOS),
-``ignore_eos`` and temperature 0, so each yields exactly its ``max_tokens``; their prompt and
-output lengths come from a fixed seed and are the same at every rate; their ids are new in every
-run (the same for both modes), so no run reuses prompts cached by an earlier one. The last step
-of the sweep is a burst (all requests sent at once), run ``burst_runs`` times per mode, the
-modes alternating, the best run of each counting: that is what ``ratios.continuous_vs_fifo``
-calls saturation.
+Three servers run the same random-init Llama (the generate benchmark's model, float32, CPU) with
+the same ``max_num_seqs``: two with continuous (iteration-level) batching, admitting in arrival
+order (``continuous``, the default ``fcfs``) or longest output first (``continuous_lof``,
+``--scheduling-policy lof``), and one with ``--batching static``, run as a static system would:
+length-sorted batches that run until all their requests finish before the next is admitted,
+and an idle server lets a burst gather for ``static_batch_window_s`` (50 ms) or until a batch is
+full before starting one (without it the first request of a burst ran alone). All are started
+once and warmed up; then for each arrival rate the same requests go to one server after the
+other (so a noisy moment on the machine hits all alike). Requests are streamed completions with
+random token-id prompts (never EOS), ``ignore_eos`` and temperature 0, so each yields exactly
+its ``max_tokens``; their prompt and output lengths come from a fixed seed and are the same at
+every rate; their ids are new in every run (the same for every mode), so no run reuses prompts
+cached by an earlier one. The last step of the sweep is a burst (all requests sent at once), run
+``burst_runs`` times per mode, the modes alternating, the best run of each counting: that is
+what ``ratios.continuous_vs_fifo`` calls saturation (``ratios.continuous_lof_vs_fifo`` for the
+``lof`` server).
 """
 
 from __future__ import annotations
@@ -35,7 +37,12 @@ from tandem.bench.generate import FULL_MODEL, QUICK_MODEL, bench_model_dir
 from tandem.bench.serve_load import LoadRequest, poisson_offsets, run_load, summarize
 from tandem.server.process import ServerProcess
 
-MODES = ("continuous", "static")
+MODES = {  # name: the server's flags
+    "continuous": ["--batching", "continuous"],
+    "continuous_lof": ["--batching", "continuous", "--scheduling-policy", "lof"],
+    "static": ["--batching", "static"],
+}
+CONTINUOUS = ("continuous", "continuous_lof")
 SERVED_NAME = "tandem-bench"
 WORKLOAD_SEED = 0
 ARRIVAL_SEED = 1
@@ -64,7 +71,7 @@ SETUPS = {
 
 
 def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
-    """Build (or reuse) the model, start both servers, sweep the rates, return the figures."""
+    """Build (or reuse) the model, start the servers, sweep the rates, return the figures."""
     setup = SETUPS[quick]
     path = bench_model_dir(setup)
     config = json.loads((path / "config.json").read_text())
@@ -90,6 +97,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
             "tensor_parallel_size": tp,
             "pipeline_parallel_size": pp,
             "cpus": os.cpu_count(),
+            "modes": MODES,  # each server's own flags
         },
         "workload": {
             "requests": setup.requests,
@@ -106,8 +114,8 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
     started = time.perf_counter()
     servers: dict[str, ServerProcess] = {}
     try:
-        for mode in MODES:
-            servers[mode] = ServerProcess(["--model", str(path), *flags, "--batching", mode])
+        for mode, mode_flags in MODES.items():
+            servers[mode] = ServerProcess(["--model", str(path), *flags, *mode_flags])
         warmup = [LoadRequest(r.prompt, min(r.max_tokens, 4)) for r in requests]
         for mode, server in servers.items():
             if (warm := _load(server, warmup[: setup.max_num_seqs], None))["failed"]:
@@ -121,13 +129,13 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1) -> dict[str, Any]:
         exit_codes = {mode: server.stop() for mode, server in servers.items()}
     result["exit_codes"] = exit_codes  # 0: stopped cleanly on SIGTERM
     result["seconds"] = round(time.perf_counter() - started, 2)
-    result["ratios"] = {"continuous_vs_fifo": result["sweep"][-1]["continuous_vs_fifo"]}
+    result["ratios"] = {f"{m}_vs_fifo": result["sweep"][-1][f"{m}_vs_fifo"] for m in CONTINUOUS}
     return result
 
 
 class _Fresh:
     """The workload's requests (lengths, max_tokens) with new prompt ids for every run, so no
-    run is served from prompts an earlier run left in a server's prefix cache; both modes get
+    run is served from prompts an earlier run left in a server's prefix cache; every mode gets
     the same ids in a run."""
 
     def __init__(self, requests: list[LoadRequest], allowed: list[int]):
@@ -160,8 +168,11 @@ def _step(
     for mode, found in figures.items():
         entry[mode] = max(found, key=lambda m: m["tokens_per_s"])
         entry[mode]["tokens_per_s_runs"] = [m["tokens_per_s"] for m in found]
-    continuous, static = entry["continuous"]["tokens_per_s"], entry["static"]["tokens_per_s"]
-    entry["continuous_vs_fifo"] = round(continuous / static, 3) if static else None  # all failed
+    static = entry["static"]["tokens_per_s"]
+    for mode in CONTINUOUS:  # None: every static request failed
+        entry[f"{mode}_vs_fifo"] = (
+            round(entry[mode]["tokens_per_s"] / static, 3) if static else None
+        )
     return entry
 
 
@@ -214,19 +225,19 @@ def _label(rate: float | None) -> str:
 def summary(result: dict[str, Any]) -> str:
     """One line per rate and mode, then the ratio."""
     lines = [
-        f"{'arrivals':>10} {'mode':>10} {'tok/s':>8} {'req/s':>6} {'ttft p50/p99 s':>15} "
+        f"{'arrivals':>10} {'mode':>14} {'tok/s':>8} {'req/s':>6} {'ttft p50/p99 s':>15} "
         f"{'latency p50/p99 s':>18} {'ok/failed':>9}"
     ]
     for entry in result["sweep"]:
         for mode in MODES:
             m = entry[mode]
             lines.append(
-                f"{_label(entry['rate_rps']):>10} {mode:>10} {m['tokens_per_s']:>8.1f} "
+                f"{_label(entry['rate_rps']):>10} {mode:>14} {m['tokens_per_s']:>8.1f} "
                 f"{m['requests_per_s']:>6.2f} {_pair(m, 'ttft'):>15} "
                 f"{_pair(m, 'latency'):>18} {m['completed']:>5}/{m['failed']}"
             )
-    ratio = result["ratios"]["continuous_vs_fifo"]
-    lines.append(f"continuous_vs_fifo (burst): {'-' if ratio is None else f'{ratio:.2f}x'}")
+    for name, ratio in result["ratios"].items():
+        lines.append(f"{name} (burst): {'-' if ratio is None else f'{ratio:.2f}x'}")
     return "\n".join(lines)
 
 

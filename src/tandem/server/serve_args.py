@@ -114,7 +114,7 @@ def add_arguments(s: argparse.ArgumentParser) -> None:
     s.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     s.add_argument("--batching", choices=["continuous", "static"])
     s.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default 2048)")
-    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"])
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority", "lof"])
     s.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -14,9 +14,11 @@ class Clock:
         return self.now
 
 
-def _seq(seq_id: int, prompt_len: int, arrival: float, priority: int = 0) -> Sequence:
+def _seq(
+    seq_id: int, prompt_len: int, arrival: float, priority: int = 0, max_tokens: int = 8
+) -> Sequence:
     return Sequence(
-        seq_id, str(seq_id), 0, [1] * prompt_len, SamplingParams(), 8, arrival, priority
+        seq_id, str(seq_id), 0, [1] * prompt_len, SamplingParams(), max_tokens, arrival, priority
     )
 
 
@@ -68,6 +70,26 @@ def test_starvation_bound_lets_a_low_priority_request_in():
     assert 0 in admitted
     waited = admitted.index(0)
     assert 5 <= waited <= 7, f"admitted after {waited} steps; bound is 5 s at 1 step/s"
+
+
+def test_longest_output_first_admits_by_tokens_to_come_within_the_starvation_bound():
+    """``lof``: of a backlog, the requests with the most output to come start first (arrival
+    breaks ties); one waiting past ``max_wait_s`` goes before all of them."""
+    clock = Clock()
+    sched = Scheduler(BlockManager(64, 4), 2, 1000, policy="lof", max_wait_s=5.0, clock=clock)
+    lengths = {0: 16, 1: 128, 2: 64, 3: 128, 4: 32}
+    for seq_id, max_tokens in lengths.items():
+        sched.add_request([_seq(seq_id, 4, 0.1 * seq_id, max_tokens=max_tokens)])
+    first = sched.schedule()
+    assert _ids(first) == [1, 3]
+    _finish(sched, first, done={1, 3})
+    clock.now = 5.05  # only request 0 has waited past the bound; 5 arrives, longer than all
+    sched.add_request([_seq(5, 4, clock.now, max_tokens=512)])
+    assert _ids(sched.schedule()) == [0, 5]
+    fcfs = Scheduler(BlockManager(64, 4), 2, 1000, clock=Clock())
+    for seq_id, max_tokens in lengths.items():
+        fcfs.add_request([_seq(seq_id, 4, 0.1 * seq_id, max_tokens=max_tokens)])
+    assert _ids(fcfs.schedule()) == [0, 1]
 
 
 def test_static_batching_waits_for_the_whole_batch():
