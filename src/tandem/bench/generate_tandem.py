@@ -1,5 +1,7 @@
 """The tandem sides of `tandem bench generate`: greedy requests, n samples per prompt, and
 continuous vs static batching on the same engine. Every call checks each request's token count.
+Calls ask for token ids only (``detokenize=False``), as the vLLM side does and as
+transformers' ``generate`` returns them: no side makes output text.
 """
 
 from __future__ import annotations
@@ -68,7 +70,10 @@ def batching(
 
 
 def _generate(llm: LLM, reqs: list[Request]):
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in reqs]
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+        for _, n in reqs
+    ]
     return llm.generate([p for p, _ in reqs], params)
 
 
@@ -84,7 +89,13 @@ def tandem(llm: LLM, reqs: list[Request]) -> int:
 def sample(llm: LLM, prompts: list[list[int]], n: int, new: int) -> int:
     """n samples of ``new`` tokens per prompt in one call; returns the tokens (checked each)."""
     params = SamplingParams(
-        n=n, temperature=1.0, top_p=1.0, max_tokens=new, ignore_eos=True, seed=GRPO_SEED
+        n=n,
+        temperature=1.0,
+        top_p=1.0,
+        max_tokens=new,
+        ignore_eos=True,
+        seed=GRPO_SEED,
+        detokenize=False,
     )
     outs = llm.generate(prompts, params)
     counts = [len(c.token_ids) for o in outs for c in o.outputs]
