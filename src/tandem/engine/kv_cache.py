@@ -127,23 +127,25 @@ class BlockManager:
         self.stats.hit_tokens += len(child)
 
     # ----- a running sequence's next tokens -----
-    def can_grow(self, seq: Sequence) -> bool:
-        """Whether ``seq`` can hold all its tokens and write its uncomputed ones."""
-        return self._missing(seq) + len(self._shared_writes(seq)) <= len(self._free)
-
-    def grow(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Take the blocks ``seq`` lacks; a shared block its next tokens write into is copied
-        first. Returns the (source, destination) block copies the ranks make before the step."""
-        assert self.can_grow(seq), "grow() without can_grow()"
+    def grow(self, seq: Sequence) -> list[tuple[int, int]] | None:
+        """Take the blocks ``seq`` lacks to hold all its tokens and write its uncomputed ones; a
+        shared block its next tokens write into is copied first. Returns the (source,
+        destination) block copies the ranks make before the step, or None, taking nothing,
+        when the free blocks do not cover it (one pass over the sequence's blocks: this runs
+        for every running sequence every step)."""
+        shared = self._shared_writes(seq)
+        missing = self._missing(seq)
+        if missing + len(shared) > len(self._free):
+            return None
         copies = []
-        for index in self._shared_writes(seq):
+        for index in shared:
             old = seq.block_table[index]
             self._blocks[old].ref_count -= 1
             new = self._pop_free()
             seq.block_table[index] = new
             seq.table_changed = True
             copies.append((old, new))
-        self._extend(seq, self._missing(seq))
+        self._extend(seq, missing)
         return copies
 
     def free(self, seq: Sequence) -> None:

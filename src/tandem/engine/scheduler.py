@@ -16,8 +16,8 @@ Admission order: preempted sequences first, then any request that has waited lon
 ``priority`` the request's priority (lower first), ``lof`` its output still to come (longest
 first, SGLang's "longest output first"). ``lof`` is for throughput under a backlog: the long
 requests start early and the short ones fill the slots they leave, so fewer steps at the end run
-a few long stragglers alone (a burst of the serve bench's 64 requests on 16 slots: 0.86x the
-time of ``fcfs``); a short request may wait behind longer ones, up to ``max_wait_s``. The first
+a few long stragglers alone (docs/benchmarks.md, `tandem bench serve`); a short request may wait
+behind longer ones, up to ``max_wait_s``. The first
 candidate that does not fit stops admission for the step: a long request is never overtaken by
 shorter ones that happen to fit.
 
@@ -151,14 +151,14 @@ class Scheduler:
         budget, preempted = self.max_num_batched_tokens, False
         while queue and len(batch) < limit and budget > 0:
             seq = queue.popleft()
-            while not self.blocks.can_grow(seq):
+            while (copies := self.blocks.grow(seq)) is None:
                 preempted = True
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                batch.copies.extend(self.blocks.grow(seq))
+                batch.copies.extend(copies)
                 budget -= self._add(batch, seq, min(seq.num_uncached_tokens, budget))
         return None if preempted else budget
 

@@ -61,6 +61,13 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_first_write():
     assert parent.block_table == [0, 1, 3]
     assert blocks.grow(child) == [], "the last holder writes in place"
     assert child.block_table == [0, 1, 2]
+    full = BlockManager(3, BS)  # one sequence's three blocks and nothing more
+    alone = _seq(2, list(range(12)))
+    full.allocate(alone)
+    alone.num_cached_tokens = 12
+    alone.token_ids.append(99)  # its next token needs a fourth block
+    assert full.grow(alone) is None, "no free block: nothing taken"
+    assert alone.block_table == [0, 1, 2] and full.num_free == 0
     blocks.free(parent)
     blocks.free(child)
     assert blocks.num_free == 16
