@@ -88,6 +88,8 @@ def test_quick_generate_bench_shape(tmp_path, monkeypatch):
             entry = smol[dtype][name]
             assert entry["tandem_tokens_counted"] == entry["tokens"] > 0
             assert entry["compute"]["dtype"] == dtype
+    kernels = result["gemm_kernels"]  # the run's matmul kernels, as the engines chose them
+    assert kernels["float32/batch"] in ("onednn", "torch") and kernels["float32/one"]
 
 
 @pytest.mark.slow

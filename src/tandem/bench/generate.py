@@ -71,6 +71,9 @@ Baselines (`tandem.bench.generate_peers`):
   batch1, mixed and grpo on the same lengths, tandem against vLLM alone, in float32 and (native
   bf16) bfloat16 (`tandem.bench.generate_bf16.vllm_scenarios`); ratios ``smol_*_vs_vllm`` and
   ``smol_*_vs_vllm_bf16``.
+- ``gemm_kernels``: the matmul kernel the bench process chose per dtype and regime of rows
+  (`tandem.layers.gemm_choice`, probed once a process at first use), which every tandem side
+  of the run used.
 - ``compute`` in every scenario entry (`tandem.bench.compute`): the machine's matmul peak at
   the model's projection shapes for that many decoding rows (1; the requests; the samples),
   in the run's dtype and threads, measured after the scenario's peers are closed; the
@@ -93,7 +96,7 @@ from __future__ import annotations
 import random
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +124,7 @@ from tandem.bench.generate_workloads import (
     grpo_workload,
     read_bench_model,
 )
+from tandem.layers import gemm_choice
 from tandem.models.tiny import make_tiny_model
 
 FULL_MODEL: dict[str, Any] = {
@@ -326,14 +330,16 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
         "pipeline_parallel_size": pp,
         "vllm": {"skipped": vllm_missing} if vllm_missing else {},
     }
-    with (
-        LLM(str(path), enable_prefix_caching=True, **engine_options) as llm,
-        peer("float32") as vllm_peer,
-    ):
+    with ExitStack() as stack:
+        llm = stack.enter_context(LLM(str(path), enable_prefix_caching=True, **engine_options))
+        # tandem's warm-up before vLLM starts: its first calls choose the process's matmul
+        # kernels (`gemm_choice`, timed), which vLLM's start-up work would disturb; two
+        # requests of different lengths reach each regime (a prompt batch, two rows, one)
+        tandem(llm, [*batch1, (mixed[0][0], 8)])
+        vllm_peer = stack.enter_context(peer("float32"))
         if vllm_peer is not None:
             result["vllm"] = vllm_peer.describe()
-        tandem(llm, batch1)  # warm-ups
-        static(batch1)
+        static(batch1)  # warm-up
         sides = {"tandem": lambda reqs: tandem(llm, reqs), "transformers": static}
         if vllm_peer is not None:
             vllm_peer.greedy(batch1)
@@ -434,6 +440,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
                     result["bf16"][name], "tandem", "vllm"
                 )
     result["smol"] = second_shape(quick, tp, pp, python)
+    result["gemm_kernels"] = gemm_choice.chosen()  # what this process's engines ran on
     if python is not None:
         for dtype, suffix in (("float32", ""), ("bfloat16", "_bf16")):
             for name in ("batch1", "mixed", "grpo"):

@@ -42,7 +42,11 @@ KERNELS: tuple[Kernel, ...] = ("onednn", "torch", "gemv")
 Regime = Literal["one", "few", "batch"]
 PROBE_ROWS: dict[Regime, int] = {"one": 1, "few": gemv.MAX_ROWS, "batch": 64}
 PROBE_WEIGHTS = ((1280, 512), (512, 1280))  # out, in: the bench model's MLP up and down
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5
+# each repeat times a kernel over at least this long: a batch's call on one cached weight takes
+# under a millisecond, and a repeat of two calls could fall wholly inside one moment of another
+# process's work (a peer engine spinning) and pick a kernel for the whole process on it
+MIN_PROBE_SECONDS = 0.005
 MARGIN = 1.1  # another kernel must be this much faster to be chosen over the preferred one
 PACK_ROWS = 64  # the batch size oneDNN picks a packed layout for (it serves every row count)
 MIN_WORKING_SET = 32 << 20
@@ -115,7 +119,8 @@ def working_set_bytes() -> int:
 def probe(dtype: torch.dtype, where: Regime) -> dict[Kernel, float]:
     """Best seconds per call of each candidate kernel with the regime's rows: one weight of
     each of `PROBE_WEIGHTS` for ``batch``, else `working_set_bytes` of them cycled (a fresh one
-    each call, as a decode step meets its layers); the kernels alternate."""
+    each call, as a decode step meets its layers); the kernels alternate, `PROBE_REPEATS`
+    times, each time over the weights as often as `MIN_PROBE_SECONDS` takes."""
     rows = PROBE_ROWS[where]
     per_pair = sum(o * i for o, i in PROBE_WEIGHTS) * torch.empty((), dtype=dtype).element_size()
     count = len(PROBE_WEIGHTS) * (1 if where == "batch" else -(-working_set_bytes() // per_pair))
@@ -139,10 +144,15 @@ def probe(dtype: torch.dtype, where: Regime) -> dict[Kernel, float]:
             calls[name](0)  # first calls build primitives, widen nothing else
         for _ in range(PROBE_REPEATS):
             for name in kernels:
-                start = time.perf_counter()
-                for i in range(count):
-                    calls[name](i)
-                best[name] = min(best[name], (time.perf_counter() - start) / count)
+                done, start = 0, time.perf_counter()
+                while True:
+                    for i in range(count):
+                        calls[name](i)
+                    done += count
+                    elapsed = time.perf_counter() - start
+                    if elapsed >= MIN_PROBE_SECONDS:
+                        break
+                best[name] = min(best[name], elapsed / done)
     return best
 
 
@@ -194,6 +204,12 @@ def _decide(dtype: torch.dtype, where: Regime) -> Kernel:
 
 
 _chosen: dict[tuple[torch.dtype, Regime], Kernel] = {}
+
+
+def chosen() -> dict[str, Kernel]:
+    """The kernels this process has chosen so far, as ``"<dtype>/<regime>"``: what a benchmark
+    records beside its figures."""
+    return {f"{str(d).removeprefix('torch.')}/{r}": k for (d, r), k in _chosen.items()}
 
 
 def kernel(dtype: torch.dtype, rows: int) -> Kernel:
