@@ -166,7 +166,10 @@ def completion(url: str, prompt: list[int]) -> tuple[list[int], list[float], lis
     request = urllib.request.Request(
         url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=60) as r:
+    # as long as the router lets a call wait for a replica it may take (its route_wait_s):
+    # behind --max-staleness 0 a call made once a push is held waits for a replica that has
+    # committed it, which with a server killed mid-rollout took past 60 s on a slow VM
+    with urllib.request.urlopen(request, timeout=300) as r:
         choice = json.loads(r.read())["choices"][0]
         named = r.headers.get("x-tandem-weight-versions")
     versions = None if named is None else [int(v) for v in named.split(",")]
