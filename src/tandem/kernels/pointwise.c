@@ -137,19 +137,29 @@ int scatter_rows(const char *src, int64_t src_stride, const int64_t *index, char
  * row's maximum (as torch.argmax), logprob[r] = log_softmax(row)[token] = -log(sum(exp(x -
  * max))) (torch's x - max - log(sum), whose first term is 0 at the maximum). Two passes over
  * the row and no [rows, vocab] output, where torch ran log_softmax, argmax and a gather. */
+static inline float row_max(const float *xr, int64_t vocab) {
+    float mx = -FLT_MAX;
+    for (int64_t i = 0; i < vocab; i++) mx = xr[i] > mx ? xr[i] : mx;
+    return mx;
+}
+
+/* One row's greedy pick given its maximum: the first index of it, and -log(sum(exp(x - mx))). */
+static inline void greedy_row(const float *xr, int64_t vocab, float mx, int64_t *token,
+                              float *logprob) {
+    int64_t best = 0;
+    while (best < vocab - 1 && xr[best] != mx) best++;
+    float sum = 0.0f;
+    for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
+    *token = best;
+    *logprob = -logf(sum);
+}
+
 void greedy_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, int64_t *token,
                 float *logprob, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * vocab >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * stride;
-        float mx = -FLT_MAX;
-        for (int64_t i = 0; i < vocab; i++) mx = xr[i] > mx ? xr[i] : mx;
-        int64_t best = 0;
-        while (best < vocab - 1 && xr[best] != mx) best++;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
-        token[r] = best;
-        logprob[r] = -logf(sum);
+        greedy_row(xr, vocab, row_max(xr, vocab), token + r, logprob + r);
     }
 }
 
@@ -182,16 +192,10 @@ void sample_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, con
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *xr = x + r * stride;
-            float mx = -FLT_MAX;
-            for (int64_t i = 0; i < vocab; i++) mx = xr[i] > mx ? xr[i] : mx;
+            const float mx = row_max(xr, vocab);
             const float t = temp[r];
-            if (t == 0.0f) { /* greedy */
-                int64_t best = 0;
-                while (best < vocab - 1 && xr[best] != mx) best++;
-                float sum = 0.0f;
-                for (int64_t i = 0; i < vocab; i++) sum += expf(xr[i] - mx);
-                token[r] = best;
-                logprob[r] = -logf(sum);
+            if (t == 0.0f) {
+                greedy_row(xr, vocab, mx, token + r, logprob + r);
                 continue;
             }
             const float inv = 1.0f / t;
