@@ -73,7 +73,7 @@ Baselines (`tandem.bench.generate_peers`):
   ``smol_*_vs_vllm_bf16``.
 - ``gemm_kernels``: the matmul kernel the bench process chose per dtype and regime of rows
   (`tandem.layers.gemm_choice`, probed once a process at first use), which every tandem side
-  of the run used.
+  of the run used (with ``--tp``/``--pp`` the ranks choose in their own processes: empty).
 - ``compute`` in every scenario entry (`tandem.bench.compute`): the machine's matmul peak at
   the model's projection shapes for that many decoding rows (1; the requests; the samples),
   in the run's dtype and threads, measured after the scenario's peers are closed; the

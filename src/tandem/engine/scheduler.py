@@ -17,9 +17,8 @@ Admission order: preempted sequences first, then any request that has waited lon
 first, SGLang's "longest output first"). ``lof`` is for throughput under a backlog: the long
 requests start early and the short ones fill the slots they leave, so fewer steps at the end run
 a few long stragglers alone (docs/benchmarks.md, `tandem bench serve`); a short request may wait
-behind longer ones, up to ``max_wait_s``. The first
-candidate that does not fit stops admission for the step: a long request is never overtaken by
-shorter ones that happen to fit.
+behind longer ones, up to ``max_wait_s``. The first candidate that does not fit stops admission
+for the step: a long request is never overtaken by shorter ones that happen to fit.
 
 ``batching="static"`` is the request-level baseline, run the way a static system would: a batch
 of up to ``max_num_seqs`` is admitted, shortest total length first (alike lengths end together),

@@ -89,7 +89,7 @@ class Sampler:
         """One float32 uniform in [0, 1) per row [B] on ``device`` (the generators'): a seeded
         row's from its own stream, the unseeded rows' from the shared one in one draw; greedy
         rows draw nothing (0, unused)."""
-        uniform = torch.zeros(len(generators), device=device)
+        uniform = torch.zeros(len(generators), dtype=torch.float32, device=device)
         shared = []
         for row, gen in enumerate(generators):
             if greedy[row]:
@@ -99,7 +99,9 @@ class Sampler:
             else:
                 uniform[row : row + 1].uniform_(generator=gen)
         if shared:
-            draw = torch.rand(len(shared), generator=self.shared, device=device)
+            draw = torch.rand(
+                len(shared), generator=self.shared, dtype=torch.float32, device=device
+            )
             uniform.index_copy_(0, torch.tensor(shared, device=device), draw)
         return uniform
 
