@@ -170,12 +170,12 @@ void greedy_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, int
  * passes, most of a sampled decode step's sampling time over a 49k vocabulary).
  * Row r: temperature t[r] (0: greedy, as greedy_f32), uniform u[r] in [0, 1); p = softmax(x /
  * t); token[r] = the first index whose cumulative mass exceeds u * total; logprob[r] =
- * log p[token] where processed[r], else log_softmax(x)[token] (raw). The exponentials go to
- * `scratch` (rows of `vocab` floats, one per thread) and their sums to blocks of SAMPLE_BLOCK,
- * so the walk reads the cached exponentials and scans one block only; the total is the sum of
- * the same block sums the walk adds, so the walk crosses the target in some block (one whose
- * element-by-element sum falls short by rounding gives its last token with mass). */
-#define SAMPLE_BLOCK 256
+ * log p[token] where processed[r], else log_softmax(x)[token] (raw). Each thread's `scratch`
+ * row (`vocab` floats, then one per block of SAMPLE_BLOCK) holds the exponentials and their
+ * block sums, so the walk adds the stored sums and scans the exponentials of one block only;
+ * the total is the sum of those same sums, so the walk crosses the target in some block (one
+ * whose element-by-element sum falls short by rounding gives its last token with mass). */
+#define SAMPLE_BLOCK 256 /* tandem.kernels.pointwise.SAMPLE_BLOCK */
 
 static inline float block_sum(const float *e, int64_t n) {
     float s = 0.0f;
@@ -188,7 +188,9 @@ void sample_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, con
                 float *scratch, int threads) {
 #pragma omp parallel num_threads(threads) if (rows * vocab >= PARALLEL_MIN)
     {
-        float *e = scratch + (int64_t)omp_get_thread_num() * vocab;
+        const int64_t blocks = (vocab + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+        float *e = scratch + (int64_t)omp_get_thread_num() * (vocab + blocks);
+        float *sums = e + vocab;
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *xr = x + r * stride;
@@ -201,19 +203,22 @@ void sample_f32(const float *x, int64_t stride, int64_t rows, int64_t vocab, con
             const float inv = 1.0f / t;
             for (int64_t i = 0; i < vocab; i++) e[i] = expf((xr[i] - mx) * inv);
             float total = 0.0f;
-            for (int64_t b = 0; b < vocab; b += SAMPLE_BLOCK)
-                total += block_sum(e + b, vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK);
+            for (int64_t k = 0; k < blocks; k++) {
+                const int64_t b = k * SAMPLE_BLOCK;
+                sums[k] = block_sum(e + b, vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK);
+                total += sums[k];
+            }
             float target = uniform[r] * total;
             if (target >= total) target = nextafterf(total, 0.0f);
             int64_t pick = -1;
             float c = 0.0f;
-            for (int64_t b = 0; b < vocab && pick < 0; b += SAMPLE_BLOCK) {
-                const int64_t n = vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK;
-                const float s = block_sum(e + b, n);
-                if (c + s <= target) {
-                    c += s;
+            for (int64_t k = 0; k < blocks && pick < 0; k++) {
+                if (c + sums[k] <= target) {
+                    c += sums[k];
                     continue;
                 }
+                const int64_t b = k * SAMPLE_BLOCK;
+                const int64_t n = vocab - b < SAMPLE_BLOCK ? vocab - b : SAMPLE_BLOCK;
                 int64_t last = b; /* the block's last token with mass, should rounding fall short */
                 for (int64_t i = 0; i < n && pick < 0; i++) {
                     if (e[b + i] > 0.0f) last = b + i;

@@ -29,6 +29,7 @@ from tandem.kernels.build import Library
 
 SOURCE = Path(__file__).with_name("pointwise.c")
 MAX_HEAD_DIM = 1024  # pointwise.c
+SAMPLE_BLOCK = 256  # pointwise.c: exponentials summed per block of this many
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
@@ -236,7 +237,8 @@ def sample(
     draws = uniform.to(torch.float32).contiguous()
     flags = processed.to(torch.uint8).contiguous()
     threads = torch.get_num_threads()
-    scratch = torch.empty(threads, vocab, dtype=torch.float32)  # one row of exponentials each
+    blocks = -(-vocab // SAMPLE_BLOCK)  # each thread's row: its exponentials, their block sums
+    scratch = torch.empty(threads, vocab + blocks, dtype=torch.float32)
     tokens = torch.empty(rows, dtype=torch.int64)
     logprobs = torch.empty(rows, dtype=torch.float32)
     _library.dll.sample_f32(
