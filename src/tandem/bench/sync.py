@@ -17,8 +17,10 @@ Measured in one run, on this host, on the same bytes:
 - ``gloo`` / ``gloo_in_place``: the same trainer processes push with ``transport="dist"``
   (trainer and engine ranks in one gloo group, point to point), ``staged`` / ``in_place``;
   ``gloo_in_place.unverified_seconds``: ``in_place`` with ``verify=False``.
-- ``memcpy``: ``dst.copy_(src)`` of two preallocated uint8 tensors of ``bytes_needed`` bytes in
-  this process, best of ``REPEATS``: the floor for moving those bytes once through memory.
+- ``memcpy``: a copy of two preallocated uint8 tensors of ``bytes_needed`` bytes in this
+  process, the faster of torch's ``dst.copy_(src)`` and a copy storing past the cache on a
+  thread per core (`tandem.kernels.copy`, what the pushes' copies use), best of ``REPEATS``
+  each: the floor for moving those bytes once through memory.
 - ``raw_gloo``: the dist push's traffic without tandem: 2 sender and 2 receiver processes in one
   gloo group (TCP on loopback), 4 streams of exactly the bytes the dist push's transports
   counted per (trainer rank, engine rank) stream, of preallocated uint8 tensors, walked in the
@@ -198,6 +200,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "shm_staged_vs_memcpy": round(memcpy / shm["seconds"], 3),
         "gloo_staged_vs_raw_gloo": round(raw / gloo["seconds"], 3),
         "shm_unverified_vs_memcpy": round(memcpy / shm_direct["unverified_seconds"], 3),
+        "shm_vs_torch_copy": round(
+            result["memcpy"]["torch_copy_seconds"] / shm_direct["seconds"], 3
+        ),
         "gloo_unverified_vs_raw_gloo": round(raw / gloo_direct["unverified_seconds"], 3),
         "mooncake_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake_direct["seconds"], 3),
         "mooncake_staged_vs_raw": round(result["raw_mooncake"]["seconds"] / mooncake["seconds"], 3),
@@ -207,7 +212,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         "ranks write into the engine's shared parameters / the engine receives into them), with "
         "CRC32 verification on; *_staged_* time the default mode='staged'; vs_naive uses shm "
         "staged, vs_naive_gloo dist staged (naive's backend). *_unverified_*: in_place with "
-        "verify=False (memcpy and raw gloo checksum nothing either).",
+        "verify=False (memcpy and raw gloo checksum nothing either). memcpy is the faster of "
+        "torch's copy_ and a copy storing past the cache; shm_vs_torch_copy: the same push "
+        "against torch's copy_ alone.",
         f"raw_gloo: {base.RAW_GLOO_NOTE}.",
         f"naive: {base.NAIVE_NOTE}.",
     ]

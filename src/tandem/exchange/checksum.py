@@ -2,15 +2,19 @@
 
 The value is zlib's CRC32 of the box's elements in C order, in the engine's dtype. It is
 computed with ISA-L (``isal``: carry-less-multiply folding, several GB/s per core; zlib 1.2's
-table-driven CRC32 is about 4x slower), so verification is cheap enough to leave on. A box
-that is not contiguous in memory is checksummed in bounded row chunks copied to a scratch
-buffer, never as a box-sized copy.
+table-driven CRC32 is about 4x slower), so verification is cheap enough to leave on. CPU boxes
+whose rows are contiguous go through `tandem.kernels.copy` (a page per call; a checked copy
+takes each page's CRC32 as it reads it, then copies it from cache, in one pass over memory).
+Other boxes are checksummed in bounded row chunks copied to a scratch buffer, never as a
+box-sized copy.
 """
 
 from __future__ import annotations
 
 import torch
 from isal.isal_zlib import crc32 as _crc32
+
+from tandem.kernels import copy as kernels
 
 CHUNK_BYTES = 2 << 20  # a scratch chunk that stays in cache between its copy and its CRC
 
@@ -26,6 +30,8 @@ def tensor_crc32(t: torch.Tensor, value: int = 0) -> int:
     """CRC32 of ``t``'s elements in C order (any strides, on any device), continuing ``value``."""
     if t.numel() == 0:
         return value
+    if kernels.served(t):
+        return kernels.crc(t, value)
     if t.is_contiguous():
         flat = t.reshape(-1).view(torch.uint8)
         if t.device.type == "cpu":
@@ -67,21 +73,32 @@ def source_crc32(src: torch.Tensor, dtype: torch.dtype, value: int = 0) -> int:
     return value
 
 
-def checked_copy(src: torch.Tensor, dst: torch.Tensor, verify: bool) -> int | None:
+def checked_copy(
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    verify: bool,
+    stream: bool | None = None,
+    value: int = 0,
+) -> int | None:
     """``dst.copy_(src)`` (same shape; converts dtype), and, with ``verify``, the CRC32 of
-    ``src`` as it must land (`source_crc32` in ``dst``'s dtype). Rows are checksummed and
-    copied chunk by chunk, each chunk just before its copy, so the source is read from memory
-    once; the checksum never looks at ``dst``: the receiver's check of what landed there is
-    what catches a wrong copy."""
+    ``src`` as it must land (`source_crc32` in ``dst``'s dtype, continuing ``value``). Rows
+    are checksummed and copied chunk by chunk, each chunk just before its copy, so the source
+    is read from memory once; the checksum never looks at ``dst``: the receiver's check of
+    what landed there is what catches a wrong copy. ``stream`` (where `tandem.kernels.copy`
+    serves): store past the cache, or (False) through it, for bytes read next; default by
+    size."""
+    if src.dtype == dst.dtype and src.shape == dst.shape and kernels.served(src, dst):
+        if verify:
+            return kernels.crc_copy(src, dst, value, stream=stream)
+        return kernels.copy(src, dst, stream=stream)
     if not verify:
         dst.copy_(src)
         return None
     if src.numel() == 0:
-        return 0
+        return value
     if src.dim() == 0:
         src, dst = src.view(1), dst.view(1)
     rows = max(1, CHUNK_BYTES // max(1, src[0].numel() * dst.element_size()))
-    value = 0
     for start in range(0, src.shape[0], rows):
         part = src[start : start + rows]
         value = source_crc32(part, dst.dtype, value)

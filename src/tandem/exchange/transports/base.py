@@ -140,7 +140,7 @@ class ReceiverHalf:
 
     def write_box(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """The commit's writer: one staged box into its place in a live parameter."""
-        dst.copy_(src)
+        checked_copy(src, dst, verify=False)
 
     def release(self, spec: UpdateSpec) -> None:
         """The push is committed: forget what it landed (kept memory stays for the next)."""

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tandem.exchange.checksum import source_crc32, tensor_crc32
+from tandem.exchange.checksum import checked_copy, tensor_crc32
 from tandem.exchange.settings import GroupInfo
 
 DEFAULT_BUCKET_BYTES = 4 << 20
@@ -153,11 +153,10 @@ def send_boxes(
     checksum: bool = True,
 ) -> tuple[list[int | None], int]:
     """Send ``boxes`` (each converted to its entry of ``dtypes``) to ``dst`` as `frames`;
-    returns each box's CRC32 as read from the box (`source_crc32`: never from a packed copy).
+    returns each box's CRC32 as read from the box (`checked_copy`: never from a packed copy).
     A contiguous box already in its dtype is sent from its own memory (no copy); the rest are
-    packed into two
-    alternating buffers, so packing the next message overlaps this one's send. Also returns the
-    bytes sent."""
+    packed into two alternating buffers, so packing the next message overlaps this one's
+    send. Also returns the bytes sent."""
     boxes = [_rows(b) for b in boxes]
     sizes = [b.numel() * dtype.itemsize for b, dtype in zip(boxes, dtypes, strict=True)]
     crcs: list[int | None] = [0 if checksum else None for _ in boxes]
@@ -176,9 +175,9 @@ def send_boxes(
         for (i, _, _), part in zip(frame, parts, strict=True):
             dtype = dtypes[i]
             n = part.numel() * dtype.itemsize
-            if checksum:  # from the source, just before the copy reads it again from cache
-                crcs[i] = source_crc32(part, dtype, crcs[i])
-            buf[offset : offset + n].view(dtype).view(part.shape).copy_(part)
+            # the CRC32 as read from the source, the copy through the cache (gloo reads it next)
+            out = buf[offset : offset + n].view(dtype).view(part.shape)
+            crcs[i] = checked_copy(part, out, checksum, stream=False, value=crcs[i] or 0)
             offset += n
         slots.works[k] = group.send([buf[:offset]], dst, 0)
     for work in [*direct_works, *(w for w in (slots.works if slots else []) if w is not None)]:
@@ -235,7 +234,8 @@ def recv_boxes(
             work, landed, k, parts, frame = posted[done]
             work.wait()
             for (_, data), part in zip(landed, parts, strict=True) if k is not None else ():
-                part.copy_(data.view(part.dtype).view(part.shape))
+                # through the cache: its CRC32 reads it back next
+                checked_copy(data.view(part.dtype).view(part.shape), part, False, stream=False)
             if checksum:  # where the bytes now are
                 if readback is not None:
                     final = [readback[i][a:b] for i, a, b in frame]
