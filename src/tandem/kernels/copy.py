@@ -71,7 +71,7 @@ def crc_copy(
     s, d = _pair(src, dst)
     if stream is None:
         stream = s[2] * s[3] >= STREAM_BYTES
-    return _library.dll.crc_copy(d[0], d[1], s[0], s[1], s[2], s[3], _crc_fn, value, bool(stream))
+    return _dll().crc_copy(d[0], d[1], s[0], s[1], s[2], s[3], _crc_fn, value, bool(stream))
 
 
 def copy(src: torch.Tensor, dst: torch.Tensor, stream: bool | None = None) -> None:
@@ -80,13 +80,22 @@ def copy(src: torch.Tensor, dst: torch.Tensor, stream: bool | None = None) -> No
     s, d = _pair(src, dst)
     if stream is None:
         stream = s[2] * s[3] >= STREAM_BYTES
-    _library.dll.copy(d[0], d[1], s[0], s[1], s[2], s[3], bool(stream))
+    _dll().copy(d[0], d[1], s[0], s[1], s[2], s[3], bool(stream))
 
 
 def crc(t: torch.Tensor, value: int = 0) -> int:
     """The CRC32 of ``t``'s bytes in C order (`served`), continuing ``value``."""
-    addr, stride, rows, row_bytes = _rows(t)
-    return _library.dll.crc(addr, stride, rows, row_bytes, _crc_fn, value)
+    where = _rows(t)
+    if where is None:
+        raise ValueError(f"the copy kernels take no {t.device.type} tensor of strides {t.stride()}")
+    addr, stride, rows, row_bytes = where
+    return _dll().crc(addr, stride, rows, row_bytes, _crc_fn, value)
+
+
+def _dll() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError(f"the copy kernels do not serve here: {_library.why_not}")
+    return _library.dll
 
 
 def _pair(src: torch.Tensor, dst: torch.Tensor):
@@ -95,6 +104,8 @@ def _pair(src: torch.Tensor, dst: torch.Tensor):
             f"cannot copy {src.dtype}{tuple(src.shape)} into {dst.dtype}{tuple(dst.shape)}"
         )
     s, d = _rows(src), _rows(dst)
+    if s is None or d is None:
+        raise ValueError("the copy kernels take CPU tensors whose rows are contiguous")
     if s[2] != d[2]:  # one side contiguous, the other rows apart: both as rows
         s = (s[0], s[1] or s[3] // d[2], d[2], d[3]) if s[2] == 1 else s
         d = (d[0], d[1] or d[3] // s[2], s[2], s[3]) if d[2] == 1 else d

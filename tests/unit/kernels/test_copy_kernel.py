@@ -22,7 +22,7 @@ def _bytes(n: int, offset: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (n + offset,), dtype=torch.uint8, generator=g)[offset:]
 
 
-SHAPES = {  # (rows, row bytes): one page and a bit, vectors and a tail, a box past STREAM_BYTES
+SHAPES = {  # (rows, row bytes): a page and a bit, vectors and a tail, a box past STREAM_BYTES
     "small": (3, 4096 + 37),
     "tail": (17, 200),
     "large": (300, 4096 + 512 + 3),
