@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tandem.errors import LoRAError, StaleVersionError
+from tandem.exchange import collector
 from tandem.exchange.adapters.dtensor import dtensor_layout
 from tandem.exchange.adapters.experts import regroup_hf_experts
 from tandem.exchange.adapters.hf import local_tensor, named_tensors
@@ -198,6 +199,7 @@ class WeightSender:
     def transport(self) -> str:
         return self.settings.transport
 
+    @collector.held
     def push(
         self,
         version: int | None = None,
@@ -223,7 +225,10 @@ class WeightSender:
         the new version, and the replicas then commit it in waves of at most
         ``max_unavailable`` while the others serve (``wave="wait"``: a wave's requests finish
         first; ``"keep"``: they go on across the commit). A replica that fails is quarantined
-        and the others go on: ``PushStats.replicas`` says how each came out."""
+        and the others go on: ``PushStats.replicas`` says how each came out.
+
+        Python's garbage collector is held off while the push runs
+        (`tandem.exchange.collector`)."""
         start = time.perf_counter()
         settings = check(
             dataclasses.replace(

@@ -25,6 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from tandem.errors import StaleVersionError
+from tandem.exchange import collector
 from tandem.exchange.address import ExchangeAddress
 from tandem.exchange.items import Record
 from tandem.exchange.layout import LayoutMismatch
@@ -141,6 +142,7 @@ class ExchangeServer:
                 session, gathering = gathering, {}
                 self._run([session[r] for r in sorted(session)])
 
+    @collector.held
     def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
         socks = [s for s, _ in conns]
         hellos = [h for _, h in conns]
