@@ -36,7 +36,7 @@ def _die_mid_send(after: int = 4) -> None:
 
         return crc
 
-    p2p.source_crc32 = counted(p2p.source_crc32)
+    p2p.checked_copy = counted(p2p.checked_copy)
     p2p.tensor_crc32 = counted(p2p.tensor_crc32)
 
 
