@@ -80,6 +80,14 @@ def memcpy(nbytes: int) -> dict[str, Any]:
     }
 
 
+def best_sitting(*sittings: dict[str, Any]) -> dict[str, Any]:
+    """The fastest of a baseline's measurements at different times in the run (each a dict
+    with ``seconds``), with every sitting's ``seconds`` beside it."""
+    best = dict(min(sittings, key=lambda s: s["seconds"]))
+    best["seconds_per_sitting"] = [s["seconds"] for s in sittings]
+    return best
+
+
 def cpu_rates(nbytes: int) -> dict[str, Any]:
     """What a core does to bytes, for the link model (`tandem.scale.local`): a copy, a CRC32
     and a checked copy (the sender's write: each page's CRC32 as read, the page then copied),
