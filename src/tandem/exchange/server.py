@@ -142,8 +142,13 @@ class ExchangeServer:
                 session, gathering = gathering, {}
                 self._run([session[r] for r in sorted(session)])
 
-    @collector.held
     def _run(self, conns: list[tuple[socket.socket, PushHello]]) -> None:
+        """One push, Python's garbage collector held off until its trainers are answered (a
+        rolling push's waves go on after that, collected as usual)."""
+        with collector.Held() as hold:
+            self._drive(conns, hold.release)
+
+    def _drive(self, conns: list[tuple[socket.socket, PushHello]], answered_all) -> None:
         socks = [s for s, _ in conns]
         hellos = [h for _, h in conns]
         version = None
@@ -164,6 +169,7 @@ class ExchangeServer:
                     pass
                 if not report:
                     sock.close()
+            answered_all()
 
         try:
             planned = self._plan(hellos)

@@ -1,6 +1,6 @@
-"""`tandem.exchange.collector.held`: automatic garbage collection is off while a held call
-runs, and back as it was once the last held call ends, whatever they raise and however they
-nest or overlap across threads."""
+"""`tandem.exchange.collector`: automatic garbage collection is off while a hold lasts (a
+held call, or a `Held` until released), and back as it was once the last hold ends, whatever
+they raise and however they nest or overlap across threads."""
 
 import gc
 import threading
@@ -66,4 +66,16 @@ def test_overlapping_held_calls_keep_it_off_until_the_last_ends():
     inner_thread.join(10)
     assert not outer_thread.is_alive() and not inner_thread.is_alive()
     assert seen == {"between": False, "inner, after outer ended": False}
+    assert gc.isenabled()
+
+
+def test_a_hold_released_early_gives_it_back_once():
+    with collector.Held() as hold:
+        assert not gc.isenabled()
+        hold.release()  # a rolling push's trainers were answered: its waves go on, collected
+        assert gc.isenabled()
+        with collector.Held():  # another hold meanwhile is not undone by the first's end
+            hold.release()
+            assert not gc.isenabled()
+        assert gc.isenabled()
     assert gc.isenabled()
