@@ -90,7 +90,7 @@ def best_sitting(*sittings: dict[str, Any]) -> dict[str, Any]:
 
 def cpu_rates(nbytes: int) -> dict[str, Any]:
     """What a core does to bytes, for the link model (`tandem.scale.local`): a copy, a CRC32
-    and a checked copy (the sender's write: each page's CRC32 as read, the page then copied),
+    and a checked copy (the sender's write: each piece's CRC32 as read, the piece then copied),
     each as the pushes do them (`tandem.exchange.checksum`), of ``nbytes`` contiguous bytes,
     on one thread and on every core at once (a thread per core, each on its own buffers),
     best of ``REPEATS``; bytes per second."""

@@ -4,7 +4,8 @@ The value is zlib's CRC32 of the box's elements in C order, in the engine's dtyp
 computed with ISA-L (``isal``: carry-less-multiply folding, several GB/s per core; zlib 1.2's
 table-driven CRC32 is about 4x slower), so verification is cheap enough to leave on. CPU boxes
 whose rows are contiguous go through `tandem.kernels.copy` (a page per call; a checked copy
-takes each page's CRC32 as it reads it, then copies it from cache, in one pass over memory).
+takes each 2 KiB piece's CRC32 as it reads it, then copies it from cache: one pass over
+memory).
 Other boxes are checksummed in bounded row chunks copied to a scratch buffer, never as a
 box-sized copy.
 """

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tandem.errors import StaleVersionError
@@ -148,7 +149,9 @@ class ExchangeServer:
         with collector.Held() as hold:
             self._drive(conns, hold.release)
 
-    def _drive(self, conns: list[tuple[socket.socket, PushHello]], answered_all) -> None:
+    def _drive(
+        self, conns: list[tuple[socket.socket, PushHello]], answered_all: Callable[[], None]
+    ) -> None:
         socks = [s for s, _ in conns]
         hellos = [h for _, h in conns]
         version = None

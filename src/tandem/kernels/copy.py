@@ -1,14 +1,15 @@
 """A push's copies and CRC32s at memory speed (`copy.c`): a box copied with the CRC32 of each
-page taken as it is read (the source read from memory once), copies that store past the cache,
-and the CRC32 of a box a page per call.
+2 KiB piece taken as it is read (the source read from memory once), copies that store past the
+cache, and the CRC32 of a box a page per call.
 
-On the sync bench's host a trainer rank's checked copy of 272 MiB ran at 16 GiB/s this way,
-against 5 GiB/s for torch's ``copy_`` after ISA-L's CRC32 chunk by chunk, and 7 GiB/s for
-``copy_`` alone (docs/benchmarks.md). The CRC32 is ISA-L's ``crc32_gzip_refl`` (zlib's CRC32)
-from the ``isal`` package, called by the kernel through a pointer. A box is served where it is
-a CPU tensor whose rows are contiguous (`served`); callers fall back to torch and
-`tandem.exchange.checksum`'s chunked path otherwise, and everywhere when the kernels do not
-build, the ``isal`` package exports no ``crc32_gzip_refl``, or ``TANDEM_COPY=torch``.
+On the sync bench's host a trainer rank's checked copy of 272 MiB ran at 12-14 GiB/s this way,
+against 5 GiB/s for torch's ``copy_`` after ISA-L's CRC32 chunk by chunk, and 7-8 GiB/s for
+``copy_`` alone (docs/benchmarks.md, `tandem bench sync`). The CRC32 is ISA-L's
+``crc32_gzip_refl`` (zlib's CRC32) from the ``isal`` package, called by the kernel through a
+pointer. A box is served where it is a CPU tensor whose rows are contiguous and apart
+(`served`); callers fall back to torch and `tandem.exchange.checksum`'s chunked path
+otherwise, and everywhere when the kernels do not build, the ``isal`` package exports no
+``crc32_gzip_refl``, or ``TANDEM_COPY=torch``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int, int] | None:
     size = t.element_size()
     if t.is_contiguous():
         return t.data_ptr(), 0, 1, t.numel() * size
-    if t.dim() == 2 and t.stride(1) == 1:
+    if t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]:  # rows apart
         return t.data_ptr(), t.stride(0) * size, t.shape[0], t.shape[1] * size
     return None
 
