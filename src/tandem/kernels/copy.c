@@ -27,20 +27,10 @@ typedef uint32_t (*crc_fn)(uint32_t, const unsigned char *, uint64_t);
 #define PAGE 4096
 #define PIECE 2048
 
-/* n bytes from src to dst; `stream`: past the cache where the CPU can. */
+/* n bytes from src to dst; `stream`: past the cache where the CPU can (x86: 16-byte
+ * streaming stores, as fast as 64-byte ones on the bench host: 12.8 against 12.2 GiB/s). */
 static void put(unsigned char *dst, const unsigned char *src, int64_t n, int stream) {
-#if defined(__x86_64__) && defined(__AVX512F__)
-  if (stream) {
-    int64_t head = (int64_t)((64 - ((uintptr_t)dst & 63)) & 63);
-    if (head > n) head = n;
-    memcpy(dst, src, (size_t)head);
-    int64_t i = head;
-    for (; i + 64 <= n; i += 64)
-      _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
-    memcpy(dst + i, src + i, (size_t)(n - i));
-    return;
-  }
-#elif defined(__x86_64__)
+#if defined(__x86_64__)
   if (stream) {
     int64_t head = (int64_t)((16 - ((uintptr_t)dst & 15)) & 15);
     if (head > n) head = n;
