@@ -28,8 +28,8 @@ Measured in one run, on this host, on the same bytes:
   counted per (trainer rank, engine rank) stream, of preallocated uint8 tensors, walked in the
   push's rounds (2 streams at a time);
   best of ``REPEATS`` after a warm-up, a run timed to the slowest receiver's last message, at
-  two sittings as ``memcpy``: the
-  floor for a torch.distributed transport on CPU moving those bytes that way.
+  two sittings as ``memcpy``: the floor for a torch.distributed transport on CPU moving those
+  bytes that way.
 - ``mooncake`` / ``mooncake_in_place``: the same trainer processes push with
   ``transport="mooncake"`` (the engine's ranks read each box with one-sided batched reads, TCP
   on loopback, out of the trainer's registered tensor where it is contiguous, else out of its
@@ -197,7 +197,8 @@ def run(quick: bool = False) -> dict[str, Any]:
         "raw_mooncake": lambda: base.raw_mooncake(mooncake["bytes_by_receiver_per_rank"], timeout),
     }
     for name, measure in raw_again.items():
-        result[name] = base.best_sitting(result[name], *([] if quick else [measure()]))
+        again = [] if quick else [measure()]
+        result[name] = base.best_sitting(result[name], *again)
     lap("floors_again")
     result["link_model"] = predict_pushes(result, needed)
     lap("link_model")

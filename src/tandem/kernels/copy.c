@@ -13,8 +13,9 @@
  *
  * With `stream`, a copy stores past the cache (non-temporal stores: no read for ownership,
  * and megabytes of weights do not evict what is in cache), for bytes no one reads soon;
- * without, through it (memcpy), for bytes read next. The CRC32 itself is ISA-L's (`crc32_gzip_refl`, zlib's CRC32),
- * passed in by pointer from the `isal` package, which links it.
+ * without, through it (memcpy), for bytes read next. The CRC32 itself is ISA-L's
+ * (`crc32_gzip_refl`, zlib's CRC32), passed in by pointer from the `isal` package, which
+ * links it.
  */
 #include <stdint.h>
 #include <string.h>

@@ -74,5 +74,6 @@ def test_what_the_kernels_do_not_take_is_said():
     t = torch.zeros(4, 5, 6)[:, 1:4, 2:5]  # three dimensions, none contiguous with the next
     assert not kernels.served(t)
     assert kernels.served(torch.zeros(4, 6)[:, 1:5])
+    assert not kernels.served(torch.zeros(1, 6).expand(4, 6))  # rows lying on one another
     with pytest.raises(ValueError, match="cannot copy"):
         kernels.copy(torch.zeros(4, 4), torch.zeros(4, 4, dtype=torch.float64))
