@@ -128,4 +128,71 @@ DEFINE_ROW(row_bf16, bf16, load_bf16, bf16_to_f32)
     }
 
 DEFINE_GEMV(gemv_f32, float, row_f32, SAME, SAME)
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* With AVX512-BF16, a bfloat16 row takes the dot-product instruction (vdpbf16ps: 32 weight
+ * and x pairs, each pair's two products exact in float32, added into 16 float32 sums) on x as
+ * it is, bfloat16: one instruction per 64 bytes of weight where widening took three. That ran
+ * the weights at the memory's speed (a 30-layer model's decode step: 21.5 GB/s widened, 28 with
+ * the instruction, float32's rate). The sums are still float32, rounded to bfloat16 once;
+ * their order differs from the widened path's (and the instruction treats subnormals as zero),
+ * so a result may differ from it in the last bit. */
+static inline __attribute__((always_inline)) void row_bf16_dot(const bf16 *x, int64_t in,
+                                                               const bf16 *row, const int m,
+                                                               float *sums) {
+    enum { U = 2 };
+    __m512 acc[XROWS][U];
+    UNROLL
+    for (int r = 0; r < m; r++)
+        UNROLL
+        for (int u = 0; u < U; u++) acc[r][u] = _mm512_setzero_ps();
+    int64_t i = 0;
+    for (; i + U * 32 <= in; i += U * 32)
+        UNROLL
+        for (int u = 0; u < U; u++) {
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + i + u * 32);
+            UNROLL
+            for (int r = 0; r < m; r++)
+                acc[r][u] = _mm512_dpbf16_ps(acc[r][u], wv,
+                                             (__m512bh)_mm512_loadu_si512(x + r * in + i + u * 32));
+        }
+    for (; i < in; i += 32) { /* the rest, under a mask: missing pairs read as zeros */
+        const int64_t left = in - i;
+        const __mmask32 k = left >= 32 ? (__mmask32)-1 : (__mmask32)((1u << left) - 1);
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(k, row + i);
+        UNROLL
+        for (int r = 0; r < m; r++)
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], wv,
+                                         (__m512bh)_mm512_maskz_loadu_epi16(k, x + r * in + i));
+    }
+    UNROLL
+    for (int r = 0; r < m; r++) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+
+void gemv_bf16(const bf16 *x, int64_t x_stride, int64_t rows, const bf16 *w, int64_t in,
+               int64_t out, const bf16 *bias, bf16 *y, int64_t y_stride, int threads) {
+    bf16 xb[rows * in]; /* the x rows packed `in` apart */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < in; i++) xb[r * in + i] = x[r * x_stride + i];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        float sums[XROWS];
+        for (int64_t r0 = 0; r0 < rows; r0 += XROWS) {
+            const int m = rows - r0 < XROWS ? (int)(rows - r0) : XROWS;
+            const bf16 *xs = xb + r0 * in;
+            switch (m) { /* a constant row count per call: its loops unroll */
+            case 1: row_bf16_dot(xs, in, w + o * in, 1, sums); break;
+            case 2: row_bf16_dot(xs, in, w + o * in, 2, sums); break;
+            case 3: row_bf16_dot(xs, in, w + o * in, 3, sums); break;
+            default: row_bf16_dot(xs, in, w + o * in, 4, sums); break;
+            }
+            for (int r = 0; r < m; r++) {
+                const float s = bias ? sums[r] + bf16_to_f32(bias[o]) : sums[r];
+                y[(r0 + r) * y_stride + o] = f32_to_bf16(s);
+            }
+        }
+    }
+}
+#else
 DEFINE_GEMV(gemv_bf16, bf16, row_bf16, bf16_to_f32, f32_to_bf16)
+#endif
