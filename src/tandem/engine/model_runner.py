@@ -465,10 +465,16 @@ class ModelRunner:
             x = self.pipe.recv((rows, self.hidden_size), self.dtype)
             if routing is not None:
                 before = self.pipe.recv((rows, self.moe_before * self.moe_top_k), torch.long)
-        for i, layer in enumerate(self.layers):
-            if keep is not None and self.stage.is_last and i == len(self.layers) - 1:
-                meta.keep = keep
-            x = layer(x, context, meta)
+        stacked = None  # a few decode rows: the whole stage in one call where the model can
+        if keep is None and routing is None:
+            stacked = self.model.decode_layers(self.layers, x, context, meta)
+        if stacked is None:
+            for i, layer in enumerate(self.layers):
+                if keep is not None and self.stage.is_last and i == len(self.layers) - 1:
+                    meta.keep = keep
+                x = layer(x, context, meta)
+        else:
+            x = stacked
         routed = None
         if routing is not None:
             parts = [] if before is None else [before]

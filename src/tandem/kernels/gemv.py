@@ -38,6 +38,12 @@ _library = Library(SOURCE, _declare, "TANDEM_GEMV", "GEMV kernel")
 available = _library.available
 
 
+def entry(dtype: torch.dtype) -> int:
+    """The kernel's address for ``dtype``, for C code that calls it
+    (`tandem.kernels.decode_stack`)."""
+    return ctypes.cast(getattr(_library.dll, f"gemv_{SUFFIX[dtype]}"), ctypes.c_void_p).value
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``x @ weight.T`` can run on the kernel: float32 or bfloat16 on the CPU outside
     autograd, at most `MAX_ROWS` rows of unit stride, a contiguous weight of x's dtype."""

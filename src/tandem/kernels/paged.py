@@ -72,6 +72,11 @@ _library = Library(SOURCE, _declare, "TANDEM_ATTENTION", "paged decode kernel")
 available = _library.available
 
 
+def entry() -> int:
+    """The kernel's address, for C code that calls it (`tandem.kernels.decode_stack`)."""
+    return ctypes.cast(_library.dll.paged_decode, ctypes.c_void_p).value
+
+
 def supports(
     dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, head_dim: int
 ) -> bool:

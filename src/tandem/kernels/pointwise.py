@@ -68,6 +68,13 @@ def _fn(op: str, dtype: torch.dtype):
     return getattr(_library.dll, f"{op}_{SUFFIX[dtype]}")
 
 
+def entry(op: str, dtype: torch.dtype | None) -> int:
+    """The address of kernel ``op`` for ``dtype`` (None: an op of any dtype, as
+    ``scatter_rows``), for C code that calls it (`tandem.kernels.decode_stack`)."""
+    fn = getattr(_library.dll, op) if dtype is None else _fn(op, dtype)
+    return ctypes.cast(fn, ctypes.c_void_p).value
+
+
 def serves(x: torch.Tensor) -> bool:
     """Whether ``x`` (rows in its last dim, contiguous) takes the kernels here."""
     return (

@@ -73,6 +73,18 @@ class AttentionMetadata:
     def kept(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.keep is None else x[self.keep]
 
+    def decode_only(self, rows: int) -> bool:
+        """Whether each of the step's ``rows`` rows is one decode token, every one attending
+        through the paged kernel (``paged``), written to the cache and kept."""
+        return (
+            self.paged is not None
+            and len(self.paged.rows) == rows
+            and self.slot_mapping is not None
+            and self.keep is None
+            and self.paged_prefill is None
+            and not (self.prefills or self.decodes or self.shared_decodes)
+        )
+
 
 class Attention(nn.Module):
     """``causal=False``: each sequence's tokens see all of it (encoders; prefill spans only)."""

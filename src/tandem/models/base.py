@@ -54,6 +54,14 @@ class TandemModel(nn.Module, ABC):
     @abstractmethod
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
+    def decode_layers(
+        self, layers: list[nn.Module], hidden: torch.Tensor, context: object, meta: object
+    ) -> torch.Tensor | None:
+        """``layers``' output for ``hidden`` in one kernel call, where the model has one that
+        serves this step (a few decode rows: `LlamaForCausalLM`); None: the engine calls each
+        layer."""
+        return None
+
     @staticmethod
     @abstractmethod
     def max_context_len(config: BaseModel) -> int:

@@ -11,9 +11,12 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
+from tandem.kernels import decode_stack, gemv
+from tandem.kernels.decode_stack import DecodeStack, StackLayer, StackShape
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention, AttentionMetadata
 from tandem.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tandem.layers.gemm_choice import kernel
 from tandem.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear, Section
 from tandem.layers.norm import RMSNorm
 from tandem.layers.rotary import RopeParameters, RopeTables, RotaryEmbedding, rotate_pair_
@@ -187,6 +190,7 @@ class LlamaForCausalLM(TandemModel):
         self.lm_head = ParallelLMHead(
             cfg.vocab_size, cfg.hidden_size, "lm_head.weight", tp, tied_to=tied
         )
+        self._decode_stacks: dict[tuple, DecodeStack | None] = {}  # `decode_layers`'
 
     def make_mlp(self, cfg: LlamaConfig, layer: int, tp: TPGroup) -> nn.Module:
         """Decoder layer ``layer``'s MLP (mixture-of-experts families override this)."""
@@ -201,6 +205,41 @@ class LlamaForCausalLM(TandemModel):
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden)
+
+    def decode_layers(
+        self, layers: list[nn.Module], hidden: torch.Tensor, context: RopeTables, meta
+    ) -> torch.Tensor | None:
+        """A step of one to `gemv.MAX_ROWS` decode rows through ``layers`` in one C call
+        (`tandem.kernels.decode_stack`), where every layer is a plain `LlamaDecoderLayer` on
+        one rank and the matmuls of that many rows run on the GEMV kernel: the same kernels
+        the layers would call, in the same order."""
+        rows = len(hidden)
+        if not (
+            rows <= gemv.MAX_ROWS
+            and hidden.device.type == "cpu"
+            and hidden.dtype in decode_stack.DTYPES
+            and not torch.is_grad_enabled()
+            and meta.decode_only(rows)
+            and kernel(hidden.dtype, rows) == "gemv"
+            and decode_stack.available()
+        ):
+            return None
+        stack = self._decode_stack(layers, hidden.dtype)
+        if stack is None:
+            return None
+        attns = [layer.self_attn.attn for layer in layers]
+        if any(a.k_cache is None for a in attns):
+            return None
+        caches = [(a.k_cache, a.v_cache) for a in attns]
+        return stack.run(hidden, caches, context, meta.slot_mapping, meta.paged)
+
+    def _decode_stack(self, layers: list[nn.Module], dtype: torch.dtype) -> DecodeStack | None:
+        """``layers`` as a `DecodeStack` (made on first use: the layers' structure and their
+        parameters stay what they were built as), or None where it cannot compute them."""
+        key = (tuple(map(id, layers)), dtype)
+        if key not in self._decode_stacks:
+            self._decode_stacks[key] = _stack_of(layers, dtype)
+        return self._decode_stacks[key]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
@@ -217,6 +256,49 @@ class LlamaForCausalLM(TandemModel):
             f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.num_hidden_layers)
         }
         return names | ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+
+
+def _stack_of(layers: list[nn.Module], dtype: torch.dtype) -> DecodeStack | None:
+    """``layers`` as a `DecodeStack` where they are what it computes: Llama decoder layers of
+    one shape in ``dtype`` on one rank, with a gated MLP, no q/k norms, no bias past the q/k/v
+    projection, no LoRA and no FP8 weights; else None."""
+    first = layers[0] if layers else None
+    if not isinstance(first, LlamaDecoderLayer):
+        return None
+    eps, a0 = first.input_layernorm.eps, first.self_attn
+    stack = []
+    for layer in layers:
+        if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:
+            return None
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if (
+            a.q_norm is not None
+            or (a.heads, a.kv_heads, a.head_dim, a.attn.scale)
+            != (a0.heads, a0.kv_heads, a0.head_dim, a0.attn.scale)
+            or any(n.eps != eps or n.weight.dtype != dtype for n in norms)
+            or any(lin.tp.size != 1 or lin.fp8 is not None or "lora" in lin._modules
+                   for lin in linears)
+            or any(lin.bias is not None for lin in linears[1:])
+            or any(lin.weight.dtype != dtype for lin in linears)
+        ):  # fmt: skip
+            return None
+        stack.append(
+            StackLayer(
+                layer.input_layernorm.weight,
+                a.qkv_proj.weight,
+                a.qkv_proj.bias,
+                a.o_proj.weight,
+                layer.post_attention_layernorm.weight,
+                mlp.gate_up_proj.weight,
+                mlp.down_proj.weight,
+            )
+        )
+    shape = StackShape(
+        a0.heads, a0.kv_heads, a0.head_dim, first.mlp.down_proj.weight.shape[1], eps, a0.attn.scale
+    )
+    return DecodeStack(stack, shape, first.input_layernorm.weight.shape[0])
 
 
 @register_model("MistralForCausalLM")
