@@ -74,6 +74,8 @@ Baselines (`tandem.bench.generate_peers`):
 - ``gemm_kernels``: the matmul kernel the bench process chose per dtype and regime of rows
   (`tandem.layers.gemm_choice`, probed once a process at first use), which every tandem side
   of the run used (with ``--tp``/``--pp`` the ranks choose in their own processes: empty).
+- ``decode_stack``: whether steps of one to four decode rows ran every layer in one C call
+  (`tandem.kernels.decode_stack`; where those rows' matmuls ran on the GEMV kernel).
 - ``compute`` in every scenario entry (`tandem.bench.compute`): the machine's matmul peak at
   the model's projection shapes for that many decoding rows (1; the requests; the samples),
   in the run's dtype and threads, measured after the scenario's peers are closed; the
@@ -124,6 +126,7 @@ from tandem.bench.generate_workloads import (
     grpo_workload,
     read_bench_model,
 )
+from tandem.kernels import decode_stack
 from tandem.layers import gemm_choice
 from tandem.models.tiny import make_tiny_model
 
@@ -441,6 +444,7 @@ def run(quick: bool = False, tp: int = 1, pp: int = 1, vllm: bool = True) -> dic
                 )
     result["smol"] = second_shape(quick, tp, pp, python)
     result["gemm_kernels"] = gemm_choice.chosen()  # what this process's engines ran on
+    result["decode_stack"] = decode_stack.available()
     if python is not None:
         for dtype, suffix in (("float32", ""), ("bfloat16", "_bf16")):
             for name in ("batch1", "mixed", "grpo"):
