@@ -3,7 +3,7 @@
 
 At one to four rows a decode step is a pass over the weights plus, per layer, a dozen small
 ops; from Python each op costs a module call, its checks, an allocation and a ctypes call
-(0.2-0.3 ms a layer on 2 cores: a third of a batch-1 step of a 30-layer model). The C loop
+(0.15-0.26 ms a layer on 2 cores: a quarter of a batch-1 step of a 30-layer model). The C loop
 runs the same ops in the same order on the same kernels (`tandem.kernels.gemv`,
 `tandem.kernels.pointwise`, `tandem.kernels.paged`, handed over by address), so a step's
 hidden states, keys and values are the Python path's bit for bit. The models decide when it

@@ -17,9 +17,10 @@ Timings on a shared VM are noisy, so one kernel per regime is preferred and stay
 another is faster by `MARGIN`: oneDNN for batches (what vLLM's CPU build runs), the GEMV kernel
 for ``one``/``few``, where the engine gained more than the probe shows (bench model, float32,
 batch1 on the AVX2 VM: 0.51-0.56 s on the kernel, 0.73 on packed oneDNN, which probed
-1.2-1.3x slower). ``TANDEM_GEMM=onednn|torch|gemv`` skips the probe in every regime the named
-kernel serves. The choice is per process, dtype and regime, made on first use (0.1-0.2 s for
-a regime past the cache) and logged.
+1.2-1.3x slower), by `STACK_MARGIN` where the decode stack serves (`margin`).
+``TANDEM_GEMM=onednn|torch|gemv`` skips the probe in every regime the named kernel serves.
+The choice is per process, dtype and regime, made on first use (0.1-0.2 s for a regime past
+the cache) and logged.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import gemv
+from tandem.kernels import decode_stack, gemv
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ PROBE_REPEATS = 5
 # process's work (a peer engine spinning) and pick a kernel for the whole process on it
 MIN_PROBE_SECONDS = 0.005
 MARGIN = 1.1  # another kernel must be this much faster to be chosen over the preferred one
+# ... at one and a few rows where the decode stack serves (`margin`)
+STACK_MARGIN = 1.3
 PACK_ROWS = 64  # the batch size oneDNN picks a packed layout for (it serves every row count)
 MIN_WORKING_SET = 32 << 20
 MAX_WORKING_SET = 256 << 20
@@ -160,10 +163,20 @@ def preferred(where: Regime) -> Kernel:
     return "onednn" if where == "batch" else "gemv"
 
 
-def choose(seconds: dict[Kernel, float], prefer: Kernel) -> Kernel:
-    """The fastest kernel, except that ``prefer`` stays unless beaten by `MARGIN`."""
+def margin(where: Regime) -> float:
+    """How much faster than the preferred kernel another must be to be chosen: `STACK_MARGIN`
+    at one and a few rows where the decode stack serves (`tandem.kernels.decode_stack`: a step
+    of those rows on the GEMV kernel runs every Llama layer in one C call, which a probe of
+    single calls does not see; on the generate bench's mixed requests, 2-4 rows on the GEMV
+    kernel ran 3-4% faster than on oneDNN, which the probe had timed up to 1.19x faster a
+    call), else `MARGIN`."""
+    return STACK_MARGIN if where != "batch" and decode_stack.available() else MARGIN
+
+
+def choose(seconds: dict[Kernel, float], prefer: Kernel, by: float = MARGIN) -> Kernel:
+    """The fastest kernel, except that ``prefer`` stays unless beaten by the factor ``by``."""
     fastest = min(seconds, key=seconds.__getitem__)
-    if prefer in seconds and seconds[fastest] * MARGIN >= seconds[prefer]:
+    if prefer in seconds and seconds[fastest] * by >= seconds[prefer]:
         return prefer
     return fastest
 
@@ -189,7 +202,7 @@ def _decide(dtype: torch.dtype, where: Regime) -> Kernel:
     except RuntimeError as exc:  # oneDNN will not pack here
         logger.warning("GEMM kernel (%s, %s): F.linear (the probe failed: %s)", dtype, where, exc)
         return "torch"
-    chosen = choose(seconds, preferred(where))
+    chosen = choose(seconds, preferred(where), margin(where))
     logger.info(
         "GEMM kernel for %s at %s row(s): %s (%d rows by %s weights, %s: %s)",
         dtype,

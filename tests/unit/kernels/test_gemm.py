@@ -112,6 +112,10 @@ def test_choose_keeps_the_preferred_kernel_unless_another_is_clearly_faster():
     assert choose({"onednn": 1.0, "torch": 2.0, "gemv": 1.05}, "gemv") == "gemv"
     assert choose({"onednn": 1.0, "torch": 2.0, "gemv": 1.5}, "gemv") == "onednn"
     assert choose({"torch": 1.0, "gemv": 3.0}, "onednn") == "torch"  # not a candidate
+    by = gemm_choice.STACK_MARGIN  # where the decode stack serves: GEMV holds against more
+    assert choose({"onednn": 1.0, "gemv": 1.2}, "gemv", by) == "gemv"
+    assert choose({"onednn": 1.0, "gemv": 1.5}, "gemv", by) == "onednn"
+    assert gemm_choice.margin("batch") == gemm_choice.MARGIN
 
 
 def test_regimes_by_rows():
