@@ -11,7 +11,7 @@ import torch
 from pydantic import model_validator
 from torch import nn
 
-from tandem.kernels import decode_stack, gemv
+from tandem.kernels import decode_stack, gemv, pointwise
 from tandem.kernels.decode_stack import DecodeStack, StackLayer, StackShape
 from tandem.layers.activation import silu_and_mul
 from tandem.layers.attention import Attention, AttentionMetadata
@@ -260,12 +260,14 @@ class LlamaForCausalLM(TandemModel):
 
 def _stack_of(layers: list[nn.Module], dtype: torch.dtype) -> DecodeStack | None:
     """``layers`` as a `DecodeStack` where they are what it computes: Llama decoder layers of
-    one shape in ``dtype`` on one rank, with a gated MLP, no q/k norms, no bias past the q/k/v
-    projection, no LoRA and no FP8 weights; else None."""
+    one shape in ``dtype`` on one rank, with a gated MLP, an even head size, no q/k norms, no
+    bias past the q/k/v projection, no LoRA and no FP8 weights; else None."""
     first = layers[0] if layers else None
     if not isinstance(first, LlamaDecoderLayer):
         return None
     eps, a0 = first.input_layernorm.eps, first.self_attn
+    if a0.head_dim % 2 or a0.head_dim > pointwise.MAX_HEAD_DIM:  # the rotary kernel's
+        return None
     stack = []
     for layer in layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not LlamaMLP:

@@ -103,11 +103,15 @@ def test_strided_input_rows_are_read_in_place(model_factory):
 
 
 def test_what_it_does_not_compute_is_left_to_the_layers(model_factory, matmuls_on):
-    """q/k norms (Qwen3), a bias after attention, a prompt in the step, more rows than the
-    GEMV kernel takes, autograd, and matmuls the process runs on another kernel: None, so the
-    engine calls each layer."""
+    """q/k norms (Qwen3), a bias after attention, an odd head size, a prompt in the step, more
+    rows than the GEMV kernel takes, autograd, and matmuls the process runs on another kernel:
+    None, so the engine calls each layer."""
     cases = []
-    for family, overrides in [("qwen3", {}), ("llama", {"attention_bias": True})]:
+    for family, overrides in [
+        ("qwen3", {}),
+        ("llama", {"attention_bias": True}),
+        ("llama", {"head_dim": 15}),  # odd: the rotary kernel's pairs
+    ]:
         model, cfg = _model(model_factory(family, **overrides), torch.float32)
         cases.append((model, *_step(model, cfg, 1, torch.float32, seed=0)))
     model, cfg = _model(model_factory("llama"), torch.float32)
