@@ -41,14 +41,14 @@ typedef int (*paged_decode_fn)(const void *q, int64_t q_stride, const void *k_ca
 typedef void (*silu_mul_fn)(const void *gu, int64_t gu_stride, void *out, int64_t rows,
                             int64_t n, int threads);
 
-/* The kernels' entry points, in this order (decode_stack.py's KERNELS). */
+/* The kernels' entry points, in this order (decode_stack.py's `_entry_points`). */
 enum { K_RMS_NORM, K_ADD_RMS_NORM, K_GEMV, K_ROTARY, K_SCATTER, K_PAGED, K_SILU_MUL, K_COUNT };
 
 /* One layer's tensors, in this order (decode_stack.py's LAYER): a row of `layers`. */
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
        L_COUNT };
 
-/* Shapes and settings, in this order (decode_stack.py's DIMS). */
+/* Shapes and settings, in this order (`DecodeStack.run`'s `dims`). */
 enum { D_ROWS, D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_CACHE_ROWS, D_MAX_BLOCKS,
        D_BLOCK_SIZE, D_BF16, D_THREADS, D_COUNT };
 

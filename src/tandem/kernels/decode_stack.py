@@ -35,7 +35,9 @@ def _declare(dll: ctypes.CDLL) -> None:
     fn.argtypes = [_P, _P, _INT, _P, _F, _F, _P, _I64, _P, _P, _P, _P, _P, _P, _P, _P]
 
 
-_library = Library(SOURCE, _declare, "TANDEM_DECODE_STACK", "decode stack loop", "the layers")
+_library = Library(
+    SOURCE, _declare, "TANDEM_DECODE_STACK", "decode stack loop", "Python's layer loop"
+)
 
 
 def available() -> bool:
@@ -142,8 +144,10 @@ class DecodeStack:
             raise ValueError(f"x must be [rows, {self.hidden}] {dtype} rows of unit stride")
         if not 1 <= rows <= gemv.MAX_ROWS:
             raise ValueError(f"the stack takes 1 to {gemv.MAX_ROWS} rows, got {rows}")
-        if len(batch.rows) != rows or len(slots) != rows or slots.dtype != torch.int64:
+        if len(batch.rows) != rows or len(slots) != rows:
             raise ValueError(f"slots and the paged batch must hold each of the {rows} rows")
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            raise ValueError(f"slots must be contiguous int64, got {slots.dtype}")
         cos, sin = (t.reshape(rows, shape.head_dim) for t in rope)
         if not (cos.dtype == sin.dtype == dtype and cos.is_contiguous() and sin.is_contiguous()):
             raise ValueError(f"the rotary tables must be contiguous [{rows}, 1, head_dim] {dtype}")
