@@ -121,11 +121,15 @@ def test_pause_wait_answers_once_running_requests_finished(server):
 def test_abort_requests_by_id_and_all(server):
     first, a = _run(server, _body(max_tokens=500, request_id="rollout-a"))
     assert wait_for(lambda: _running(server))  # rollout-a runs
+    # held (not finished) until the abort lands: a fast engine ran 500 tokens in less time
+    # than the calls below took
+    assert server.admin("POST", "/pause", json={"mode": "keep"}).json()["aborted"] == 0
     second, b = _run(server, _body(max_tokens=60, request_id="rollout-b"))
     dup = server.post("/v1/completions", json=_body(max_tokens=2, request_id="rollout-a"))
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "request_id"
     r = server.admin("POST", "/abort_requests", json={"request_ids": ["rollout-a"]})
     assert r.json() == {"aborted": ["rollout-a"]}
+    server.admin("POST", "/resume")
     first.join(timeout=30)
     second.join(timeout=30)
     assert a["r"].json()["id"] == "rollout-a"
@@ -133,7 +137,9 @@ def test_abort_requests_by_id_and_all(server):
     assert b["r"].json()["choices"][0]["finish_reason"] == "length"
     third, c = _run(server, _body(max_tokens=500))
     assert wait_for(lambda: _running(server))
+    assert server.admin("POST", "/pause", json={"mode": "keep"}).json()["aborted"] == 0
     assert len(server.admin("POST", "/abort_requests?abort_all=true").json()["aborted"]) == 1
+    server.admin("POST", "/resume")
     third.join(timeout=30)
     assert c["r"].json()["choices"][0]["finish_reason"] == "abort"
 
@@ -153,12 +159,15 @@ def test_abort_names_exactly_the_call_given(server):
     second, foo0 = _run(server, chat | {"request_id": "foo-0"}, "/v1/chat/completions")
     third, foo1 = _run(server, chat | {"request_id": "foo-1"}, "/v1/chat/completions")
     assert wait_for(lambda: _running(server, 3))
+    # held until the aborts land (a fast engine finished "foo" before them once)
+    assert server.admin("POST", "/pause", json={"mode": "keep"}).json()["aborted"] == 0
     near = ["fo", "foo-2", "foo#0", "foo-1-0"]  # no live call has these ids
     assert server.admin("POST", "/abort_requests", json={"request_ids": near}).json() == {
         "aborted": []
     }
     r = server.admin("POST", "/abort_requests", json={"request_ids": ["foo"]})
     assert r.json() == {"aborted": ["foo"]}
+    server.admin("POST", "/resume")
     for thread in (first, second, third):
         thread.join(timeout=60)
     assert foo["r"].json()["choices"][0]["finish_reason"] == "abort"
