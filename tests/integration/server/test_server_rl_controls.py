@@ -70,6 +70,9 @@ def test_pause_abort_returns_partial_rollouts_then_resume(server):
     before = server.metric("tandem_generation_tokens_total")
     thread, out = _run(server, _body(max_tokens=500, logprobs=0, n=2))
     assert wait_for(lambda: server.metric("tandem_generation_tokens_total") > before + 8)
+    # held first, so both samples are still running when the abort lands (the engine runs
+    # 500 tokens of this model in about 0.2 s, this test's poll is 0.1 s); abort replaces keep
+    assert server.admin("POST", "/pause", params={"mode": "keep"}).json()["aborted"] == 0
     r = server.admin("POST", "/pause", params={"mode": "abort"})
     assert r.status_code == 200, r.text
     assert r.json() == {"paused": True, "mode": "abort", "aborted": 2}
