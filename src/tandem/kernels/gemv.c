@@ -99,20 +99,21 @@ DEFINE_ROW(row_f32, float, load_f32, SAME)
 DEFINE_ROW(row_bf16, bf16, load_bf16, bf16_to_f32)
 
 /* x rows [rows, in] (row stride x_stride), W [out, in], bias [out] or NULL, y rows [rows, out]
- * (row stride y_stride), on `threads` OpenMP threads. The x rows are widened to float32 first
- * (rows * in floats on the stack: rows <= MAX_ROWS in gemv.py). */
-#define DEFINE_GEMV(NAME, T, ROW_FN, TO_F32, STORE)                                            \
+ * (row stride y_stride), on `threads` OpenMP threads. The x rows are first packed `in` apart
+ * as XT (float32, widened by TO_X; or bfloat16 as they are, for the dot-product rows below):
+ * rows * in elements on the stack, rows <= MAX_ROWS in gemv.py. */
+#define DEFINE_GEMV(NAME, T, XT, ROW_FN, TO_X, TO_F32, STORE)                                  \
     void NAME(const T *x, int64_t x_stride, int64_t rows, const T *w, int64_t in, int64_t out, \
               const T *bias, T *y, int64_t y_stride, int threads) {                           \
-        float xf[rows * in];                                                                  \
+        XT xs_all[rows * in];                                                                 \
         for (int64_t r = 0; r < rows; r++)                                                    \
-            for (int64_t i = 0; i < in; i++) xf[r * in + i] = TO_F32(x[r * x_stride + i]);    \
+            for (int64_t i = 0; i < in; i++) xs_all[r * in + i] = TO_X(x[r * x_stride + i]);  \
         _Pragma("omp parallel for num_threads(threads) schedule(static)")                     \
         for (int64_t o = 0; o < out; o++) {                                                   \
             float sums[XROWS];                                                                \
             for (int64_t r0 = 0; r0 < rows; r0 += XROWS) {                                    \
                 const int m = rows - r0 < XROWS ? (int)(rows - r0) : XROWS;                   \
-                const float *xs = xf + r0 * in;                                               \
+                const XT *xs = xs_all + r0 * in;                                              \
                 switch (m) { /* a constant row count per call: its loops unroll */            \
                 case 1: ROW_FN(xs, in, w + o * in, 1, sums); break;                           \
                 case 2: ROW_FN(xs, in, w + o * in, 2, sums); break;                           \
@@ -127,7 +128,7 @@ DEFINE_ROW(row_bf16, bf16, load_bf16, bf16_to_f32)
         }                                                                                     \
     }
 
-DEFINE_GEMV(gemv_f32, float, row_f32, SAME, SAME)
+DEFINE_GEMV(gemv_f32, float, float, row_f32, SAME, SAME, SAME)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* With AVX512-BF16, a bfloat16 row takes the dot-product instruction (vdpbf16ps: 32 weight
@@ -169,30 +170,7 @@ static inline __attribute__((always_inline)) void row_bf16_dot(const bf16 *x, in
     for (int r = 0; r < m; r++) sums[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
 }
 
-void gemv_bf16(const bf16 *x, int64_t x_stride, int64_t rows, const bf16 *w, int64_t in,
-               int64_t out, const bf16 *bias, bf16 *y, int64_t y_stride, int threads) {
-    bf16 xb[rows * in]; /* the x rows packed `in` apart */
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < in; i++) xb[r * in + i] = x[r * x_stride + i];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        float sums[XROWS];
-        for (int64_t r0 = 0; r0 < rows; r0 += XROWS) {
-            const int m = rows - r0 < XROWS ? (int)(rows - r0) : XROWS;
-            const bf16 *xs = xb + r0 * in;
-            switch (m) { /* a constant row count per call: its loops unroll */
-            case 1: row_bf16_dot(xs, in, w + o * in, 1, sums); break;
-            case 2: row_bf16_dot(xs, in, w + o * in, 2, sums); break;
-            case 3: row_bf16_dot(xs, in, w + o * in, 3, sums); break;
-            default: row_bf16_dot(xs, in, w + o * in, 4, sums); break;
-            }
-            for (int r = 0; r < m; r++) {
-                const float s = bias ? sums[r] + bf16_to_f32(bias[o]) : sums[r];
-                y[(r0 + r) * y_stride + o] = f32_to_bf16(s);
-            }
-        }
-    }
-}
+DEFINE_GEMV(gemv_bf16, bf16, bf16, row_bf16_dot, SAME, bf16_to_f32, f32_to_bf16)
 #else
-DEFINE_GEMV(gemv_bf16, bf16, row_bf16, bf16_to_f32, f32_to_bf16)
+DEFINE_GEMV(gemv_bf16, bf16, float, row_bf16, bf16_to_f32, bf16_to_f32, f32_to_bf16)
 #endif
