@@ -276,13 +276,19 @@ def _decoded(llm) -> list[tuple[list[int], list[float]]]:
 
 
 @pytest.mark.parametrize("transport", ["dist", "shm"])
-def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, transport):
+def test_a_fleet_takes_one_delta_relayed_to_every_replica(
+    llama_dir, tmp_path, transport, monkeypatch
+):
     """A fleet of 3: the trainer sends the delta once (dist: relayed replica to replica; shm:
     every replica reads the one staging); each replica checks its whole boxes. A replica that
     joins holds a peer's copy of the trainer's push: the next delta reaches it too. A replica
     whose weights came from another push is left out of the delta (the others take it) and
     heals from a peer, after which deltas reach it again. Rolling deltas (shm) commit wave by
     wave, and the next is a delta too."""
+    # the reference below is a fleet too, and every replica runs its decode matmuls on the one
+    # kernel: a process probes its own (`tandem.layers.gemm_choice`), and oneDNN's bfloat16
+    # sums round otherwise than the GEMV kernel's, by more than the check's tolerance
+    monkeypatch.setenv("TANDEM_GEMM", "gemv")
     trainer = Trainer(llama_dir)
     with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as llm:
         sender = WeightSender(trainer.model, llm, transport=transport)
@@ -329,10 +335,7 @@ def test_a_fleet_takes_one_delta_relayed_to_every_replica(llama_dir, tmp_path, t
                 assert [r["version"] for r in llm.fleet_state()] == [version] * 3
     trainer_at_2 = Trainer(llama_dir)
     trainer_at_2.step()
-    with LLM(llama_dir, dtype="bfloat16") as ref:
+    with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as ref:
         WeightSender(trainer_at_2.model, ref).push(version=2, delta=False)
         want = _decoded(ref)
-    # the replicas batched the prompts otherwise than one engine does: sums in another order
-    assert [t for t, _ in got] == [t for t, _ in want]
-    for (_, a), (_, b) in zip(got, want, strict=True):
-        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) < 1e-5
+    assert got == want
