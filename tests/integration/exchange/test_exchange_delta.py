@@ -238,11 +238,12 @@ def test_a_delta_that_does_not_reproduce_the_trainers_boxes_is_rejected_and_the_
     ],
 )
 def test_an_fsdp2_trainer_pushes_deltas_into_a_tp_or_pp_engine(
-    llama_dir, tmp_path, engine, transport, mode
+    llama_dir, tmp_path, engine, transport, mode, monkeypatch
 ):
     """support/delta_trainer.py: 2 FSDP2 ranks, AdamW at lr 1e-5, 3 pushes; the engine then
     decodes, log-probs bit for bit, what the same engine does that loaded the trainer's final
     checkpoint."""
+    monkeypatch.setenv("TANDEM_GEMM", "gemv")  # both engines' ranks on one decode kernel
     with LLM(llama_dir, dtype="bfloat16", **engine) as llm:
         argv = [
             rendezvous(),
@@ -286,8 +287,8 @@ def test_a_fleet_takes_one_delta_relayed_to_every_replica(
     heals from a peer, after which deltas reach it again. Rolling deltas (shm) commit wave by
     wave, and the next is a delta too."""
     # the reference below is a fleet too, and every replica runs its decode matmuls on the one
-    # kernel: a process probes its own (`tandem.layers.gemm_choice`), and oneDNN's bfloat16
-    # sums round otherwise than the GEMV kernel's, by more than the check's tolerance
+    # kernel: each process probes its own (`tandem.layers.gemm_choice`), and oneDNN's bfloat16
+    # sums round otherwise than the GEMV kernel's (by 1e-3 in log-prob: one AdamW step's size)
     monkeypatch.setenv("TANDEM_GEMM", "gemv")
     trainer = Trainer(llama_dir)
     with LLM(llama_dir, dtype="bfloat16", data_parallel_size=3) as llm:
