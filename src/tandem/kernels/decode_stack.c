@@ -4,11 +4,11 @@
  * A decode step of one to a few rows is a pass over the layers' weights (memory-bound) plus,
  * per layer, a dozen small ops. Driven from Python, each op is a module call, its checks, an
  * allocation and a ctypes call: 0.15-0.26 ms a layer, a quarter of a batch-1 step of a
- * 30-layer model on 2 cores (bfloat16, float32). This loop runs the same ops in the same order, calling the same kernels
- * (their entry points handed over by address: the GEMV kernel, the pointwise kernels, the
- * paged decode kernel) with the same arguments and thread count, so its results are the
- * Python path's bit for bit. What it adds of its own is the residual add after the MLP
- * (rounded as torch's add in the dtype rounds).
+ * 30-layer model on 2 cores (bfloat16, float32). This loop runs the same ops in the same
+ * order, calling the same kernels (their entry points handed over by address: the GEMV
+ * kernel, the pointwise kernels, the paged decode kernel) with the same arguments and thread
+ * count, so its results are the Python path's bit for bit. What it adds of its own is the
+ * residual add after the MLP (rounded as torch's add in the dtype rounds).
  *
  * Per layer: RMSNorm; the fused q/k/v GEMV (its bias where it has one); rotary on q and k in
  * place; keys and values into their cache slots; paged decode attention; the output GEMV; the
